@@ -1,0 +1,239 @@
+//! Configuration: flags with environment fallbacks.
+//!
+//! Precedence is flag > environment variable > default (clap's own order). Every value is
+//! validated by [`SandboxConfig::validate`] before the server touches Docker.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Settings shared by every command that starts sandboxes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SandboxConfig {
+    /// Docker engine to use: unix:///path or tcp://host:port. Default: the local socket.
+    #[arg(long, env = "DOCKER_HOST")]
+    pub docker_host: Option<String>,
+
+    /// Sandbox image to run instead of the one built from images/python (must contain the agent).
+    #[arg(long, env = "PYBERTH_IMAGE")]
+    pub image: Option<String>,
+
+    /// Base image for building the sandbox image, pulled from a registry when absent.
+    #[arg(long, env = "PYBERTH_BASE_IMAGE", default_value = "python:3.12-slim")]
+    pub base_image: String,
+
+    /// Debian release bootstrapped with debootstrap when the base image cannot be pulled.
+    #[arg(long, env = "PYBERTH_FALLBACK_RELEASE", default_value = "bookworm")]
+    pub fallback_release: String,
+
+    /// Debian mirror for the offline fallback base.
+    #[arg(
+        long,
+        env = "PYBERTH_DEBIAN_MIRROR",
+        default_value = "http://deb.debian.org/debian"
+    )]
+    pub debian_mirror: String,
+
+    /// Memory limit of a session container, MiB (swap is disabled: swap limit = memory limit).
+    #[arg(long, env = "PYBERTH_MEMORY_MB", default_value_t = 512)]
+    pub memory_mb: u64,
+
+    /// CPU share of a session container, in CPUs.
+    #[arg(long, env = "PYBERTH_CPUS", default_value_t = 1.0)]
+    pub cpus: f64,
+
+    /// Maximum number of processes and threads in a session container.
+    #[arg(long, env = "PYBERTH_PIDS", default_value_t = 256)]
+    pub pids: i64,
+
+    /// Size of the /tmp tmpfs of a session container, MiB (counts against its memory).
+    #[arg(long, env = "PYBERTH_TMP_MB", default_value_t = 64)]
+    pub tmp_mb: u64,
+
+    /// Default time limit of one run, seconds.
+    #[arg(long, env = "PYBERTH_TIMEOUT", default_value_t = 60)]
+    pub timeout_s: u64,
+
+    /// Largest time limit a caller may ask for, seconds.
+    #[arg(long, env = "PYBERTH_MAX_TIMEOUT", default_value_t = 3600)]
+    pub max_timeout_s: u64,
+
+    /// After an interrupt, how long code may take to stop before its processes are killed, seconds.
+    #[arg(long, env = "PYBERTH_INTERRUPT_GRACE", default_value_t = 1.0)]
+    pub interrupt_grace_s: f64,
+
+    /// Idle sessions are closed after this many seconds.
+    #[arg(long, env = "PYBERTH_IDLE_TTL", default_value_t = 900)]
+    pub idle_ttl_s: u64,
+
+    /// Most sessions open at once.
+    #[arg(long, env = "PYBERTH_MAX_SESSIONS", default_value_t = 32)]
+    pub max_sessions: usize,
+
+    /// Bytes of stdout and of stderr kept per run; the rest is counted and dropped.
+    #[arg(long, env = "PYBERTH_OUTPUT_CAP", default_value_t = 1 << 20)]
+    pub output_cap: usize,
+
+    /// Largest code accepted in one run, bytes.
+    #[arg(long, env = "PYBERTH_CODE_CAP", default_value_t = 1 << 20)]
+    pub code_cap: usize,
+
+    /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
+    #[arg(long, env = "PYBERTH_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// Name of this server instance in container labels (default: random). For tests.
+    #[arg(long, env = "PYBERTH_INSTANCE", hide = true)]
+    pub instance: Option<String>,
+}
+
+/// A setting out of range.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid setting {key}: {why}")]
+pub struct Invalid {
+    key: &'static str,
+    why: String,
+}
+
+fn check(ok: bool, key: &'static str, why: impl Into<String>) -> Result<(), Invalid> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Invalid {
+            key,
+            why: why.into(),
+        })
+    }
+}
+
+impl SandboxConfig {
+    /// Checks every value; the error names the flag.
+    pub fn validate(&self) -> Result<(), Invalid> {
+        check(self.memory_mb >= 64, "--memory-mb", "must be at least 64")?;
+        check(
+            self.cpus > 0.0 && self.cpus <= 1024.0,
+            "--cpus",
+            "must be above 0",
+        )?;
+        check(self.pids >= 16, "--pids", "must be at least 16")?;
+        check(
+            self.tmp_mb >= 1 && self.tmp_mb < self.memory_mb,
+            "--tmp-mb",
+            "must be between 1 and --memory-mb",
+        )?;
+        check(self.timeout_s >= 1, "--timeout-s", "must be at least 1")?;
+        check(
+            self.max_timeout_s >= self.timeout_s,
+            "--max-timeout-s",
+            "must be at least --timeout-s",
+        )?;
+        check(
+            self.interrupt_grace_s > 0.0 && self.interrupt_grace_s <= 60.0,
+            "--interrupt-grace-s",
+            "must be between 0 and 60",
+        )?;
+        check(self.idle_ttl_s >= 1, "--idle-ttl-s", "must be at least 1")?;
+        check(
+            self.max_sessions >= 1,
+            "--max-sessions",
+            "must be at least 1",
+        )?;
+        check(
+            self.output_cap >= 1024,
+            "--output-cap",
+            "must be at least 1024",
+        )?;
+        check(
+            self.code_cap >= 1 && self.code_cap <= 16 << 20,
+            "--code-cap",
+            "must be between 1 and 16 MiB",
+        )?;
+        check(
+            self.fallback_release
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),
+            "--fallback-release",
+            "must be a Debian suite name such as bookworm",
+        )?;
+        if let Some(instance) = &self.instance {
+            check(
+                !instance.is_empty()
+                    && instance.len() <= 40
+                    && instance
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-'),
+                "--instance",
+                "must be 1 to 40 letters, digits or dashes",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Default run time limit.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs(self.timeout_s)
+    }
+
+    /// Interrupt grace.
+    pub fn grace(&self) -> Duration {
+        Duration::from_secs_f64(self.interrupt_grace_s)
+    }
+
+    /// Idle TTL.
+    pub fn idle_ttl(&self) -> Duration {
+        Duration::from_secs(self.idle_ttl_s)
+    }
+
+    /// Where liveness locks live.
+    pub fn state_dir(&self) -> PathBuf {
+        self.state_dir
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("pyberth"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        c: SandboxConfig,
+    }
+
+    fn parse(args: &[&str]) -> SandboxConfig {
+        let mut all = vec!["x"];
+        all.extend_from_slice(args);
+        Cli::parse_from(all).c
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = parse(&[]);
+        c.validate().expect("defaults");
+        assert_eq!(c.timeout_s, 60);
+        assert_eq!(c.output_cap, 1 << 20);
+        assert_eq!(c.idle_ttl_s, 900);
+    }
+
+    #[test]
+    fn errors_name_the_flag() {
+        let e = parse(&["--memory-mb", "8"])
+            .validate()
+            .expect_err("too small");
+        assert!(e.to_string().contains("--memory-mb"), "{e}");
+        let e = parse(&["--timeout-s", "100", "--max-timeout-s", "10"])
+            .validate()
+            .expect_err("max");
+        assert!(e.to_string().contains("--max-timeout-s"), "{e}");
+        let e = parse(&["--instance", "a b"])
+            .validate()
+            .expect_err("instance");
+        assert!(e.to_string().contains("--instance"), "{e}");
+        let e = parse(&["--fallback-release", "../x"])
+            .validate()
+            .expect_err("release");
+        assert!(e.to_string().contains("--fallback-release"), "{e}");
+    }
+}

@@ -1,0 +1,270 @@
+//! Session containers with the hardened defaults of DESIGN.md D4, their volumes, and the
+//! sweep that removes what dead server instances left behind.
+
+use std::collections::HashMap;
+
+use bollard::Docker;
+use bollard::models::{
+    ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits,
+    RestartPolicy, RestartPolicyNameEnum, VolumeCreateRequest,
+};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, ListContainersOptionsBuilder, ListVolumesOptionsBuilder,
+    RemoveContainerOptionsBuilder, RemoveVolumeOptionsBuilder,
+};
+
+use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
+use crate::config::SandboxConfig;
+
+/// Where the session workspace (a named volume) is mounted, and the code's working directory.
+pub const WORKSPACE: &str = "/workspace";
+/// uid:gid of PID 1 (init + sleep).
+pub const INIT_USER: &str = "999:999";
+/// uid:gid of user code; different from PID 1's so code cannot signal it.
+pub const CODE_USER: &str = "1000:1000";
+
+/// The fixed environment of every sandbox. The server's own environment never reaches it.
+pub const ENV: [&str; 7] = [
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME=/workspace",
+    "LANG=C.UTF-8",
+    "TMPDIR=/tmp",
+    "PYTHONDONTWRITEBYTECODE=1",
+    "PYTHONUNBUFFERED=1",
+    "MPLBACKEND=Agg",
+];
+
+/// Who owns a container: this server instance, on this host.
+#[derive(Debug, Clone)]
+pub struct Owner {
+    /// Instance id.
+    pub instance: String,
+    /// Host id (hostname and boot id).
+    pub host: String,
+}
+
+impl Owner {
+    fn labels(&self, session: &str, principal: &str) -> HashMap<String, String> {
+        HashMap::from([
+            (LABEL_MANAGED.to_owned(), "1".to_owned()),
+            (LABEL_INSTANCE.to_owned(), self.instance.clone()),
+            (LABEL_HOST.to_owned(), self.host.clone()),
+            (LABEL_SESSION.to_owned(), session.to_owned()),
+            (LABEL_OWNER.to_owned(), principal.to_owned()),
+        ])
+    }
+}
+
+/// A created and started session container.
+#[derive(Debug, Clone)]
+pub struct Created {
+    /// Container id.
+    pub id: String,
+    /// Workspace volume name.
+    pub volume: String,
+}
+
+/// The hardened host configuration of a session container.
+pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
+    let memory = (cfg.memory_mb << 20) as i64;
+    let ulimit = |name: &str, soft: i64, hard: i64| ResourcesUlimits {
+        name: Some(name.into()),
+        soft: Some(soft),
+        hard: Some(hard),
+    };
+    HostConfig {
+        network_mode: Some("none".into()),
+        cap_drop: Some(vec!["ALL".into()]),
+        security_opt: Some(vec!["no-new-privileges:true".into()]),
+        readonly_rootfs: Some(true),
+        tmpfs: Some(HashMap::from([(
+            "/tmp".into(),
+            format!(
+                "rw,nosuid,nodev,size={}m,nr_inodes=16384,mode=1777",
+                cfg.tmp_mb
+            ),
+        )])),
+        mounts: Some(vec![Mount {
+            target: Some(WORKSPACE.into()),
+            source: Some(volume.into()),
+            typ: Some(MountType::VOLUME),
+            ..Default::default()
+        }]),
+        memory: Some(memory),
+        memory_swap: Some(memory),
+        nano_cpus: Some((cfg.cpus * 1e9) as i64),
+        pids_limit: Some(cfg.pids),
+        ulimits: Some(vec![
+            ulimit("nofile", 1024, 1024),
+            ulimit("fsize", 1 << 30, 1 << 30),
+            ulimit("core", 0, 0),
+        ]),
+        init: Some(true),
+        ipc_mode: Some("private".into()),
+        shm_size: Some(64 << 20),
+        oom_score_adj: Some(500),
+        privileged: Some(false),
+        log_config: Some(HostConfigLogConfig {
+            typ: Some("none".into()),
+            config: None,
+        }),
+        restart_policy: Some(RestartPolicy {
+            name: Some(RestartPolicyNameEnum::NO),
+            maximum_retry_count: None,
+        }),
+        auto_remove: Some(false),
+        ..Default::default()
+    }
+}
+
+/// Creates the workspace volume and the container of one session, and starts it.
+pub async fn create(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    image: &str,
+    owner: &Owner,
+    session: &str,
+    principal: &str,
+) -> Result<Created, Error> {
+    // A serial keeps names unique when a session is recreated after its container died.
+    let serial = next_serial();
+    let name = format!("pyberth-{}-{}-{serial}", owner.instance, session);
+    let labels = owner.labels(session, principal);
+    docker
+        .create_volume(VolumeCreateRequest {
+            name: Some(name.clone()),
+            labels: Some(labels.clone()),
+            ..Default::default()
+        })
+        .await?;
+    let body = ContainerCreateBody {
+        image: Some(image.into()),
+        cmd: Some(vec!["sleep".into(), "infinity".into()]),
+        user: Some(INIT_USER.into()),
+        working_dir: Some(WORKSPACE.into()),
+        env: Some(ENV.iter().map(|s| (*s).to_owned()).collect()),
+        labels: Some(labels),
+        network_disabled: Some(true),
+        host_config: Some(host_config(cfg, &name)),
+        ..Default::default()
+    };
+    let opts = CreateContainerOptionsBuilder::default().name(&name).build();
+    let created = match docker.create_container(Some(opts), body).await {
+        Ok(c) => c,
+        Err(e) => {
+            remove_volume(docker, &name).await;
+            return Err(e.into());
+        }
+    };
+    if let Err(e) = docker.start_container(&created.id, None).await {
+        remove(docker, &created.id, &name).await;
+        return Err(e.into());
+    }
+    Ok(Created {
+        id: created.id,
+        volume: name,
+    })
+}
+
+fn next_serial() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SERIAL: AtomicU64 = AtomicU64::new(0);
+    SERIAL.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Whether the container is running.
+pub async fn is_running(docker: &Docker, id: &str) -> Result<bool, Error> {
+    match docker.inspect_container(id, None).await {
+        Ok(c) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Removes a container (killing it) and its volume. Failures are logged, not returned:
+/// cleanup must go on for the other resources, and the sweep catches what is left.
+pub async fn remove(docker: &Docker, id: &str, volume: &str) {
+    let opts = RemoveContainerOptionsBuilder::default()
+        .force(true)
+        .v(true)
+        .build();
+    match docker.remove_container(id, Some(opts)).await {
+        Ok(()) => {}
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => {}
+        Err(e) => tracing::warn!(container = %short(id), error = %e, "cannot remove container"),
+    }
+    remove_volume(docker, volume).await;
+}
+
+async fn remove_volume(docker: &Docker, name: &str) {
+    let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
+    match docker.remove_volume(name, Some(opts)).await {
+        Ok(()) => {}
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => {}
+        Err(e) => tracing::warn!(volume = %name, error = %e, "cannot remove volume"),
+    }
+}
+
+/// A short container id for logs.
+pub fn short(id: &str) -> &str {
+    id.get(..12).unwrap_or(id)
+}
+
+/// Removes containers and volumes carrying our labels whose owning instance `is_dead` says
+/// is gone, or (with `only`) those of one instance. Returns how many containers and volumes
+/// were removed.
+pub async fn sweep(
+    docker: &Docker,
+    is_dead: &(dyn Fn(&HashMap<String, String>) -> bool + Send + Sync),
+) -> Result<(usize, usize), Error> {
+    let filters = HashMap::from([("label", vec![LABEL_MANAGED])]);
+    let opts = ListContainersOptionsBuilder::default()
+        .all(true)
+        .filters(&filters)
+        .build();
+    let mut containers = 0;
+    for c in docker.list_containers(Some(opts)).await? {
+        let labels = c.labels.unwrap_or_default();
+        if let Some(id) = c.id
+            && is_dead(&labels)
+        {
+            let opts = RemoveContainerOptionsBuilder::default()
+                .force(true)
+                .v(true)
+                .build();
+            match docker.remove_container(&id, Some(opts)).await {
+                Ok(()) => containers += 1,
+                Err(e) => {
+                    tracing::warn!(container = %short(&id), error = %e, "cannot remove leftover container")
+                }
+            }
+        }
+    }
+    let opts = ListVolumesOptionsBuilder::default()
+        .filters(&filters)
+        .build();
+    let mut volumes = 0;
+    for v in docker
+        .list_volumes(Some(opts))
+        .await?
+        .volumes
+        .unwrap_or_default()
+    {
+        if is_dead(&v.labels) {
+            let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
+            match docker.remove_volume(&v.name, Some(opts)).await {
+                Ok(()) => volumes += 1,
+                Err(e) => {
+                    tracing::warn!(volume = %v.name, error = %e, "cannot remove leftover volume")
+                }
+            }
+        }
+    }
+    Ok((containers, volumes))
+}

@@ -1,0 +1,93 @@
+//! Execs: the one long-lived attached exec that runs the agent, and the short one that kills
+//! runaway code (Docker has no API to kill an exec: moby#9098).
+
+use std::pin::Pin;
+
+use bollard::Docker;
+use bollard::container::LogOutput;
+use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+use futures::{Stream, StreamExt};
+use tokio::io::AsyncWrite;
+
+use super::Error;
+use super::container::{CODE_USER, ENV, WORKSPACE};
+
+/// Frames coming out of an attached exec.
+pub type Output = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>;
+/// The attached exec's stdin.
+pub type Input = Pin<Box<dyn AsyncWrite + Send>>;
+
+/// Command line of the agent. `-I` keeps PYTHON* variables and the script's directory off
+/// the path, `-u` unbuffers, `-B` keeps `__pycache__` out of the workspace.
+const AGENT_CMD: [&str; 5] = ["python3", "-I", "-u", "-B", "/opt/pyberth/agent.py"];
+
+/// An attached exec.
+pub struct Attached {
+    /// Exec id, for inspecting its exit code.
+    pub id: String,
+    /// Its stdin.
+    pub input: Input,
+    /// Its stdout and stderr frames.
+    pub output: Output,
+}
+
+/// Starts the agent in a running container as the code user, attached.
+pub async fn attach_agent(docker: &Docker, container: &str) -> Result<Attached, Error> {
+    attach(docker, container, &AGENT_CMD, true).await
+}
+
+async fn attach(
+    docker: &Docker,
+    container: &str,
+    cmd: &[&str],
+    stdin: bool,
+) -> Result<Attached, Error> {
+    let opts = CreateExecOptions {
+        cmd: Some(cmd.to_vec()),
+        attach_stdin: Some(stdin),
+        attach_stdout: Some(true),
+        attach_stderr: Some(true),
+        tty: Some(false),
+        // Constant working directory and user, never from input (CVE-2024-21626 class).
+        working_dir: Some(WORKSPACE),
+        user: Some(CODE_USER),
+        privileged: Some(false),
+        env: Some(ENV.to_vec()),
+        ..Default::default()
+    };
+    let created = docker.create_exec(container, opts).await?;
+    let start = StartExecOptions {
+        detach: false,
+        tty: false,
+        output_capacity: Some(256 << 10),
+    };
+    match docker.start_exec(&created.id, Some(start)).await? {
+        StartExecResults::Attached { output, input } => Ok(Attached {
+            id: created.id,
+            input,
+            output,
+        }),
+        StartExecResults::Detached => Err(Error::NotAttached),
+    }
+}
+
+/// Kills every process of the code user in the container: the agent, its children, and any
+/// grandchildren that left the agent's process group. PID 1 runs under another uid and is
+/// untouched; `kill(-1)` spares the caller itself.
+pub async fn kill_code_processes(docker: &Docker, container: &str) -> Result<(), Error> {
+    let mut exec = attach(docker, container, &["sh", "-c", "kill -KILL -1"], false).await?;
+    // Wait for the killer to finish so the caller knows the old agent is gone.
+    while let Some(frame) = exec.output.next().await {
+        frame?;
+    }
+    Ok(())
+}
+
+/// Exit code of a finished exec, if Docker knows it.
+pub async fn exit_code(docker: &Docker, exec_id: &str) -> Option<i64> {
+    docker
+        .inspect_exec(exec_id)
+        .await
+        .ok()
+        .and_then(|e| e.exit_code)
+}

@@ -1,0 +1,82 @@
+//! Everything that speaks to the Docker engine lives below this module, so that another
+//! backend (Kubernetes pods through their exec API) can sit beside it later (DESIGN.md D10).
+
+pub mod container;
+pub mod exec;
+pub mod image;
+
+use bollard::Docker;
+
+/// Label on everything pyberth creates.
+pub const LABEL_MANAGED: &str = "pyberth.managed";
+/// Label naming the server instance that owns a container or volume.
+pub const LABEL_INSTANCE: &str = "pyberth.instance";
+/// Label naming the host the owning instance runs on (liveness can only be checked there).
+pub const LABEL_HOST: &str = "pyberth.host";
+/// Label naming the session of a container or volume.
+pub const LABEL_SESSION: &str = "pyberth.session";
+/// Label naming the owner (principal) of a session.
+pub const LABEL_OWNER: &str = "pyberth.owner";
+/// Label on images pyberth builds.
+pub const LABEL_IMAGE: &str = "pyberth.image";
+
+/// A failure talking to Docker.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The engine answered with an error or could not be reached.
+    #[error("docker: {0}")]
+    Engine(#[from] bollard::errors::Error),
+    /// `DOCKER_HOST` names a transport this build does not speak.
+    #[error("unsupported DOCKER_HOST {0:?}: use unix:///path/to/docker.sock or tcp://host:port")]
+    UnsupportedHost(String),
+    /// Neither a registry nor the offline bootstrap could provide a base image.
+    #[error("{0}")]
+    NoBaseImage(String),
+    /// The image build failed.
+    #[error("image build failed: {0}")]
+    Build(String),
+    /// Docker gave an exec a detached stream although we asked to attach.
+    #[error("docker did not attach to the exec")]
+    NotAttached,
+    /// A local I/O failure (running the bootstrap script).
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The failure.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// True when Docker said the container (or exec) does not exist or is not running.
+    pub fn is_gone(&self) -> bool {
+        matches!(
+            self,
+            Error::Engine(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404 | 409,
+                ..
+            })
+        )
+    }
+}
+
+/// Connects to the engine named by `host` (or the local socket) and negotiates the API version.
+pub async fn connect(host: Option<&str>) -> Result<Docker, Error> {
+    let docker = match host {
+        None | Some("") => Docker::connect_with_local_defaults()?,
+        Some(h) if h.starts_with("unix://") => {
+            Docker::connect_with_unix(h, 120, bollard::API_DEFAULT_VERSION)?
+        }
+        Some(h) if h.starts_with("tcp://") || h.starts_with("http://") => {
+            Docker::connect_with_http(h, 120, bollard::API_DEFAULT_VERSION)?
+        }
+        Some(h) => return Err(Error::UnsupportedHost(h.to_owned())),
+    };
+    // bollard 0.21.1 sends unversioned requests; negotiating pins the engine's own version so
+    // that later bollard releases keep working against older engines (api-facts.md §12).
+    let docker = docker.negotiate_version().await?;
+    docker.ping().await?;
+    Ok(docker)
+}

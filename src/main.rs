@@ -1,0 +1,193 @@
+//! The `pyberth` command line: `serve` (MCP over stdio), `image build`, `bench`.
+
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use pyberth::config::SandboxConfig;
+use pyberth::docker::{self, image};
+use pyberth::instance::Instance;
+use pyberth::server::SandboxServer;
+use pyberth::session::registry::Registry;
+use rmcp::ServiceExt as _;
+use tokio_util::sync::CancellationToken;
+
+/// Runs Python for AI agents in hardened Docker containers, over MCP.
+#[derive(Debug, Parser)]
+#[command(name = "pyberth", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once at start
+enum Command {
+    /// Serve MCP over stdio (what desktop agents launch).
+    Serve {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+    },
+    /// Manage the sandbox image.
+    Image {
+        #[command(subcommand)]
+        action: ImageAction,
+    },
+    /// Measure warm-run latency through MCP stdio beside the raw Docker floors.
+    Bench {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+        /// Warm runs to time.
+        #[arg(long, default_value_t = 200)]
+        runs: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once at start
+enum ImageAction {
+    /// Build the sandbox image (pulling the base, or bootstrapping it offline with debootstrap).
+    Build {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+        /// Rebuild even if the image exists.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Print the tag of the sandbox image this binary uses.
+    Tag,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the async runtime");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(run(cli));
+    // rmcp reads stdin on a blocking thread that only returns on input; waiting for it
+    // would keep a server that was told to stop alive. Cleanup is done by now.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(200));
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve { cfg } => serve(cfg).await,
+        Command::Image {
+            action: ImageAction::Tag,
+        } => {
+            #[allow(clippy::print_stdout)] // the tag is the command's output
+            {
+                println!("{}", image::sandbox_tag());
+            }
+            Ok(())
+        }
+        Command::Image {
+            action: ImageAction::Build { cfg, force },
+        } => {
+            cfg.validate()?;
+            let docker = docker::connect(cfg.docker_host.as_deref())
+                .await
+                .context("cannot reach the Docker engine")?;
+            let progress = |line: &str| eprintln!("{line}");
+            let tag = image::sandbox_tag();
+            if force || !image::exists(&docker, &tag).await? {
+                image::build(&docker, &cfg, &tag, &progress).await?;
+            } else {
+                eprintln!("{tag} is up to date");
+            }
+            Ok(())
+        }
+        Command::Bench { cfg, runs } => pyberth::bench::run(cfg, runs).await,
+    }
+}
+
+async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
+    cfg.validate()?;
+    let cfg = Arc::new(cfg);
+    let docker = docker::connect(cfg.docker_host.as_deref())
+        .await
+        .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
+    let instance =
+        Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref()).with_context(|| {
+            format!(
+                "cannot take an instance lock in {}",
+                cfg.state_dir().display()
+            )
+        })?;
+    tracing::info!(instance = %instance.owner.instance, "pyberth starting");
+    let registry = Arc::new(Registry::new(docker, cfg.clone(), instance));
+    if let Err(e) = registry.sweep_leftovers().await {
+        tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
+    }
+
+    let shutdown = CancellationToken::new();
+    let tasks = tokio_util::task::TaskTracker::new();
+    tasks.spawn(registry.clone().reaper(shutdown.clone()));
+    // Find or build the image now, so the first call does not wait for it.
+    let warm = registry.clone();
+    tasks.spawn(async move {
+        if let Err(e) = warm.image().await {
+            tracing::error!(error = %e, "sandbox image unavailable");
+        }
+    });
+
+    let server = SandboxServer::new(registry.clone(), cfg.clone(), "local");
+    let running = server
+        .serve(rmcp::transport::stdio())
+        .await
+        .context("MCP initialisation failed")?;
+    let cancel = running.cancellation_token();
+    tokio::select! {
+        r = running.waiting() => {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "MCP service ended with an error");
+            }
+        }
+        _ = shutdown_signal() => {
+            tracing::info!("signal received; shutting down");
+            cancel.cancel();
+        }
+    }
+    shutdown.cancel();
+    tasks.close();
+    registry.shutdown().await;
+    tasks.wait().await;
+    tracing::info!("pyberth stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}

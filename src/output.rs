@@ -1,0 +1,128 @@
+//! Capped capture of one output stream.
+
+/// Bytes of one stream, kept up to a cap; the rest is counted, not stored, so server memory
+/// is bounded by the cap whatever the code prints.
+#[derive(Debug)]
+pub struct Capture {
+    cap: usize,
+    data: Vec<u8>,
+    dropped: u64,
+}
+
+impl Capture {
+    /// An empty capture that keeps at most `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            data: Vec::new(),
+            dropped: 0,
+        }
+    }
+
+    /// Appends a chunk, keeping what fits.
+    pub fn push(&mut self, chunk: &[u8]) {
+        let room = self.cap.saturating_sub(self.data.len());
+        let keep = room.min(chunk.len());
+        self.data.extend_from_slice(&chunk[..keep]);
+        self.dropped += (chunk.len() - keep) as u64;
+    }
+
+    /// Bytes that did not fit.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// The kept output as text. Invalid UTF-8 becomes U+FFFD here; the exact bytes are in
+    /// the second value (base64) when that happened, so nothing is lost. A character cut by
+    /// the cap is not counted as invalid. A truncation note is appended when bytes were dropped.
+    pub fn render(&self) -> (String, Option<String>) {
+        let mut bytes = &self.data[..];
+        if self.dropped > 0 {
+            // The cap may have cut a multi-byte character; trim it rather than call it invalid.
+            if let Err(e) = std::str::from_utf8(bytes)
+                && e.error_len().is_none()
+            {
+                bytes = &bytes[..e.valid_up_to()];
+            }
+        }
+        let (mut text, raw) = match std::str::from_utf8(bytes) {
+            Ok(s) => (s.to_owned(), None),
+            Err(_) => {
+                use base64::Engine as _;
+                let raw = base64::engine::general_purpose::STANDARD.encode(bytes);
+                (String::from_utf8_lossy(bytes).into_owned(), Some(raw))
+            }
+        };
+        if self.dropped > 0 {
+            let dropped = self.dropped + (self.data.len() - bytes.len()) as u64;
+            if !text.is_empty() && !text.ends_with('\n') {
+                text.push('\n');
+            }
+            text.push_str(&format!(
+                "[output truncated: {dropped} more bytes not shown (cap {} bytes)]\n",
+                self.cap
+            ));
+        }
+        (text, raw)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn under_the_cap_everything_is_kept() {
+        let mut c = Capture::new(100);
+        c.push(b"hello ");
+        c.push(b"world");
+        assert_eq!(c.render(), ("hello world".to_owned(), None));
+        assert_eq!(c.dropped(), 0);
+    }
+
+    #[test]
+    fn over_the_cap_bytes_are_counted_and_marked() {
+        let mut c = Capture::new(10);
+        for _ in 0..5 {
+            c.push(b"abcdef");
+        }
+        assert_eq!(c.dropped(), 20);
+        let (text, raw) = c.render();
+        assert!(
+            text.starts_with("abcdefabcd\n[output truncated: 20 more bytes"),
+            "{text}"
+        );
+        assert!(raw.is_none());
+    }
+
+    #[test]
+    fn invalid_utf8_keeps_the_exact_bytes() {
+        let mut c = Capture::new(100);
+        c.push(&[b'a', 0xff, b'b']);
+        let (text, raw) = c.render();
+        assert_eq!(text, "a\u{fffd}b");
+        assert_eq!(raw.as_deref(), Some("Yf9i"));
+    }
+
+    #[test]
+    fn a_character_cut_by_the_cap_is_not_invalid() {
+        let mut c = Capture::new(5);
+        c.push("abcd\u{e9}\u{e9}".as_bytes()); // the cap cuts the first é in half
+        let (text, raw) = c.render();
+        assert!(
+            text.starts_with("abcd\n[output truncated: 4 more bytes"),
+            "{text}"
+        );
+        assert!(raw.is_none());
+    }
+
+    #[test]
+    fn split_characters_join_up() {
+        let mut c = Capture::new(100);
+        let s = "\u{1F600}".as_bytes();
+        c.push(&s[..1]);
+        c.push(&s[1..3]);
+        c.push(&s[3..]);
+        assert_eq!(c.render(), ("\u{1F600}".to_owned(), None));
+    }
+}

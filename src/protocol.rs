@@ -1,0 +1,362 @@
+//! The wire protocol between the server and the in-container agent (`images/python/agent.py`).
+//!
+//! Both directions are newline-delimited JSON. A Docker frame is not a message: the
+//! [`LineDecoder`] reassembles lines from frames of any size, and nothing here scans user
+//! output for markers (user output only ever travels inside an [`Event::Out`] payload).
+//! This module is pure: no I/O.
+
+use base64::Engine as _;
+use bytes::{Buf, BytesMut};
+use serde::{Deserialize, Serialize};
+
+/// Version of the protocol; the agent states its own in [`Event::Hello`].
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Longest event line accepted. The agent caps output chunks at 64 KiB and texts at 64 KiB,
+/// so a legitimate line stays well below this; a longer one means a broken agent.
+pub const MAX_LINE: usize = 4 << 20;
+
+/// A request from the server to the agent.
+#[derive(Debug, Serialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request<'a> {
+    /// Run `code` in the persistent namespace.
+    Run {
+        /// Run id, echoed by every event of the run.
+        id: u64,
+        /// Python source.
+        code: &'a str,
+    },
+    /// Raise KeyboardInterrupt in the run `id`, if it is still the current one.
+    Interrupt {
+        /// Run id.
+        id: u64,
+    },
+    /// List the user's variables.
+    Vars {
+        /// Request id.
+        id: u64,
+    },
+}
+
+impl Request<'_> {
+    /// The request as one protocol line.
+    pub fn to_line(&self) -> Vec<u8> {
+        // Serialising these plain structs cannot fail.
+        let mut line = serde_json::to_vec(self).unwrap_or_default();
+        line.push(b'\n');
+        line
+    }
+}
+
+/// Which user stream a chunk of output came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    /// File descriptor 1.
+    Stdout,
+    /// File descriptor 2.
+    Stderr,
+}
+
+/// How a run ended, as the agent saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DoneStatus {
+    /// The code ran to the end (or called `sys.exit(0)`).
+    Ok,
+    /// The code raised.
+    Error,
+    /// KeyboardInterrupt, raised by our interrupt.
+    Interrupted,
+}
+
+/// A Python exception, as reported by the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
+pub struct PyError {
+    /// Exception class name, e.g. `ZeroDivisionError`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `str()` of the exception.
+    pub message: String,
+    /// Formatted traceback, without the agent's own frames.
+    pub traceback: String,
+}
+
+/// One variable of the user's namespace.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
+pub struct Variable {
+    /// Name.
+    pub name: String,
+    /// Type name.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Short repr (at most 200 characters).
+    pub repr: String,
+}
+
+/// An event from the agent.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum Event {
+    /// First line the agent writes.
+    Hello {
+        /// The agent's protocol version.
+        protocol: u32,
+        /// Python version, e.g. `3.12.7`.
+        python: String,
+        /// PID of the agent inside the container.
+        pid: u32,
+    },
+    /// A chunk of user output.
+    Out {
+        /// Run the output belongs to; `None` for output of leftover background processes.
+        id: Option<u64>,
+        /// Stream.
+        s: Stream,
+        /// Payload as text, when it was valid UTF-8.
+        t: Option<String>,
+        /// Payload as base64, when it was not.
+        b: Option<String>,
+    },
+    /// End of a run.
+    Done {
+        /// Run id.
+        id: u64,
+        /// How it ended.
+        status: DoneStatus,
+        /// repr of the value of a final expression.
+        #[serde(default)]
+        result: Option<String>,
+        /// The exception, if any.
+        #[serde(default)]
+        error: Option<PyError>,
+        /// Exit status passed to `sys.exit`, when the code called it.
+        #[serde(default)]
+        exit_code: Option<i64>,
+        /// Wall time measured inside the agent.
+        wall_ms: f64,
+        /// CPU time (user + system, children included) of the run.
+        cpu_ms: f64,
+    },
+    /// Answer to [`Request::Vars`].
+    Vars {
+        /// Request id.
+        id: u64,
+        /// The variables.
+        vars: Vec<Variable>,
+    },
+    /// The agent could not serve a request.
+    Failed {
+        /// Request id.
+        id: Option<u64>,
+        /// Why.
+        message: String,
+    },
+}
+
+impl Event {
+    /// The raw bytes of an [`Event::Out`] payload.
+    pub fn payload(t: Option<String>, b: Option<String>) -> Result<Vec<u8>, Error> {
+        match (t, b) {
+            (Some(t), _) => Ok(t.into_bytes()),
+            (None, Some(b)) => base64::engine::general_purpose::STANDARD
+                .decode(b)
+                .map_err(|_| Error::BadPayload),
+            (None, None) => Ok(Vec::new()),
+        }
+    }
+}
+
+/// A protocol violation by the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A line longer than [`MAX_LINE`].
+    #[error("agent sent a line longer than {MAX_LINE} bytes")]
+    LineTooLong,
+    /// A line that is not a known event.
+    #[error("agent sent an unreadable event")]
+    BadEvent(#[source] serde_json::Error),
+    /// A base64 payload that does not decode.
+    #[error("agent sent an undecodable output payload")]
+    BadPayload,
+}
+
+/// Reassembles newline-delimited events from arbitrarily split byte chunks.
+#[derive(Debug, Default)]
+pub struct LineDecoder {
+    buf: BytesMut,
+    /// Bytes of `buf` already searched for a newline, so a long line is scanned once.
+    scanned: usize,
+}
+
+impl LineDecoder {
+    /// Appends a chunk as it came off the stream.
+    pub fn push(&mut self, chunk: &[u8]) {
+        self.buf.extend_from_slice(chunk);
+    }
+
+    /// Next complete event, `Ok(None)` when more bytes are needed.
+    pub fn next_event(&mut self) -> Result<Option<Event>, Error> {
+        let Some(pos) = self.buf[self.scanned..].iter().position(|&b| b == b'\n') else {
+            self.scanned = self.buf.len();
+            if self.buf.len() > MAX_LINE {
+                return Err(Error::LineTooLong);
+            }
+            return Ok(None);
+        };
+        let end = self.scanned + pos;
+        self.scanned = 0;
+        let parsed = serde_json::from_slice(&self.buf[..end]);
+        self.buf.advance(end + 1);
+        parsed.map(Some).map_err(Error::BadEvent)
+    }
+
+    /// Drops buffered bytes, for a fresh agent.
+    pub fn clear(&mut self) {
+        self.buf.clear();
+        self.scanned = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream() -> Vec<u8> {
+        let mut s = Vec::new();
+        s.extend_from_slice(br#"{"ev":"hello","protocol":1,"python":"3.12.1","pid":7}"#);
+        s.push(b'\n');
+        s.extend_from_slice(
+            "{\"ev\":\"out\",\"id\":1,\"s\":\"stdout\",\"t\":\"h\u{e9}llo \u{1F600}\\n\"}\n"
+                .as_bytes(),
+        );
+        s.extend_from_slice(br#"{"ev":"out","id":1,"s":"stderr","b":"//4="}"#);
+        s.push(b'\n');
+        s.extend_from_slice(br#"{"ev":"done","id":1,"status":"ok","result":"42","error":null,"wall_ms":1.5,"cpu_ms":0.0}"#);
+        s.push(b'\n');
+        s
+    }
+
+    fn decode_all(chunks: &[&[u8]]) -> Vec<Event> {
+        let mut d = LineDecoder::default();
+        let mut out = Vec::new();
+        for c in chunks {
+            d.push(c);
+            while let Some(e) = d.next_event().expect("valid stream") {
+                out.push(e);
+            }
+        }
+        out
+    }
+
+    fn summary(events: &[Event]) -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match e {
+                Event::Hello { python, pid, .. } => format!("hello {python} {pid}"),
+                Event::Out { s, t, b, .. } => {
+                    let bytes = Event::payload(t.clone(), b.clone()).expect("payload");
+                    format!("{s:?} {bytes:?}")
+                }
+                Event::Done {
+                    id, status, result, ..
+                } => format!("done {id} {status:?} {result:?}"),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_split_point_gives_the_same_events() {
+        let s = stream();
+        let whole = summary(&decode_all(&[&s]));
+        assert_eq!(whole.len(), 4);
+        assert_eq!(whole[0], "hello 3.12.1 7");
+        assert_eq!(whole[2], format!("Stderr {:?}", vec![0xffu8, 0xfe]));
+        for i in 0..=s.len() {
+            assert_eq!(
+                summary(&decode_all(&[&s[..i], &s[i..]])),
+                whole,
+                "split at {i}"
+            );
+        }
+        for i in 0..s.len() {
+            for j in i..=s.len() {
+                if j % 7 == 0 {
+                    let got = summary(&decode_all(&[&s[..i], &s[i..j], &s[j..]]));
+                    assert_eq!(got, whole, "split at {i} and {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn byte_by_byte() {
+        let s = stream();
+        let chunks: Vec<&[u8]> = s.chunks(1).collect();
+        assert_eq!(summary(&decode_all(&chunks)), summary(&decode_all(&[&s])));
+    }
+
+    #[test]
+    fn multibyte_text_survives() {
+        let events = decode_all(&[&stream()]);
+        let Event::Out { t, b, .. } = &events[1] else {
+            panic!("not out")
+        };
+        let bytes = Event::payload(t.clone(), b.clone()).expect("payload");
+        assert_eq!(
+            String::from_utf8(bytes).expect("utf8"),
+            "h\u{e9}llo \u{1F600}\n"
+        );
+    }
+
+    #[test]
+    fn oversized_line_is_an_error() {
+        let mut d = LineDecoder::default();
+        let chunk = vec![b'x'; 1 << 20];
+        let mut failed = false;
+        for _ in 0..5 {
+            d.push(&chunk);
+            if matches!(d.next_event(), Err(Error::LineTooLong)) {
+                failed = true;
+                break;
+            }
+        }
+        assert!(failed);
+    }
+
+    #[test]
+    fn garbage_line_is_an_error_and_the_next_line_still_decodes() {
+        let mut d = LineDecoder::default();
+        d.push(b"not json\n{\"ev\":\"vars\",\"id\":3,\"vars\":[]}\n");
+        assert!(matches!(d.next_event(), Err(Error::BadEvent(_))));
+        assert!(matches!(
+            d.next_event(),
+            Ok(Some(Event::Vars { id: 3, .. }))
+        ));
+        assert!(matches!(d.next_event(), Ok(None)));
+    }
+
+    #[test]
+    fn bad_base64_is_an_error() {
+        assert!(matches!(
+            Event::payload(None, Some("@@".into())),
+            Err(Error::BadPayload)
+        ));
+    }
+
+    #[test]
+    fn requests_are_one_line() {
+        let line = Request::Run {
+            id: 9,
+            code: "print('a\\nb')\nx = 1",
+        }
+        .to_line();
+        assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
+        assert!(line.ends_with(b"\n"));
+        let v: serde_json::Value = serde_json::from_slice(&line).expect("json");
+        assert_eq!(v["op"], "run");
+        assert_eq!(v["code"], "print('a\\nb')\nx = 1");
+    }
+}

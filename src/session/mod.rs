@@ -1,0 +1,567 @@
+//! A session: one hardened container plus one attached agent exec (DESIGN.md D1).
+//!
+//! Everything a session does goes through [`Inner`], behind an async mutex, so runs in one
+//! session are serialised in arrival order (tokio's mutex is fair). The mutex is held across
+//! awaits on purpose: the agent stream has exactly one reader.
+
+pub mod registry;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use bollard::Docker;
+use bollard::container::LogOutput;
+use futures::StreamExt;
+use tokio::io::AsyncWriteExt;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SandboxConfig;
+use crate::docker::container::{self, Created, Owner, short};
+use crate::docker::{self, exec};
+use crate::output::Capture;
+use crate::protocol::{
+    self, DoneStatus, Event, LineDecoder, PROTOCOL_VERSION, PyError, Request, Variable,
+};
+
+/// How long a fresh agent may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a variables listing may take.
+const VARS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A session failure that is not the code's own doing.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Docker failed.
+    #[error(transparent)]
+    Docker(#[from] docker::Error),
+    /// The agent did not start or spoke out of protocol.
+    #[error("the interpreter did not start: {0}")]
+    AgentStart(String),
+    /// The agent did not answer in time.
+    #[error("the interpreter did not answer within {0:?}")]
+    AgentTimeout(Duration),
+    /// The session was closed while the call was under way.
+    #[error("the session was closed")]
+    Closed,
+    /// The agent died while answering a query.
+    #[error("the interpreter stopped while answering; it will be restarted on the next call")]
+    AgentGone,
+}
+
+/// How a run ended, as reported to the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    /// The code ran to the end.
+    Ok,
+    /// The code raised an exception (or called `sys.exit` with a non-zero status).
+    Error,
+    /// The time limit passed and the code was stopped.
+    Timeout,
+    /// The caller cancelled the call and the code was stopped.
+    Cancelled,
+    /// The interpreter died during the run (`os._exit`, a fatal signal, out of memory) and
+    /// was restarted; variables are gone, workspace files are kept.
+    InterpreterRestarted,
+}
+
+/// The outcome of one run.
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// How it ended.
+    pub status: RunStatus,
+    /// Captured stdout.
+    pub stdout: Capture,
+    /// Captured stderr.
+    pub stderr: Capture,
+    /// repr of a final expression's value.
+    pub result: Option<String>,
+    /// The exception.
+    pub error: Option<PyError>,
+    /// Status passed to `sys.exit`.
+    pub exit_code: Option<i64>,
+    /// Wall time seen by the server.
+    pub duration: Duration,
+    /// CPU time of the run (user + system, children included), when the agent lived to say.
+    pub cpu_ms: Option<f64>,
+    /// True when the interpreter state from before the run is gone.
+    pub state_lost: bool,
+    /// What the caller should know beyond the status.
+    pub notices: Vec<String>,
+}
+
+/// Summary of a session for listings.
+#[derive(Debug, Clone, serde::Serialize, schemars::JsonSchema)]
+pub struct SessionInfo {
+    /// Session name.
+    pub session: String,
+    /// Python version of its interpreter.
+    pub python: String,
+    /// Runs so far.
+    pub runs: u64,
+    /// Seconds since the last call.
+    pub idle_s: u64,
+    /// Seconds since creation.
+    pub age_s: u64,
+    /// Seconds until it is closed for idleness.
+    pub expires_in_s: u64,
+}
+
+struct Agent {
+    exec_id: String,
+    input: exec::Input,
+    output: exec::Output,
+    decoder: LineDecoder,
+}
+
+/// Why reading the agent failed.
+enum ReadError {
+    /// A line we could not parse: skip it (user code can write into the agent's own fds).
+    Skippable(protocol::Error),
+    /// The stream broke or a line was too long: the agent is unusable.
+    Fatal(String),
+}
+
+impl Agent {
+    async fn send(&mut self, req: &Request<'_>) -> std::io::Result<()> {
+        self.input.write_all(&req.to_line()).await?;
+        self.input.flush().await
+    }
+
+    /// Next event; `Ok(None)` when the agent's output ended (it exited). Cancel-safe: bytes
+    /// already read stay in the decoder.
+    async fn next_event(&mut self) -> Result<Option<Event>, ReadError> {
+        loop {
+            match self.decoder.next_event() {
+                Ok(Some(ev)) => return Ok(Some(ev)),
+                Ok(None) => {}
+                Err(protocol::Error::LineTooLong) => {
+                    return Err(ReadError::Fatal("agent line too long".into()));
+                }
+                Err(e) => return Err(ReadError::Skippable(e)),
+            }
+            match self.output.next().await {
+                Some(Ok(LogOutput::StdOut { message })) => self.decoder.push(&message),
+                Some(Ok(LogOutput::StdErr { message })) => {
+                    tracing::warn!(agent_stderr = %String::from_utf8_lossy(&message).trim_end(), "agent diagnostics");
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(ReadError::Fatal(e.to_string())),
+                None => return Ok(None),
+            }
+        }
+    }
+}
+
+struct Inner {
+    container: Created,
+    agent: Option<Agent>,
+    python: String,
+    next_id: u64,
+}
+
+/// One session.
+pub struct Session {
+    /// Session name.
+    pub name: String,
+    /// Owner.
+    pub principal: String,
+    docker: Docker,
+    cfg: Arc<SandboxConfig>,
+    image: String,
+    owner: Owner,
+    inner: tokio::sync::Mutex<Inner>,
+    /// Container id, readable without waiting for a run (close kills a busy session).
+    container: std::sync::Mutex<Created>,
+    last_used: std::sync::Mutex<Instant>,
+    created: SystemTime,
+    runs: AtomicU64,
+    /// Set by close: nothing may recreate the container afterwards.
+    closed: AtomicBool,
+}
+
+impl Session {
+    /// Creates the container and starts the agent.
+    pub async fn start(
+        docker: Docker,
+        cfg: Arc<SandboxConfig>,
+        image: String,
+        owner: Owner,
+        name: String,
+        principal: String,
+    ) -> Result<Arc<Self>, Error> {
+        let created = container::create(&docker, &cfg, &image, &owner, &name, &principal).await?;
+        tracing::info!(session = %name, container = %short(&created.id), "session created");
+        let session = Arc::new(Self {
+            name,
+            principal,
+            docker,
+            cfg,
+            image,
+            owner,
+            inner: tokio::sync::Mutex::new(Inner {
+                container: created.clone(),
+                agent: None,
+                python: String::new(),
+                next_id: 0,
+            }),
+            container: std::sync::Mutex::new(created.clone()),
+            last_used: std::sync::Mutex::new(Instant::now()),
+            created: SystemTime::now(),
+            runs: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        });
+        let started = {
+            let mut inner = session.inner.lock().await;
+            session.start_agent(&mut inner).await
+        };
+        if let Err(e) = started {
+            container::remove(&session.docker, &created.id, &created.volume).await;
+            return Err(e);
+        }
+        Ok(session)
+    }
+
+    fn touch(&self) {
+        if let Ok(mut t) = self.last_used.lock() {
+            *t = Instant::now();
+        }
+    }
+
+    /// Time since the last call.
+    pub fn idle(&self) -> Duration {
+        self.last_used
+            .lock()
+            .map(|t| t.elapsed())
+            .unwrap_or_default()
+    }
+
+    /// True while a call holds the session.
+    pub fn is_busy(&self) -> bool {
+        self.inner.try_lock().is_err()
+    }
+
+    /// Listing entry.
+    pub fn info(&self) -> SessionInfo {
+        let idle = self.idle();
+        let python = self
+            .inner
+            .try_lock()
+            .map(|i| i.python.clone())
+            .unwrap_or_default();
+        SessionInfo {
+            session: self.name.clone(),
+            python,
+            runs: self.runs.load(Ordering::Relaxed),
+            idle_s: idle.as_secs(),
+            age_s: self.created.elapsed().map(|d| d.as_secs()).unwrap_or(0),
+            expires_in_s: self.cfg.idle_ttl().saturating_sub(idle).as_secs(),
+        }
+    }
+
+    async fn start_agent(&self, inner: &mut Inner) -> Result<(), Error> {
+        let attached = exec::attach_agent(&self.docker, &inner.container.id).await?;
+        let mut agent = Agent {
+            exec_id: attached.id,
+            input: attached.input,
+            output: attached.output,
+            decoder: LineDecoder::default(),
+        };
+        let hello = tokio::time::timeout(HELLO_TIMEOUT, agent.next_event())
+            .await
+            .map_err(|_| Error::AgentTimeout(HELLO_TIMEOUT))?;
+        match hello {
+            Ok(Some(Event::Hello {
+                protocol,
+                python,
+                pid,
+            })) if protocol == PROTOCOL_VERSION => {
+                tracing::debug!(session = %self.name, %python, pid, "agent ready");
+                inner.python = python;
+                inner.agent = Some(agent);
+                Ok(())
+            }
+            Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(
+                "agent protocol {protocol}, server protocol {PROTOCOL_VERSION}: rebuild the image with `pyberth image build`"
+            ))),
+            Ok(Some(other)) => Err(Error::AgentStart(format!(
+                "unexpected first event {other:?}"
+            ))),
+            Ok(None) => {
+                let code = exec::exit_code(&self.docker, &agent.exec_id).await;
+                Err(Error::AgentStart(format!(
+                    "the agent exited at start (exit code {code:?})"
+                )))
+            }
+            Err(ReadError::Skippable(e)) => Err(Error::AgentStart(e.to_string())),
+            Err(ReadError::Fatal(e)) => Err(Error::AgentStart(e)),
+        }
+    }
+
+    /// Makes sure an agent is running, restarting it (or the whole container) if needed.
+    /// Returns a notice when state was lost on the way.
+    async fn ensure_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        if inner.agent.is_some() {
+            return Ok(None);
+        }
+        if container::is_running(&self.docker, &inner.container.id).await? {
+            match self.start_agent(inner).await {
+                Ok(()) => return Ok(None),
+                Err(Error::Docker(e)) if e.is_gone() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        // The container is gone (killed, removed, or the engine restarted): recycle it.
+        tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
+        container::remove(&self.docker, &inner.container.id, &inner.container.volume).await;
+        inner.container = container::create(
+            &self.docker,
+            &self.cfg,
+            &self.image,
+            &self.owner,
+            &self.name,
+            &self.principal,
+        )
+        .await?;
+        if let Ok(mut c) = self.container.lock() {
+            *c = inner.container.clone();
+        }
+        self.start_agent(inner).await?;
+        Ok(Some(
+            "the session's container had stopped and was replaced: variables and workspace files from before are gone".into(),
+        ))
+    }
+
+    /// Kills the agent and everything the code started, then starts a fresh agent.
+    /// Returns a notice if the container itself had to be replaced.
+    async fn restart_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
+        inner.agent = None;
+        if let Err(e) = exec::kill_code_processes(&self.docker, &inner.container.id).await {
+            tracing::warn!(session = %self.name, error = %e, "cannot kill code processes");
+        }
+        self.ensure_agent(inner).await
+    }
+
+    /// Runs code in the persistent interpreter.
+    pub async fn run(
+        &self,
+        code: &str,
+        timeout: Duration,
+        ct: &CancellationToken,
+    ) -> Result<RunOutcome, Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        self.runs.fetch_add(1, Ordering::Relaxed);
+        let mut notices: Vec<String> = self.ensure_agent(&mut inner).await?.into_iter().collect();
+        let state_lost_before = !notices.is_empty();
+        inner.next_id += 1;
+        let id = inner.next_id;
+        let started = Instant::now();
+        let mut outcome = RunOutcome {
+            status: RunStatus::Ok,
+            stdout: Capture::new(self.cfg.output_cap),
+            stderr: Capture::new(self.cfg.output_cap),
+            result: None,
+            error: None,
+            exit_code: None,
+            duration: Duration::ZERO,
+            cpu_ms: None,
+            state_lost: state_lost_before,
+            notices: Vec::new(),
+        };
+        let ending = self
+            .drive(&mut inner, id, code, timeout, ct, &mut outcome)
+            .await;
+        match ending {
+            Ending::Done => {}
+            Ending::Died(stopped) => {
+                let code = match inner.agent.as_ref() {
+                    Some(a) => exec::exit_code(&self.docker, &a.exec_id).await,
+                    None => None,
+                };
+                outcome.status = stopped.unwrap_or(RunStatus::InterpreterRestarted);
+                outcome.state_lost = true;
+                notices.push(match code {
+                    Some(137) => format!(
+                        "the interpreter was killed (SIGKILL); running out of memory is the usual cause \
+                         (limit {} MiB). A new interpreter was started: variables are gone, workspace files are kept",
+                        self.cfg.memory_mb
+                    ),
+                    Some(c) => format!(
+                        "the interpreter exited with status {c} during the run; a new one was started: \
+                         variables are gone, workspace files are kept"
+                    ),
+                    None => "the interpreter stopped during the run; a new one was started: variables are gone, \
+                             workspace files are kept"
+                        .into(),
+                });
+                if let Some(n) = self.restart_agent(&mut inner).await? {
+                    notices.push(n);
+                }
+            }
+            Ending::Killed(status) => {
+                outcome.status = status;
+                outcome.state_lost = true;
+                let why = if status == RunStatus::Cancelled {
+                    "the call was cancelled"
+                } else {
+                    "the time limit passed"
+                };
+                notices.push(format!(
+                    "{why} and the code did not stop after an interrupt, so its processes were killed and a new \
+                     interpreter was started: variables are gone, workspace files are kept"
+                ));
+                if let Some(n) = self.restart_agent(&mut inner).await? {
+                    notices.push(n);
+                }
+            }
+            Ending::Broken(why) => {
+                tracing::warn!(session = %self.name, %why, "agent stream broken");
+                outcome.status = RunStatus::InterpreterRestarted;
+                outcome.state_lost = true;
+                notices.push("the connection to the interpreter broke; a new one was started: variables are gone, \
+                              workspace files are kept"
+                    .into());
+                if let Some(n) = self.restart_agent(&mut inner).await? {
+                    notices.push(n);
+                }
+            }
+        }
+        outcome.duration = started.elapsed();
+        outcome.notices = notices;
+        self.touch();
+        Ok(outcome)
+    }
+
+    /// Sends the run and reads its events until it ends one way or another.
+    async fn drive(
+        &self,
+        inner: &mut Inner,
+        id: u64,
+        code: &str,
+        timeout: Duration,
+        ct: &CancellationToken,
+        outcome: &mut RunOutcome,
+    ) -> Ending {
+        let Some(agent) = inner.agent.as_mut() else {
+            return Ending::Broken("no agent".into());
+        };
+        if let Err(e) = agent.send(&Request::Run { id, code }).await {
+            return Ending::Broken(e.to_string());
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        // Set once we have asked the code to stop: why, and when to kill it if it has not.
+        let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
+        loop {
+            let kill_at = stopping.map(|s| s.1).unwrap_or(deadline);
+            tokio::select! {
+                ev = agent.next_event() => match ev {
+                    Ok(Some(Event::Out { id: Some(i), s, t, b })) if i == id => match Event::payload(t, b) {
+                        Ok(bytes) => match s {
+                            protocol::Stream::Stdout => outcome.stdout.push(&bytes),
+                            protocol::Stream::Stderr => outcome.stderr.push(&bytes),
+                        },
+                        Err(e) => tracing::warn!(session = %self.name, error = %e, "bad output chunk"),
+                    },
+                    Ok(Some(Event::Done { id: i, status, result, error, exit_code, cpu_ms, .. })) if i == id => {
+                        outcome.result = result;
+                        outcome.error = error;
+                        outcome.exit_code = exit_code;
+                        outcome.cpu_ms = Some(cpu_ms);
+                        outcome.status = match (status, stopping) {
+                            (DoneStatus::Interrupted, Some((why, _))) => why,
+                            (DoneStatus::Interrupted, None) => RunStatus::Error,
+                            (DoneStatus::Error, _) => RunStatus::Error,
+                            (DoneStatus::Ok, _) => RunStatus::Ok,
+                        };
+                        return Ending::Done;
+                    }
+                    Ok(Some(other)) => tracing::debug!(session = %self.name, event = ?other, "event outside the run ignored"),
+                    Ok(None) => return Ending::Died(stopping.map(|s| s.0)),
+                    Err(ReadError::Skippable(e)) => tracing::warn!(session = %self.name, error = %e, "unreadable agent line skipped"),
+                    Err(ReadError::Fatal(e)) => return Ending::Broken(e),
+                },
+                _ = tokio::time::sleep_until(deadline), if stopping.is_none() => {
+                    stopping = Some((RunStatus::Timeout, tokio::time::Instant::now() + self.cfg.grace()));
+                    let _ = agent.send(&Request::Interrupt { id }).await;
+                }
+                _ = ct.cancelled(), if stopping.is_none() => {
+                    stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + self.cfg.grace()));
+                    let _ = agent.send(&Request::Interrupt { id }).await;
+                }
+                _ = tokio::time::sleep_until(kill_at), if stopping.is_some() => {
+                    return Ending::Killed(stopping.map(|s| s.0).unwrap_or(RunStatus::Timeout));
+                }
+            }
+        }
+    }
+
+    /// The user's variables.
+    pub async fn variables(&self) -> Result<(Vec<Variable>, Option<String>), Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        let notice = self.ensure_agent(&mut inner).await?;
+        inner.next_id += 1;
+        let id = inner.next_id;
+        let Some(agent) = inner.agent.as_mut() else {
+            return Err(Error::AgentGone);
+        };
+        if agent.send(&Request::Vars { id }).await.is_err() {
+            inner.agent = None;
+            return Err(Error::AgentGone);
+        }
+        let answer = tokio::time::timeout(VARS_TIMEOUT, async {
+            loop {
+                match agent.next_event().await {
+                    Ok(Some(Event::Vars { id: i, vars })) if i == id => return Some(vars),
+                    Ok(Some(_)) | Err(ReadError::Skippable(_)) => {}
+                    Ok(None) | Err(ReadError::Fatal(_)) => return None,
+                }
+            }
+        })
+        .await;
+        match answer {
+            Ok(Some(vars)) => Ok((vars, notice)),
+            Ok(None) => {
+                inner.agent = None;
+                Err(Error::AgentGone)
+            }
+            Err(_) => {
+                self.restart_agent(&mut inner).await?;
+                Err(Error::AgentTimeout(VARS_TIMEOUT))
+            }
+        }
+    }
+
+    /// Fresh interpreter in the same container: variables and processes gone, files kept.
+    pub async fn reset(&self) -> Result<Option<String>, Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        self.restart_agent(&mut inner).await
+    }
+
+    /// Removes the container and its volume. A run in progress ends with its agent gone.
+    pub async fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let created = self.container.lock().map(|c| c.clone()).ok();
+        if let Some(c) = created {
+            container::remove(&self.docker, &c.id, &c.volume).await;
+            tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
+        }
+    }
+}
+
+enum Ending {
+    /// The agent answered with Done.
+    Done,
+    /// The agent's stream ended; with the reason we were stopping it, if we were.
+    Died(Option<RunStatus>),
+    /// The code ignored the interrupt; with the reason for stopping it.
+    Killed(RunStatus),
+    /// The stream failed.
+    Broken(String),
+}

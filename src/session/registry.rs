@@ -1,0 +1,252 @@
+//! All sessions of a server: lookup by (principal, name), the session cap, the idle reaper,
+//! and cleanup at start and at shutdown (DESIGN.md D9).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bollard::Docker;
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+use super::{Error as SessionError, Session, SessionInfo};
+use crate::config::SandboxConfig;
+use crate::docker::{self, container, image};
+use crate::instance::Instance;
+
+type Key = (String, String);
+type Slot = Arc<OnceCell<Arc<Session>>>;
+
+/// Why a session could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The session cap is reached.
+    #[error(
+        "too many sessions open ({0}): close one with close_session, or wait for idle ones to expire"
+    )]
+    Capacity(usize),
+    /// A tool that needs an existing session named one that does not exist.
+    #[error(
+        "no session named {0:?}: run_python creates sessions; list_sessions shows the open ones"
+    )]
+    NotFound(String),
+    /// The sandbox image could not be found or built.
+    #[error("the sandbox image is unavailable: {0}")]
+    Image(#[source] docker::Error),
+    /// The session failed to start.
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+/// The sessions of one server instance.
+pub struct Registry {
+    docker: Docker,
+    cfg: Arc<SandboxConfig>,
+    instance: Instance,
+    image: OnceCell<String>,
+    sessions: Mutex<HashMap<Key, Slot>>,
+}
+
+impl Registry {
+    /// A registry for this instance.
+    pub fn new(docker: Docker, cfg: Arc<SandboxConfig>, instance: Instance) -> Self {
+        Self {
+            docker,
+            cfg,
+            instance,
+            image: OnceCell::new(),
+            sessions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The engine.
+    pub fn docker(&self) -> &Docker {
+        &self.docker
+    }
+
+    /// This instance's identity.
+    pub fn instance(&self) -> &Instance {
+        &self.instance
+    }
+
+    /// The sandbox image, found or built once per server.
+    pub async fn image(&self) -> Result<String, Error> {
+        self.image
+            .get_or_try_init(|| async {
+                let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
+                image::ensure(&self.docker, &self.cfg, &progress).await
+            })
+            .await
+            .cloned()
+            .map_err(Error::Image)
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Slot>> {
+        // A poisoned map is still a consistent map: every mutation is a single insert/remove.
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An existing session, or `None`.
+    pub fn find(&self, principal: &str, name: &str) -> Option<Arc<Session>> {
+        let slot = self
+            .slots()
+            .get(&(principal.to_owned(), name.to_owned()))
+            .cloned()?;
+        slot.get().cloned()
+    }
+
+    /// An existing session, or an error that says how to get one.
+    pub fn get(&self, principal: &str, name: &str) -> Result<Arc<Session>, Error> {
+        self.find(principal, name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))
+    }
+
+    /// The named session, created on first use. The bool is true when it was just created.
+    pub async fn get_or_create(
+        &self,
+        principal: &str,
+        name: &str,
+    ) -> Result<(Arc<Session>, bool), Error> {
+        let key = (principal.to_owned(), name.to_owned());
+        let slot = {
+            let mut slots = self.slots();
+            if let Some(slot) = slots.get(&key) {
+                slot.clone()
+            } else {
+                if slots.len() >= self.cfg.max_sessions {
+                    return Err(Error::Capacity(self.cfg.max_sessions));
+                }
+                let slot: Slot = Arc::default();
+                slots.insert(key.clone(), slot.clone());
+                slot
+            }
+        };
+        if let Some(s) = slot.get() {
+            return Ok((s.clone(), false));
+        }
+        let mut created = false;
+        let result = slot
+            .get_or_try_init(|| async {
+                let image = self.image().await?;
+                created = true;
+                Session::start(
+                    self.docker.clone(),
+                    self.cfg.clone(),
+                    image,
+                    self.instance.owner.clone(),
+                    name.to_owned(),
+                    principal.to_owned(),
+                )
+                .await
+                .map_err(Error::from)
+            })
+            .await
+            .cloned();
+        match result {
+            Ok(s) => Ok((s, created)),
+            Err(e) => {
+                // Free the slot so the cap counts only live sessions; a retry starts afresh.
+                let mut slots = self.slots();
+                if slots
+                    .get(&key)
+                    .is_some_and(|s| Arc::ptr_eq(s, &slot) && !s.initialized())
+                {
+                    slots.remove(&key);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Sessions of one principal, sorted by name.
+    pub fn list(&self, principal: &str) -> Vec<SessionInfo> {
+        let sessions: Vec<Arc<Session>> = self
+            .slots()
+            .iter()
+            .filter(|((p, _), _)| p == principal)
+            .filter_map(|(_, slot)| slot.get().cloned())
+            .collect();
+        let mut infos: Vec<SessionInfo> = sessions.iter().map(|s| s.info()).collect();
+        infos.sort_by(|a, b| a.session.cmp(&b.session));
+        infos
+    }
+
+    /// Closes a session: its container and workspace are removed.
+    pub async fn close(&self, principal: &str, name: &str) -> Result<(), Error> {
+        let key = (principal.to_owned(), name.to_owned());
+        let session = {
+            let mut slots = self.slots();
+            match slots.get(&key).and_then(|s| s.get().cloned()) {
+                Some(s) => {
+                    slots.remove(&key);
+                    s
+                }
+                None => return Err(Error::NotFound(name.to_owned())),
+            }
+        };
+        session.close().await;
+        Ok(())
+    }
+
+    /// Closes sessions idle longer than the TTL. Busy sessions are never reaped.
+    pub async fn reap_idle(&self) -> usize {
+        let ttl = self.cfg.idle_ttl();
+        let expired: Vec<Arc<Session>> = {
+            let mut slots = self.slots();
+            let keys: Vec<Key> = slots
+                .iter()
+                .filter(|(_, slot)| slot.get().is_some_and(|s| s.idle() >= ttl && !s.is_busy()))
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.iter()
+                .filter_map(|k| slots.remove(k))
+                .filter_map(|slot| slot.get().cloned())
+                .collect()
+        };
+        for s in &expired {
+            tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
+            s.close().await;
+        }
+        expired.len()
+    }
+
+    /// Runs the idle reaper until `shutdown` fires.
+    pub async fn reaper(self: Arc<Self>, shutdown: CancellationToken) {
+        let period =
+            (self.cfg.idle_ttl() / 4).clamp(Duration::from_millis(500), Duration::from_secs(60));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => { self.reap_idle().await; }
+            }
+        }
+    }
+
+    /// Removes what dead instances on this host left behind.
+    pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
+        let (c, v) = container::sweep(&self.docker, &|l| self.instance.is_leftover(l)).await?;
+        if c + v > 0 {
+            tracing::info!(
+                containers = c,
+                volumes = v,
+                "removed leftovers of dead instances"
+            );
+        }
+        Ok(())
+    }
+
+    /// Closes every session, then removes anything of ours still labelled (belt and braces).
+    pub async fn shutdown(&self) {
+        let all: Vec<Arc<Session>> = self
+            .slots()
+            .drain()
+            .filter_map(|(_, slot)| slot.get().cloned())
+            .collect();
+        futures::future::join_all(all.iter().map(|s| s.close())).await;
+        if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
+            tracing::warn!(error = %e, "final sweep failed");
+        }
+    }
+}

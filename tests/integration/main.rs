@@ -1,0 +1,13 @@
+//! One integration test binary (as ripgrep does), every test against the real engine through
+//! the real binary and a real MCP client.
+
+// The harness: spawn the server, call tools, check what is left in Docker.
+mod common;
+// Running code: state, output capture, errors, timeouts, cancellation, restarts.
+mod executor;
+// Bad input: each a clear tool error, no container made for nothing.
+mod input;
+// Session lifecycle: isolation, listing, reset, close, idle reaping, sweeps, shutdown.
+mod lifecycle;
+// Hardening seen from inside the sandbox.
+mod sandbox;

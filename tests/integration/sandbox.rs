@@ -1,0 +1,123 @@
+use std::collections::HashMap;
+
+use bollard::query_parameters::ListContainersOptionsBuilder;
+
+use crate::common::{Server, docker};
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sandbox_is_hardened_from_the_inside() {
+    let s = Server::start("hardening", &[("SERVER_SECRET_TOKEN", "hunter2")]).await;
+    let code = r#"
+import os, errno, signal, socket
+status = dict(l.split(':\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\t' in l)
+ifaces = sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:])
+try:
+    open('/usr/pyberth-probe', 'w')
+    rootfs = 'writable'
+except OSError as e:
+    rootfs = errno.errorcode[e.errno]
+try:
+    os.kill(1, signal.SIGTERM)
+    pid1 = 'signalled'
+except PermissionError:
+    pid1 = 'EPERM'
+try:
+    socket.create_connection(('1.1.1.1', 53), timeout=2)
+    net = 'connected'
+except OSError as e:
+    net = type(e).__name__
+{
+  'uid': os.getuid(), 'gid': os.getgid(),
+  'capeff': status['CapEff'].strip(), 'nonewprivs': status['NoNewPrivs'].strip(),
+  'seccomp': status['Seccomp'].strip(), 'ifaces': ifaces, 'rootfs': rootfs, 'pid1': pid1,
+  'net': net, 'secret': 'SERVER_SECRET_TOKEN' in os.environ, 'cwd': os.getcwd(),
+  'workspace_writable': os.access('/workspace', os.W_OK),
+}
+"#;
+    let sc = s.ok("default", code).await;
+    let r = sc["result"].as_str().expect("result");
+    for want in [
+        "'uid': 1000",
+        "'gid': 1000",
+        "'capeff': '0000000000000000'",
+        "'nonewprivs': '1'",
+        "'seccomp': '2'",
+        "'ifaces': ['lo']",
+        "'rootfs': 'EROFS'",
+        "'pid1': 'EPERM'",
+        "'secret': False",
+        "'cwd': '/workspace'",
+        "'workspace_writable': True",
+    ] {
+        assert!(r.contains(want), "missing {want} in {r}");
+    }
+    assert!(!r.contains("'net': 'connected'"), "{r}");
+
+    // The container itself, as the engine sees it.
+    let label = format!("pyberth.instance={}", s.instance);
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListContainersOptionsBuilder::default()
+        .all(true)
+        .filters(&filters)
+        .build();
+    let list = docker()
+        .await
+        .list_containers(Some(opts))
+        .await
+        .expect("list");
+    assert_eq!(list.len(), 1);
+    let id = list[0].id.clone().expect("id");
+    let c = docker()
+        .await
+        .inspect_container(&id, None)
+        .await
+        .expect("inspect");
+    let hc = c.host_config.expect("host config");
+    assert_eq!(hc.network_mode.as_deref(), Some("none"));
+    assert_eq!(hc.cap_drop, Some(vec!["ALL".to_owned()]));
+    assert_eq!(hc.readonly_rootfs, Some(true));
+    assert_eq!(hc.memory, Some(512 << 20));
+    assert_eq!(hc.memory_swap, hc.memory, "no swap");
+    assert_eq!(hc.pids_limit, Some(256));
+    assert_eq!(hc.init, Some(true));
+    assert_eq!(hc.privileged, Some(false));
+    assert!(
+        hc.security_opt
+            .unwrap_or_default()
+            .iter()
+            .any(|o| o.starts_with("no-new-privileges"))
+    );
+    assert_eq!(hc.log_config.and_then(|l| l.typ).as_deref(), Some("none"));
+    let cfg = c.config.expect("config");
+    assert_eq!(
+        cfg.user.as_deref(),
+        Some("999:999"),
+        "PID 1 runs under another uid than code"
+    );
+    assert!(
+        !cfg.env
+            .unwrap_or_default()
+            .iter()
+            .any(|e| e.contains("SERVER_SECRET_TOKEN"))
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fork_bomb_is_contained() {
+    let s = Server::start("forkbomb", &[]).await;
+    let code = "import os\nn = 0\ntry:\n    for _ in range(10000):\n        if os.fork() == 0:\n            import time; time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    err = type(e).__name__\nn, err";
+    let (_, sc) = s
+        .run_with(serde_json::json!({ "code": code, "timeout_s": 20 }))
+        .await;
+    let r = sc["result"].as_str().unwrap_or_default().to_owned();
+    assert!(
+        r.contains("BlockingIOError"),
+        "fork failed at the pids limit: {sc}"
+    );
+    // Reset kills the forked children; the session answers again.
+    let r = s.call("reset_session", serde_json::json!({})).await;
+    assert_eq!(r.is_error, Some(false));
+    assert_eq!(s.ok("default", "1 + 1").await["result"], "2");
+    s.stop().await;
+}
