@@ -84,9 +84,17 @@ pub async fn ensure(
 /// Takes the machine-wide image build lock, waiting for another builder if needed.
 async fn build_lock(dir: &std::path::Path) -> Result<std::fs::File, Error> {
     let path = dir.join("image-build.lock");
-    let io = |source| Error::Io { context: format!("cannot take the build lock {}", path.display()), source };
+    let io = |source| Error::Io {
+        context: format!("cannot take the build lock {}", path.display()),
+        source,
+    };
     std::fs::create_dir_all(dir).map_err(io)?;
-    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io)?;
     tokio::task::spawn_blocking(move || file.lock().map(|()| file))
         .await
         .map_err(|e| io(std::io::Error::other(e)))?
