@@ -311,12 +311,15 @@ impl Session {
         if container::is_running(&self.docker, &inner.container.id).await? {
             match self.start_agent(inner).await {
                 Ok(()) => return Ok(None),
-                Err(Error::Docker(e)) if e.is_gone() => {}
-                Err(e) => return Err(e),
+                // Exhausted pids, a wedged filesystem, an agent that will not greet: a new
+                // container is the last resort of DESIGN.md D5.
+                Err(e) => {
+                    tracing::warn!(session = %self.name, error = %e, "cannot restart the agent; replacing the container")
+                }
             }
+        } else {
+            tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
-        // The container is gone (killed, removed, or the engine restarted): recycle it.
-        tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         container::remove(&self.docker, &inner.container.id, &inner.container.volume).await;
         inner.container = container::create(
             &self.docker,
@@ -332,7 +335,9 @@ impl Session {
         }
         self.start_agent(inner).await?;
         Ok(Some(
-            "the session's container had stopped and was replaced: variables and workspace files from before are gone".into(),
+            "the session's container had stopped or could not start a new interpreter, and was replaced: \
+             variables and workspace files from before are gone"
+                .into(),
         ))
     }
 

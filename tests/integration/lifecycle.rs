@@ -143,3 +143,30 @@ async fn leftovers_of_a_killed_server_are_swept_at_the_next_start() {
     live.stop().await;
     next.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_container_is_replaced_and_the_caller_is_told() {
+    let s = Server::start("container-killed", &[]).await;
+    s.ok("k", "x = 1").await;
+    let list = containers_of(&s.instance).await;
+    let old = list[0].id.clone().expect("id");
+    crate::common::docker()
+        .await
+        .kill_container(
+            &old,
+            None::<bollard::query_parameters::KillContainerOptions>,
+        )
+        .await
+        .expect("kill");
+    let (r, sc) = s.run("k", "1").await;
+    assert_eq!(r.is_error, Some(true));
+    assert_eq!(sc["state_lost"], true);
+    assert!(text(&r).contains("was replaced"), "{}", text(&r));
+    let (r, sc) = s.run("k", "x").await;
+    assert_eq!(r.is_error, Some(true), "state is gone");
+    assert_eq!(sc["error"]["type"], "NameError");
+    let now = containers_of(&s.instance).await;
+    assert_eq!(now.len(), 1, "the old container was removed");
+    assert_ne!(now[0].id.as_deref(), Some(old.as_str()));
+    s.stop().await;
+}
