@@ -26,10 +26,7 @@ fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
     samples.sort();
     let at = |q: f64| {
         let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
-        samples
-            .get(i)
-            .map(|d| d.as_secs_f64() * 1e3)
-            .unwrap_or(f64::NAN)
+        samples.get(i).map(|d| d.as_secs_f64() * 1e3).unwrap_or(f64::NAN)
     };
     (at(0.50), at(0.95))
 }
@@ -45,10 +42,7 @@ impl Table {
 
     fn print(&self) {
         let mut out = String::new();
-        out.push_str(&format!(
-            "{:<58} {:>10} {:>10}  {}\n",
-            "measurement", "p50 ms", "p95 ms", "note"
-        ));
+        out.push_str(&format!("{:<58} {:>10} {:>10}  {}\n", "measurement", "p50 ms", "p95 ms", "note"));
         for (what, p50, p95, note) in &self.0 {
             out.push_str(&format!("{what:<58} {p50:>10.3} {p95:>10.3}  {note}\n"));
         }
@@ -62,9 +56,7 @@ impl Table {
 /// Runs the benchmark and prints its figures.
 pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
     cfg.validate()?;
-    let docker = docker::connect(cfg.docker_host.as_deref())
-        .await
-        .context("cannot reach the Docker engine")?;
+    let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
     let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
     let img = image::ensure(&docker, &cfg, &progress).await?;
     let mut table = Table(Vec::new());
@@ -96,22 +88,20 @@ pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
         bail!("no pipes to the server");
     };
     let client = ().serve((stdout, stdin)).await.context("MCP initialise")?;
-    let call = |session: String, code: &'static str| {
-        let args = json!({ "session": session, "code": code });
-        let params = CallToolRequestParams::new("run_python")
-            .with_arguments(args.as_object().cloned().unwrap_or_default());
+    let call_with = |session: String, code: &'static str, packages: &[&str]| {
+        let args = json!({ "session": session, "code": code, "packages": packages });
+        let params =
+            CallToolRequestParams::new("run_python").with_arguments(args.as_object().cloned().unwrap_or_default());
         let client = &client;
         async move {
-            let r = client
-                .call_tool(params)
-                .await
-                .context("run_python failed at the protocol level")?;
+            let r = client.call_tool(params).await.context("run_python failed at the protocol level")?;
             if r.is_error != Some(false) {
                 bail!("run_python returned an error: {:?}", r.content);
             }
             anyhow::Ok(())
         }
     };
+    let call = |session: String, code: &'static str| call_with(session, code, &[]);
     call("bench".into(), "1").await?;
     let mut startup = [t0.elapsed()];
     table.add(
@@ -126,11 +116,8 @@ pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
         call("bench".into(), "x = 1\nx + 1").await?;
         warm.push(t.elapsed());
     }
-    let (warm_p50, _) = table.add(
-        &format!("warm run_python through MCP stdio ({runs} calls)"),
-        &mut warm,
-        String::new(),
-    );
+    let (warm_p50, _) =
+        table.add(&format!("warm run_python through MCP stdio ({runs} calls)"), &mut warm, String::new());
     if let Some(row) = table.0.last_mut() {
         row.3 = format!("{:.1}x the attached-stream floor", warm_p50 / stream_p50);
     }
@@ -142,15 +129,33 @@ pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
         call(format!("fresh{i}"), "1").await?;
         fresh.push(t.elapsed());
     }
-    let (fresh_p50, _) = table.add(
-        &format!("first call in a new session ({fresh_n} sessions)"),
-        &mut fresh,
-        String::new(),
-    );
+    let (fresh_p50, _) =
+        table.add(&format!("first call in a new session ({fresh_n} sessions)"), &mut fresh, String::new());
     if let Some(row) = table.0.last_mut() {
         row.3 = format!("{:.1}x container create+start", fresh_p50 / create_p50);
     }
     let _ = exec_p50;
+
+    // Dependency layers: a cold install, then the same set from the cache.
+    forget_layers(&docker, "tomli").await;
+    let t = Instant::now();
+    call_with("deps-cold".into(), "import tomli", &["tomli"]).await?;
+    let mut cold = [t.elapsed()];
+    table.add(
+        "new session with packages=[tomli], first install",
+        &mut cold,
+        "installer container + layer build".into(),
+    );
+    let mut hits = Vec::new();
+    for i in 0..5 {
+        let t = Instant::now();
+        call_with(format!("deps-hit{i}"), "import tomli", &["tomli"]).await?;
+        hits.push(t.elapsed());
+    }
+    let (hit_p50, _) = table.add("new session with packages=[tomli], cached layer", &mut hits, String::new());
+    if let Some(row) = table.0.last_mut() {
+        row.3 = format!("{:+.0} ms vs a plain new session", hit_p50 - fresh_p50);
+    }
 
     let _ = client.cancel().await;
     let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
@@ -158,11 +163,18 @@ pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn forget_layers(docker: &Docker, requirements: &str) {
+    let label = format!("pyberth.requirements={requirements}");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = bollard::query_parameters::ListImagesOptionsBuilder::default().filters(&filters).build();
+    for image in docker.list_images(Some(opts)).await.unwrap_or_default() {
+        let opts = bollard::query_parameters::RemoveImageOptionsBuilder::default().force(true).build();
+        let _ = docker.remove_image(&image.id, Some(opts), None).await;
+    }
+}
+
 fn bench_labels() -> HashMap<String, String> {
-    HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        ("pyberth.bench".to_owned(), "floor".to_owned()),
-    ])
+    HashMap::from([(LABEL_MANAGED.to_owned(), "1".to_owned()), ("pyberth.bench".to_owned(), "floor".to_owned())])
 }
 
 async fn floor_container(docker: &Docker, img: &str) -> anyhow::Result<String> {
@@ -170,24 +182,11 @@ async fn floor_container(docker: &Docker, img: &str) -> anyhow::Result<String> {
         image: Some(img.into()),
         cmd: Some(vec!["sleep".into(), "infinity".into()]),
         labels: Some(bench_labels()),
-        host_config: Some(HostConfig {
-            network_mode: Some("none".into()),
-            init: Some(true),
-            ..Default::default()
-        }),
+        host_config: Some(HostConfig { network_mode: Some("none".into()), init: Some(true), ..Default::default() }),
         ..Default::default()
     };
-    let name = format!(
-        "pyberth-bench-{}-{}",
-        std::process::id(),
-        Instant::now().elapsed().as_nanos()
-    );
-    let c = docker
-        .create_container(
-            Some(CreateContainerOptionsBuilder::default().name(&name).build()),
-            body,
-        )
-        .await?;
+    let name = format!("pyberth-bench-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos());
+    let c = docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
     docker.start_container(&c.id, None).await?;
     Ok(c.id)
 }
@@ -215,16 +214,8 @@ async fn floors(
         remove(docker, &id).await;
         create_rm.push(t.elapsed());
     }
-    let (create_p50, _) = table.add(
-        "floor: container create + start",
-        &mut create,
-        "raw Docker API".into(),
-    );
-    table.add(
-        "floor: container create + start + remove",
-        &mut create_rm,
-        "raw Docker API".into(),
-    );
+    let (create_p50, _) = table.add("floor: container create + start", &mut create, "raw Docker API".into());
+    table.add("floor: container create + start + remove", &mut create_rm, "raw Docker API".into());
 
     let mut execs = Vec::new();
     for _ in 0..20 {
@@ -232,11 +223,8 @@ async fn floors(
         exec_to_end(docker, container, vec!["true"]).await?;
         execs.push(t.elapsed());
     }
-    let (exec_p50, _) = table.add(
-        "floor: a new exec running `true`",
-        &mut execs,
-        "one exec per run costs at least this".into(),
-    );
+    let (exec_p50, _) =
+        table.add("floor: a new exec running `true`", &mut execs, "one exec per run costs at least this".into());
 
     let mut py = Vec::new();
     for _ in 0..10 {
@@ -244,15 +232,10 @@ async fn floors(
         exec_to_end(docker, container, vec!["python3", "-c", "print(1)"]).await?;
         py.push(t.elapsed());
     }
-    table.add(
-        "floor: a new exec running python3 -c 'print(1)'",
-        &mut py,
-        String::new(),
-    );
+    table.add("floor: a new exec running python3 -c 'print(1)'", &mut py, String::new());
 
     // A round trip over an already-attached stream: write a line, read it echoed.
-    let echo =
-        "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n    sys.stdout.flush()";
+    let echo = "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n    sys.stdout.flush()";
     let opts = CreateExecOptions {
         cmd: Some(vec!["python3", "-u", "-c", echo]),
         attach_stdin: Some(true),
@@ -262,11 +245,7 @@ async fn floors(
         ..Default::default()
     };
     let ex = docker.create_exec(container, opts).await?;
-    let StartExecResults::Attached {
-        mut output,
-        mut input,
-    } = docker.start_exec(&ex.id, None).await?
-    else {
+    let StartExecResults::Attached { mut output, mut input } = docker.start_exec(&ex.id, None).await? else {
         bail!("exec not attached");
     };
     let mut rt = Vec::with_capacity(runs);
@@ -287,11 +266,8 @@ async fn floors(
             rt.push(t.elapsed()); // the first rounds warm the path up
         }
     }
-    let (stream_p50, _) = table.add(
-        "floor: round trip on an attached exec stream",
-        &mut rt,
-        "the floor for a warm run".into(),
-    );
+    let (stream_p50, _) =
+        table.add("floor: round trip on an attached exec stream", &mut rt, "the floor for a warm run".into());
     Ok((create_p50, exec_p50, stream_p50))
 }
 

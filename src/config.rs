@@ -26,11 +26,7 @@ pub struct SandboxConfig {
     pub fallback_release: String,
 
     /// Debian mirror for the offline fallback base.
-    #[arg(
-        long,
-        env = "PYBERTH_DEBIAN_MIRROR",
-        default_value = "http://deb.debian.org/debian"
-    )]
+    #[arg(long, env = "PYBERTH_DEBIAN_MIRROR", default_value = "http://deb.debian.org/debian")]
     pub debian_mirror: String,
 
     /// Memory limit of a session container, MiB (swap is disabled: swap limit = memory limit).
@@ -77,6 +73,32 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_CODE_CAP", default_value_t = 1 << 20)]
     pub code_cap: usize,
 
+    /// Package index URL for installs (fallbacks: PIP_INDEX_URL, UV_INDEX_URL; default PyPI).
+    #[arg(long, env = "PYBERTH_INDEX_URL")]
+    pub index_url: Option<String>,
+
+    /// Extra package index URL (fallbacks: PIP_EXTRA_INDEX_URL, UV_EXTRA_INDEX_URL).
+    #[arg(long, env = "PYBERTH_EXTRA_INDEX_URL")]
+    pub extra_index_url: Option<String>,
+
+    /// CA bundle the installer trusts, for TLS-intercepting proxies (fallbacks: SSL_CERT_FILE,
+    /// PIP_CERT, REQUESTS_CA_BUNDLE).
+    #[arg(long, env = "PYBERTH_CA_BUNDLE")]
+    pub ca_bundle: Option<PathBuf>,
+
+    /// Time limit of one package install, seconds.
+    #[arg(long, env = "PYBERTH_INSTALL_TIMEOUT", default_value_t = 600)]
+    pub install_timeout_s: u64,
+
+    /// Total size of cached dependency layers (beyond their base) kept; least recently used
+    /// layers are removed above it. MiB.
+    #[arg(long, env = "PYBERTH_LAYER_CACHE_MB", default_value_t = 10240)]
+    pub layer_cache_mb: u64,
+
+    /// Most packages accepted in one request.
+    #[arg(long, env = "PYBERTH_MAX_PACKAGES", default_value_t = 50)]
+    pub max_packages: usize,
+
     /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
     #[arg(long, env = "PYBERTH_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
@@ -95,72 +117,52 @@ pub struct Invalid {
 }
 
 fn check(ok: bool, key: &'static str, why: impl Into<String>) -> Result<(), Invalid> {
-    if ok {
-        Ok(())
-    } else {
-        Err(Invalid {
-            key,
-            why: why.into(),
-        })
-    }
+    if ok { Ok(()) } else { Err(Invalid { key, why: why.into() }) }
 }
 
 impl SandboxConfig {
     /// Checks every value; the error names the flag.
     pub fn validate(&self) -> Result<(), Invalid> {
         check(self.memory_mb >= 64, "--memory-mb", "must be at least 64")?;
-        check(
-            self.cpus > 0.0 && self.cpus <= 1024.0,
-            "--cpus",
-            "must be above 0",
-        )?;
+        check(self.cpus > 0.0 && self.cpus <= 1024.0, "--cpus", "must be above 0")?;
         check(self.pids >= 16, "--pids", "must be at least 16")?;
-        check(
-            self.tmp_mb >= 1 && self.tmp_mb < self.memory_mb,
-            "--tmp-mb",
-            "must be between 1 and --memory-mb",
-        )?;
+        check(self.tmp_mb >= 1 && self.tmp_mb < self.memory_mb, "--tmp-mb", "must be between 1 and --memory-mb")?;
         check(self.timeout_s >= 1, "--timeout-s", "must be at least 1")?;
-        check(
-            self.max_timeout_s >= self.timeout_s,
-            "--max-timeout-s",
-            "must be at least --timeout-s",
-        )?;
+        check(self.max_timeout_s >= self.timeout_s, "--max-timeout-s", "must be at least --timeout-s")?;
         check(
             self.interrupt_grace_s > 0.0 && self.interrupt_grace_s <= 60.0,
             "--interrupt-grace-s",
             "must be between 0 and 60",
         )?;
         check(self.idle_ttl_s >= 1, "--idle-ttl-s", "must be at least 1")?;
+        check(self.max_sessions >= 1, "--max-sessions", "must be at least 1")?;
+        check(self.output_cap >= 1024, "--output-cap", "must be at least 1024")?;
+        check(self.code_cap >= 1 && self.code_cap <= 16 << 20, "--code-cap", "must be between 1 and 16 MiB")?;
         check(
-            self.max_sessions >= 1,
-            "--max-sessions",
-            "must be at least 1",
-        )?;
-        check(
-            self.output_cap >= 1024,
-            "--output-cap",
-            "must be at least 1024",
-        )?;
-        check(
-            self.code_cap >= 1 && self.code_cap <= 16 << 20,
-            "--code-cap",
-            "must be between 1 and 16 MiB",
-        )?;
-        check(
-            self.fallback_release
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),
+            self.fallback_release.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),
             "--fallback-release",
             "must be a Debian suite name such as bookworm",
         )?;
+        check(self.install_timeout_s >= 10, "--install-timeout-s", "must be at least 10")?;
+        check(self.max_packages >= 1, "--max-packages", "must be at least 1")?;
+        for (key, url) in [("--index-url", self.index_url()), ("--extra-index-url", self.extra_index_url())] {
+            if let Some(url) = url {
+                check(
+                    (url.starts_with("https://") || url.starts_with("http://"))
+                        && !url.chars().any(|c| c.is_whitespace() || c.is_control()),
+                    key,
+                    "must be an http(s) URL",
+                )?;
+            }
+        }
+        if let Some(ca) = self.ca_bundle() {
+            check(ca.is_file(), "--ca-bundle", format!("{} is not a readable file", ca.display()))?;
+        }
         if let Some(instance) = &self.instance {
             check(
                 !instance.is_empty()
                     && instance.len() <= 40
-                    && instance
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-'),
+                    && instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'),
                 "--instance",
                 "must be 1 to 40 letters, digits or dashes",
             )?;
@@ -183,12 +185,36 @@ impl SandboxConfig {
         Duration::from_secs(self.idle_ttl_s)
     }
 
+    /// Index URL, honouring the pip and uv conventions.
+    pub fn index_url(&self) -> Option<String> {
+        self.index_url.clone().or_else(|| env_any(&["PIP_INDEX_URL", "UV_INDEX_URL"]))
+    }
+
+    /// Extra index URL, honouring the pip and uv conventions.
+    pub fn extra_index_url(&self) -> Option<String> {
+        self.extra_index_url.clone().or_else(|| env_any(&["PIP_EXTRA_INDEX_URL", "UV_EXTRA_INDEX_URL"]))
+    }
+
+    /// CA bundle, honouring the usual conventions.
+    pub fn ca_bundle(&self) -> Option<PathBuf> {
+        self.ca_bundle
+            .clone()
+            .or_else(|| env_any(&["SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE"]).map(PathBuf::from))
+    }
+
+    /// Install time limit.
+    pub fn install_timeout(&self) -> Duration {
+        Duration::from_secs(self.install_timeout_s)
+    }
+
     /// Where liveness locks live.
     pub fn state_dir(&self) -> PathBuf {
-        self.state_dir
-            .clone()
-            .unwrap_or_else(|| std::env::temp_dir().join("pyberth"))
+        self.state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("pyberth"))
     }
+}
+
+fn env_any(names: &[&str]) -> Option<String> {
+    names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
 }
 
 #[cfg(test)]
@@ -219,21 +245,13 @@ mod tests {
 
     #[test]
     fn errors_name_the_flag() {
-        let e = parse(&["--memory-mb", "8"])
-            .validate()
-            .expect_err("too small");
+        let e = parse(&["--memory-mb", "8"]).validate().expect_err("too small");
         assert!(e.to_string().contains("--memory-mb"), "{e}");
-        let e = parse(&["--timeout-s", "100", "--max-timeout-s", "10"])
-            .validate()
-            .expect_err("max");
+        let e = parse(&["--timeout-s", "100", "--max-timeout-s", "10"]).validate().expect_err("max");
         assert!(e.to_string().contains("--max-timeout-s"), "{e}");
-        let e = parse(&["--instance", "a b"])
-            .validate()
-            .expect_err("instance");
+        let e = parse(&["--instance", "a b"]).validate().expect_err("instance");
         assert!(e.to_string().contains("--instance"), "{e}");
-        let e = parse(&["--fallback-release", "../x"])
-            .validate()
-            .expect_err("release");
+        let e = parse(&["--fallback-release", "../x"]).validate().expect_err("release");
         assert!(e.to_string().contains("--fallback-release"), "{e}");
     }
 }

@@ -35,45 +35,26 @@ impl Instance {
             None => random_id()?,
         };
         let lock_path = dir.join(format!("{instance}.lock"));
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)?;
+        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path)?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
-                return Err(std::io::Error::other(format!(
-                    "instance {instance} is already running"
-                )));
+                return Err(std::io::Error::other(format!("instance {instance} is already running")));
             }
             Err(TryLockError::Error(e)) => return Err(e),
         }
-        Ok(Self {
-            owner: Owner {
-                instance,
-                host: host_id(),
-            },
-            dir: dir.to_owned(),
-            lock_path,
-            _lock: lock,
-        })
+        Ok(Self { owner: Owner { instance, host: host_id() }, dir: dir.to_owned(), lock_path, _lock: lock })
     }
 
     /// Whether a resource with these labels belongs to a dead instance on this host.
     pub fn is_leftover(&self, labels: &HashMap<String, String>) -> bool {
-        let (Some(instance), Some(host)) = (labels.get(LABEL_INSTANCE), labels.get(LABEL_HOST))
-        else {
+        let (Some(instance), Some(host)) = (labels.get(LABEL_INSTANCE), labels.get(LABEL_HOST)) else {
             return false;
         };
         if *instance == self.owner.instance || *host != self.owner.host {
             return false;
         }
-        if instance.is_empty()
-            || !instance
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-')
-        {
+        if instance.is_empty() || !instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
             return false;
         }
         let path = self.dir.join(format!("{instance}.lock"));
@@ -92,8 +73,7 @@ impl Instance {
 
     /// Whether a resource with these labels is this instance's own.
     pub fn is_own(&self, labels: &HashMap<String, String>) -> bool {
-        labels.get(LABEL_INSTANCE) == Some(&self.owner.instance)
-            && labels.get(LABEL_HOST) == Some(&self.owner.host)
+        labels.get(LABEL_INSTANCE) == Some(&self.owner.instance) && labels.get(LABEL_HOST) == Some(&self.owner.host)
     }
 }
 
@@ -111,23 +91,13 @@ fn random_id() -> std::io::Result<String> {
 
 /// Hostname plus boot id: a new boot is a new host, whose old instances are all dead.
 fn host_id() -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .map(|s| s.trim().to_owned())
-            .unwrap_or_default()
-    };
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_owned()).unwrap_or_default();
     let host = read("/proc/sys/kernel/hostname");
     let boot = read("/proc/sys/kernel/random/boot_id");
     let boot = boot.get(..8).unwrap_or(&boot);
     let id: String = format!("{host}-{boot}")
         .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
         .collect();
     id.chars().take(63).collect()
 }
@@ -137,46 +107,24 @@ mod tests {
     use super::*;
 
     fn labels(instance: &str, host: &str) -> HashMap<String, String> {
-        HashMap::from([
-            (LABEL_INSTANCE.into(), instance.into()),
-            (LABEL_HOST.into(), host.into()),
-        ])
+        HashMap::from([(LABEL_INSTANCE.into(), instance.into()), (LABEL_HOST.into(), host.into())])
     }
 
     #[test]
     fn live_dead_and_foreign_instances() {
-        let dir =
-            std::env::temp_dir().join(format!("pyberth-instance-test-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("pyberth-instance-test-{}", std::process::id()));
         let me = Instance::acquire(&dir, Some("me")).expect("me");
         let other = Instance::acquire(&dir, Some("other")).expect("other");
         let host = me.owner.host.clone();
-        assert!(
-            !me.is_leftover(&labels("me", &host)),
-            "own resources are not leftovers"
-        );
+        assert!(!me.is_leftover(&labels("me", &host)), "own resources are not leftovers");
         assert!(me.is_own(&labels("me", &host)));
-        assert!(
-            !me.is_leftover(&labels("other", &host)),
-            "a live instance is not dead"
-        );
-        assert!(
-            Instance::acquire(&dir, Some("other")).is_err(),
-            "the lock is exclusive"
-        );
+        assert!(!me.is_leftover(&labels("other", &host)), "a live instance is not dead");
+        assert!(Instance::acquire(&dir, Some("other")).is_err(), "the lock is exclusive");
         drop(other);
-        assert!(
-            me.is_leftover(&labels("other", &host)),
-            "a dropped instance is dead"
-        );
+        assert!(me.is_leftover(&labels("other", &host)), "a dropped instance is dead");
         assert!(me.is_leftover(&labels("never-existed", &host)));
-        assert!(
-            !me.is_leftover(&labels("never-existed", "another-host")),
-            "other hosts are left alone"
-        );
-        assert!(
-            !me.is_leftover(&labels("../etc/x", &host)),
-            "odd names are never touched"
-        );
+        assert!(!me.is_leftover(&labels("never-existed", "another-host")), "other hosts are left alone");
+        assert!(!me.is_leftover(&labels("../etc/x", &host)), "odd names are never touched");
         drop(me);
         let _ = std::fs::remove_dir_all(&dir);
     }

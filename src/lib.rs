@@ -15,6 +15,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod deps;
 pub mod docker;
 pub mod instance;
 pub mod output;

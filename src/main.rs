@@ -5,7 +5,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use pyberth::config::SandboxConfig;
-use pyberth::docker::{self, image};
+use pyberth::docker::{self, image, layers};
 use pyberth::instance::Instance;
 use pyberth::server::SandboxServer;
 use pyberth::session::registry::Registry;
@@ -33,6 +33,11 @@ enum Command {
         #[command(subcommand)]
         action: ImageAction,
     },
+    /// Manage dependency layers (cached package sets).
+    Layers {
+        #[command(subcommand)]
+        action: LayersAction,
+    },
     /// Measure warm-run latency through MCP stdio beside the raw Docker floors.
     Bench {
         #[command(flatten)]
@@ -58,6 +63,24 @@ enum ImageAction {
     Tag,
 }
 
+#[derive(Debug, Subcommand)]
+enum LayersAction {
+    /// List layers, most recently used first.
+    List {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+    },
+    /// Remove layers, least recently used first, until their own size is at most --keep-mb
+    /// (0: all). Layers in use by a session are kept.
+    Prune {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+        /// Size to keep, MiB.
+        #[arg(long, default_value_t = 0)]
+        keep_mb: u64,
+    },
+}
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -67,10 +90,7 @@ fn main() -> std::process::ExitCode {
         )
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "cannot start the async runtime");
@@ -93,22 +113,16 @@ fn main() -> std::process::ExitCode {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve { cfg } => serve(cfg).await,
-        Command::Image {
-            action: ImageAction::Tag,
-        } => {
+        Command::Image { action: ImageAction::Tag } => {
             #[allow(clippy::print_stdout)] // the tag is the command's output
             {
                 println!("{}", image::sandbox_tag());
             }
             Ok(())
         }
-        Command::Image {
-            action: ImageAction::Build { cfg, force },
-        } => {
+        Command::Image { action: ImageAction::Build { cfg, force } } => {
             cfg.validate()?;
-            let docker = docker::connect(cfg.docker_host.as_deref())
-                .await
-                .context("cannot reach the Docker engine")?;
+            let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
             let progress = |line: &str| eprintln!("{line}");
             let tag = image::sandbox_tag();
             if force || !image::exists(&docker, &tag).await? {
@@ -119,6 +133,25 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench { cfg, runs } => pyberth::bench::run(cfg, runs).await,
+        Command::Layers { action: LayersAction::List { cfg } } => {
+            let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
+            let mut out = String::new();
+            for l in layers::list_by_use(&docker, &cfg.state_dir()).await? {
+                out.push_str(&format!("{}\t{} MB\t{}\n", l.tag, l.size >> 20, l.requirements.join(" ")));
+            }
+            #[allow(clippy::print_stdout)] // the listing is the command's output
+            {
+                print!("{out}");
+            }
+            Ok(())
+        }
+        Command::Layers { action: LayersAction::Prune { cfg, keep_mb } } => {
+            let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
+            for tag in layers::prune(&docker, &cfg.state_dir(), keep_mb << 20).await? {
+                eprintln!("removed {tag}");
+            }
+            Ok(())
+        }
     }
 }
 
@@ -128,15 +161,10 @@ async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
     let docker = docker::connect(cfg.docker_host.as_deref())
         .await
         .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
-    let instance =
-        Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref()).with_context(|| {
-            format!(
-                "cannot take an instance lock in {}",
-                cfg.state_dir().display()
-            )
-        })?;
+    let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
+        .with_context(|| format!("cannot take an instance lock in {}", cfg.state_dir().display()))?;
     tracing::info!(instance = %instance.owner.instance, "pyberth starting");
-    let registry = Arc::new(Registry::new(docker, cfg.clone(), instance));
+    let registry = Arc::new(Registry::new(docker, cfg.clone(), instance).context("cannot read the CA bundle")?);
     if let Err(e) = registry.sweep_leftovers().await {
         tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
     }
@@ -153,10 +181,7 @@ async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
     });
 
     let server = SandboxServer::new(registry.clone(), cfg.clone(), "local");
-    let running = server
-        .serve(rmcp::transport::stdio())
-        .await
-        .context("MCP initialisation failed")?;
+    let running = server.serve(rmcp::transport::stdio()).await.context("MCP initialisation failed")?;
     let cancel = running.cancellation_token();
     tokio::select! {
         r = running.waiting() => {

@@ -12,11 +12,7 @@ pub struct Capture {
 impl Capture {
     /// An empty capture that keeps at most `cap` bytes.
     pub fn new(cap: usize) -> Self {
-        Self {
-            cap,
-            data: Vec::new(),
-            dropped: 0,
-        }
+        Self { cap, data: Vec::new(), dropped: 0 }
     }
 
     /// Appends a chunk, keeping what fits.
@@ -58,10 +54,7 @@ impl Capture {
             if !text.is_empty() && !text.ends_with('\n') {
                 text.push('\n');
             }
-            text.push_str(&format!(
-                "[output truncated: {dropped} more bytes not shown (cap {} bytes)]\n",
-                self.cap
-            ));
+            text.push_str(&format!("[output truncated: {dropped} more bytes not shown (cap {} bytes)]\n", self.cap));
         }
         (text, raw)
     }
@@ -88,10 +81,7 @@ mod tests {
         }
         assert_eq!(c.dropped(), 20);
         let (text, raw) = c.render();
-        assert!(
-            text.starts_with("abcdefabcd\n[output truncated: 20 more bytes"),
-            "{text}"
-        );
+        assert!(text.starts_with("abcdefabcd\n[output truncated: 20 more bytes"), "{text}");
         assert!(raw.is_none());
     }
 
@@ -109,10 +99,7 @@ mod tests {
         let mut c = Capture::new(5);
         c.push("abcd\u{e9}\u{e9}".as_bytes()); // the cap cuts the first é in half
         let (text, raw) = c.render();
-        assert!(
-            text.starts_with("abcd\n[output truncated: 4 more bytes"),
-            "{text}"
-        );
+        assert!(text.starts_with("abcd\n[output truncated: 4 more bytes"), "{text}");
         assert!(raw.is_none());
     }
 

@@ -37,6 +37,16 @@ pub enum Request<'a> {
         /// Request id.
         id: u64,
     },
+    /// Pick up packages newly copied into the live site directory.
+    Refresh {
+        /// Request id.
+        id: u64,
+    },
+    /// List installed distributions.
+    Packages {
+        /// Request id.
+        id: u64,
+    },
 }
 
 impl Request<'_> {
@@ -95,6 +105,15 @@ pub struct Variable {
     pub repr: String,
 }
 
+/// An installed distribution.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
+pub struct Package {
+    /// Distribution name as its metadata spells it.
+    pub name: String,
+    /// Installed version.
+    pub version: String,
+}
+
 /// An event from the agent.
 #[derive(Debug, Deserialize)]
 #[serde(tag = "ev", rename_all = "snake_case")]
@@ -146,6 +165,18 @@ pub enum Event {
         /// The variables.
         vars: Vec<Variable>,
     },
+    /// Answer to [`Request::Refresh`].
+    Refreshed {
+        /// Request id.
+        id: u64,
+    },
+    /// Answer to [`Request::Packages`].
+    Packages {
+        /// Request id.
+        id: u64,
+        /// Installed distributions.
+        packages: Vec<Package>,
+    },
     /// The agent could not serve a request.
     Failed {
         /// Request id.
@@ -160,9 +191,7 @@ impl Event {
     pub fn payload(t: Option<String>, b: Option<String>) -> Result<Vec<u8>, Error> {
         match (t, b) {
             (Some(t), _) => Ok(t.into_bytes()),
-            (None, Some(b)) => base64::engine::general_purpose::STANDARD
-                .decode(b)
-                .map_err(|_| Error::BadPayload),
+            (None, Some(b)) => base64::engine::general_purpose::STANDARD.decode(b).map_err(|_| Error::BadPayload),
             (None, None) => Ok(Vec::new()),
         }
     }
@@ -228,12 +257,13 @@ mod tests {
         s.extend_from_slice(br#"{"ev":"hello","protocol":1,"python":"3.12.1","pid":7}"#);
         s.push(b'\n');
         s.extend_from_slice(
-            "{\"ev\":\"out\",\"id\":1,\"s\":\"stdout\",\"t\":\"h\u{e9}llo \u{1F600}\\n\"}\n"
-                .as_bytes(),
+            "{\"ev\":\"out\",\"id\":1,\"s\":\"stdout\",\"t\":\"h\u{e9}llo \u{1F600}\\n\"}\n".as_bytes(),
         );
         s.extend_from_slice(br#"{"ev":"out","id":1,"s":"stderr","b":"//4="}"#);
         s.push(b'\n');
-        s.extend_from_slice(br#"{"ev":"done","id":1,"status":"ok","result":"42","error":null,"wall_ms":1.5,"cpu_ms":0.0}"#);
+        s.extend_from_slice(
+            br#"{"ev":"done","id":1,"status":"ok","result":"42","error":null,"wall_ms":1.5,"cpu_ms":0.0}"#,
+        );
         s.push(b'\n');
         s
     }
@@ -259,9 +289,7 @@ mod tests {
                     let bytes = Event::payload(t.clone(), b.clone()).expect("payload");
                     format!("{s:?} {bytes:?}")
                 }
-                Event::Done {
-                    id, status, result, ..
-                } => format!("done {id} {status:?} {result:?}"),
+                Event::Done { id, status, result, .. } => format!("done {id} {status:?} {result:?}"),
                 other => format!("{other:?}"),
             })
             .collect()
@@ -275,11 +303,7 @@ mod tests {
         assert_eq!(whole[0], "hello 3.12.1 7");
         assert_eq!(whole[2], format!("Stderr {:?}", vec![0xffu8, 0xfe]));
         for i in 0..=s.len() {
-            assert_eq!(
-                summary(&decode_all(&[&s[..i], &s[i..]])),
-                whole,
-                "split at {i}"
-            );
+            assert_eq!(summary(&decode_all(&[&s[..i], &s[i..]])), whole, "split at {i}");
         }
         for i in 0..s.len() {
             for j in i..=s.len() {
@@ -301,14 +325,9 @@ mod tests {
     #[test]
     fn multibyte_text_survives() {
         let events = decode_all(&[&stream()]);
-        let Event::Out { t, b, .. } = &events[1] else {
-            panic!("not out")
-        };
+        let Event::Out { t, b, .. } = &events[1] else { panic!("not out") };
         let bytes = Event::payload(t.clone(), b.clone()).expect("payload");
-        assert_eq!(
-            String::from_utf8(bytes).expect("utf8"),
-            "h\u{e9}llo \u{1F600}\n"
-        );
+        assert_eq!(String::from_utf8(bytes).expect("utf8"), "h\u{e9}llo \u{1F600}\n");
     }
 
     #[test]
@@ -331,28 +350,18 @@ mod tests {
         let mut d = LineDecoder::default();
         d.push(b"not json\n{\"ev\":\"vars\",\"id\":3,\"vars\":[]}\n");
         assert!(matches!(d.next_event(), Err(Error::BadEvent(_))));
-        assert!(matches!(
-            d.next_event(),
-            Ok(Some(Event::Vars { id: 3, .. }))
-        ));
+        assert!(matches!(d.next_event(), Ok(Some(Event::Vars { id: 3, .. }))));
         assert!(matches!(d.next_event(), Ok(None)));
     }
 
     #[test]
     fn bad_base64_is_an_error() {
-        assert!(matches!(
-            Event::payload(None, Some("@@".into())),
-            Err(Error::BadPayload)
-        ));
+        assert!(matches!(Event::payload(None, Some("@@".into())), Err(Error::BadPayload)));
     }
 
     #[test]
     fn requests_are_one_line() {
-        let line = Request::Run {
-            id: 9,
-            code: "print('a\\nb')\nx = 1",
-        }
-        .to_line();
+        let line = Request::Run { id: 9, code: "print('a\\nb')\nx = 1" }.to_line();
         assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
         assert!(line.ends_with(b"\n"));
         let v: serde_json::Value = serde_json::from_slice(&line).expect("json");

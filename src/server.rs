@@ -10,13 +10,16 @@ use std::time::Duration;
 use rmcp::handler::server::common::schema_for_output;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::{CallToolResult, ContentBlock, Implementation, ServerCapabilities, ServerConfig};
+use rmcp::model::{
+    CallToolResult, ContentBlock, Implementation, ProgressNotificationParam, ServerCapabilities, ServerConfig,
+};
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, ServerHandler, tool, tool_handler, tool_router};
 use serde::{Deserialize, Serialize};
 
 use crate::config::SandboxConfig;
-use crate::protocol::{PyError, Variable};
+use crate::deps;
+use crate::protocol::{Package, PyError, Variable};
 use crate::session::registry::Registry;
 use crate::session::{RunOutcome, RunStatus, SessionInfo};
 
@@ -39,6 +42,63 @@ pub struct RunPythonArgs {
     /// the interpreter restarts (variables lost).
     #[serde(default)]
     pub timeout_s: Option<f64>,
+    /// Packages the code needs, as requirement strings ("numpy", "requests>=2.31"); installed
+    /// before the code runs, a no-op when the session already has them. PEP 723 inline
+    /// metadata (`# /// script` ... `dependencies = [...]`) in the code is honoured too.
+    #[serde(default)]
+    pub packages: Option<Vec<String>>,
+}
+
+/// Arguments of `install_packages`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct InstallArgs {
+    /// Requirement strings: a name, optional [extras], optional version constraints and an
+    /// optional marker ("pandas", "requests[socks]>=2.31,<3"). No URLs, paths or options.
+    pub packages: Vec<String>,
+    /// Session name. Omit for the default session; a new name creates the session.
+    #[serde(default)]
+    pub session: Option<String>,
+}
+
+/// Arguments of `list_packages`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListPackagesArgs {
+    /// Session name. Omit for the default session; a new name creates the session.
+    #[serde(default)]
+    pub session: Option<String>,
+    /// Only say whether these distributions are installed.
+    #[serde(default)]
+    pub names: Option<Vec<String>>,
+}
+
+/// Structured result of `install_packages`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct InstallOutput {
+    /// Session.
+    pub session: String,
+    /// Requirements newly installed.
+    pub installed: Vec<String>,
+    /// Requirements the session already had.
+    pub already_installed: Vec<String>,
+    /// True when the packages came from a cached layer (no download).
+    pub cached: bool,
+    /// Wall time in milliseconds.
+    pub duration_ms: f64,
+}
+
+/// Structured result of `list_packages`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct PackageList {
+    /// Session.
+    pub session: String,
+    /// Installed distributions (all, or those of `names` that are installed).
+    pub packages: Vec<Package>,
+    /// Of `names`, those not installed.
+    pub missing: Vec<String>,
+    /// Requirements installed through pyberth in this session.
+    pub requirements: Vec<String>,
 }
 
 /// Arguments of the tools that act on one session.
@@ -128,13 +188,8 @@ pub fn session_name(arg: Option<&str>) -> Result<String, String> {
     let name = arg.unwrap_or(DEFAULT_SESSION);
     let ok = !name.is_empty()
         && name.len() <= 40
-        && name
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphanumeric())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
     if ok {
         Ok(name.to_owned())
     } else {
@@ -151,15 +206,10 @@ pub fn check_code(code: &str, cap: usize) -> Result<(), String> {
         return Err("code is empty: pass the Python source to run".into());
     }
     if code.len() > cap {
-        return Err(format!(
-            "code is {} bytes, over the limit of {cap} bytes: split it into several runs",
-            code.len()
-        ));
+        return Err(format!("code is {} bytes, over the limit of {cap} bytes: split it into several runs", code.len()));
     }
     if let Some(pos) = code.find('\0') {
-        return Err(format!(
-            "code contains a NUL byte at offset {pos}: remove it"
-        ));
+        return Err(format!("code contains a NUL byte at offset {pos}: remove it"));
     }
     Ok(())
 }
@@ -168,9 +218,7 @@ pub fn check_code(code: &str, cap: usize) -> Result<(), String> {
 pub fn check_timeout(timeout_s: Option<f64>, cfg: &SandboxConfig) -> Result<Duration, String> {
     match timeout_s {
         None => Ok(cfg.timeout()),
-        Some(t) if t.is_finite() && t > 0.0 && t <= cfg.max_timeout_s as f64 => {
-            Ok(Duration::from_secs_f64(t))
-        }
+        Some(t) if t.is_finite() && t > 0.0 && t <= cfg.max_timeout_s as f64 => Ok(Duration::from_secs_f64(t)),
         Some(t) => Err(format!(
             "timeout_s {t} is out of range: give a number of seconds above 0 and at most {}",
             cfg.max_timeout_s
@@ -224,10 +272,7 @@ pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
     let status = match out.status {
         RunStatus::Ok => None,
         RunStatus::Error => Some("error".to_owned()),
-        RunStatus::Timeout => Some(format!(
-            "timeout: stopped after {:.1} s",
-            out.duration_ms / 1e3
-        )),
+        RunStatus::Timeout => Some(format!("timeout: stopped after {:.1} s", out.duration_ms / 1e3)),
         RunStatus::Cancelled => Some("cancelled".to_owned()),
         RunStatus::InterpreterRestarted => Some("interpreter restarted".to_owned()),
     };
@@ -242,11 +287,7 @@ pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
     }
     let is_error = out.status != RunStatus::Ok;
     let json = serde_json::to_value(&out).unwrap_or_default();
-    let mut result = if is_error {
-        CallToolResult::structured_error(json)
-    } else {
-        CallToolResult::structured(json)
-    };
+    let mut result = if is_error { CallToolResult::structured_error(json) } else { CallToolResult::structured(json) };
     result.content = vec![ContentBlock::text(text)];
     result
 }
@@ -257,16 +298,57 @@ fn structured<T: Serialize>(value: &T, text: String) -> CallToolResult {
     result
 }
 
+/// Validates requested packages plus those declared inline in `code`.
+pub fn wanted_packages(packages: Option<&[String]>, code: Option<&str>, max: usize) -> Result<Vec<String>, String> {
+    let mut wanted: Vec<String> = packages.map(|p| p.to_vec()).unwrap_or_default();
+    if let Some(code) = code {
+        wanted.extend(deps::inline_dependencies(code)?);
+    }
+    deps::parse_set(&wanted, max).map_err(|e| e.to_string())
+}
+
+/// A progress callback for long steps (installs, image builds) and the receiver of its lines.
+fn progress_channel() -> (impl Fn(&str) + Send + Sync, tokio::sync::mpsc::Receiver<String>) {
+    // Bounded, with try_send: a slow client loses lines, never stalls the work.
+    let (tx, rx) = tokio::sync::mpsc::channel::<String>(256);
+    (
+        move |line: &str| {
+            let _ = tx.try_send(line.to_owned());
+        },
+        rx,
+    )
+}
+
+/// Drives `work` while relaying its progress lines to the log and, when the request carried
+/// a progress token, to the client as progress notifications.
+async fn relay<T>(
+    ctx: &RequestContext<RoleServer>,
+    mut rx: tokio::sync::mpsc::Receiver<String>,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    let token = ctx.meta.get_progress_token();
+    let mut n = 0u32;
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            Some(line) = rx.recv() => {
+                tracing::info!(target: "pyberth::install", "{line}");
+                if let Some(tok) = &token {
+                    n += 1;
+                    let param = ProgressNotificationParam::new(tok.clone(), f64::from(n)).with_message(line);
+                    let _ = ctx.peer.notify_progress(param).await;
+                }
+            }
+        }
+    }
+}
+
 #[tool_router]
 impl SandboxServer {
     /// A server over a registry, acting for `principal`.
     pub fn new(registry: Arc<Registry>, cfg: Arc<SandboxConfig>, principal: &str) -> Self {
-        Self {
-            registry,
-            cfg,
-            principal: principal.into(),
-            tool_router: Self::tool_router(),
-        }
+        Self { registry, cfg, principal: principal.into(), tool_router: Self::tool_router() }
     }
 
     /// Run Python code in a persistent sandboxed interpreter and return its stdout, stderr,
@@ -297,7 +379,30 @@ impl SandboxServer {
             Ok(t) => t,
             Err(e) => return tool_error(e),
         };
-        let (session, created) = match self.registry.get_or_create(&self.principal, &name).await {
+        let packages = match wanted_packages(args.packages.as_deref(), Some(&args.code), self.cfg.max_packages) {
+            Ok(p) => p,
+            Err(e) => return tool_error(e),
+        };
+        let (progress, rx) = progress_channel();
+        let opened = relay(&ctx, rx, async {
+            let progress = &progress;
+            let (session, created) = self.registry.get_or_create(&self.principal, &name, &packages, progress).await?;
+            let mut notices = Vec::new();
+            if created {
+                notices.push(format!("new session {name:?} created"));
+                if !packages.is_empty() {
+                    notices.push(format!("packages ready: {}", packages.join(", ")));
+                }
+            } else if !packages.is_empty() {
+                let done = self.registry.install(&session, &packages, progress).await?;
+                if !done.added.is_empty() {
+                    notices.push(format!("packages installed: {}", done.added.join(", ")));
+                }
+            }
+            Ok::<_, crate::session::registry::Error>((session, notices))
+        })
+        .await;
+        let (session, notices) = match opened {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(session = %name, error = %e, "cannot open session");
@@ -306,11 +411,7 @@ impl SandboxServer {
         };
         match session.run(&args.code, timeout, &ctx.ct).await {
             Ok(mut outcome) => {
-                if created {
-                    outcome
-                        .notices
-                        .insert(0, format!("new session {name:?} created"));
-                }
+                outcome.notices.splice(0..0, notices);
                 render_run(&name, outcome)
             }
             Err(e) => {
@@ -320,19 +421,115 @@ impl SandboxServer {
         }
     }
 
+    /// Install Python packages into a session (created if new) from the package index. The
+    /// sandbox itself stays offline: a separate installer fetches the packages, and each set
+    /// is cached, so asking again (in any session) needs no download. Variables are kept.
+    /// Takes requirement strings such as "numpy" or "requests>=2.31"; no URLs, paths or options.
+    #[tool(
+        annotations(title = "Install packages", destructive_hint = false, open_world_hint = true),
+        output_schema = schema_for_output::<InstallOutput>()
+    )]
+    async fn install_packages(
+        &self,
+        Parameters(args): Parameters<InstallArgs>,
+        ctx: RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let name = match session_name(args.session.as_deref()) {
+            Ok(n) => n,
+            Err(e) => return tool_error(e),
+        };
+        if args.packages.is_empty() {
+            return tool_error("packages is empty: name at least one package, e.g. [\"numpy\"]");
+        }
+        let packages = match wanted_packages(Some(&args.packages), None, self.cfg.max_packages) {
+            Ok(p) => p,
+            Err(e) => return tool_error(e),
+        };
+        let started = std::time::Instant::now();
+        let (progress, rx) = progress_channel();
+        let done = relay(&ctx, rx, async {
+            let progress = &progress;
+            let (session, created) = self.registry.get_or_create(&self.principal, &name, &packages, progress).await?;
+            if created {
+                return Ok(crate::session::registry::Installed {
+                    added: packages.clone(),
+                    present: vec![],
+                    layer: None,
+                });
+            }
+            self.registry.install(&session, &packages, progress).await
+        })
+        .await;
+        match done {
+            Ok(done) => {
+                let out = InstallOutput {
+                    session: name.clone(),
+                    cached: done.layer.as_ref().is_some_and(|l| l.cached),
+                    installed: done.added,
+                    already_installed: done.present,
+                    duration_ms: (started.elapsed().as_secs_f64() * 1e3).round(),
+                };
+                let mut text = String::new();
+                if !out.installed.is_empty() {
+                    text.push_str(&format!("installed in session {name:?}: {}\n", out.installed.join(", ")));
+                }
+                if !out.already_installed.is_empty() {
+                    text.push_str(&format!("already installed: {}\n", out.already_installed.join(", ")));
+                }
+                structured(&out, text)
+            }
+            Err(e) => {
+                tracing::warn!(session = %name, error = %e, "install failed");
+                tool_error(e.to_string())
+            }
+        }
+    }
+
+    /// List the Python distributions installed in a session (name and version), or, with
+    /// `names`, say which of those are installed and which are missing.
+    #[tool(annotations(title = "List packages", read_only_hint = true), output_schema = schema_for_output::<PackageList>())]
+    async fn list_packages(&self, Parameters(args): Parameters<ListPackagesArgs>) -> CallToolResult {
+        let name = match session_name(args.session.as_deref()) {
+            Ok(n) => n,
+            Err(e) => return tool_error(e),
+        };
+        let session = match self.registry.get_or_create(&self.principal, &name, &[], &|_| {}).await {
+            Ok((s, _)) => s,
+            Err(e) => return tool_error(e.to_string()),
+        };
+        let installed = match session.installed().await {
+            Ok(p) => p,
+            Err(e) => return tool_error(format!("cannot list packages of session {name:?}: {e}")),
+        };
+        let (packages, missing) = match &args.names {
+            None => (installed, Vec::new()),
+            Some(names) => {
+                let mut found = Vec::new();
+                let mut missing = Vec::new();
+                for n in names {
+                    let key = deps::normalize_name(n);
+                    match installed.iter().find(|p| deps::normalize_name(&p.name) == key) {
+                        Some(p) => found.push(p.clone()),
+                        None => missing.push(n.clone()),
+                    }
+                }
+                (found, missing)
+            }
+        };
+        let mut text: String = packages.iter().map(|p| format!("{}=={}\n", p.name, p.version)).collect();
+        if !missing.is_empty() {
+            text.push_str(&format!("not installed: {}\n", missing.join(", ")));
+        }
+        let out = PackageList { session: name, packages, missing, requirements: session.requirements() };
+        structured(&out, text)
+    }
+
     /// List your open sessions with their Python version, number of runs, idle time and
     /// time until they are closed for idleness.
     #[tool(annotations(title = "List sessions", read_only_hint = true), output_schema = schema_for_output::<SessionList>())]
     async fn list_sessions(&self, Parameters(_): Parameters<NoArgs>) -> CallToolResult {
-        let list = SessionList {
-            sessions: self.registry.list(&self.principal),
-            max_sessions: self.cfg.max_sessions,
-        };
-        let mut text = format!(
-            "{} of at most {} sessions open\n",
-            list.sessions.len(),
-            list.max_sessions
-        );
+        let list = SessionList { sessions: self.registry.list(&self.principal), max_sessions: self.cfg.max_sessions };
+        let mut text = format!("{} of at most {} sessions open\n", list.sessions.len(), list.max_sessions);
         for s in &list.sessions {
             text.push_str(&format!(
                 "{}: python {}, {} runs, idle {} s, closes in {} s\n",
@@ -344,11 +541,7 @@ impl SandboxServer {
 
     /// Restart a session's interpreter: all variables, imports and running processes are
     /// discarded; files in /workspace are kept. Use it when the state is broken or to start over.
-    #[tool(annotations(
-        title = "Reset session",
-        destructive_hint = true,
-        idempotent_hint = true
-    ))]
+    #[tool(annotations(title = "Reset session", destructive_hint = true, idempotent_hint = true))]
     async fn reset_session(&self, Parameters(args): Parameters<SessionArgs>) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
@@ -360,8 +553,7 @@ impl SandboxServer {
         };
         match session.reset().await {
             Ok(notice) => {
-                let mut text =
-                    format!("session {name:?} reset: fresh interpreter, workspace files kept");
+                let mut text = format!("session {name:?} reset: fresh interpreter, workspace files kept");
                 if let Some(n) = notice {
                     text.push_str(&format!("\n[notice] {n}"));
                 }
@@ -373,11 +565,7 @@ impl SandboxServer {
 
     /// Close a session: its container, interpreter and workspace files are deleted. A later
     /// run_python with the same name starts an empty session.
-    #[tool(annotations(
-        title = "Close session",
-        destructive_hint = true,
-        idempotent_hint = false
-    ))]
+    #[tool(annotations(title = "Close session", destructive_hint = true, idempotent_hint = false))]
     async fn close_session(&self, Parameters(args): Parameters<SessionArgs>) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
@@ -415,13 +603,7 @@ impl SandboxServer {
                 for v in &variables {
                     text.push_str(&format!("{}: {} = {}\n", v.name, v.kind, v.repr));
                 }
-                structured(
-                    &VariableList {
-                        session: name,
-                        variables,
-                    },
-                    text,
-                )
+                structured(&VariableList { session: name, variables }, text)
             }
             Err(e) => tool_error(format!("cannot list variables of session {name:?}: {e}")),
         }
@@ -464,37 +646,18 @@ mod tests {
     #[test]
     fn code_checks() {
         assert!(check_code("print(1)", 100).is_ok());
-        assert!(
-            check_code("  \n", 100)
-                .expect_err("empty")
-                .contains("empty")
-        );
-        assert!(
-            check_code("x = 1\0", 100)
-                .expect_err("nul")
-                .contains("offset 5")
-        );
-        assert!(
-            check_code(&"x".repeat(101), 100)
-                .expect_err("big")
-                .contains("over the limit")
-        );
+        assert!(check_code("  \n", 100).expect_err("empty").contains("empty"));
+        assert!(check_code("x = 1\0", 100).expect_err("nul").contains("offset 5"));
+        assert!(check_code(&"x".repeat(101), 100).expect_err("big").contains("over the limit"));
     }
 
     #[test]
     fn timeout_checks() {
         let cfg = Cli::parse_from(["x"]).c;
         assert_eq!(check_timeout(None, &cfg), Ok(Duration::from_secs(60)));
-        assert_eq!(
-            check_timeout(Some(2.5), &cfg),
-            Ok(Duration::from_millis(2500))
-        );
+        assert_eq!(check_timeout(Some(2.5), &cfg), Ok(Duration::from_millis(2500)));
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {
-            assert!(
-                check_timeout(Some(bad), &cfg)
-                    .expect_err("bad")
-                    .contains("out of range")
-            );
+            assert!(check_timeout(Some(bad), &cfg).expect_err("bad").contains("out of range"));
         }
     }
 
@@ -524,12 +687,7 @@ mod tests {
         assert_eq!(sc["result"], "42");
         assert_eq!(sc["status"], "ok");
         assert_eq!(sc["truncated"], false);
-        for s in [
-            RunStatus::Error,
-            RunStatus::Timeout,
-            RunStatus::Cancelled,
-            RunStatus::InterpreterRestarted,
-        ] {
+        for s in [RunStatus::Error, RunStatus::Timeout, RunStatus::Cancelled, RunStatus::InterpreterRestarted] {
             let r = render_run("s", outcome(s));
             assert_eq!(r.is_error, Some(true), "{s:?}");
             assert!(r.structured_content.is_some());

@@ -13,12 +13,15 @@ Standard library only: the same file runs on every base image.
 import ast
 import base64
 import builtins
+import importlib
+import importlib.metadata
 import json
 import linecache
 import os
 import queue
 import select
 import signal
+import site
 import sys
 import threading
 import time
@@ -29,6 +32,33 @@ PROTOCOL_VERSION = 1
 CHUNK = 65536  # bytes per output event; keeps every line far below the server's line cap
 MAX_TEXT = 65536  # cap for repr, tracebacks and variable listings sent back
 AGENT_FILE = os.path.abspath(__file__)
+# Packages of the session's dependency layer, and those installed into the live session.
+LAYER_SITE = "/opt/pyberth/site"
+LIVE_SITE = "/opt/pyberth/live/site"
+
+
+def add_site_dirs():
+    """Puts package dirs (with their .pth files) ahead of the system's, live first."""
+    for path in (LAYER_SITE, LIVE_SITE):
+        if os.path.isdir(path) and path not in sys.path:
+            before = list(sys.path)
+            site.addsitedir(path)
+            added = [p for p in sys.path if p not in before]
+            for p in added:
+                sys.path.remove(p)
+            sys.path[1:1] = added
+    importlib.invalidate_caches()
+
+
+def distributions():
+    """Installed distributions visible to the code, first on the path wins."""
+    seen = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        key = name.lower().replace("_", "-").replace(".", "-")
+        if key and key not in seen:
+            seen[key] = {"name": name, "version": dist.version}
+    return sorted(seen.values(), key=lambda d: d["name"].lower())
 
 
 def clean(text, limit=MAX_TEXT):
@@ -183,6 +213,7 @@ class Agent:
         self.stdout, self.stderr = sys.stdout, sys.stderr
         # Like a REPL: modules in the working directory (the workspace) are importable.
         sys.path.insert(0, "")
+        add_site_dirs()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def restore_fds(self):
@@ -225,6 +256,11 @@ class Agent:
                     self.run(msg)
                 elif op == "vars":
                     self.channel.send({"ev": "vars", "id": msg.get("id"), "vars": self.variables()})
+                elif op == "refresh":
+                    add_site_dirs()
+                    self.channel.send({"ev": "refreshed", "id": msg.get("id")})
+                elif op == "packages":
+                    self.channel.send({"ev": "packages", "id": msg.get("id"), "packages": distributions()})
                 elif op == "shutdown":
                     return
                 else:

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 
 use bollard::Docker;
 use bollard::models::{
-    ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits,
-    RestartPolicy, RestartPolicyNameEnum, VolumeCreateRequest,
+    ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits, RestartPolicy,
+    RestartPolicyNameEnum, VolumeCreateRequest,
 };
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, ListContainersOptionsBuilder, ListVolumesOptionsBuilder,
@@ -62,6 +62,8 @@ pub struct Created {
     pub id: String,
     /// Workspace volume name.
     pub volume: String,
+    /// Volume receiving packages installed while the session runs.
+    pub live: String,
 }
 
 /// The hardened host configuration of a session container.
@@ -79,10 +81,7 @@ pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
         readonly_rootfs: Some(true),
         tmpfs: Some(HashMap::from([(
             "/tmp".into(),
-            format!(
-                "rw,nosuid,nodev,size={}m,nr_inodes=16384,mode=1777",
-                cfg.tmp_mb
-            ),
+            format!("rw,nosuid,nodev,size={}m,nr_inodes=16384,mode=1777", cfg.tmp_mb),
         )])),
         mounts: Some(vec![Mount {
             target: Some(WORKSPACE.into()),
@@ -94,24 +93,14 @@ pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
         memory_swap: Some(memory),
         nano_cpus: Some((cfg.cpus * 1e9) as i64),
         pids_limit: Some(cfg.pids),
-        ulimits: Some(vec![
-            ulimit("nofile", 1024, 1024),
-            ulimit("fsize", 1 << 30, 1 << 30),
-            ulimit("core", 0, 0),
-        ]),
+        ulimits: Some(vec![ulimit("nofile", 1024, 1024), ulimit("fsize", 1 << 30, 1 << 30), ulimit("core", 0, 0)]),
         init: Some(true),
         ipc_mode: Some("private".into()),
         shm_size: Some(64 << 20),
         oom_score_adj: Some(500),
         privileged: Some(false),
-        log_config: Some(HostConfigLogConfig {
-            typ: Some("none".into()),
-            config: None,
-        }),
-        restart_policy: Some(RestartPolicy {
-            name: Some(RestartPolicyNameEnum::NO),
-            maximum_retry_count: None,
-        }),
+        log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
+        restart_policy: Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None }),
         auto_remove: Some(false),
         ..Default::default()
     }
@@ -130,13 +119,24 @@ pub async fn create(
     let serial = next_serial();
     let name = format!("pyberth-{}-{}-{serial}", owner.instance, session);
     let labels = owner.labels(session, principal);
-    docker
-        .create_volume(VolumeCreateRequest {
-            name: Some(name.clone()),
-            labels: Some(labels.clone()),
+    let live = format!("{name}-live");
+    for volume in [&name, &live] {
+        let request =
+            VolumeCreateRequest { name: Some(volume.clone()), labels: Some(labels.clone()), ..Default::default() };
+        if let Err(e) = docker.create_volume(request).await {
+            remove_volume(docker, &name).await;
+            return Err(e.into());
+        }
+    }
+    let mut hc = host_config(cfg, &name);
+    if let Some(mounts) = hc.mounts.as_mut() {
+        mounts.push(Mount {
+            target: Some(super::layers::LIVE_DIR.into()),
+            source: Some(live.clone()),
+            typ: Some(MountType::VOLUME),
             ..Default::default()
-        })
-        .await?;
+        });
+    }
     let body = ContainerCreateBody {
         image: Some(image.into()),
         cmd: Some(vec!["sleep".into(), "infinity".into()]),
@@ -145,25 +145,32 @@ pub async fn create(
         env: Some(ENV.iter().map(|s| (*s).to_owned()).collect()),
         labels: Some(labels),
         network_disabled: Some(true),
-        host_config: Some(host_config(cfg, &name)),
+        host_config: Some(hc),
         ..Default::default()
     };
     let opts = CreateContainerOptionsBuilder::default().name(&name).build();
+    let made = Created { id: name.clone(), volume: name.clone(), live };
     let created = match docker.create_container(Some(opts), body).await {
         Ok(c) => c,
         Err(e) => {
-            remove_volume(docker, &name).await;
+            destroy(docker, &made).await;
             return Err(e.into());
         }
     };
-    if let Err(e) = docker.start_container(&created.id, None).await {
-        remove(docker, &created.id, &name).await;
+    let made = Created { id: created.id, ..made };
+    if let Err(e) = docker.start_container(&made.id, None).await {
+        destroy(docker, &made).await;
         return Err(e.into());
     }
-    Ok(Created {
-        id: created.id,
-        volume: name,
-    })
+    Ok(made)
+}
+
+/// Removes a session's container (killing it) and its volumes. Failures are logged, not
+/// returned: cleanup must go on for the other resources, and the sweep catches what is left.
+pub async fn destroy(docker: &Docker, c: &Created) {
+    remove_container(docker, &c.id).await;
+    remove_volume(docker, &c.volume).await;
+    remove_volume(docker, &c.live).await;
 }
 
 fn next_serial() -> u64 {
@@ -176,37 +183,27 @@ fn next_serial() -> u64 {
 pub async fn is_running(docker: &Docker, id: &str) -> Result<bool, Error> {
     match docker.inspect_container(id, None).await {
         Ok(c) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),
-        Err(bollard::errors::Error::DockerResponseServerError {
-            status_code: 404, ..
-        }) => Ok(false),
+        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(false),
         Err(e) => Err(e.into()),
     }
 }
 
-/// Removes a container (killing it) and its volume. Failures are logged, not returned:
-/// cleanup must go on for the other resources, and the sweep catches what is left.
-pub async fn remove(docker: &Docker, id: &str, volume: &str) {
-    let opts = RemoveContainerOptionsBuilder::default()
-        .force(true)
-        .v(true)
-        .build();
+/// Removes (killing) a container; failures are logged.
+pub async fn remove_container(docker: &Docker, id: &str) {
+    let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
     match docker.remove_container(id, Some(opts)).await {
         Ok(()) => {}
-        Err(bollard::errors::Error::DockerResponseServerError {
-            status_code: 404, ..
-        }) => {}
+        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
         Err(e) => tracing::warn!(container = %short(id), error = %e, "cannot remove container"),
     }
-    remove_volume(docker, volume).await;
 }
 
-async fn remove_volume(docker: &Docker, name: &str) {
+/// Removes a volume; failures are logged.
+pub async fn remove_volume(docker: &Docker, name: &str) {
     let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
     match docker.remove_volume(name, Some(opts)).await {
         Ok(()) => {}
-        Err(bollard::errors::Error::DockerResponseServerError {
-            status_code: 404, ..
-        }) => {}
+        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
         Err(e) => tracing::warn!(volume = %name, error = %e, "cannot remove volume"),
     }
 }
@@ -224,20 +221,14 @@ pub async fn sweep(
     is_dead: &(dyn Fn(&HashMap<String, String>) -> bool + Send + Sync),
 ) -> Result<(usize, usize), Error> {
     let filters = HashMap::from([("label", vec![LABEL_MANAGED])]);
-    let opts = ListContainersOptionsBuilder::default()
-        .all(true)
-        .filters(&filters)
-        .build();
+    let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
     let mut containers = 0;
     for c in docker.list_containers(Some(opts)).await? {
         let labels = c.labels.unwrap_or_default();
         if let Some(id) = c.id
             && is_dead(&labels)
         {
-            let opts = RemoveContainerOptionsBuilder::default()
-                .force(true)
-                .v(true)
-                .build();
+            let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
             match docker.remove_container(&id, Some(opts)).await {
                 Ok(()) => containers += 1,
                 Err(e) => {
@@ -246,16 +237,9 @@ pub async fn sweep(
             }
         }
     }
-    let opts = ListVolumesOptionsBuilder::default()
-        .filters(&filters)
-        .build();
+    let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
     let mut volumes = 0;
-    for v in docker
-        .list_volumes(Some(opts))
-        .await?
-        .volumes
-        .unwrap_or_default()
-    {
+    for v in docker.list_volumes(Some(opts)).await?.volumes.unwrap_or_default() {
         if is_dead(&v.labels) {
             let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
             match docker.remove_volume(&v.name, Some(opts)).await {

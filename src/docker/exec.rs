@@ -36,12 +36,7 @@ pub async fn attach_agent(docker: &Docker, container: &str) -> Result<Attached, 
     attach(docker, container, &AGENT_CMD, true).await
 }
 
-async fn attach(
-    docker: &Docker,
-    container: &str,
-    cmd: &[&str],
-    stdin: bool,
-) -> Result<Attached, Error> {
+async fn attach(docker: &Docker, container: &str, cmd: &[&str], stdin: bool) -> Result<Attached, Error> {
     let opts = CreateExecOptions {
         cmd: Some(cmd.to_vec()),
         attach_stdin: Some(stdin),
@@ -56,17 +51,9 @@ async fn attach(
         ..Default::default()
     };
     let created = docker.create_exec(container, opts).await?;
-    let start = StartExecOptions {
-        detach: false,
-        tty: false,
-        output_capacity: Some(256 << 10),
-    };
+    let start = StartExecOptions { detach: false, tty: false, output_capacity: Some(256 << 10) };
     match docker.start_exec(&created.id, Some(start)).await? {
-        StartExecResults::Attached { output, input } => Ok(Attached {
-            id: created.id,
-            input,
-            output,
-        }),
+        StartExecResults::Attached { output, input } => Ok(Attached { id: created.id, input, output }),
         StartExecResults::Detached => Err(Error::NotAttached),
     }
 }
@@ -85,9 +72,5 @@ pub async fn kill_code_processes(docker: &Docker, container: &str) -> Result<(),
 
 /// Exit code of a finished exec, if Docker knows it.
 pub async fn exit_code(docker: &Docker, exec_id: &str) -> Option<i64> {
-    docker
-        .inspect_exec(exec_id)
-        .await
-        .ok()
-        .and_then(|e| e.exit_code)
+    docker.inspect_exec(exec_id).await.ok().and_then(|e| e.exit_code)
 }

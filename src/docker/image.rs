@@ -47,19 +47,13 @@ pub fn sandbox_tag() -> String {
 pub async fn exists(docker: &Docker, name: &str) -> Result<bool, Error> {
     match docker.inspect_image(name).await {
         Ok(_) => Ok(true),
-        Err(bollard::errors::Error::DockerResponseServerError {
-            status_code: 404, ..
-        }) => Ok(false),
+        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(false),
         Err(e) => Err(e.into()),
     }
 }
 
 /// The image sessions run: `--image` as given, or the sandbox image, built when absent.
-pub async fn ensure(
-    docker: &Docker,
-    cfg: &SandboxConfig,
-    progress: Progress<'_>,
-) -> Result<String, Error> {
+pub async fn ensure(docker: &Docker, cfg: &SandboxConfig, progress: Progress<'_>) -> Result<String, Error> {
     if let Some(image) = &cfg.image {
         if exists(docker, image).await? {
             return Ok(image.clone());
@@ -84,17 +78,9 @@ pub async fn ensure(
 /// Takes the machine-wide image build lock, waiting for another builder if needed.
 async fn build_lock(dir: &std::path::Path) -> Result<std::fs::File, Error> {
     let path = dir.join("image-build.lock");
-    let io = |source| Error::Io {
-        context: format!("cannot take the build lock {}", path.display()),
-        source,
-    };
+    let io = |source| Error::Io { context: format!("cannot take the build lock {}", path.display()), source };
     std::fs::create_dir_all(dir).map_err(io)?;
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io)?;
+    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io)?;
     tokio::task::spawn_blocking(move || file.lock().map(|()| file))
         .await
         .map_err(|e| io(std::io::Error::other(e)))?
@@ -102,18 +88,11 @@ async fn build_lock(dir: &std::path::Path) -> Result<std::fs::File, Error> {
 }
 
 /// Builds the sandbox image under `tag`, finding or making a base first.
-pub async fn build(
-    docker: &Docker,
-    cfg: &SandboxConfig,
-    tag: &str,
-    progress: Progress<'_>,
-) -> Result<(), Error> {
+pub async fn build(docker: &Docker, cfg: &SandboxConfig, tag: &str, progress: Progress<'_>) -> Result<(), Error> {
     let base = resolve_base(docker, cfg, progress).await?;
     progress(&format!("building {tag} on {base}"));
-    let context = context_tar().map_err(|source| Error::Io {
-        context: "cannot pack the build context".into(),
-        source,
-    })?;
+    let context =
+        context_tar().map_err(|source| Error::Io { context: "cannot pack the build context".into(), source })?;
     let args = HashMap::from([("BASE", base.as_str())]);
     let opts = BuildImageOptionsBuilder::default()
         .dockerfile("Dockerfile")
@@ -126,12 +105,7 @@ pub async fn build(
     while let Some(item) = stream.next().await {
         match item {
             Ok(info) => {
-                if let Some(line) = info
-                    .stream
-                    .as_deref()
-                    .map(str::trim_end)
-                    .filter(|l| !l.is_empty())
-                {
+                if let Some(line) = info.stream.as_deref().map(str::trim_end).filter(|l| !l.is_empty()) {
                     progress(line);
                 }
                 if let Some(detail) = info.error_detail.and_then(|d| d.message) {
@@ -145,9 +119,7 @@ pub async fn build(
         }
     }
     if !exists(docker, tag).await? {
-        return Err(Error::Build(format!(
-            "the engine reported no error but {tag} does not exist"
-        )));
+        return Err(Error::Build(format!("the engine reported no error but {tag} does not exist")));
     }
     progress(&format!("built {tag}"));
     Ok(())
@@ -168,11 +140,7 @@ fn context_tar() -> std::io::Result<Vec<u8>> {
 
 /// The base to build on: the configured image if present or pullable, else the offline
 /// Debian base, bootstrapped if needed.
-async fn resolve_base(
-    docker: &Docker,
-    cfg: &SandboxConfig,
-    progress: Progress<'_>,
-) -> Result<String, Error> {
+async fn resolve_base(docker: &Docker, cfg: &SandboxConfig, progress: Progress<'_>) -> Result<String, Error> {
     let base = &cfg.base_image;
     if exists(docker, base).await? {
         return Ok(base.clone());
@@ -183,9 +151,7 @@ async fn resolve_base(
         Err(e) => e,
     };
     let fallback = format!("{BASE_REPO}:{}", cfg.fallback_release);
-    progress(&format!(
-        "cannot pull {base} ({pull_error}); using the offline base {fallback}"
-    ));
+    progress(&format!("cannot pull {base} ({pull_error}); using the offline base {fallback}"));
     if exists(docker, &fallback).await? {
         return Ok(fallback);
     }
@@ -200,9 +166,7 @@ async fn resolve_base(
 }
 
 async fn pull(docker: &Docker, image: &str) -> Result<(), Error> {
-    let opts = CreateImageOptionsBuilder::default()
-        .from_image(image)
-        .build();
+    let opts = CreateImageOptionsBuilder::default().from_image(image).build();
     let mut stream = docker.create_image(Some(opts), None, None);
     while let Some(item) = stream.next().await {
         let info = item?;
@@ -214,27 +178,17 @@ async fn pull(docker: &Docker, image: &str) -> Result<(), Error> {
 }
 
 /// Runs images/debootstrap-base.sh and imports its root filesystem as `tag`.
-async fn bootstrap(
-    docker: &Docker,
-    cfg: &SandboxConfig,
-    tag: &str,
-    progress: Progress<'_>,
-) -> Result<(), Error> {
+async fn bootstrap(docker: &Docker, cfg: &SandboxConfig, tag: &str, progress: Progress<'_>) -> Result<(), Error> {
     let io = |context: &str| {
         let context = context.to_owned();
         move |source| Error::Io { context, source }
     };
     let dir = std::env::temp_dir().join(format!("pyberth-bootstrap-{}", std::process::id()));
-    tokio::fs::create_dir_all(&dir)
-        .await
-        .map_err(io("cannot create a temporary directory"))?;
+    tokio::fs::create_dir_all(&dir).await.map_err(io("cannot create a temporary directory"))?;
     let rootfs = dir.join("rootfs.tar");
     let result = async {
         let out = std::fs::File::create(&rootfs).map_err(io("cannot create the rootfs file"))?;
-        progress(&format!(
-            "bootstrapping Debian {} from {} (a few minutes)",
-            cfg.fallback_release, cfg.debian_mirror
-        ));
+        progress(&format!("bootstrapping Debian {} from {} (a few minutes)", cfg.fallback_release, cfg.debian_mirror));
         let mut child = tokio::process::Command::new("sh")
             .arg("-c")
             .arg(BOOTSTRAP_SH)
@@ -255,18 +209,13 @@ async fn bootstrap(
                 last = line;
             }
         }
-        let status = child
-            .wait()
-            .await
-            .map_err(io("cannot wait for the bootstrap script"))?;
+        let status = child.wait().await.map_err(io("cannot wait for the bootstrap script"))?;
         if !status.success() {
             let why = last.trim_start_matches("debootstrap-base: ");
             return Err(Error::Build(format!("debootstrap failed: {why}")));
         }
         progress(&format!("importing {tag}"));
-        let file = tokio::fs::File::open(&rootfs)
-            .await
-            .map_err(io("cannot reopen the rootfs file"))?;
+        let file = tokio::fs::File::open(&rootfs).await.map_err(io("cannot reopen the rootfs file"))?;
         let body = bollard::body_try_stream(tokio_util::io::ReaderStream::new(file));
         let (repo, release) = tag.split_once(':').unwrap_or((tag, "latest"));
         let opts = CreateImageOptionsBuilder::default()
@@ -305,13 +254,7 @@ mod tests {
         let names: Vec<String> = ar
             .entries()
             .expect("entries")
-            .map(|e| {
-                e.expect("entry")
-                    .path()
-                    .expect("path")
-                    .display()
-                    .to_string()
-            })
+            .map(|e| e.expect("entry").path().expect("path").display().to_string())
             .collect();
         assert_eq!(names, ["Dockerfile", "agent.py"]);
     }

@@ -4,6 +4,7 @@
 pub mod container;
 pub mod exec;
 pub mod image;
+pub mod layers;
 
 use bollard::Docker;
 
@@ -52,13 +53,7 @@ pub enum Error {
 impl Error {
     /// True when Docker said the container (or exec) does not exist or is not running.
     pub fn is_gone(&self) -> bool {
-        matches!(
-            self,
-            Error::Engine(bollard::errors::Error::DockerResponseServerError {
-                status_code: 404 | 409,
-                ..
-            })
-        )
+        matches!(self, Error::Engine(bollard::errors::Error::DockerResponseServerError { status_code: 404 | 409, .. }))
     }
 }
 
@@ -66,9 +61,7 @@ impl Error {
 pub async fn connect(host: Option<&str>) -> Result<Docker, Error> {
     let docker = match host {
         None | Some("") => Docker::connect_with_local_defaults()?,
-        Some(h) if h.starts_with("unix://") => {
-            Docker::connect_with_unix(h, 120, bollard::API_DEFAULT_VERSION)?
-        }
+        Some(h) if h.starts_with("unix://") => Docker::connect_with_unix(h, 120, bollard::API_DEFAULT_VERSION)?,
         Some(h) if h.starts_with("tcp://") || h.starts_with("http://") => {
             Docker::connect_with_http(h, 120, bollard::API_DEFAULT_VERSION)?
         }

@@ -6,6 +6,7 @@
 
 pub mod registry;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -18,16 +19,15 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
 use crate::docker::container::{self, Created, Owner, short};
+use crate::docker::layers;
 use crate::docker::{self, exec};
 use crate::output::Capture;
-use crate::protocol::{
-    self, DoneStatus, Event, LineDecoder, PROTOCOL_VERSION, PyError, Request, Variable,
-};
+use crate::protocol::{self, DoneStatus, Event, LineDecoder, PROTOCOL_VERSION, Package, PyError, Request, Variable};
 
 /// How long a fresh agent may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a variables listing may take.
-const VARS_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an agent query (variables, packages, refresh) may take.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A session failure that is not the code's own doing.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +41,9 @@ pub enum Error {
     /// The agent did not answer in time.
     #[error("the interpreter did not answer within {0:?}")]
     AgentTimeout(Duration),
+    /// Packages could not be copied into the session.
+    #[error("cannot add packages to the session: {0}")]
+    Install(String),
     /// The session was closed while the call was under way.
     #[error("the session was closed")]
     Closed,
@@ -179,6 +182,10 @@ pub struct Session {
     runs: AtomicU64,
     /// Set by close: nothing may recreate the container afterwards.
     closed: AtomicBool,
+    /// Requirements of the session's layer (what a recreated container still has).
+    layer_packages: BTreeSet<String>,
+    /// Requirements installed: the layer's plus those added while running.
+    packages: std::sync::Mutex<BTreeSet<String>>,
 }
 
 impl Session {
@@ -190,6 +197,7 @@ impl Session {
         owner: Owner,
         name: String,
         principal: String,
+        packages: Vec<String>,
     ) -> Result<Arc<Self>, Error> {
         let created = container::create(&docker, &cfg, &image, &owner, &name, &principal).await?;
         tracing::info!(session = %name, container = %short(&created.id), "session created");
@@ -211,13 +219,15 @@ impl Session {
             created: SystemTime::now(),
             runs: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            layer_packages: packages.iter().cloned().collect(),
+            packages: std::sync::Mutex::new(packages.into_iter().collect()),
         });
         let started = {
             let mut inner = session.inner.lock().await;
             session.start_agent(&mut inner).await
         };
         if let Err(e) = started {
-            container::remove(&session.docker, &created.id, &created.volume).await;
+            container::destroy(&session.docker, &created).await;
             return Err(e);
         }
         Ok(session)
@@ -231,10 +241,7 @@ impl Session {
 
     /// Time since the last call.
     pub fn idle(&self) -> Duration {
-        self.last_used
-            .lock()
-            .map(|t| t.elapsed())
-            .unwrap_or_default()
+        self.last_used.lock().map(|t| t.elapsed()).unwrap_or_default()
     }
 
     /// True while a call holds the session.
@@ -245,11 +252,7 @@ impl Session {
     /// Listing entry.
     pub fn info(&self) -> SessionInfo {
         let idle = self.idle();
-        let python = self
-            .inner
-            .try_lock()
-            .map(|i| i.python.clone())
-            .unwrap_or_default();
+        let python = self.inner.try_lock().map(|i| i.python.clone()).unwrap_or_default();
         SessionInfo {
             session: self.name.clone(),
             python,
@@ -272,11 +275,7 @@ impl Session {
             .await
             .map_err(|_| Error::AgentTimeout(HELLO_TIMEOUT))?;
         match hello {
-            Ok(Some(Event::Hello {
-                protocol,
-                python,
-                pid,
-            })) if protocol == PROTOCOL_VERSION => {
+            Ok(Some(Event::Hello { protocol, python, pid })) if protocol == PROTOCOL_VERSION => {
                 tracing::debug!(session = %self.name, %python, pid, "agent ready");
                 inner.python = python;
                 inner.agent = Some(agent);
@@ -285,14 +284,10 @@ impl Session {
             Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(
                 "agent protocol {protocol}, server protocol {PROTOCOL_VERSION}: rebuild the image with `pyberth image build`"
             ))),
-            Ok(Some(other)) => Err(Error::AgentStart(format!(
-                "unexpected first event {other:?}"
-            ))),
+            Ok(Some(other)) => Err(Error::AgentStart(format!("unexpected first event {other:?}"))),
             Ok(None) => {
                 let code = exec::exit_code(&self.docker, &agent.exec_id).await;
-                Err(Error::AgentStart(format!(
-                    "the agent exited at start (exit code {code:?})"
-                )))
+                Err(Error::AgentStart(format!("the agent exited at start (exit code {code:?})")))
             }
             Err(ReadError::Skippable(e)) => Err(Error::AgentStart(e.to_string())),
             Err(ReadError::Fatal(e)) => Err(Error::AgentStart(e)),
@@ -320,18 +315,14 @@ impl Session {
         } else {
             tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
-        container::remove(&self.docker, &inner.container.id, &inner.container.volume).await;
-        inner.container = container::create(
-            &self.docker,
-            &self.cfg,
-            &self.image,
-            &self.owner,
-            &self.name,
-            &self.principal,
-        )
-        .await?;
+        container::destroy(&self.docker, &inner.container).await;
+        inner.container =
+            container::create(&self.docker, &self.cfg, &self.image, &self.owner, &self.name, &self.principal).await?;
         if let Ok(mut c) = self.container.lock() {
             *c = inner.container.clone();
+        }
+        if let Ok(mut p) = self.packages.lock() {
+            *p = self.layer_packages.clone();
         }
         self.start_agent(inner).await?;
         Ok(Some(
@@ -352,12 +343,7 @@ impl Session {
     }
 
     /// Runs code in the persistent interpreter.
-    pub async fn run(
-        &self,
-        code: &str,
-        timeout: Duration,
-        ct: &CancellationToken,
-    ) -> Result<RunOutcome, Error> {
+    pub async fn run(&self, code: &str, timeout: Duration, ct: &CancellationToken) -> Result<RunOutcome, Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
@@ -378,9 +364,7 @@ impl Session {
             state_lost: state_lost_before,
             notices: Vec::new(),
         };
-        let ending = self
-            .drive(&mut inner, id, code, timeout, ct, &mut outcome)
-            .await;
+        let ending = self.drive(&mut inner, id, code, timeout, ct, &mut outcome).await;
         match ending {
             Ending::Done => {}
             Ending::Died(stopped) => {
@@ -411,11 +395,8 @@ impl Session {
             Ending::Killed(status) => {
                 outcome.status = status;
                 outcome.state_lost = true;
-                let why = if status == RunStatus::Cancelled {
-                    "the call was cancelled"
-                } else {
-                    "the time limit passed"
-                };
+                let why =
+                    if status == RunStatus::Cancelled { "the call was cancelled" } else { "the time limit passed" };
                 notices.push(format!(
                     "{why} and the code did not stop after an interrupt, so its processes were killed and a new \
                      interpreter was started: variables are gone, workspace files are kept"
@@ -428,9 +409,11 @@ impl Session {
                 tracing::warn!(session = %self.name, %why, "agent stream broken");
                 outcome.status = RunStatus::InterpreterRestarted;
                 outcome.state_lost = true;
-                notices.push("the connection to the interpreter broke; a new one was started: variables are gone, \
+                notices.push(
+                    "the connection to the interpreter broke; a new one was started: variables are gone, \
                               workspace files are kept"
-                    .into());
+                        .into(),
+                );
                 if let Some(n) = self.restart_agent(&mut inner).await? {
                     notices.push(n);
                 }
@@ -505,41 +488,114 @@ impl Session {
         }
     }
 
-    /// The user's variables.
-    pub async fn variables(&self) -> Result<(Vec<Variable>, Option<String>), Error> {
-        let mut inner = self.inner.lock().await;
-        self.touch();
-        let notice = self.ensure_agent(&mut inner).await?;
+    /// Sends a query to the agent and waits for the answer `pick` recognises.
+    async fn query<T>(
+        &self,
+        inner: &mut Inner,
+        make: impl FnOnce(u64) -> Request<'static>,
+        pick: impl Fn(u64, Event) -> Option<T>,
+    ) -> Result<T, Error> {
         inner.next_id += 1;
         let id = inner.next_id;
-        let Some(agent) = inner.agent.as_mut() else {
-            return Err(Error::AgentGone);
-        };
-        if agent.send(&Request::Vars { id }).await.is_err() {
+        let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone) };
+        if agent.send(&make(id)).await.is_err() {
             inner.agent = None;
             return Err(Error::AgentGone);
         }
-        let answer = tokio::time::timeout(VARS_TIMEOUT, async {
+        let answer = tokio::time::timeout(QUERY_TIMEOUT, async {
             loop {
                 match agent.next_event().await {
-                    Ok(Some(Event::Vars { id: i, vars })) if i == id => return Some(vars),
-                    Ok(Some(_)) | Err(ReadError::Skippable(_)) => {}
+                    Ok(Some(ev)) => {
+                        if let Some(v) = pick(id, ev) {
+                            return Some(v);
+                        }
+                    }
+                    Err(ReadError::Skippable(_)) => {}
                     Ok(None) | Err(ReadError::Fatal(_)) => return None,
                 }
             }
         })
         .await;
         match answer {
-            Ok(Some(vars)) => Ok((vars, notice)),
+            Ok(Some(v)) => Ok(v),
             Ok(None) => {
                 inner.agent = None;
                 Err(Error::AgentGone)
             }
             Err(_) => {
-                self.restart_agent(&mut inner).await?;
-                Err(Error::AgentTimeout(VARS_TIMEOUT))
+                self.restart_agent(inner).await?;
+                Err(Error::AgentTimeout(QUERY_TIMEOUT))
             }
         }
+    }
+
+    /// The user's variables.
+    pub async fn variables(&self) -> Result<(Vec<Variable>, Option<String>), Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        let notice = self.ensure_agent(&mut inner).await?;
+        let vars = self
+            .query(
+                &mut inner,
+                |id| Request::Vars { id },
+                |id, ev| match ev {
+                    Event::Vars { id: i, vars } if i == id => Some(vars),
+                    _ => None,
+                },
+            )
+            .await?;
+        Ok((vars, notice))
+    }
+
+    /// Installed distributions visible to the code.
+    pub async fn installed(&self) -> Result<Vec<Package>, Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        self.ensure_agent(&mut inner).await?;
+        self.query(
+            &mut inner,
+            |id| Request::Packages { id },
+            |id, ev| match ev {
+                Event::Packages { id: i, packages } if i == id => Some(packages),
+                _ => None,
+            },
+        )
+        .await
+    }
+
+    /// Requirements of `wanted` this session does not have yet (by canonical string).
+    pub fn missing(&self, wanted: &[String]) -> Vec<String> {
+        let have = self.packages.lock().map(|p| p.clone()).unwrap_or_default();
+        wanted.iter().filter(|w| !have.contains(*w)).cloned().collect()
+    }
+
+    /// Requirements installed in this session.
+    pub fn requirements(&self) -> Vec<String> {
+        self.packages.lock().map(|p| p.iter().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Streams a layer's packages into the running session and makes them importable at
+    /// once; the interpreter state is kept.
+    pub async fn add_layer(&self, layer_tag: &str, requirements: &[String]) -> Result<(), Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        self.ensure_agent(&mut inner).await?;
+        layers::copy_into(&self.docker, layer_tag, &inner.container.id, &self.owner)
+            .await
+            .map_err(|e| Error::Install(e.to_string()))?;
+        self.query(
+            &mut inner,
+            |id| Request::Refresh { id },
+            |id, ev| match ev {
+                Event::Refreshed { id: i } if i == id => Some(()),
+                _ => None,
+            },
+        )
+        .await?;
+        if let Ok(mut p) = self.packages.lock() {
+            p.extend(requirements.iter().cloned());
+        }
+        Ok(())
     }
 
     /// Fresh interpreter in the same container: variables and processes gone, files kept.
@@ -554,7 +610,7 @@ impl Session {
         self.closed.store(true, Ordering::SeqCst);
         let created = self.container.lock().map(|c| c.clone()).ok();
         if let Some(c) = created {
-            container::remove(&self.docker, &c.id, &c.volume).await;
+            container::destroy(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
         }
     }

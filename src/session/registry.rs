@@ -11,6 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Error as SessionError, Session, SessionInfo};
 use crate::config::SandboxConfig;
+use crate::docker::image::Progress;
+use crate::docker::layers::{self, IndexSettings, Layer};
 use crate::docker::{self, container, image};
 use crate::instance::Instance;
 
@@ -21,18 +23,17 @@ type Slot = Arc<OnceCell<Arc<Session>>>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The session cap is reached.
-    #[error(
-        "too many sessions open ({0}): close one with close_session, or wait for idle ones to expire"
-    )]
+    #[error("too many sessions open ({0}): close one with close_session, or wait for idle ones to expire")]
     Capacity(usize),
     /// A tool that needs an existing session named one that does not exist.
-    #[error(
-        "no session named {0:?}: run_python creates sessions; list_sessions shows the open ones"
-    )]
+    #[error("no session named {0:?}: run_python creates sessions; list_sessions shows the open ones")]
     NotFound(String),
     /// The sandbox image could not be found or built.
     #[error("the sandbox image is unavailable: {0}")]
     Image(#[source] docker::Error),
+    /// Installing packages failed.
+    #[error(transparent)]
+    Install(#[from] layers::Error),
     /// The session failed to start.
     #[error(transparent)]
     Session(#[from] SessionError),
@@ -45,18 +46,75 @@ pub struct Registry {
     instance: Instance,
     image: OnceCell<String>,
     sessions: Mutex<HashMap<Key, Slot>>,
+    index: IndexSettings,
+    /// One lock per requirement set, so concurrent asks for one layer install it once.
+    installs: Mutex<HashMap<Vec<String>, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// What an install did.
+#[derive(Debug, Clone)]
+pub struct Installed {
+    /// Requirements newly added to the session.
+    pub added: Vec<String>,
+    /// Requirements it already had.
+    pub present: Vec<String>,
+    /// The layer used, and whether it came from the cache.
+    pub layer: Option<Layer>,
 }
 
 impl Registry {
     /// A registry for this instance.
-    pub fn new(docker: Docker, cfg: Arc<SandboxConfig>, instance: Instance) -> Self {
-        Self {
+    pub fn new(docker: Docker, cfg: Arc<SandboxConfig>, instance: Instance) -> std::io::Result<Self> {
+        let index = IndexSettings::from_config(&cfg)?;
+        Ok(Self {
             docker,
             cfg,
             instance,
             image: OnceCell::new(),
             sessions: Mutex::new(HashMap::new()),
+            index,
+            installs: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The layer holding `requirements` (canonical, sorted), installed if absent.
+    pub async fn layer(&self, requirements: &[String], progress: Progress<'_>) -> Result<Layer, Error> {
+        let base = self.image().await?;
+        let lock = {
+            let mut installs = self.installs.lock().unwrap_or_else(|e| e.into_inner());
+            installs.entry(requirements.to_vec()).or_default().clone()
+        };
+        let _guard = lock.lock().await;
+        let layer =
+            layers::ensure(&self.docker, &self.cfg, &self.instance.owner, &base, requirements, &self.index, progress)
+                .await?;
+        let state_dir = self.cfg.state_dir();
+        layers::touch(&state_dir, &layer.tag);
+        if !layer.cached {
+            match layers::prune(&self.docker, &state_dir, self.cfg.layer_cache_mb << 20).await {
+                Ok(removed) if !removed.is_empty() => tracing::info!(?removed, "layer cache over its size; pruned"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot prune layers"),
+            }
         }
+        Ok(layer)
+    }
+
+    /// Adds requirements to a running session (a no-op for those it has).
+    pub async fn install(
+        &self,
+        session: &Session,
+        requirements: &[String],
+        progress: Progress<'_>,
+    ) -> Result<Installed, Error> {
+        let added = session.missing(requirements);
+        let present: Vec<String> = requirements.iter().filter(|r| !added.contains(r)).cloned().collect();
+        if added.is_empty() {
+            return Ok(Installed { added, present, layer: None });
+        }
+        let layer = self.layer(&added, progress).await?;
+        session.add_layer(&layer.tag, &added).await?;
+        Ok(Installed { added, present, layer: Some(layer) })
     }
 
     /// The engine.
@@ -88,24 +146,23 @@ impl Registry {
 
     /// An existing session, or `None`.
     pub fn find(&self, principal: &str, name: &str) -> Option<Arc<Session>> {
-        let slot = self
-            .slots()
-            .get(&(principal.to_owned(), name.to_owned()))
-            .cloned()?;
+        let slot = self.slots().get(&(principal.to_owned(), name.to_owned())).cloned()?;
         slot.get().cloned()
     }
 
     /// An existing session, or an error that says how to get one.
     pub fn get(&self, principal: &str, name: &str) -> Result<Arc<Session>, Error> {
-        self.find(principal, name)
-            .ok_or_else(|| Error::NotFound(name.to_owned()))
+        self.find(principal, name).ok_or_else(|| Error::NotFound(name.to_owned()))
     }
 
-    /// The named session, created on first use. The bool is true when it was just created.
+    /// The named session, created on first use (from the layer of `packages` when given).
+    /// The bool is true when it was just created.
     pub async fn get_or_create(
         &self,
         principal: &str,
         name: &str,
+        packages: &[String],
+        progress: Progress<'_>,
     ) -> Result<(Arc<Session>, bool), Error> {
         let key = (principal.to_owned(), name.to_owned());
         let slot = {
@@ -127,7 +184,8 @@ impl Registry {
         let mut created = false;
         let result = slot
             .get_or_try_init(|| async {
-                let image = self.image().await?;
+                let image =
+                    if packages.is_empty() { self.image().await? } else { self.layer(packages, progress).await?.tag };
                 created = true;
                 Session::start(
                     self.docker.clone(),
@@ -136,6 +194,7 @@ impl Registry {
                     self.instance.owner.clone(),
                     name.to_owned(),
                     principal.to_owned(),
+                    packages.to_vec(),
                 )
                 .await
                 .map_err(Error::from)
@@ -147,10 +206,7 @@ impl Registry {
             Err(e) => {
                 // Free the slot so the cap counts only live sessions; a retry starts afresh.
                 let mut slots = self.slots();
-                if slots
-                    .get(&key)
-                    .is_some_and(|s| Arc::ptr_eq(s, &slot) && !s.initialized())
-                {
+                if slots.get(&key).is_some_and(|s| Arc::ptr_eq(s, &slot) && !s.initialized()) {
                     slots.remove(&key);
                 }
                 Err(e)
@@ -198,10 +254,7 @@ impl Registry {
                 .filter(|(_, slot)| slot.get().is_some_and(|s| s.idle() >= ttl && !s.is_busy()))
                 .map(|(k, _)| k.clone())
                 .collect();
-            keys.iter()
-                .filter_map(|k| slots.remove(k))
-                .filter_map(|slot| slot.get().cloned())
-                .collect()
+            keys.iter().filter_map(|k| slots.remove(k)).filter_map(|slot| slot.get().cloned()).collect()
         };
         for s in &expired {
             tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
@@ -212,8 +265,7 @@ impl Registry {
 
     /// Runs the idle reaper until `shutdown` fires.
     pub async fn reaper(self: Arc<Self>, shutdown: CancellationToken) {
-        let period =
-            (self.cfg.idle_ttl() / 4).clamp(Duration::from_millis(500), Duration::from_secs(60));
+        let period = (self.cfg.idle_ttl() / 4).clamp(Duration::from_millis(500), Duration::from_secs(60));
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -228,22 +280,14 @@ impl Registry {
     pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
         let (c, v) = container::sweep(&self.docker, &|l| self.instance.is_leftover(l)).await?;
         if c + v > 0 {
-            tracing::info!(
-                containers = c,
-                volumes = v,
-                "removed leftovers of dead instances"
-            );
+            tracing::info!(containers = c, volumes = v, "removed leftovers of dead instances");
         }
         Ok(())
     }
 
     /// Closes every session, then removes anything of ours still labelled (belt and braces).
     pub async fn shutdown(&self) {
-        let all: Vec<Arc<Session>> = self
-            .slots()
-            .drain()
-            .filter_map(|(_, slot)| slot.get().cloned())
-            .collect();
+        let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");

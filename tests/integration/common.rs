@@ -60,11 +60,7 @@ impl Server {
         let stdout = child.stdout.take().expect("stdout");
         let stdin = child.stdin.take().expect("stdin");
         let client = ().serve((stdout, stdin)).await.expect("MCP initialise");
-        Server {
-            client: Some(client),
-            child,
-            instance: instance.to_owned(),
-        }
+        Server { client: Some(client), child, instance: instance.to_owned() }
     }
 
     fn client(&self) -> &RunningService<RoleClient, ()> {
@@ -82,8 +78,7 @@ impl Server {
 
     /// Runs code in a session and returns the whole result plus its structured content.
     pub async fn run(&self, session: &str, code: &str) -> (CallToolResult, Value) {
-        self.run_with(json!({ "session": session, "code": code }))
-            .await
+        self.run_with(json!({ "session": session, "code": code })).await
     }
 
     /// run_python with arbitrary arguments.
@@ -96,12 +91,7 @@ impl Server {
     /// Runs code that must succeed, returning its structured content.
     pub async fn ok(&self, session: &str, code: &str) -> Value {
         let (r, sc) = self.run(session, code).await;
-        assert_eq!(
-            r.is_error,
-            Some(false),
-            "expected success for {code:?}: {}",
-            text(&r)
-        );
+        assert_eq!(r.is_error, Some(false), "expected success for {code:?}: {}", text(&r));
         sc
     }
 
@@ -111,63 +101,35 @@ impl Server {
             let _ = c.cancel().await;
         }
         let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
-        assert!(
-            status.is_ok(),
-            "server did not exit within 30 s of its stdin closing"
-        );
+        assert!(status.is_ok(), "server did not exit within 30 s of its stdin closing");
     }
 }
 
 /// All text content of a result.
 pub fn text(r: &CallToolResult) -> String {
-    r.content
-        .iter()
-        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
-        .collect::<Vec<_>>()
-        .join("\n")
+    r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n")
 }
 
 /// The engine.
 pub async fn docker() -> Docker {
-    Docker::connect_with_local_defaults()
-        .expect("docker")
-        .negotiate_version()
-        .await
-        .expect("negotiate")
+    Docker::connect_with_local_defaults().expect("docker").negotiate_version().await.expect("negotiate")
 }
 
 /// Containers (including stopped ones) carrying an instance label.
 pub async fn containers_of(instance: &str) -> Vec<bollard::models::ContainerSummary> {
     let label = format!("pyberth.instance={instance}");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
-    let opts = ListContainersOptionsBuilder::default()
-        .all(true)
-        .filters(&filters)
-        .build();
-    docker()
-        .await
-        .list_containers(Some(opts))
-        .await
-        .expect("list containers")
+    let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+    docker().await.list_containers(Some(opts)).await.expect("list containers")
 }
 
 /// Volumes carrying an instance label.
 pub async fn volumes_of(instance: &str) -> Vec<String> {
     let label = format!("pyberth.instance={instance}");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
-    let opts = ListVolumesOptionsBuilder::default()
-        .filters(&filters)
-        .build();
-    let list = docker()
-        .await
-        .list_volumes(Some(opts))
-        .await
-        .expect("list volumes");
-    list.volumes
-        .unwrap_or_default()
-        .into_iter()
-        .map(|v| v.name)
-        .collect()
+    let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
+    let list = docker().await.list_volumes(Some(opts)).await.expect("list volumes");
+    list.volumes.unwrap_or_default().into_iter().map(|v| v.name).collect()
 }
 
 /// Waits until nothing labelled with the instance remains, or fails the test.
@@ -179,11 +141,7 @@ pub async fn assert_cleaned_up(instance: &str) {
         if c.is_empty() && v.is_empty() {
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "left behind by {instance}: {} containers, volumes {v:?}",
-            c.len()
-        );
+        assert!(Instant::now() < deadline, "left behind by {instance}: {} containers, volumes {v:?}", c.len());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -14,19 +14,12 @@ async fn state_persists_and_the_last_expression_is_returned() {
     assert_eq!(sc["result"], "42");
     assert_eq!(sc["session"], "default");
     assert!(text(&r).contains("42"));
-    let sc = s
-        .ok("default", "def f(a):\n    return a * x\nimport math\nf(2)")
-        .await;
+    let sc = s.ok("default", "def f(a):\n    return a * x\nimport math\nf(2)").await;
     assert_eq!(sc["result"], "82");
     let vars = s.call("list_variables", json!({})).await;
     assert_eq!(vars.is_error, Some(false));
     let list = vars.structured_content.expect("structured")["variables"].clone();
-    let names: Vec<&str> = list
-        .as_array()
-        .expect("array")
-        .iter()
-        .filter_map(|v| v["name"].as_str())
-        .collect();
+    let names: Vec<&str> = list.as_array().expect("array").iter().filter_map(|v| v["name"].as_str()).collect();
     assert!(names.contains(&"x") && names.contains(&"f"), "{names:?}");
     assert!(!names.contains(&"math"), "modules are left out: {names:?}");
     s.stop().await;
@@ -55,23 +48,13 @@ async fn bytes_survive_frames_and_invalid_utf8_is_kept_exactly() {
     let s = Server::start("bytes", &[]).await;
     // 200 000 four-byte characters (800 KB, under the 1 MiB cap): many Docker frames and
     // agent chunks, split mid-character.
-    let sc = s
-        .ok(
-            "default",
-            "import sys\nsys.stdout.write('\\U0001F600' * 200000)",
-        )
-        .await;
+    let sc = s.ok("default", "import sys\nsys.stdout.write('\\U0001F600' * 200000)").await;
     let out = sc["stdout"].as_str().expect("stdout");
     assert_eq!(out.chars().count(), 200000);
     assert!(out.chars().all(|c| c == '\u{1F600}'));
     assert!(sc.get("stdout_base64").is_none());
 
-    let sc = s
-        .ok(
-            "default",
-            "import sys\nsys.stdout.buffer.write(b'a\\xffb\\x00c')",
-        )
-        .await;
+    let sc = s.ok("default", "import sys\nsys.stdout.buffer.write(b'a\\xffb\\x00c')").await;
     assert_eq!(sc["stdout"], "a\u{fffd}b\u{0}c");
     assert_eq!(sc["stdout_base64"], "Yf9iAGM=");
     s.stop().await;
@@ -80,20 +63,11 @@ async fn bytes_survive_frames_and_invalid_utf8_is_kept_exactly() {
 #[tokio::test(flavor = "multi_thread")]
 async fn output_over_the_cap_is_cut_with_a_marker() {
     let s = Server::start("cap", &[("PYBERTH_OUTPUT_CAP", "10000")]).await;
-    let sc = s
-        .ok(
-            "default",
-            "print('x' * 50000)\nimport sys\nprint('e', file=sys.stderr)",
-        )
-        .await;
+    let sc = s.ok("default", "print('x' * 50000)\nimport sys\nprint('e', file=sys.stderr)").await;
     assert_eq!(sc["truncated"], true);
     let out = sc["stdout"].as_str().expect("stdout");
     assert!(out.starts_with(&"x".repeat(10000)), "kept up to the cap");
-    assert!(
-        out.contains("[output truncated: 40001 more bytes"),
-        "{}",
-        &out[10000..]
-    );
+    assert!(out.contains("[output truncated: 40001 more bytes"), "{}", &out[10000..]);
     assert_eq!(sc["stderr"], "e\n");
     s.stop().await;
 }
@@ -107,10 +81,7 @@ async fn exceptions_are_tool_errors_with_a_traceback() {
     assert_eq!(sc["status"], "error");
     assert_eq!(sc["error"]["type"], "ZeroDivisionError");
     let tb = sc["error"]["traceback"].as_str().expect("traceback");
-    assert!(
-        tb.contains("line 2, in g") && tb.contains("return 1 / 0"),
-        "{tb}"
-    );
+    assert!(tb.contains("line 2, in g") && tb.contains("return 1 / 0"), "{tb}");
     assert!(!tb.contains("agent.py"), "agent frames are hidden: {tb}");
     assert!(text(&r).contains("ZeroDivisionError"));
     let (r, sc) = s.run("default", "def broken(:\n  pass").await;
@@ -125,36 +96,20 @@ async fn exceptions_are_tool_errors_with_a_traceback() {
 async fn sys_exit_ends_the_cell_not_the_session_and_os_exit_restarts_the_interpreter() {
     let s = Server::start("exit", &[]).await;
     s.ok("default", "z = 7").await;
-    let sc = s
-        .ok("default", "import sys\nprint('bye')\nsys.exit(0)")
-        .await;
+    let sc = s.ok("default", "import sys\nprint('bye')\nsys.exit(0)").await;
     assert_eq!(sc["stdout"], "bye\n");
     let (r, sc) = s.run("default", "import sys\nsys.exit(3)").await;
     assert_eq!(r.is_error, Some(true));
     assert_eq!(sc["exit_code"], 3);
-    assert_eq!(
-        s.ok("default", "z").await["result"],
-        "7",
-        "state kept after SystemExit"
-    );
+    assert_eq!(s.ok("default", "z").await["result"], "7", "state kept after SystemExit");
 
-    let (r, sc) = s
-        .run(
-            "default",
-            "import os\nprint('going', flush=True)\nos._exit(5)",
-        )
-        .await;
+    let (r, sc) = s.run("default", "import os\nprint('going', flush=True)\nos._exit(5)").await;
     assert_eq!(r.is_error, Some(true));
     assert_eq!(sc["status"], "interpreter_restarted");
     assert_eq!(sc["state_lost"], true);
     assert_eq!(sc["stdout"], "going\n");
     assert!(text(&r).contains("exited with status 5"), "{}", text(&r));
-    let (r, sc) = s
-        .run(
-            "default",
-            "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
-        )
-        .await;
+    let (r, sc) = s.run("default", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)").await;
     assert_eq!(r.is_error, Some(true));
     assert_eq!(sc["status"], "interpreter_restarted");
     // A fresh interpreter answers, without the old variables.
@@ -170,23 +125,16 @@ async fn a_python_loop_is_interrupted_and_state_is_kept() {
     let s = Server::start("interrupt", &[]).await;
     s.ok("default", "kept = 'yes'").await;
     let t = Instant::now();
-    let (r, sc) = s
-        .run_with(json!({ "code": "while True:\n    pass", "timeout_s": 2 }))
-        .await;
+    let (r, sc) = s.run_with(json!({ "code": "while True:\n    pass", "timeout_s": 2 })).await;
     let took = t.elapsed();
     assert_eq!(r.is_error, Some(true));
     assert_eq!(sc["status"], "timeout");
     assert_eq!(sc["state_lost"], false);
     assert_eq!(sc["error"], serde_json::Value::Null);
-    assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(4),
-        "took {took:?}"
-    );
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(4), "took {took:?}");
     assert_eq!(s.ok("default", "kept").await["result"], "'yes'");
     // time.sleep is interrupted too.
-    let (_, sc) = s
-        .run_with(json!({ "code": "import time\ntime.sleep(30)", "timeout_s": 1 }))
-        .await;
+    let (_, sc) = s.run_with(json!({ "code": "import time\ntime.sleep(30)", "timeout_s": 1 })).await;
     assert_eq!(sc["status"], "timeout");
     assert_eq!(sc["state_lost"], false);
     s.stop().await;
@@ -198,9 +146,7 @@ async fn code_that_ignores_the_interrupt_is_killed_and_the_session_recovers() {
     s.ok("default", "before = 1").await;
     // One C-level call: KeyboardInterrupt cannot land until it returns.
     let t = Instant::now();
-    let (r, sc) = s
-        .run_with(json!({ "code": "sum(range(10**13))", "timeout_s": 2 }))
-        .await;
+    let (r, sc) = s.run_with(json!({ "code": "sum(range(10**13))", "timeout_s": 2 })).await;
     let took = t.elapsed();
     assert_eq!(r.is_error, Some(true));
     assert_eq!(sc["status"], "timeout");
@@ -222,18 +168,10 @@ async fn a_cancelled_call_stops_its_code() {
     s.ok("default", "state = 3").await;
     // Dropping the call future makes the client send notifications/cancelled.
     let call = s.run_with(json!({ "code": "import time\ntime.sleep(60)" }));
-    assert!(
-        tokio::time::timeout(Duration::from_secs(2), call)
-            .await
-            .is_err()
-    );
+    assert!(tokio::time::timeout(Duration::from_secs(2), call).await.is_err());
     let t = Instant::now();
     let sc = s.ok("default", "state").await;
-    assert!(
-        t.elapsed() < Duration::from_secs(5),
-        "session freed in {:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() < Duration::from_secs(5), "session freed in {:?}", t.elapsed());
     assert_eq!(sc["result"], "3", "an interrupt sufficed, so state is kept");
     s.stop().await;
 }

@@ -4,32 +4,20 @@ use crate::common::{Server, containers_of, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_input_is_a_clear_tool_error_and_creates_nothing() {
-    let s = Server::start(
-        "input",
-        &[("PYBERTH_CODE_CAP", "1000"), ("PYBERTH_MAX_TIMEOUT", "100")],
-    )
-    .await;
+    let s = Server::start("input", &[("PYBERTH_CODE_CAP", "1000"), ("PYBERTH_MAX_TIMEOUT", "100")]).await;
     let cases = [
         (json!({ "code": "" }), "code is empty"),
         (json!({ "code": "   \n\t" }), "code is empty"),
         (json!({ "code": "x = 1\u{0}" }), "NUL byte"),
-        (
-            json!({ "code": "x".repeat(1001) }),
-            "over the limit of 1000 bytes",
-        ),
-        (
-            json!({ "code": "1", "session": "../etc" }),
-            "invalid session name",
-        ),
-        (
-            json!({ "code": "1", "session": "" }),
-            "invalid session name",
-        ),
+        (json!({ "code": "x".repeat(1001) }), "over the limit of 1000 bytes"),
+        (json!({ "code": "1", "session": "../etc" }), "invalid session name"),
+        (json!({ "code": "1", "session": "" }), "invalid session name"),
         (json!({ "code": "1", "timeout_s": 0 }), "out of range"),
         (json!({ "code": "1", "timeout_s": 101 }), "out of range"),
         (json!({ "code": "1", "timeout_s": -3 }), "out of range"),
         (json!({ "code": 5 }), "deserialize"),
-        (json!({ "code": "1", "packages": ["six"] }), "unknown field"),
+        (json!({ "code": "1", "sesion": "typo" }), "unknown field"),
+        (json!({ "code": "1", "packages": ["-r reqs.txt"] }), "installer options"),
     ];
     for (args, want) in cases {
         let r = s.call("run_python", args.clone()).await;
@@ -40,21 +28,12 @@ async fn bad_input_is_a_clear_tool_error_and_creates_nothing() {
     for tool in ["reset_session", "list_variables", "close_session"] {
         let r = s.call(tool, json!({ "session": "nope" })).await;
         assert_eq!(r.is_error, Some(true), "{tool}");
-        assert!(
-            text(&r).contains("no session named \"nope\""),
-            "{tool}: {}",
-            text(&r)
-        );
+        assert!(text(&r).contains("no session named \"nope\""), "{tool}: {}", text(&r));
     }
-    assert!(
-        containers_of(&s.instance).await.is_empty(),
-        "no container was created for bad input"
-    );
+    assert!(containers_of(&s.instance).await.is_empty(), "no container was created for bad input");
     // A good session stays usable around bad calls.
     s.ok("good", "v = 1").await;
-    let r = s
-        .call("run_python", json!({ "code": "", "session": "good" }))
-        .await;
+    let r = s.call("run_python", json!({ "code": "", "session": "good" })).await;
     assert_eq!(r.is_error, Some(true));
     assert_eq!(s.ok("good", "v").await["result"], "1");
     s.stop().await;
@@ -67,11 +46,7 @@ async fn the_session_cap_gives_a_clear_error() {
     s.ok("b", "1").await;
     let (r, _) = s.run("c", "1").await;
     assert_eq!(r.is_error, Some(true));
-    assert!(
-        text(&r).contains("too many sessions open (2)"),
-        "{}",
-        text(&r)
-    );
+    assert!(text(&r).contains("too many sessions open (2)"), "{}", text(&r));
     assert_eq!(containers_of(&s.instance).await.len(), 2);
     let r = s.call("close_session", json!({ "session": "a" })).await;
     assert_eq!(r.is_error, Some(false));

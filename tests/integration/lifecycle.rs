@@ -7,26 +7,20 @@ use crate::common::{Server, assert_cleaned_up, containers_of, instance_name, tex
 #[tokio::test(flavor = "multi_thread")]
 async fn sessions_are_isolated_from_each_other() {
     let s = Server::start("isolation", &[]).await;
-    s.ok("alice", "secret = 'a'\nopen('/workspace/alice.txt', 'w').write('mine')\nopen('/tmp/alice-tmp', 'w').write('x')").await;
-    let sc = s.ok("bob", "import os\n(os.listdir('/workspace'), os.path.exists('/tmp/alice-tmp'), 'secret' in globals())").await;
-    assert_eq!(sc["result"], "([], False, False)");
-    // Alice starts a process; Bob cannot see it (separate PID namespaces).
     s.ok(
         "alice",
-        "import subprocess\np = subprocess.Popen(['sleep', '777'])",
+        "secret = 'a'\nopen('/workspace/alice.txt', 'w').write('mine')\nopen('/tmp/alice-tmp', 'w').write('x')",
     )
     .await;
+    let sc = s
+        .ok("bob", "import os\n(os.listdir('/workspace'), os.path.exists('/tmp/alice-tmp'), 'secret' in globals())")
+        .await;
+    assert_eq!(sc["result"], "([], False, False)");
+    // Alice starts a process; Bob cannot see it (separate PID namespaces).
+    s.ok("alice", "import subprocess\np = subprocess.Popen(['sleep', '777'])").await;
     let find = "import os\nsorted(p for p in os.listdir('/proc') if p.isdigit() and os.path.exists(f'/proc/{p}/cmdline') and open(f'/proc/{p}/cmdline','rb').read().startswith(b'sleep\\x00777'))";
-    assert_ne!(
-        s.ok("alice", find).await["result"],
-        "[]",
-        "alice sees her own process"
-    );
-    assert_eq!(
-        s.ok("bob", find).await["result"],
-        "[]",
-        "bob does not see it"
-    );
+    assert_ne!(s.ok("alice", find).await["result"], "[]", "alice sees her own process");
+    assert_eq!(s.ok("bob", find).await["result"], "[]", "bob does not see it");
     let list = s.call("list_sessions", json!({})).await;
     let names: Vec<String> = list.structured_content.expect("sc")["sessions"]
         .as_array()
@@ -41,27 +35,20 @@ async fn sessions_are_isolated_from_each_other() {
 #[tokio::test(flavor = "multi_thread")]
 async fn reset_keeps_files_and_close_removes_everything() {
     let s = Server::start("reset", &[]).await;
-    s.ok("w", "v = 1\nopen('kept.txt', 'w').write('data')")
-        .await;
+    s.ok("w", "v = 1\nopen('kept.txt', 'w').write('data')").await;
     let r = s.call("reset_session", json!({ "session": "w" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let (r, sc) = s.run("w", "v").await;
     assert_eq!(r.is_error, Some(true));
     assert_eq!(sc["error"]["type"], "NameError");
-    assert_eq!(
-        s.ok("w", "open('kept.txt').read()").await["result"],
-        "'data'"
-    );
+    assert_eq!(s.ok("w", "open('kept.txt').read()").await["result"], "'data'");
     assert_eq!(containers_of(&s.instance).await.len(), 1);
     let r = s.call("close_session", json!({ "session": "w" })).await;
     assert_eq!(r.is_error, Some(false));
     assert!(containers_of(&s.instance).await.is_empty());
     assert!(volumes_of(&s.instance).await.is_empty());
     // The name can be used again, for an empty session.
-    assert_eq!(
-        s.ok("w", "import os\nos.listdir('.')").await["result"],
-        "[]"
-    );
+    assert_eq!(s.ok("w", "import os\nos.listdir('.')").await["result"], "[]");
     s.stop().await;
 }
 
@@ -71,20 +58,12 @@ async fn idle_sessions_are_reaped() {
     s.ok("idle", "1").await;
     assert_eq!(containers_of(&s.instance).await.len(), 1);
     tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(
-        containers_of(&s.instance).await.is_empty(),
-        "idle container reaped"
-    );
-    assert!(
-        volumes_of(&s.instance).await.is_empty(),
-        "idle volume reaped"
-    );
+    assert!(containers_of(&s.instance).await.is_empty(), "idle container reaped");
+    assert!(volumes_of(&s.instance).await.is_empty(), "idle volume reaped");
     let list = s.call("list_sessions", json!({})).await;
     assert_eq!(list.structured_content.expect("sc")["sessions"], json!([]));
     // A busy session is not reaped while it runs.
-    let (r, _) = s
-        .run_with(json!({ "session": "busy", "code": "import time\ntime.sleep(5)\n'done'" }))
-        .await;
+    let (r, _) = s.run_with(json!({ "session": "busy", "code": "import time\ntime.sleep(5)\n'done'" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     s.stop().await;
 }
@@ -106,11 +85,7 @@ async fn sigterm_removes_everything_the_server_made() {
     s.ok("a", "1").await;
     let instance = s.instance.clone();
     let pid = s.child.id().expect("pid");
-    let status = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status()
-        .expect("kill");
+    let status = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status().expect("kill");
     assert!(status.success());
     let exited = tokio::time::timeout(Duration::from_secs(30), s.child.wait()).await;
     assert!(exited.is_ok(), "server exits on SIGTERM");
@@ -124,22 +99,14 @@ async fn leftovers_of_a_killed_server_are_swept_at_the_next_start() {
     s.ok("a", "1").await;
     s.ok("b", "1").await;
     s.child.kill().await.expect("SIGKILL");
-    assert_eq!(
-        containers_of(&dead).await.len(),
-        2,
-        "a SIGKILLed server cannot clean up"
-    );
+    assert_eq!(containers_of(&dead).await.len(), 2, "a SIGKILLed server cannot clean up");
     // A live server's sessions must survive another server's start.
     let live = Server::start("live", &[]).await;
     live.ok("mine", "1").await;
     let next = Server::start("next", &[]).await;
     next.ok("x", "1").await; // the sweep runs before serving
     assert_cleaned_up(&dead).await;
-    assert_eq!(
-        containers_of(&live.instance).await.len(),
-        1,
-        "a live instance is left alone"
-    );
+    assert_eq!(containers_of(&live.instance).await.len(), 1, "a live instance is left alone");
     live.stop().await;
     next.stop().await;
 }
@@ -152,10 +119,7 @@ async fn a_killed_container_is_replaced_and_the_caller_is_told() {
     let old = list[0].id.clone().expect("id");
     crate::common::docker()
         .await
-        .kill_container(
-            &old,
-            None::<bollard::query_parameters::KillContainerOptions>,
-        )
+        .kill_container(&old, None::<bollard::query_parameters::KillContainerOptions>)
         .await
         .expect("kill");
     let (r, sc) = s.run("k", "1").await;

@@ -9,5 +9,7 @@ mod executor;
 mod input;
 // Session lifecycle: isolation, listing, reset, close, idle reaping, sweeps, shutdown.
 mod lifecycle;
+// Dependency layers: installs, cache hits, live installs, failures.
+mod deps;
 // Hardening seen from inside the sandbox.
 mod sandbox;

@@ -56,22 +56,11 @@ except OSError as e:
     // The container itself, as the engine sees it.
     let label = format!("pyberth.instance={}", s.instance);
     let filters = HashMap::from([("label", vec![label.as_str()])]);
-    let opts = ListContainersOptionsBuilder::default()
-        .all(true)
-        .filters(&filters)
-        .build();
-    let list = docker()
-        .await
-        .list_containers(Some(opts))
-        .await
-        .expect("list");
+    let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+    let list = docker().await.list_containers(Some(opts)).await.expect("list");
     assert_eq!(list.len(), 1);
     let id = list[0].id.clone().expect("id");
-    let c = docker()
-        .await
-        .inspect_container(&id, None)
-        .await
-        .expect("inspect");
+    let c = docker().await.inspect_container(&id, None).await.expect("inspect");
     let hc = c.host_config.expect("host config");
     assert_eq!(hc.network_mode.as_deref(), Some("none"));
     assert_eq!(hc.cap_drop, Some(vec!["ALL".to_owned()]));
@@ -81,25 +70,11 @@ except OSError as e:
     assert_eq!(hc.pids_limit, Some(256));
     assert_eq!(hc.init, Some(true));
     assert_eq!(hc.privileged, Some(false));
-    assert!(
-        hc.security_opt
-            .unwrap_or_default()
-            .iter()
-            .any(|o| o.starts_with("no-new-privileges"))
-    );
+    assert!(hc.security_opt.unwrap_or_default().iter().any(|o| o.starts_with("no-new-privileges")));
     assert_eq!(hc.log_config.and_then(|l| l.typ).as_deref(), Some("none"));
     let cfg = c.config.expect("config");
-    assert_eq!(
-        cfg.user.as_deref(),
-        Some("999:999"),
-        "PID 1 runs under another uid than code"
-    );
-    assert!(
-        !cfg.env
-            .unwrap_or_default()
-            .iter()
-            .any(|e| e.contains("SERVER_SECRET_TOKEN"))
-    );
+    assert_eq!(cfg.user.as_deref(), Some("999:999"), "PID 1 runs under another uid than code");
+    assert!(!cfg.env.unwrap_or_default().iter().any(|e| e.contains("SERVER_SECRET_TOKEN")));
     s.stop().await;
 }
 
@@ -107,14 +82,9 @@ except OSError as e:
 async fn a_fork_bomb_is_contained() {
     let s = Server::start("forkbomb", &[]).await;
     let code = "import os\nn = 0\ntry:\n    for _ in range(10000):\n        if os.fork() == 0:\n            import time; time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    err = type(e).__name__\nn, err";
-    let (_, sc) = s
-        .run_with(serde_json::json!({ "code": code, "timeout_s": 20 }))
-        .await;
+    let (_, sc) = s.run_with(serde_json::json!({ "code": code, "timeout_s": 20 })).await;
     let r = sc["result"].as_str().unwrap_or_default().to_owned();
-    assert!(
-        r.contains("BlockingIOError"),
-        "fork failed at the pids limit: {sc}"
-    );
+    assert!(r.contains("BlockingIOError"), "fork failed at the pids limit: {sc}");
     // Reset kills the forked children; the session answers again.
     let r = s.call("reset_session", serde_json::json!({})).await;
     assert_eq!(r.is_error, Some(false));

@@ -1,0 +1,654 @@
+//! Dependency layers (DESIGN.md D6): a requirement set installed once, by a short-lived
+//! installer container that alone has network access, and kept as an image built on our own
+//! sandbox image that adds only the installed tree under `/opt/pyberth/site`. Session
+//! containers are never committed: no container ever starts from a root filesystem that
+//! untrusted code shaped (security.md §4).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use bollard::Docker;
+use bollard::container::LogOutput;
+use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType, VolumeCreateRequest};
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, BuildImageOptionsBuilder, CreateContainerOptionsBuilder,
+    DownloadFromContainerOptionsBuilder, ListImagesOptionsBuilder, RemoveImageOptionsBuilder,
+    UploadToContainerOptionsBuilder,
+};
+use futures::{StreamExt, TryStreamExt};
+use sha2::{Digest, Sha256};
+
+use super::container::{self, CODE_USER, Owner, WORKSPACE};
+use super::{Error as DockerError, LABEL_IMAGE, LABEL_INSTANCE, LABEL_MANAGED};
+use crate::config::SandboxConfig;
+use crate::docker::image::Progress;
+
+/// Repository of layer images.
+pub const LAYER_REPO: &str = "pyberth-layer";
+/// Label holding a layer's requirement set, one per line.
+pub const LABEL_REQUIREMENTS: &str = "pyberth.requirements";
+/// Label holding the image a layer is built on.
+pub const LABEL_BASE: &str = "pyberth.base";
+/// Where a layer's packages live in its image.
+pub const LAYER_SITE: &str = "/opt/pyberth/site";
+/// Where a session's live volume is mounted; installs land in `site/` below it.
+pub const LIVE_DIR: &str = "/opt/pyberth/live";
+/// Largest installed tree accepted from an installer.
+const MAX_TREE: u64 = 4 << 30;
+
+/// Why an install failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The installer ran and failed; the text says why in the user's terms.
+    #[error("{0}")]
+    Failed(String),
+    /// The installer did not finish in time.
+    #[error(
+        "the install did not finish within {0} s and was stopped: install fewer packages at once, or raise --install-timeout-s"
+    )]
+    Timeout(u64),
+    /// Docker failed.
+    #[error(transparent)]
+    Docker(#[from] DockerError),
+}
+
+impl From<bollard::errors::Error> for Error {
+    fn from(e: bollard::errors::Error) -> Self {
+        Error::Docker(e.into())
+    }
+}
+
+/// The index settings that shape what an install produces.
+#[derive(Debug, Clone, Default)]
+pub struct IndexSettings {
+    /// Index URL (None: PyPI).
+    pub index_url: Option<String>,
+    /// Extra index URL.
+    pub extra_index_url: Option<String>,
+    /// CA bundle contents.
+    pub ca_bundle: Option<Vec<u8>>,
+}
+
+impl IndexSettings {
+    /// Reads the settings (and the CA bundle file) from the configuration.
+    pub fn from_config(cfg: &SandboxConfig) -> std::io::Result<Self> {
+        let ca_bundle = match cfg.ca_bundle() {
+            Some(p) => Some(std::fs::read(p)?),
+            None => None,
+        };
+        Ok(Self { index_url: cfg.index_url(), extra_index_url: cfg.extra_index_url(), ca_bundle })
+    }
+}
+
+/// Content key of a layer: the base image id (which fixes the Python version), the
+/// canonical sorted requirements and the index URLs. The CA bundle is left out: it changes
+/// how the index is reached, not what it serves.
+pub fn layer_key(base_image_id: &str, requirements: &[String], index: &IndexSettings) -> String {
+    let mut h = Sha256::new();
+    for part in [
+        "pyberth-layer-v1",
+        base_image_id,
+        &requirements.join("\n"),
+        index.index_url.as_deref().unwrap_or(""),
+        index.extra_index_url.as_deref().unwrap_or(""),
+    ] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    h.finalize().iter().take(10).map(|b| format!("{b:02x}")).collect()
+}
+
+/// A layer ready for use.
+#[derive(Debug, Clone)]
+pub struct Layer {
+    /// Image tag.
+    pub tag: String,
+    /// Whether it already existed (no installer ran).
+    pub cached: bool,
+}
+
+/// The layer for `requirements` on `base`, built if absent.
+pub async fn ensure(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    owner: &Owner,
+    base: &str,
+    requirements: &[String],
+    index: &IndexSettings,
+    progress: Progress<'_>,
+) -> Result<Layer, Error> {
+    let base_id = docker.inspect_image(base).await?.id.unwrap_or_else(|| base.to_owned());
+    let tag = format!("{LAYER_REPO}:{}", layer_key(&base_id, requirements, index));
+    if super::image::exists(docker, &tag).await? {
+        return Ok(Layer { tag, cached: true });
+    }
+    progress(&format!("installing {} into a new layer", requirements.join(" ")));
+    let started = Instant::now();
+    let tree = install(docker, cfg, owner, base, requirements, index, progress).await?;
+    build_layer(docker, base, &tag, requirements, tree).await?;
+    progress(&format!("layer {tag} ready in {:.1} s", started.elapsed().as_secs_f64()));
+    Ok(Layer { tag, cached: false })
+}
+
+/// Runs the installer container and returns the installed tree as a tar (entries `site/...`).
+async fn install(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    owner: &Owner,
+    base: &str,
+    requirements: &[String],
+    index: &IndexSettings,
+    progress: Progress<'_>,
+) -> Result<Vec<u8>, Error> {
+    let name = format!("pyberth-{}-install-{}", owner.instance, next_serial());
+    let labels = HashMap::from([
+        (LABEL_MANAGED.to_owned(), "1".to_owned()),
+        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
+        (super::LABEL_HOST.to_owned(), owner.host.clone()),
+        ("pyberth.installer".to_owned(), "1".to_owned()),
+    ]);
+    docker
+        .create_volume(VolumeCreateRequest {
+            name: Some(name.clone()),
+            labels: Some(labels.clone()),
+            ..Default::default()
+        })
+        .await?;
+    let result = async {
+        let mut cmd: Vec<String> = [
+            "python3",
+            "-m",
+            "pip",
+            "install",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--no-cache-dir",
+            "--progress-bar",
+            "off",
+            "--retries",
+            "1",
+            "--timeout",
+            "30",
+            "--target",
+            "/workspace/site",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        if let Some(url) = &index.index_url {
+            cmd.extend(["--index-url".to_owned(), url.clone()]);
+        }
+        if let Some(url) = &index.extra_index_url {
+            cmd.extend(["--extra-index-url".to_owned(), url.clone()]);
+        }
+        if index.ca_bundle.is_some() {
+            cmd.extend(["--cert".to_owned(), "/workspace/ca.pem".to_owned()]);
+        }
+        cmd.push("--".to_owned());
+        cmd.extend(requirements.iter().cloned());
+        // The sandbox's hardening, but with the default network and room to build wheels.
+        let mut hc = container::host_config(cfg, &name);
+        hc.network_mode = None;
+        hc.memory = Some(2 << 30);
+        hc.memory_swap = Some(2 << 30);
+        hc.tmpfs = Some(HashMap::from([("/tmp".into(), "rw,nosuid,nodev,size=1024m".into())]));
+        hc.mounts = Some(vec![Mount {
+            target: Some(WORKSPACE.into()),
+            source: Some(name.clone()),
+            typ: Some(MountType::VOLUME),
+            ..Default::default()
+        }]);
+        let body = ContainerCreateBody {
+            image: Some(base.into()),
+            cmd: Some(cmd),
+            user: Some(CODE_USER.into()),
+            working_dir: Some(WORKSPACE.into()),
+            env: Some(vec![
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+                "HOME=/tmp".into(),
+                "LANG=C.UTF-8".into(),
+                "PIP_NO_WARN_SCRIPT_LOCATION=1".into(),
+            ]),
+            labels: Some(labels),
+            host_config: Some(hc),
+            ..Default::default()
+        };
+        let created =
+            docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
+        let id = created.id;
+        let run = async {
+            if let Some(ca) = &index.ca_bundle {
+                upload_file(docker, &id, WORKSPACE, "ca.pem", ca).await?;
+            }
+            let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
+            let mut output = docker.attach_container(&id, Some(attach)).await?.output;
+            docker.start_container(&id, None).await?;
+            let mut tail: Vec<String> = Vec::new();
+            let mut partial = String::new();
+            let deadline = tokio::time::sleep(cfg.install_timeout());
+            tokio::pin!(deadline);
+            loop {
+                tokio::select! {
+                    frame = output.next() => match frame {
+                        Some(Ok(LogOutput::StdOut { message } | LogOutput::StdErr { message })) => {
+                            partial.push_str(&String::from_utf8_lossy(&message));
+                            while let Some(pos) = partial.find('\n') {
+                                let line: String = partial.drain(..=pos).collect();
+                                let line = line.trim_end().to_owned();
+                                if !line.is_empty() {
+                                    progress(&line);
+                                    tail.push(line);
+                                    if tail.len() > 30 {
+                                        tail.remove(0);
+                                    }
+                                }
+                            }
+                        }
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => return Err(e.into()),
+                        None => break,
+                    },
+                    _ = &mut deadline => return Err(Error::Timeout(cfg.install_timeout_s)),
+                }
+            }
+            let code = wait_exit(docker, &id).await?;
+            if code != 0 {
+                return Err(Error::Failed(explain(&tail, index)));
+            }
+            download_tree(docker, &id).await
+        };
+        let result = run.await;
+        container::remove_container(docker, &id).await;
+        result
+    }
+    .await;
+    container::remove_volume(docker, &name).await;
+    result
+}
+
+fn next_serial() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SERIAL: AtomicU64 = AtomicU64::new(0);
+    SERIAL.fetch_add(1, Ordering::Relaxed)
+}
+
+async fn wait_exit(docker: &Docker, id: &str) -> Result<i64, Error> {
+    let mut wait = docker.wait_container(id, None);
+    match wait.next().await {
+        Some(Ok(r)) => Ok(r.status_code),
+        // bollard reports a non-zero exit as an error carrying the code.
+        Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => Ok(code),
+        Some(Err(e)) => Err(e.into()),
+        None => Ok(-1),
+    }
+}
+
+/// Turns pip's last lines into a short message a model can act on.
+fn explain(tail: &[String], index: &IndexSettings) -> String {
+    let all = tail.join("\n");
+    let index_name = index.index_url.as_deref().unwrap_or("https://pypi.org/simple");
+    let what = if all.contains("No matching distribution found") || all.contains("Could not find a version") {
+        if all.contains("Failed to establish a new connection")
+            || all.contains("Network is unreachable")
+            || all.contains("Temporary failure in name resolution")
+            || all.contains("CERTIFICATE_VERIFY_FAILED")
+            || all.contains("SSLError")
+            || all.contains("ProxyError")
+        {
+            format!(
+                "the package index {index_name} could not be reached (network, proxy or CA bundle: \
+                 see --index-url and --ca-bundle)"
+            )
+        } else {
+            "no such package, or no version matching the constraint, on the index".to_owned()
+        }
+    } else if all.contains("ResolutionImpossible") || all.contains("conflicting dependencies") {
+        "the requested packages have conflicting dependencies".to_owned()
+    } else if all.contains("Failed building wheel") || all.contains("subprocess-exited-with-error") {
+        "a package failed to build (it may need a compiler or system libraries the sandbox lacks; \
+         try a version that ships a wheel)"
+            .to_owned()
+    } else {
+        "the installer failed".to_owned()
+    };
+    let last: Vec<&String> = tail.iter().rev().take(8).collect::<Vec<_>>().into_iter().rev().collect();
+    let last = last.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n");
+    format!("install failed: {what}. The session is unchanged. Installer output ends with:\n{last}")
+}
+
+async fn upload_file(docker: &Docker, id: &str, dir: &str, name: &str, data: &[u8]) -> Result<(), Error> {
+    let mut ar = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(data.len() as u64);
+    h.set_mode(0o644);
+    h.set_mtime(0);
+    h.set_cksum();
+    ar.append_data(&mut h, name, data).map_err(|e| Error::Failed(format!("cannot pack {name}: {e}")))?;
+    let buf = ar.into_inner().map_err(|e| Error::Failed(format!("cannot pack {name}: {e}")))?;
+    let opts = UploadToContainerOptionsBuilder::default().path(dir).build();
+    docker.upload_to_container(id, Some(opts), bollard::body_full(buf.into())).await?;
+    Ok(())
+}
+
+/// Downloads `/workspace/site` from the installer, bounded in size.
+async fn download_tree(docker: &Docker, id: &str) -> Result<Vec<u8>, Error> {
+    let opts = DownloadFromContainerOptionsBuilder::default().path("/workspace/site").build();
+    let mut stream = docker.download_from_container(id, Some(opts));
+    let mut tree = Vec::new();
+    while let Some(chunk) = stream.try_next().await? {
+        tree.extend_from_slice(&chunk);
+        if tree.len() as u64 > MAX_TREE {
+            return Err(Error::Failed(format!("install failed: the installed packages exceed {} GiB", MAX_TREE >> 30)));
+        }
+    }
+    Ok(tree)
+}
+
+/// Re-packs the installer's tree into a build context. The tree came from a container that
+/// ran untrusted install hooks, so it is treated as hostile: entries must stay under `site/`,
+/// links may not point out of it, devices and fifos are dropped, and modes are made
+/// readable (never setuid) so the code's uid can import what root's COPY wrote.
+fn context_from_tree(base: &str, tree: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = tar::Builder::new(Vec::new());
+    let dockerfile = format!("FROM {base}\nCOPY site {LAYER_SITE}\n");
+    let mut h = tar::Header::new_gnu();
+    h.set_size(dockerfile.len() as u64);
+    h.set_mode(0o644);
+    h.set_mtime(0);
+    h.set_cksum();
+    out.append_data(&mut h, "Dockerfile", dockerfile.as_bytes()).map_err(|e| e.to_string())?;
+    let mut ar = tar::Archive::new(tree);
+    for entry in ar.entries().map_err(|e| e.to_string())? {
+        let mut entry = entry.map_err(|e| e.to_string())?;
+        let path = entry.path().map_err(|e| e.to_string())?.into_owned();
+        if !safe_relative(&path) || path.components().next().and_then(|c| c.as_os_str().to_str()) != Some("site") {
+            return Err(format!("installer produced an unsafe path {}", path.display()));
+        }
+        let kind = entry.header().entry_type();
+        let mut header = entry.header().clone();
+        match kind {
+            tar::EntryType::Regular | tar::EntryType::Directory => {}
+            tar::EntryType::Symlink | tar::EntryType::Link => {
+                let target = entry.link_name().map_err(|e| e.to_string())?.unwrap_or_default().into_owned();
+                let resolved = path.parent().unwrap_or(std::path::Path::new("")).join(&target);
+                if target.is_absolute() || !safe_relative(&normalize(&resolved)) {
+                    continue; // a link out of the tree is dropped, never followed
+                }
+            }
+            _ => continue,
+        }
+        let mode = header.mode().unwrap_or(0o644) & 0o777;
+        let mode = if kind == tar::EntryType::Directory || mode & 0o111 != 0 { mode | 0o555 } else { mode | 0o444 };
+        header.set_mode(mode & 0o755);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_cksum();
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut data).map_err(|e| e.to_string())?;
+        out.append_data(&mut header, &path, &data[..]).map_err(|e| e.to_string())?;
+    }
+    out.into_inner().map_err(|e| e.to_string())
+}
+
+fn normalize(p: &std::path::Path) -> std::path::PathBuf {
+    let mut out = std::path::PathBuf::new();
+    for c in p.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                if !out.pop() {
+                    return std::path::PathBuf::from("..");
+                }
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// A relative path with no `..`, root or prefix components.
+pub fn safe_relative(p: &std::path::Path) -> bool {
+    p.components().all(|c| matches!(c, std::path::Component::Normal(_) | std::path::Component::CurDir))
+}
+
+async fn build_layer(
+    docker: &Docker,
+    base: &str,
+    tag: &str,
+    requirements: &[String],
+    tree: Vec<u8>,
+) -> Result<(), Error> {
+    let context = context_from_tree(base, &tree).map_err(|e| Error::Failed(format!("install failed: {e}")))?;
+    drop(tree);
+    let labels = HashMap::from([
+        (LABEL_IMAGE, "layer".to_owned()),
+        (LABEL_REQUIREMENTS, requirements.join("\n")),
+        (LABEL_BASE, base.to_owned()),
+    ]);
+    let opts = BuildImageOptionsBuilder::default()
+        .dockerfile("Dockerfile")
+        .t(tag)
+        .labels(&labels)
+        .rm(true)
+        .forcerm(true)
+        .build();
+    let mut stream = docker.build_image(opts, None, Some(bollard::body_full(context.into())));
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(info) => {
+                if let Some(detail) = info.error_detail.and_then(|d| d.message) {
+                    return Err(DockerError::Build(detail).into());
+                }
+            }
+            Err(bollard::errors::Error::DockerStreamError { error }) => return Err(DockerError::Build(error).into()),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Copies a layer's packages into a running session's live volume, streamed from a stopped
+/// container of the layer image straight into the session (no network, no installer).
+pub async fn copy_into(docker: &Docker, layer_tag: &str, session_container: &str, owner: &Owner) -> Result<(), Error> {
+    let name = format!("pyberth-{}-copy-{}", owner.instance, next_serial());
+    let labels = HashMap::from([
+        (LABEL_MANAGED.to_owned(), "1".to_owned()),
+        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
+        (super::LABEL_HOST.to_owned(), owner.host.clone()),
+    ]);
+    let body = ContainerCreateBody {
+        image: Some(layer_tag.into()),
+        cmd: Some(vec!["true".into()]),
+        labels: Some(labels),
+        network_disabled: Some(true),
+        host_config: Some(HostConfig { network_mode: Some("none".into()), ..Default::default() }),
+        ..Default::default()
+    };
+    let holder =
+        docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
+    let result = async {
+        let opts = DownloadFromContainerOptionsBuilder::default().path(LAYER_SITE).build();
+        let tree = docker.download_from_container(&holder.id, Some(opts)).map_err(std::io::Error::other);
+        let opts = UploadToContainerOptionsBuilder::default().path(LIVE_DIR).build();
+        docker.upload_to_container(session_container, Some(opts), bollard::body_try_stream(tree)).await?;
+        Ok(())
+    }
+    .await;
+    container::remove_container(docker, &holder.id).await;
+    result
+}
+
+/// A layer image, for listings.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LayerInfo {
+    /// Tag.
+    pub tag: String,
+    /// Requirements it holds.
+    pub requirements: Vec<String>,
+    /// Size in bytes (including the shared base).
+    pub size: i64,
+    /// Creation time, seconds since the epoch.
+    pub created: i64,
+    /// The image it is built on.
+    pub base: String,
+}
+
+/// All layer images, newest first.
+pub async fn list(docker: &Docker) -> Result<Vec<LayerInfo>, DockerError> {
+    let label = format!("{LABEL_IMAGE}=layer");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
+    let out: Vec<LayerInfo> = docker
+        .list_images(Some(opts))
+        .await?
+        .into_iter()
+        .map(|i| LayerInfo {
+            tag: i.repo_tags.first().cloned().unwrap_or(i.id),
+            requirements: i
+                .labels
+                .get(LABEL_REQUIREMENTS)
+                .map(|r| r.lines().map(str::to_owned).collect())
+                .unwrap_or_default(),
+            size: i.size,
+            created: i.created,
+            base: i.labels.get(LABEL_BASE).cloned().unwrap_or_default(),
+        })
+        .collect();
+    Ok(out)
+}
+
+/// Layers ordered most recently used first, by the use record in `state_dir` (falling back
+/// to creation time for layers never used since the record began).
+pub async fn list_by_use(docker: &Docker, state_dir: &std::path::Path) -> Result<Vec<LayerInfo>, DockerError> {
+    let used = read_uses(state_dir);
+    let mut out = list(docker).await?;
+    out.sort_by_key(|l| std::cmp::Reverse(used.get(&l.tag).copied().unwrap_or(l.created)));
+    Ok(out)
+}
+
+fn uses_path(state_dir: &std::path::Path) -> std::path::PathBuf {
+    state_dir.join("layers-used.json")
+}
+
+fn read_uses(state_dir: &std::path::Path) -> HashMap<String, i64> {
+    std::fs::read(uses_path(state_dir)).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
+}
+
+/// Records that a layer was used now. A lost update between two servers only blurs the
+/// LRU order, so a plain write-and-rename is enough.
+pub fn touch(state_dir: &std::path::Path, tag: &str) {
+    let mut used = read_uses(state_dir);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64);
+    used.insert(tag.to_owned(), now.unwrap_or(0));
+    let tmp = state_dir.join(format!("layers-used.json.{}", std::process::id()));
+    let written = serde_json::to_vec(&used)
+        .map_err(std::io::Error::other)
+        .and_then(|b| std::fs::write(&tmp, b))
+        .and_then(|()| std::fs::rename(&tmp, uses_path(state_dir)));
+    if let Err(e) = written {
+        tracing::debug!(error = %e, "cannot record layer use");
+    }
+}
+
+/// Removes layers, least recently used first, until the layers' own bytes (size beyond their base) are at
+/// most `keep_bytes`; 0 removes all. Layers a container still uses are kept by the engine.
+/// Returns the removed tags.
+pub async fn prune(docker: &Docker, state_dir: &std::path::Path, keep_bytes: u64) -> Result<Vec<String>, DockerError> {
+    let layers = list_by_use(docker, state_dir).await?;
+    let mut own = Vec::with_capacity(layers.len());
+    let mut base_sizes: HashMap<String, i64> = HashMap::new();
+    for l in &layers {
+        if !base_sizes.contains_key(&l.base) {
+            let size = docker.inspect_image(&l.base).await.ok().and_then(|i| i.size).unwrap_or(0);
+            base_sizes.insert(l.base.clone(), size);
+        }
+        own.push((l.size - base_sizes[&l.base]).max(0) as u64);
+    }
+    let mut total: u64 = own.iter().sum();
+    let mut removed = Vec::new();
+    for (l, bytes) in layers.iter().zip(own).rev() {
+        if keep_bytes > 0 && total <= keep_bytes {
+            break;
+        }
+        match docker.remove_image(&l.tag, Some(RemoveImageOptionsBuilder::default().build()), None).await {
+            Ok(_) => {
+                total = total.saturating_sub(bytes);
+                removed.push(l.tag.clone());
+            }
+            Err(e) => tracing::info!(layer = %l.tag, error = %e, "layer kept"),
+        }
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, kind, link) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(*kind);
+            h.set_mode(0o600);
+            h.set_size(0);
+            if !link.is_empty() {
+                h.set_link_name(link).expect("link");
+            }
+            if h.set_path(path).is_err() {
+                // tar refuses to write `..`; hostile archives have it anyway.
+                let raw = path.as_bytes();
+                h.as_old_mut().name[..raw.len()].copy_from_slice(raw);
+            }
+            h.set_cksum();
+            b.append(&h, &[][..]).expect("append");
+        }
+        b.into_inner().expect("tar")
+    }
+
+    fn names(ctx: &[u8]) -> Vec<(String, u32)> {
+        let mut ar = tar::Archive::new(ctx);
+        ar.entries()
+            .expect("entries")
+            .map(|e| {
+                let e = e.expect("entry");
+                (e.path().expect("path").display().to_string(), e.header().mode().expect("mode"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_depend_on_every_input() {
+        let idx = IndexSettings::default();
+        let reqs = vec!["six".to_owned()];
+        let k = layer_key("sha256:a", &reqs, &idx);
+        assert_eq!(k.len(), 20);
+        assert_eq!(k, layer_key("sha256:a", &reqs, &idx));
+        assert_ne!(k, layer_key("sha256:b", &reqs, &idx));
+        assert_ne!(k, layer_key("sha256:a", &["attrs".to_owned()], &idx));
+        let other = IndexSettings { index_url: Some("https://mirror/simple".into()), ..Default::default() };
+        assert_ne!(k, layer_key("sha256:a", &reqs, &other));
+    }
+
+    #[test]
+    fn hostile_trees_are_refused_or_defanged() {
+        let ok = tree(&[
+            ("site/", tar::EntryType::Directory, ""),
+            ("site/six.py", tar::EntryType::Regular, ""),
+            ("site/link.py", tar::EntryType::Symlink, "six.py"),
+            ("site/escape", tar::EntryType::Symlink, "../../etc/passwd"),
+            ("site/abs", tar::EntryType::Symlink, "/etc/passwd"),
+            ("site/fifo", tar::EntryType::Fifo, ""),
+        ]);
+        let ctx = context_from_tree("base", &ok).expect("context");
+        let got = names(&ctx);
+        let paths: Vec<&str> = got.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(paths, ["Dockerfile", "site/", "site/six.py", "site/link.py"]);
+        assert_eq!(got[2].1, 0o644, "readable by the code's uid");
+        assert_eq!(got[1].1, 0o755);
+        for bad in ["site/../../etc/x", "other/x.py"] {
+            let t = tree(&[(bad, tar::EntryType::Regular, "")]);
+            assert!(context_from_tree("base", &t).is_err(), "{bad}");
+        }
+    }
+}

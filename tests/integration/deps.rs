@@ -1,0 +1,147 @@
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bollard::query_parameters::{EventsOptionsBuilder, ListImagesOptionsBuilder, RemoveImageOptionsBuilder};
+use futures::StreamExt;
+use serde_json::json;
+
+use crate::common::{Server, containers_of, docker, text};
+
+fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+/// Installer containers this instance created between two times.
+async fn installers_started(instance: &str, since: i64, until: i64) -> usize {
+    let instance_label = format!("pyberth.instance={instance}");
+    let filters = HashMap::from([
+        ("type", vec!["container"]),
+        ("event", vec!["create"]),
+        ("label", vec!["pyberth.installer=1", instance_label.as_str()]),
+    ]);
+    let since = since.to_string();
+    let until = until.to_string();
+    let opts = EventsOptionsBuilder::default().since(&since).until(&until).filters(&filters).build();
+    docker().await.events(Some(opts)).filter(|e| futures::future::ready(e.is_ok())).count().await
+}
+
+/// Removes cached layers holding exactly this requirement set, so an install must run.
+async fn forget_layers(requirements: &str) {
+    let label = format!("pyberth.requirements={requirements}");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
+    for image in docker().await.list_images(Some(opts)).await.expect("list images") {
+        let opts = RemoveImageOptionsBuilder::default().force(true).build();
+        let _ = docker().await.remove_image(&image.id, Some(opts), None).await;
+    }
+}
+
+fn no_network_code() -> &'static str {
+    "sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:])"
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
+    forget_layers("six").await;
+    let s = Server::start("deps-six", &[]).await;
+    let t0 = now();
+    let r = s.call("install_packages", json!({ "packages": ["six"], "session": "first" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert!(installers_started(&s.instance, t0, now() + 1).await >= 1, "a cold set runs the installer");
+    let sc = s.ok("first", "import six\nsix.__name__").await;
+    assert_eq!(sc["result"], "'six'");
+    assert_eq!(s.ok("first", no_network_code()).await["result"], "['lo']", "still offline after an install");
+
+    // A second session asking for the same set starts from the layer: no installer runs.
+    let t1 = now();
+    let (r, sc) = s.run_with(json!({ "session": "second", "code": "import six\nsix.PY3", "packages": ["Six"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["result"], "True");
+    assert_eq!(installers_started(&s.instance, t1, now() + 1).await, 0, "cache hit: no installer");
+    assert_eq!(s.ok("second", no_network_code()).await["result"], "['lo']");
+
+    let r = s.call("list_packages", json!({ "session": "second", "names": ["six", "no-such-thing"] })).await;
+    let sc = r.structured_content.expect("sc");
+    assert_eq!(sc["packages"][0]["name"], "six");
+    assert_eq!(sc["missing"], json!(["no-such-thing"]));
+    assert_eq!(sc["requirements"], json!(["six"]));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_live_session_gains_packages_and_keeps_its_variables() {
+    let s = Server::start("deps-live", &[]).await;
+    s.ok("live", "kept = 41").await;
+    let r = s.call("install_packages", json!({ "packages": ["attrs"], "session": "live" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = s.ok("live", "import attrs\n(kept + 1, attrs.__name__)").await;
+    assert_eq!(sc["result"], "(42, 'attrs')");
+    // Asking again is a no-op.
+    let r = s.call("install_packages", json!({ "packages": ["attrs"], "session": "live" })).await;
+    let sc = r.structured_content.expect("sc");
+    assert_eq!(sc["installed"], json!([]));
+    assert_eq!(sc["already_installed"], json!(["attrs"]));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_and_unknown_packages_are_tool_errors_and_the_session_survives() {
+    let s = Server::start("deps-bad", &[]).await;
+    for (bad, want) in [
+        (json!(["-e ."]), "installer options"),
+        (json!(["pkg @ https://example.com/p.whl"]), "URLs"),
+        (json!(["../local"]), "local paths"),
+        (json!(["six\n--index-url=http://x"]), "control characters"),
+        (json!(["six==1", "six==2"]), "different constraints"),
+        (json!([]), "packages is empty"),
+    ] {
+        let r = s.call("install_packages", json!({ "packages": bad })).await;
+        assert_eq!(r.is_error, Some(true));
+        assert!(text(&r).contains(want), "{bad}: {}", text(&r));
+    }
+    assert!(containers_of(&s.instance).await.is_empty(), "refused before any container");
+
+    s.ok("default", "v = 'alive'").await;
+    let r = s.call("install_packages", json!({ "packages": ["pyberth-no-such-package-zzz"] })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("no such package"), "{}", text(&r));
+    assert_eq!(s.ok("default", "v").await["result"], "'alive'");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn layers_survive_a_restart_and_compiled_extensions_work() {
+    let s = Server::start("deps-restart-1", &[]).await;
+    let (r, _) = s.run_with(json!({ "session": "c", "code": "1", "packages": ["markupsafe"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    s.stop().await;
+    let s = Server::start("deps-restart-2", &[]).await;
+    let t0 = now();
+    // MarkupSafe's wheel carries a C extension, _speedups.
+    let code = "from markupsafe import _speedups, escape\nstr(escape('<a>'))";
+    let (r, sc) = s.run_with(json!({ "session": "c", "code": code, "packages": ["MarkupSafe"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["result"], "'&lt;a&gt;'");
+    assert_eq!(installers_started(&s.instance, t0, now() + 1).await, 0, "the layer outlived the first server");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inline_script_metadata_declares_dependencies() {
+    let s = Server::start("deps-pep723", &[]).await;
+    let code = "# /// script\n# dependencies = [\"iniconfig\"]\n# ///\nimport iniconfig\niniconfig.__name__";
+    let sc = s.ok("default", code).await;
+    assert_eq!(sc["result"], "'iniconfig'");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreachable_index_is_said_plainly() {
+    // Port 9 on the installer's own loopback: the connection is refused at once.
+    let s = Server::start("deps-noindex", &[("PYBERTH_INDEX_URL", "http://127.0.0.1:9/simple")]).await;
+    let r = s.call("install_packages", json!({ "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("could not be reached"), "{}", text(&r));
+    assert!(text(&r).contains("http://127.0.0.1:9/simple"), "names the index: {}", text(&r));
+    s.stop().await;
+}
