@@ -69,6 +69,10 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_OUTPUT_CAP", default_value_t = 1 << 20)]
     pub output_cap: usize,
 
+    /// Most bytes one write_file or read_file call moves.
+    #[arg(long, env = "PYBERTH_FILE_CAP", default_value_t = 8 << 20)]
+    pub file_cap: usize,
+
     /// Largest code accepted in one run, bytes.
     #[arg(long, env = "PYBERTH_CODE_CAP", default_value_t = 1 << 20)]
     pub code_cap: usize,
@@ -143,6 +147,7 @@ impl SandboxConfig {
             "--fallback-release",
             "must be a Debian suite name such as bookworm",
         )?;
+        check(self.file_cap >= 1024 && self.file_cap <= 8 << 20, "--file-cap", "must be between 1 KiB and 8 MiB")?;
         check(self.install_timeout_s >= 10, "--install-timeout-s", "must be at least 10")?;
         check(self.max_packages >= 1, "--max-packages", "must be at least 1")?;
         for (key, url) in [("--index-url", self.index_url()), ("--extra-index-url", self.extra_index_url())] {

@@ -22,3 +22,4 @@ pub mod output;
 pub mod protocol;
 pub mod server;
 pub mod session;
+pub mod workspace;

@@ -5,6 +5,8 @@
 //! output for markers (user output only ever travels inside an [`Event::Out`] payload).
 //! This module is pure: no I/O.
 
+use std::collections::BTreeMap;
+
 use base64::Engine as _;
 use bytes::{Buf, BytesMut};
 use serde::{Deserialize, Serialize};
@@ -12,20 +14,71 @@ use serde::{Deserialize, Serialize};
 /// Version of the protocol; the agent states its own in [`Event::Hello`].
 pub const PROTOCOL_VERSION: u32 = 1;
 
-/// Longest event line accepted. The agent caps output chunks at 64 KiB and texts at 64 KiB,
-/// so a legitimate line stays well below this; a longer one means a broken agent.
-pub const MAX_LINE: usize = 4 << 20;
+/// Longest event line accepted. The agent caps output chunks and texts at 64 KiB, images at
+/// 4 MiB and file reads at the server's read cap (8 MiB at most), all base64; a longer line
+/// means a broken agent.
+pub const MAX_LINE: usize = 16 << 20;
 
 /// A request from the server to the agent.
 #[derive(Debug, Serialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request<'a> {
-    /// Run `code` in the persistent namespace.
+    /// Run `code` in the persistent namespace, or with `file`, a workspace script in a fresh
+    /// interpreter process.
     Run {
         /// Run id, echoed by every event of the run.
         id: u64,
         /// Python source.
         code: &'a str,
+        /// Workspace script to run instead of `code`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        file: Option<&'a str>,
+        /// `sys.argv[1:]` for `file`.
+        #[serde(skip_serializing_if = "<[String]>::is_empty")]
+        args: &'a [String],
+        /// Environment variables set for this run only.
+        #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+        env: &'a BTreeMap<String, String>,
+    },
+    /// Write (or append) bytes to a workspace file.
+    Write {
+        /// Request id.
+        id: u64,
+        /// Workspace-relative path, already checked.
+        path: &'a str,
+        /// Content, base64.
+        b: String,
+        /// Append instead of replacing.
+        append: bool,
+    },
+    /// Read part of a workspace file.
+    Read {
+        /// Request id.
+        id: u64,
+        /// Path.
+        path: &'a str,
+        /// First byte.
+        offset: u64,
+        /// Most bytes.
+        length: u64,
+    },
+    /// List a workspace directory.
+    List {
+        /// Request id.
+        id: u64,
+        /// Path.
+        path: &'a str,
+        /// Descend into subdirectories.
+        recursive: bool,
+        /// Most entries.
+        limit: usize,
+    },
+    /// Delete a workspace file or directory.
+    Delete {
+        /// Request id.
+        id: u64,
+        /// Path.
+        path: &'a str,
     },
     /// Raise KeyboardInterrupt in the run `id`, if it is still the current one.
     Interrupt {
@@ -105,6 +158,17 @@ pub struct Variable {
     pub repr: String,
 }
 
+/// One workspace entry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
+pub struct FileEntry {
+    /// Path relative to the workspace.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// file, dir or link.
+    pub kind: String,
+}
+
 /// An installed distribution.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
 pub struct Package {
@@ -176,6 +240,39 @@ pub enum Event {
         id: u64,
         /// Installed distributions.
         packages: Vec<Package>,
+    },
+    /// Answer to a file request.
+    File {
+        /// Request id.
+        id: u64,
+        /// File size after a write, or of the file read.
+        #[serde(default)]
+        size: Option<u64>,
+        /// Bytes read, base64.
+        #[serde(default)]
+        b: Option<String>,
+        /// Directory listing.
+        #[serde(default)]
+        entries: Option<Vec<FileEntry>>,
+        /// The listing was cut at its limit.
+        #[serde(default)]
+        truncated: Option<bool>,
+    },
+    /// An image produced by a run (a matplotlib figure, or `display()`).
+    Image {
+        /// Run id.
+        id: Option<u64>,
+        /// MIME type.
+        mime: String,
+        /// Image bytes, base64.
+        b: String,
+    },
+    /// Something the caller should know about a run (images left out, ...).
+    Notice {
+        /// Run id.
+        id: Option<u64>,
+        /// What.
+        text: String,
     },
     /// The agent could not serve a request.
     Failed {
@@ -335,7 +432,7 @@ mod tests {
         let mut d = LineDecoder::default();
         let chunk = vec![b'x'; 1 << 20];
         let mut failed = false;
-        for _ in 0..5 {
+        for _ in 0..=(MAX_LINE >> 20) {
             d.push(&chunk);
             if matches!(d.next_event(), Err(Error::LineTooLong)) {
                 failed = true;
@@ -361,7 +458,8 @@ mod tests {
 
     #[test]
     fn requests_are_one_line() {
-        let line = Request::Run { id: 9, code: "print('a\\nb')\nx = 1" }.to_line();
+        let env = BTreeMap::new();
+        let line = Request::Run { id: 9, code: "print('a\\nb')\nx = 1", file: None, args: &[], env: &env }.to_line();
         assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
         assert!(line.ends_with(b"\n"));
         let v: serde_json::Value = serde_json::from_slice(&line).expect("json");

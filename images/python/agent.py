@@ -20,8 +20,11 @@ import linecache
 import os
 import queue
 import select
+import io
 import signal
 import site
+import stat
+import subprocess
 import sys
 import threading
 import time
@@ -35,10 +38,30 @@ AGENT_FILE = os.path.abspath(__file__)
 # Packages of the session's dependency layer, and those installed into the live session.
 LAYER_SITE = "/opt/pyberth/site"
 LIVE_SITE = "/opt/pyberth/live/site"
+WORKSPACE = "/workspace"
+MAX_IMAGES = 10  # figures returned per run
+MAX_IMAGE_BYTES = 4 << 20
+
+
+class PathError(Exception):
+    """A workspace path the caller may not use."""
+
+
+def workspace_path(rel, must_exist=True):
+    """Resolves a relative path inside the workspace. Symlinks made by the code are followed
+    only as far as they stay inside the workspace."""
+    full = os.path.realpath(os.path.join(WORKSPACE, rel))
+    if full != WORKSPACE and not full.startswith(WORKSPACE + "/"):
+        raise PathError("%s leads outside the workspace" % rel)
+    if must_exist and not os.path.lexists(full):
+        raise PathError("%s does not exist" % rel)
+    return full
 
 
 def add_site_dirs():
-    """Puts package dirs (with their .pth files) ahead of the system's, live first."""
+    """Puts package dirs (with their .pth files) ahead of the system's, live first. Child
+    interpreters (run_file, subprocess) find them through PYTHONPATH."""
+    os.environ["PYTHONPATH"] = LIVE_SITE + ":" + LAYER_SITE
     for path in (LAYER_SITE, LIVE_SITE):
         if os.path.isdir(path) and path not in sys.path:
             before = list(sys.path)
@@ -208,6 +231,7 @@ class Agent:
         self.main_ident = threading.get_ident()
         module = types.ModuleType("__main__")
         module.__builtins__ = builtins
+        builtins.display = self.display
         sys.modules["__main__"] = module
         self.namespace = module.__dict__
         self.stdout, self.stderr = sys.stdout, sys.stderr
@@ -256,6 +280,14 @@ class Agent:
                     self.run(msg)
                 elif op == "vars":
                     self.channel.send({"ev": "vars", "id": msg.get("id"), "vars": self.variables()})
+                elif op in ("write", "read", "list", "delete"):
+                    try:
+                        reply = getattr(self, "file_" + op)(msg)
+                        reply.update({"ev": "file", "id": msg.get("id")})
+                    except (PathError, OSError, ValueError) as exc:
+                        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                        reply = {"ev": "failed", "id": msg.get("id"), "message": clean(message, 500)}
+                    self.channel.send(reply)
                 elif op == "refresh":
                     add_site_dirs()
                     self.channel.send({"ev": "refreshed", "id": msg.get("id")})
@@ -276,15 +308,27 @@ class Agent:
         self.restore_fds()
         started = time.monotonic()
         cpu_start = cpu_seconds()
+        # Environment for this run only; the previous values come back afterwards.
+        saved = {k: os.environ.get(k) for k in msg.get("env") or {}}
+        os.environ.update(msg.get("env") or {})
         with self.state_lock:
             self.current = run_id
         try:
-            outcome = self.execute(code)
+            if msg.get("file") is not None:
+                outcome = self.execute_file(msg["file"], msg.get("args") or [])
+            else:
+                outcome = self.execute(code)
         except KeyboardInterrupt:
             outcome = {"status": "interrupted", "error": None}
         finally:
             with self.state_lock:
                 self.current = None
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.send_figures(run_id)
         # From here on no interrupt is sent for this run; flush what the code left buffered.
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -306,6 +350,146 @@ class Agent:
             }
         )
         self.channel.send(outcome)
+
+    def execute_file(self, rel, args):
+        """Runs a workspace script as __main__ in a fresh interpreter process."""
+        try:
+            path = workspace_path(rel)
+        except PathError as exc:
+            return {"status": "error", "error": {"type": "FileNotFoundError", "message": str(exc), "traceback": ""}}
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            proc = subprocess.Popen([sys.executable, "-u", "-B", path] + [str(a) for a in args], cwd=WORKSPACE)
+            try:
+                code = proc.wait()
+            except KeyboardInterrupt:
+                # Pass the interrupt on; the server kills everything if it is ignored.
+                proc.send_signal(signal.SIGINT)
+                proc.wait()
+                return {"status": "interrupted", "error": None}
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if code == 0:
+            return {"status": "ok", "error": None, "exit_code": 0}
+        return {
+            "status": "error",
+            "exit_code": code,
+            "error": {"type": "ExitStatus", "message": "%s exited with status %d" % (rel, code), "traceback": ""},
+        }
+
+    def send_figures(self, run_id):
+        """Sends every open matplotlib figure as a PNG, then closes them."""
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if pyplot is None:
+            return
+        try:
+            numbers = pyplot.get_fignums()
+            for n in numbers[:MAX_IMAGES]:
+                buf = io.BytesIO()
+                pyplot.figure(n).savefig(buf, format="png")
+                self.send_image(run_id, buf.getvalue())
+            if len(numbers) > MAX_IMAGES:
+                self.send_notice(run_id, "%d figures not returned (limit %d per run)" % (len(numbers) - MAX_IMAGES, MAX_IMAGES))
+            pyplot.close("all")
+        except Exception as exc:  # a broken figure is reported, never fatal
+            self.send_notice(run_id, "figures could not be rendered: %s" % clean(repr(exc), 300))
+
+    def send_image(self, run_id, png):
+        if len(png) > MAX_IMAGE_BYTES:
+            self.send_notice(run_id, "an image of %d bytes was not returned (limit %d)" % (len(png), MAX_IMAGE_BYTES))
+            return
+        self.channel.send({"ev": "image", "id": run_id, "mime": "image/png", "b": base64.b64encode(png).decode("ascii")})
+
+    def send_notice(self, run_id, text):
+        self.channel.send({"ev": "notice", "id": run_id, "text": text})
+
+    def display(self, *objects):
+        """Shows objects as images in the run's result: matplotlib figures and anything with
+        _repr_png_ (PIL images and the like); others are printed."""
+        run_id = self.current
+        for obj in objects:
+            png = None
+            if hasattr(obj, "savefig"):
+                buf = io.BytesIO()
+                obj.savefig(buf, format="png")
+                png = buf.getvalue()
+            elif hasattr(obj, "_repr_png_"):
+                png = obj._repr_png_()
+            if png:
+                self.send_image(run_id, png)
+            else:
+                print(repr(obj))
+
+    def file_write(self, msg):
+        rel = msg["path"]
+        parent = workspace_path(os.path.dirname(rel) or ".", must_exist=False)
+        os.makedirs(parent, exist_ok=True)
+        workspace_path(os.path.dirname(rel) or ".")  # the parent, once made, is still inside
+        full = os.path.join(parent, os.path.basename(rel))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if msg.get("append") else os.O_TRUNC)
+        data = base64.b64decode(msg.get("b", ""))
+        fd = os.open(full, flags, 0o644)
+        try:
+            write_all(fd, data)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        return {"size": size}
+
+    def file_read(self, msg):
+        full = workspace_path(msg["path"])
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise PathError("%s is not a regular file" % msg["path"])
+            offset = max(0, int(msg.get("offset") or 0))
+            os.lseek(fd, offset, os.SEEK_SET)
+            want = int(msg.get("length"))
+            chunks = []
+            while want > 0:
+                data = os.read(fd, min(want, 1 << 20))
+                if not data:
+                    break
+                chunks.append(data)
+                want -= len(data)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        return {"size": st.st_size, "b": base64.b64encode(data).decode("ascii")}
+
+    def file_list(self, msg):
+        root = workspace_path(msg.get("path") or ".")
+        if not os.path.isdir(root):
+            raise PathError("%s is not a directory" % msg.get("path"))
+        limit = int(msg.get("limit") or 1000)
+        entries = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(dirnames) + sorted(filenames):
+                full = os.path.join(dirpath, name)
+                st = os.lstat(full)
+                kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
+                entries.append({"path": os.path.relpath(full, WORKSPACE), "size": st.st_size, "kind": kind})
+                if len(entries) >= limit:
+                    return {"entries": entries, "truncated": True}
+            if not msg.get("recursive"):
+                break
+        return {"entries": entries, "truncated": False}
+
+    def file_delete(self, msg):
+        rel = msg["path"]
+        parent = workspace_path(os.path.dirname(rel) or ".")
+        full = os.path.join(parent, os.path.basename(rel))
+        if full == WORKSPACE:
+            raise PathError("the workspace itself cannot be deleted")
+        if os.path.isdir(full) and not os.path.islink(full):
+            import shutil
+
+            shutil.rmtree(full)
+        else:
+            os.unlink(full)
+        return {"size": 0}
 
     def execute(self, code):
         self.cells += 1

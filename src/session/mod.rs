@@ -6,7 +6,7 @@
 
 pub mod registry;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -92,6 +92,34 @@ pub struct RunOutcome {
     pub state_lost: bool,
     /// What the caller should know beyond the status.
     pub notices: Vec<String>,
+    /// Images the run produced: (MIME type, base64 bytes).
+    pub images: Vec<(String, String)>,
+}
+
+/// What to run.
+#[derive(Debug, Default)]
+pub struct RunSpec<'a> {
+    /// Python source for the persistent interpreter.
+    pub code: &'a str,
+    /// A workspace script to run in a fresh interpreter process instead.
+    pub file: Option<&'a str>,
+    /// Its arguments.
+    pub args: &'a [String],
+    /// Environment for this run, on top of the session's.
+    pub env: BTreeMap<String, String>,
+}
+
+/// A file request's answer.
+#[derive(Debug, Default)]
+pub struct FileReply {
+    /// Size of the file.
+    pub size: Option<u64>,
+    /// Bytes read.
+    pub data: Vec<u8>,
+    /// Directory entries.
+    pub entries: Vec<protocol::FileEntry>,
+    /// The listing was cut.
+    pub truncated: bool,
 }
 
 /// Summary of a session for listings.
@@ -186,6 +214,8 @@ pub struct Session {
     layer_packages: BTreeSet<String>,
     /// Requirements installed: the layer's plus those added while running.
     packages: std::sync::Mutex<BTreeSet<String>>,
+    /// Environment variables set for every run of the session.
+    env: std::sync::Mutex<BTreeMap<String, String>>,
 }
 
 impl Session {
@@ -221,6 +251,7 @@ impl Session {
             closed: AtomicBool::new(false),
             layer_packages: packages.iter().cloned().collect(),
             packages: std::sync::Mutex::new(packages.into_iter().collect()),
+            env: std::sync::Mutex::new(BTreeMap::new()),
         });
         let started = {
             let mut inner = session.inner.lock().await;
@@ -343,7 +374,7 @@ impl Session {
     }
 
     /// Runs code in the persistent interpreter.
-    pub async fn run(&self, code: &str, timeout: Duration, ct: &CancellationToken) -> Result<RunOutcome, Error> {
+    pub async fn run(&self, spec: RunSpec<'_>, timeout: Duration, ct: &CancellationToken) -> Result<RunOutcome, Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
@@ -363,8 +394,12 @@ impl Session {
             cpu_ms: None,
             state_lost: state_lost_before,
             notices: Vec::new(),
+            images: Vec::new(),
         };
-        let ending = self.drive(&mut inner, id, code, timeout, ct, &mut outcome).await;
+        let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
+        env.extend(spec.env.clone());
+        let spec = RunSpec { env, ..spec };
+        let ending = self.drive(&mut inner, id, &spec, timeout, ct, &mut outcome).await;
         match ending {
             Ending::Done => {}
             Ending::Died(stopped) => {
@@ -420,6 +455,7 @@ impl Session {
             }
         }
         outcome.duration = started.elapsed();
+        notices.append(&mut outcome.notices);
         outcome.notices = notices;
         self.touch();
         Ok(outcome)
@@ -430,7 +466,7 @@ impl Session {
         &self,
         inner: &mut Inner,
         id: u64,
-        code: &str,
+        spec: &RunSpec<'_>,
         timeout: Duration,
         ct: &CancellationToken,
         outcome: &mut RunOutcome,
@@ -438,7 +474,8 @@ impl Session {
         let Some(agent) = inner.agent.as_mut() else {
             return Ending::Broken("no agent".into());
         };
-        if let Err(e) = agent.send(&Request::Run { id, code }).await {
+        let req = Request::Run { id, code: spec.code, file: spec.file, args: spec.args, env: &spec.env };
+        if let Err(e) = agent.send(&req).await {
             return Ending::Broken(e.to_string());
         }
         let deadline = tokio::time::Instant::now() + timeout;
@@ -468,6 +505,8 @@ impl Session {
                         };
                         return Ending::Done;
                     }
+                    Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.images.push((mime, b)),
+                    Ok(Some(Event::Notice { id: Some(i), text })) if i == id => outcome.notices.push(text),
                     Ok(Some(other)) => tracing::debug!(session = %self.name, event = ?other, "event outside the run ignored"),
                     Ok(None) => return Ending::Died(stopping.map(|s| s.0)),
                     Err(ReadError::Skippable(e)) => tracing::warn!(session = %self.name, error = %e, "unreadable agent line skipped"),
@@ -561,6 +600,67 @@ impl Session {
             },
         )
         .await
+    }
+
+    /// Adds environment variables to every later run of the session.
+    pub fn set_env(&self, vars: &BTreeMap<String, String>) {
+        if let Ok(mut env) = self.env.lock() {
+            env.extend(vars.clone());
+        }
+    }
+
+    /// The session's own environment variables.
+    pub fn env(&self) -> BTreeMap<String, String> {
+        self.env.lock().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    /// A workspace file request; `Ok(Err(message))` when the agent refused it (no such file,
+    /// a path leading outside the workspace, ...).
+    pub async fn file<'r>(&self, make: impl FnOnce(u64) -> Request<'r>) -> Result<Result<FileReply, String>, Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        self.ensure_agent(&mut inner).await?;
+        inner.next_id += 1;
+        let id = inner.next_id;
+        let req = make(id);
+        let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone) };
+        if agent.send(&req).await.is_err() {
+            inner.agent = None;
+            return Err(Error::AgentGone);
+        }
+        drop(req);
+        let answer = tokio::time::timeout(QUERY_TIMEOUT, async {
+            loop {
+                match agent.next_event().await {
+                    Ok(Some(Event::File { id: i, size, b, entries, truncated })) if i == id => {
+                        let data = match b {
+                            Some(b) => match Event::payload(None, Some(b)) {
+                                Ok(d) => d,
+                                Err(_) => return Some(Err("the file could not be decoded".to_owned())),
+                            },
+                            None => Vec::new(),
+                        };
+                        let entries = entries.unwrap_or_default();
+                        return Some(Ok(FileReply { size, data, entries, truncated: truncated.unwrap_or(false) }));
+                    }
+                    Ok(Some(Event::Failed { id: Some(i), message })) if i == id => return Some(Err(message)),
+                    Ok(Some(_)) | Err(ReadError::Skippable(_)) => {}
+                    Ok(None) | Err(ReadError::Fatal(_)) => return None,
+                }
+            }
+        })
+        .await;
+        match answer {
+            Ok(Some(reply)) => Ok(reply),
+            Ok(None) => {
+                inner.agent = None;
+                Err(Error::AgentGone)
+            }
+            Err(_) => {
+                self.restart_agent(&mut inner).await?;
+                Err(Error::AgentTimeout(QUERY_TIMEOUT))
+            }
+        }
     }
 
     /// Requirements of `wanted` this session does not have yet (by canonical string).

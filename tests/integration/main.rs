@@ -11,5 +11,7 @@ mod input;
 mod lifecycle;
 // Dependency layers: installs, cache hits, live installs, failures.
 mod deps;
+// The workspace: files, run_file, save_as, resources, figures, environment variables.
+mod workspace;
 // Hardening seen from inside the sandbox.
 mod sandbox;

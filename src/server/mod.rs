@@ -7,21 +7,31 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use base64::Engine as _;
+use rmcp::ErrorData;
 use rmcp::handler::server::common::schema_for_output;
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
-    CallToolResult, ContentBlock, Implementation, ProgressNotificationParam, ServerCapabilities, ServerConfig,
+    CallToolResult, ContentBlock, Implementation, ListResourceTemplatesResult, PaginatedRequestParams,
+    ProgressNotificationParam, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, ResourceContents,
+    ResourceTemplate, ServerCapabilities, ServerConfig,
 };
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, ServerHandler, tool, tool_handler, tool_router};
 use serde::{Deserialize, Serialize};
 
 use crate::config::SandboxConfig;
+mod files;
+
+use std::collections::BTreeMap;
+
 use crate::deps;
 use crate::protocol::{Package, PyError, Variable};
+use crate::session::RunSpec;
 use crate::session::registry::Registry;
 use crate::session::{RunOutcome, RunStatus, SessionInfo};
+use crate::workspace;
 
 /// The session used when a call names none.
 pub const DEFAULT_SESSION: &str = "default";
@@ -47,6 +57,19 @@ pub struct RunPythonArgs {
     /// metadata (`# /// script` ... `dependencies = [...]`) in the code is honoured too.
     #[serde(default)]
     pub packages: Option<Vec<String>>,
+    /// Also save the code as this workspace file (relative path) before running it.
+    #[serde(default)]
+    pub save_as: Option<String>,
+    /// Environment variables for this run only.
+    #[serde(default)]
+    pub env: Option<BTreeMap<String, String>>,
+    /// Environment variables to set for this and every later run of the session.
+    #[serde(default)]
+    pub session_env: Option<BTreeMap<String, String>>,
+    /// `.env`-format text (KEY=VALUE lines) for this run. Precedence, later wins:
+    /// session_env, then env_file, then env.
+    #[serde(default)]
+    pub env_file: Option<String>,
 }
 
 /// Arguments of `install_packages`.
@@ -149,6 +172,8 @@ pub struct RunOutput {
     pub state_lost: bool,
     /// Things the caller should know: restarts, replaced containers.
     pub notices: Vec<String>,
+    /// Images produced by the run (matplotlib figures, display()), returned as image content.
+    pub images: usize,
 }
 
 /// Structured result of `list_sessions`.
@@ -228,6 +253,7 @@ pub fn check_timeout(timeout_s: Option<f64>, cfg: &SandboxConfig) -> Result<Dura
 
 /// Renders a run as readable text plus structured content.
 pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
+    let images = outcome.images;
     let (stdout, stdout_base64) = outcome.stdout.render();
     let (stderr, stderr_base64) = outcome.stderr.render();
     let out = RunOutput {
@@ -245,6 +271,7 @@ pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
         cpu_ms: outcome.cpu_ms.map(|c| c.round()),
         state_lost: outcome.state_lost,
         notices: outcome.notices,
+        images: images.len(),
     };
     let mut text = String::new();
     if !out.stdout.is_empty() {
@@ -289,6 +316,7 @@ pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
     let json = serde_json::to_value(&out).unwrap_or_default();
     let mut result = if is_error { CallToolResult::structured_error(json) } else { CallToolResult::structured(json) };
     result.content = vec![ContentBlock::text(text)];
+    result.content.extend(images.into_iter().map(|(mime, data)| ContentBlock::image(data, mime)));
     result
 }
 
@@ -296,6 +324,23 @@ fn structured<T: Serialize>(value: &T, text: String) -> CallToolResult {
     let mut result = CallToolResult::structured(serde_json::to_value(value).unwrap_or_default());
     result.content = vec![ContentBlock::text(text)];
     result
+}
+
+/// The per-run and per-session environments of a run_python call, checked.
+/// Environment variables by name.
+type Env = BTreeMap<String, String>;
+
+fn run_env(args: &RunPythonArgs) -> Result<(Env, Option<Env>), String> {
+    let mut env = match &args.env_file {
+        Some(text) => workspace::parse_dotenv(text)?,
+        None => BTreeMap::new(),
+    };
+    env.extend(args.env.clone().unwrap_or_default());
+    workspace::check_env(&env)?;
+    if let Some(s) = &args.session_env {
+        workspace::check_env(s)?;
+    }
+    Ok((env, args.session_env.clone()))
 }
 
 /// Validates requested packages plus those declared inline in `code`.
@@ -348,7 +393,7 @@ async fn relay<T>(
 impl SandboxServer {
     /// A server over a registry, acting for `principal`.
     pub fn new(registry: Arc<Registry>, cfg: Arc<SandboxConfig>, principal: &str) -> Self {
-        Self { registry, cfg, principal: principal.into(), tool_router: Self::tool_router() }
+        Self { registry, cfg, principal: principal.into(), tool_router: Self::tool_router() + Self::files_router() }
     }
 
     /// Run Python code in a persistent sandboxed interpreter and return its stdout, stderr,
@@ -383,6 +428,14 @@ impl SandboxServer {
             Ok(p) => p,
             Err(e) => return tool_error(e),
         };
+        let (env, session_env) = match run_env(&args) {
+            Ok(e) => e,
+            Err(e) => return tool_error(e),
+        };
+        let save_as = match args.save_as.as_deref().map(|p| workspace::check_path(p, false)).transpose() {
+            Ok(p) => p,
+            Err(e) => return tool_error(e),
+        };
         let (progress, rx) = progress_channel();
         let opened = relay(&ctx, rx, async {
             let progress = &progress;
@@ -409,7 +462,20 @@ impl SandboxServer {
                 return tool_error(e.to_string());
             }
         };
-        match session.run(&args.code, timeout, &ctx.ct).await {
+        if let Some(vars) = &session_env {
+            session.set_env(vars);
+        }
+        let mut notices = notices;
+        if let Some(path) = &save_as {
+            let data = base64::engine::general_purpose::STANDARD.encode(args.code.as_bytes());
+            match session.file(|id| crate::protocol::Request::Write { id, path, b: data, append: false }).await {
+                Ok(Ok(_)) => notices.push(format!("code saved as {path}")),
+                Ok(Err(e)) => return tool_error(format!("cannot save the code as {path}: {e}")),
+                Err(e) => return tool_error(format!("cannot save the code as {path}: {e}")),
+            }
+        }
+        let spec = RunSpec { code: &args.code, env, ..Default::default() };
+        match session.run(spec, timeout, &ctx.ct).await {
             Ok(mut outcome) => {
                 outcome.notices.splice(0..0, notices);
                 render_run(&name, outcome)
@@ -613,12 +679,54 @@ impl SandboxServer {
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for SandboxServer {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_resources().build())
             .with_server_info(Implementation::new("pyberth", env!("CARGO_PKG_VERSION")))
             .with_instructions(
                 "Runs Python in isolated, offline Docker sandboxes. State persists per session \
                  like notebook cells; pass `session` to keep separate workspaces apart.",
             )
+    }
+
+    async fn list_resource_templates(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _ctx: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, ErrorData> {
+        let template = ResourceTemplate::new("pyberth://sessions/{session}/files/{+path}", "workspace-file")
+            .with_description("A file in a session's workspace (/workspace); text or binary, at most 8 MiB per read.");
+        Ok(ListResourceTemplatesResult::with_all_items(vec![template]))
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        _ctx: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        let uri = request.uri;
+        let not_found = |why: String| ErrorData::resource_not_found(why, None);
+        let Some((name, path)) = workspace::parse_resource_uri(&uri) else {
+            return Err(not_found(format!("{uri} is not a pyberth workspace file URI")));
+        };
+        let name = session_name(Some(&name)).map_err(not_found)?;
+        let path = workspace::check_path(&path, false).map_err(not_found)?;
+        // Another principal's session behaves exactly like a missing one.
+        let session = self.registry.get(&self.principal, &name).map_err(|e| not_found(e.to_string()))?;
+        let (data, size) = self.read_bytes(&session, &path, 0, self.cfg.file_cap as u64).await.map_err(not_found)?;
+        if (data.len() as u64) < size {
+            return Err(ErrorData::invalid_params(
+                format!(
+                    "{path} is {size} bytes, over the {} byte limit of a resource read: use read_file with offset",
+                    self.cfg.file_cap
+                ),
+                None,
+            ));
+        }
+        let contents = match String::from_utf8(data) {
+            Ok(text) => ResourceContents::text(text, uri),
+            Err(e) => ResourceContents::blob(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()), uri)
+                .with_mime_type("application/octet-stream"),
+        };
+        Ok(ReadResourceResult::new(vec![contents]).into())
     }
 }
 
@@ -675,6 +783,7 @@ mod tests {
             cpu_ms: Some(1.0),
             state_lost: false,
             notices: vec![],
+            images: vec![],
         }
     }
 

@@ -1,0 +1,194 @@
+//! Checks on caller input for the workspace and the environment, done before any Docker call.
+
+use std::collections::BTreeMap;
+
+/// Longest workspace path accepted.
+const MAX_PATH: usize = 1024;
+/// Longest path component (the usual file system limit).
+const MAX_NAME: usize = 255;
+
+/// Normalises a workspace-relative path: no absolute paths, no `..`, no NUL, backslashes or
+/// control characters, no overlong names. `.` and empty components are dropped. An empty
+/// result means the workspace itself, allowed only with `allow_root`.
+pub fn check_path(path: &str, allow_root: bool) -> Result<String, String> {
+    let shown: String = path.chars().take(80).collect();
+    if path.len() > MAX_PATH {
+        return Err(format!("path {shown:?}... is longer than {MAX_PATH} bytes"));
+    }
+    if path.chars().any(|c| c == '\0' || c == '\\' || c.is_control()) {
+        return Err(format!("path {shown:?} contains a NUL, a backslash or a control character"));
+    }
+    if path.starts_with('/') {
+        return Err(format!(
+            "path {shown:?} is absolute: give a path relative to the workspace (/workspace), e.g. data/out.csv"
+        ));
+    }
+    let mut parts = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => return Err(format!("path {shown:?} uses '..': paths must stay inside the workspace")),
+            p if p.len() > MAX_NAME => return Err(format!("path {shown:?} has a name longer than {MAX_NAME} bytes")),
+            p => parts.push(p),
+        }
+    }
+    if parts.is_empty() && !allow_root {
+        return Err("path is empty: name a file in the workspace, e.g. main.py".into());
+    }
+    Ok(if parts.is_empty() { ".".into() } else { parts.join("/") })
+}
+
+/// Variables that would let a caller hijack the dynamic loader, the interpreter or a shell.
+const DENIED: [&str; 18] = [
+    "PATH",
+    "HOME",
+    "PYTHONSTARTUP",
+    "PYTHONHOME",
+    "PYTHONPATH",
+    "PYTHONINSPECT",
+    "PYTHONEXECUTABLE",
+    "PYTHONUSERBASE",
+    "PYTHONPLATLIBDIR",
+    "PYTHONSAFEPATH",
+    "BASH_ENV",
+    "ENV",
+    "GLIBC_TUNABLES",
+    "NODE_OPTIONS",
+    "PERL5OPT",
+    "RUBYOPT",
+    "IFS",
+    "SHELLOPTS",
+];
+
+/// Checks environment variables from a caller.
+pub fn check_env(vars: &BTreeMap<String, String>) -> Result<(), String> {
+    if vars.len() > 100 {
+        return Err(format!("{} environment variables given; at most 100", vars.len()));
+    }
+    let mut total = 0;
+    for (name, value) in vars {
+        let valid = !name.is_empty()
+            && name.len() <= 128
+            && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            let shown: String = name.chars().take(60).collect();
+            return Err(format!("environment variable name {shown:?} is invalid: use letters, digits and '_'"));
+        }
+        if name.starts_with("LD_") || name.starts_with("DYLD_") || DENIED.contains(&name.as_str()) {
+            return Err(format!("environment variable {name} is refused: it can hijack the loader or the interpreter"));
+        }
+        if value.contains('\0') {
+            return Err(format!("environment variable {name} contains a NUL byte"));
+        }
+        total += name.len() + value.len();
+    }
+    if total > 64 << 10 {
+        return Err("environment variables total more than 64 KiB".into());
+    }
+    Ok(())
+}
+
+/// Parses `.env` text: `KEY=VALUE` lines, optional `export `, optional single or double
+/// quotes around the value, `#` comments and blank lines.
+pub fn parse_dotenv(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut vars = BTreeMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let line = line.strip_prefix("export ").unwrap_or(line);
+        let Some((key, value)) = line.split_once('=') else {
+            return Err(format!("env_file line {}: expected KEY=VALUE", n + 1));
+        };
+        let value = value.trim();
+        let value = match (value.chars().next(), value.chars().last()) {
+            (Some(q @ ('"' | '\'')), Some(e)) if e == q && value.len() >= 2 => &value[1..value.len() - 1],
+            _ => value,
+        };
+        vars.insert(key.trim().to_owned(), value.to_owned());
+    }
+    Ok(vars)
+}
+
+/// URI of a workspace file as an MCP resource.
+pub fn resource_uri(session: &str, path: &str) -> String {
+    format!("pyberth://sessions/{session}/files/{path}")
+}
+
+/// Splits a resource URI into (session, path).
+pub fn parse_resource_uri(uri: &str) -> Option<(String, String)> {
+    let rest = uri.strip_prefix("pyberth://sessions/")?;
+    let (session, path) = rest.split_once("/files/")?;
+    Some((session.to_owned(), percent_decode(path)?))
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths() {
+        assert_eq!(check_path("a/./b//c.txt", false).as_deref(), Ok("a/b/c.txt"));
+        assert_eq!(check_path("", true).as_deref(), Ok("."));
+        assert_eq!(check_path("./", true).as_deref(), Ok("."));
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a\\b", "a\0b", "a\nb", &"x".repeat(256), &"a/".repeat(600)]
+        {
+            assert!(check_path(bad, false).is_err(), "{bad:?} accepted");
+        }
+        assert!(check_path("/x", false).expect_err("abs").contains("relative to the workspace"));
+    }
+
+    #[test]
+    fn env_names_and_values() {
+        let one = |k: &str, v: &str| BTreeMap::from([(k.to_owned(), v.to_owned())]);
+        assert!(check_env(&one("API_URL", "http://x")).is_ok());
+        for bad in
+            ["LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONSTARTUP", "PYTHONHOME", "BASH_ENV", "PATH", "GLIBC_TUNABLES"]
+        {
+            let e = check_env(&one(bad, "x")).expect_err(bad);
+            assert!(e.contains(bad) && e.contains("refused"), "{e}");
+        }
+        for bad in ["1X", "A-B", "", "A B"] {
+            assert!(check_env(&one(bad, "x")).is_err(), "{bad:?}");
+        }
+        assert!(check_env(&one("A", "x\0y")).is_err());
+    }
+
+    #[test]
+    fn dotenv() {
+        let vars = parse_dotenv("# c\nA=1\nexport B = \"two words\"\nC='x=y'\n\nD=").expect("ok");
+        assert_eq!(vars["A"], "1");
+        assert_eq!(vars["B"], "two words");
+        assert_eq!(vars["C"], "x=y");
+        assert_eq!(vars["D"], "");
+        assert!(parse_dotenv("A=1\nnonsense\n").expect_err("bad").contains("line 2"));
+    }
+
+    #[test]
+    fn resource_uris() {
+        let uri = resource_uri("s1", "data/out.csv");
+        assert_eq!(parse_resource_uri(&uri), Some(("s1".into(), "data/out.csv".into())));
+        assert_eq!(parse_resource_uri("pyberth://sessions/s/files/a%20b.txt"), Some(("s".into(), "a b.txt".into())));
+        assert_eq!(parse_resource_uri("file:///etc/passwd"), None);
+        assert_eq!(parse_resource_uri("pyberth://sessions/s/files/%zz"), None);
+    }
+}

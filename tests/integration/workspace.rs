@@ -1,0 +1,220 @@
+use base64::Engine as _;
+use rmcp::model::ReadResourceRequestParams;
+use serde_json::{Value, json};
+
+use crate::common::{Server, text};
+
+fn b64(data: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(data)
+}
+
+async fn ok_call(s: &Server, tool: &'static str, args: Value) -> Value {
+    let r = s.call(tool, args.clone()).await;
+    assert_eq!(r.is_error, Some(false), "{tool} {args}: {}", text(&r));
+    r.structured_content.unwrap_or(Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn create_append_read_and_run_a_file() {
+    let s = Server::start("ws-files", &[]).await;
+    ok_call(&s, "write_file", json!({ "path": "app/main.py", "content": "import sys\n" })).await;
+    let sc =
+        ok_call(&s, "write_file", json!({ "path": "app/main.py", "content": "print(sys.argv[1:])\n", "append": true }))
+            .await;
+    assert_eq!(sc["size"], 31);
+    let sc = ok_call(&s, "read_file", json!({ "path": "app/main.py" })).await;
+    assert_eq!(sc["content"], "import sys\nprint(sys.argv[1:])\n");
+    assert_eq!(sc["eof"], true);
+    let sc = ok_call(&s, "run_file", json!({ "path": "app/main.py", "args": ["a", "b c"] })).await;
+    assert_eq!(sc["stdout"], "['a', 'b c']\n");
+    assert_eq!(sc["exit_code"], 0);
+
+    ok_call(
+        &s,
+        "write_file",
+        json!({ "path": "fail.py", "content": "import sys\nprint('x', file=sys.stderr)\nsys.exit(3)" }),
+    )
+    .await;
+    let r = s.call("run_file", json!({ "path": "fail.py" })).await;
+    assert_eq!(r.is_error, Some(true));
+    let sc = r.structured_content.expect("sc");
+    assert_eq!(sc["exit_code"], 3);
+    assert_eq!(sc["stderr"], "x\n");
+
+    // The interpreter's own state is untouched by run_file; files are shared.
+    s.ok("default", "import os\nos.path.exists('app/main.py')").await;
+    let r = s.call("list_files", json!({ "recursive": true })).await;
+    let sc = r.structured_content.clone().expect("sc");
+    let paths: Vec<&str> =
+        sc["entries"].as_array().expect("entries").iter().filter_map(|e| e["path"].as_str()).collect();
+    assert_eq!(paths, ["app", "fail.py", "app/main.py"]);
+    let links = r.content.iter().filter(|c| c.as_resource_link().is_some()).count();
+    assert_eq!(links, 2, "each file is linked as a resource");
+
+    ok_call(&s, "delete_file", json!({ "path": "app" })).await;
+    let sc = ok_call(&s, "list_files", json!({})).await;
+    assert_eq!(sc["entries"].as_array().map(|a| a.len()), Some(1));
+    let r = s.call("read_file", json!({ "path": "app/main.py" })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("does not exist"), "{}", text(&r));
+
+    // save_as keeps the code as a file before running it.
+    let (r, sc) = s.run_with(json!({ "code": "print('saved run')", "save_as": "keep/this.py" })).await;
+    assert_eq!(r.is_error, Some(false));
+    assert_eq!(sc["stdout"], "saved run\n");
+    let sc = ok_call(&s, "read_file", json!({ "path": "keep/this.py" })).await;
+    assert_eq!(sc["content"], "print('saved run')");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_20_mib_file_goes_in_and_out_with_bounded_server_memory() {
+    let s = Server::start("ws-big", &[]).await;
+    let chunk: Vec<u8> = (0..(5u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    for i in 0..4 {
+        ok_call(
+            &s,
+            "write_file",
+            json!({ "path": "big.bin", "content": b64(&chunk), "encoding": "base64", "append": i > 0 }),
+        )
+        .await;
+    }
+    let sc = s
+        .ok("default", "import hashlib\nd = open('big.bin','rb').read()\n(len(d), hashlib.sha256(d).hexdigest())")
+        .await;
+    let mut want = Vec::new();
+    for _ in 0..4 {
+        want.extend_from_slice(&chunk);
+    }
+    assert!(sc["result"].as_str().unwrap_or_default().starts_with("(20971520, "), "{sc}");
+    let mut got = Vec::new();
+    let mut offset = 0u64;
+    loop {
+        let sc = ok_call(&s, "read_file", json!({ "path": "big.bin", "offset": offset, "length": 4u64 << 20 })).await;
+        assert_eq!(sc["encoding"], "base64");
+        let part =
+            base64::engine::general_purpose::STANDARD.decode(sc["content"].as_str().expect("content")).expect("b64");
+        offset += part.len() as u64;
+        got.extend_from_slice(&part);
+        if sc["eof"] == true {
+            break;
+        }
+    }
+    assert_eq!(got.len(), want.len());
+    assert!(got == want, "bytes come back exactly");
+    let pid = s.child.id().expect("pid");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let hwm_kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM");
+    assert!(hwm_kb < 200 * 1024, "server peak memory {hwm_kb} KiB for a 20 MiB file");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn traversal_and_symlinks_are_refused_or_contained() {
+    let s = Server::start("ws-paths", &[]).await;
+    for bad in ["../x", "/etc/passwd", "a\\b", "a\u{0}b", "", "x/../../y"] {
+        let r = s.call("write_file", json!({ "path": bad, "content": "x" })).await;
+        assert_eq!(r.is_error, Some(true), "{bad:?}");
+        let r = s.call("read_file", json!({ "path": bad })).await;
+        assert_eq!(r.is_error, Some(true), "{bad:?}");
+    }
+    s.ok("default", "import os\nos.symlink('/etc/passwd', 'pw')\nos.symlink('/tmp', 'tmpdir')\nos.symlink('..', 'up')")
+        .await;
+    for path in ["pw", "up/etc/passwd"] {
+        let r = s.call("read_file", json!({ "path": path })).await;
+        assert_eq!(r.is_error, Some(true), "{path}");
+        assert!(text(&r).contains("outside the workspace"), "{path}: {}", text(&r));
+    }
+    let r = s.call("write_file", json!({ "path": "tmpdir/planted", "content": "x" })).await;
+    assert_eq!(r.is_error, Some(true));
+    let r = s.call("write_file", json!({ "path": "pw", "content": "x" })).await;
+    assert_eq!(r.is_error, Some(true), "no write through a final symlink");
+    let sc = s.ok("default", "import os\nos.path.exists('/tmp/planted')").await;
+    assert_eq!(sc["result"], "False");
+    let r = s
+        .client
+        .as_ref()
+        .expect("client")
+        .read_resource(ReadResourceRequestParams::new("pyberth://sessions/default/files/pw"))
+        .await;
+    assert!(r.is_err(), "a resource read through a symlink out of the workspace fails");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn workspace_files_are_resources() {
+    let s = Server::start("ws-resources", &[]).await;
+    let client = s.client.as_ref().expect("client");
+    let templates = client.list_all_resource_templates().await.expect("templates");
+    assert!(templates.iter().any(|t| t.uri_template.contains("pyberth://sessions/{session}/files/")));
+    s.ok("default", "open('notes.txt','w').write('hello')\nopen('raw.bin','wb').write(bytes([0,255,1]))").await;
+    let r = client
+        .read_resource(ReadResourceRequestParams::new("pyberth://sessions/default/files/notes.txt"))
+        .await
+        .expect("read");
+    let v = serde_json::to_value(&r).expect("json");
+    assert_eq!(v["contents"][0]["text"], "hello");
+    let r = client
+        .read_resource(ReadResourceRequestParams::new("pyberth://sessions/default/files/raw.bin"))
+        .await
+        .expect("read");
+    let v = serde_json::to_value(&r).expect("json");
+    assert_eq!(v["contents"][0]["blob"], "AP8B");
+    assert!(
+        client
+            .read_resource(ReadResourceRequestParams::new("pyberth://sessions/nobody/files/notes.txt"))
+            .await
+            .is_err()
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn environment_variables_per_run_and_per_session() {
+    let s = Server::start("ws-env", &[("PYBERTH_TEST_SERVER_SECRET", "leak")]).await;
+    let get = "import os\n(os.environ.get('A'), os.environ.get('B'), os.environ.get('C'), os.environ.get('PYBERTH_TEST_SERVER_SECRET'))";
+    let (_, sc) = s.run_with(json!({ "code": get, "env": { "A": "run" }, "session_env": { "B": "sess" }, "env_file": "C=file\nA=overridden" })).await;
+    assert_eq!(sc["result"], "('run', 'sess', 'file', None)", "env wins over env_file; the server's env never leaks");
+    let (_, sc) = s.run_with(json!({ "code": get })).await;
+    assert_eq!(sc["result"], "(None, 'sess', None, None)", "per-run env is gone, session env stays");
+    let sc = s
+        .ok(
+            "default",
+            "import subprocess\nsubprocess.run(['sh','-c','echo $B'], capture_output=True, text=True).stdout",
+        )
+        .await;
+    assert_eq!(sc["result"], "'sess\\n'", "child processes see it too");
+    for bad in [json!({ "LD_PRELOAD": "/x.so" }), json!({ "PYTHONSTARTUP": "x" }), json!({ "BAD-NAME": "x" })] {
+        let (r, _) = s.run_with(json!({ "code": "1", "env": bad })).await;
+        assert_eq!(r.is_error, Some(true));
+        assert!(text(&r).contains("environment variable"), "{}", text(&r));
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_figure_comes_back_as_an_image() {
+    let s = Server::start("ws-figures", &[]).await;
+    let code = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.figure()\nplt.bar([1, 2], [3, 4])\nprint('two figures')";
+    let (r, sc) = s.run_with(json!({ "code": code, "packages": ["matplotlib"], "timeout_s": 120 })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["images"], 2);
+    let images: Vec<_> = r.content.iter().filter_map(|c| c.as_image()).collect();
+    assert_eq!(images.len(), 2);
+    for img in &images {
+        assert_eq!(img.mime_type, "image/png");
+        let png = base64::engine::general_purpose::STANDARD.decode(&img.data).expect("b64");
+        assert!(png.starts_with(b"\x89PNG"), "a real PNG");
+    }
+    // Figures are closed after being returned; display() shows objects with _repr_png_.
+    let (r, sc) =
+        s.run_with(json!({ "code": "from PIL import Image\ndisplay(Image.new('RGB', (4, 4), 'red'))\n1" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["images"], 1);
+    s.stop().await;
+}
