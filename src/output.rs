@@ -2,7 +2,7 @@
 
 /// Bytes of one stream, kept up to a cap; the rest is counted, not stored, so server memory
 /// is bounded by the cap whatever the code prints.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Capture {
     cap: usize,
     data: Vec<u8>,

@@ -221,6 +221,9 @@ pub enum Event {
         wall_ms: f64,
         /// CPU time (user + system, children included) of the run.
         cpu_ms: f64,
+        /// Peak resident memory during the run, KiB.
+        #[serde(default)]
+        peak_kb: Option<u64>,
     },
     /// Answer to [`Request::Vars`].
     Vars {

@@ -19,6 +19,7 @@ import json
 import linecache
 import os
 import queue
+import resource
 import select
 import io
 import signal
@@ -195,6 +196,27 @@ def format_exception(exc):
     }
 
 
+def peak_rss_kb():
+    """Peak resident memory of the agent since the last reset, in KiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def reset_peak_rss():
+    # Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each run gets its own peak.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def cpu_seconds():
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
@@ -308,6 +330,8 @@ class Agent:
         self.restore_fds()
         started = time.monotonic()
         cpu_start = cpu_seconds()
+        reset_peak_rss()
+        children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         # Environment for this run only; the previous values come back afterwards.
         saved = {k: os.environ.get(k) for k in msg.get("env") or {}}
         os.environ.update(msg.get("env") or {})
@@ -347,9 +371,19 @@ class Agent:
                 "id": run_id,
                 "wall_ms": (time.monotonic() - started) * 1000.0,
                 "cpu_ms": (cpu_seconds() - cpu_start) * 1000.0,
+                "peak_kb": self.run_peak_kb(children_peak),
             }
         )
         self.channel.send(outcome)
+
+    def run_peak_kb(self, children_before):
+        """The run's peak memory: the interpreter's, or a child's if one peaked higher during
+        the run (children's peaks are known only once they have been waited for)."""
+        peak = peak_rss_kb()
+        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        if children > children_before:
+            peak = max(peak, children)
+        return peak
 
     def execute_file(self, rel, args):
         """Runs a workspace script as __main__ in a fresh interpreter process."""

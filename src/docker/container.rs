@@ -179,6 +179,27 @@ fn next_serial() -> u64 {
     SERIAL.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Whether Docker reported an out-of-memory kill in the container since `since`. An exec
+/// killed by the OOM killer exits 137 but leaves `State.OOMKilled` false; the event is the
+/// only sign (security.md §0).
+pub async fn oom_since(docker: &Docker, id: &str, since: std::time::SystemTime) -> bool {
+    use futures::StreamExt;
+    let secs = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let since = secs(since).saturating_sub(1).to_string();
+    let until = (secs(std::time::SystemTime::now()) + 1).to_string();
+    let filters = HashMap::from([("container", vec![id]), ("event", vec!["oom"])]);
+    let opts = bollard::query_parameters::EventsOptionsBuilder::default()
+        .since(&since)
+        .until(&until)
+        .filters(&filters)
+        .build();
+    let found = async {
+        let mut events = Box::pin(docker.events(Some(opts)).filter(|e| futures::future::ready(e.is_ok())));
+        events.next().await.is_some()
+    };
+    matches!(tokio::time::timeout(std::time::Duration::from_secs(5), found).await, Ok(true))
+}
+
 /// Whether the container is running.
 pub async fn is_running(docker: &Docker, id: &str) -> Result<bool, Error> {
     match docker.inspect_container(id, None).await {

@@ -12,9 +12,11 @@ use rmcp::service::RequestContext;
 use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
-use super::{SandboxServer, check_timeout, render_run, session_name, structured, tool_error};
+use super::jobs::check_wait;
+use super::{SandboxServer, check_timeout, session_name, structured, tool_error};
 use crate::protocol::{FileEntry, Request};
-use crate::session::{RunSpec, Session};
+use crate::session::Session;
+use crate::session::jobs::JobSpec;
 use crate::workspace::{self, check_path};
 
 /// How `content` is encoded.
@@ -108,6 +110,12 @@ pub struct RunFileArgs {
     /// Session name. Omit for the default session.
     #[serde(default)]
     pub session: Option<String>,
+    /// Wait at most this many seconds, then return a job handle with the output so far.
+    #[serde(default)]
+    pub wait_s: Option<f64>,
+    /// Start the run as a background job and return its handle at once.
+    #[serde(default)]
+    pub background: bool,
 }
 
 /// Structured result of `write_file`.
@@ -385,6 +393,10 @@ impl SandboxServer {
             Ok(t) => t,
             Err(e) => return tool_error(e),
         };
+        let wait = match check_wait(args.wait_s, args.background, &self.cfg) {
+            Ok(w) => w,
+            Err(e) => return tool_error(e),
+        };
         let env = args.env.unwrap_or_default();
         if let Err(e) = workspace::check_env(&env) {
             return tool_error(e);
@@ -396,10 +408,7 @@ impl SandboxServer {
             Ok(s) => s,
             Err(e) => return e,
         };
-        let spec = RunSpec { code: "", file: Some(&path), args: &args.args, env };
-        match session.run(spec, timeout, &ctx.ct).await {
-            Ok(outcome) => render_run(&name, outcome),
-            Err(e) => tool_error(format!("the run could not complete: {e}")),
-        }
+        let spec = JobSpec { code: String::new(), file: Some(path), args: args.args, env };
+        self.execute(&ctx, session, spec, timeout, wait, Vec::new()).await
     }
 }

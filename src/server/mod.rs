@@ -14,8 +14,8 @@ use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{
     CallToolResult, ContentBlock, Implementation, ListResourceTemplatesResult, PaginatedRequestParams,
-    ProgressNotificationParam, ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, ResourceContents,
-    ResourceTemplate, ServerCapabilities, ServerConfig,
+    ReadResourceRequestParams, ReadResourceResponse, ReadResourceResult, ResourceContents, ResourceTemplate,
+    ServerCapabilities, ServerConfig,
 };
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, ServerHandler, tool, tool_handler, tool_router};
@@ -23,15 +23,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::SandboxConfig;
 mod files;
+mod jobs;
+mod live;
 
 use std::collections::BTreeMap;
 
 use crate::deps;
 use crate::protocol::{Package, PyError, Variable};
-use crate::session::RunSpec;
+use crate::session::jobs::JobSpec;
 use crate::session::registry::Registry;
 use crate::session::{RunOutcome, RunStatus, SessionInfo};
 use crate::workspace;
+use jobs::check_wait;
+use live::{live_channel, relay};
 
 /// The session used when a call names none.
 pub const DEFAULT_SESSION: &str = "default";
@@ -70,6 +74,14 @@ pub struct RunPythonArgs {
     /// session_env, then env_file, then env.
     #[serde(default)]
     pub env_file: Option<String>,
+    /// Wait at most this many seconds; if the run is still going then, return a job handle
+    /// with the output so far (status "running") and let it continue. Read it later with
+    /// job_status, stop it with cancel_job.
+    #[serde(default)]
+    pub wait_s: Option<f64>,
+    /// Start the run as a background job and return its handle at once.
+    #[serde(default)]
+    pub background: bool,
 }
 
 /// Arguments of `install_packages`.
@@ -143,7 +155,7 @@ pub struct NoArgs {}
 pub struct RunOutput {
     /// Session the code ran in.
     pub session: String,
-    /// ok, error, timeout, cancelled or interpreter_restarted.
+    /// ok, error, timeout, cancelled, interpreter_restarted, oom, or running (a job).
     pub status: RunStatus,
     /// Everything written to stdout (file descriptor 1, child processes included).
     pub stdout: String,
@@ -174,6 +186,17 @@ pub struct RunOutput {
     pub notices: Vec<String>,
     /// Images produced by the run (matplotlib figures, display()), returned as image content.
     pub images: usize,
+    /// Peak resident memory during the run, KiB (the interpreter, or a child that peaked higher).
+    pub peak_memory_kb: Option<u64>,
+    /// Job handle, when the run went to the background.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    /// For a running job: pass as stdout_offset to job_status to get only newer output.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdout_offset: Option<usize>,
+    /// For a running job: pass as stderr_offset to job_status.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stderr_offset: Option<usize>,
 }
 
 /// Structured result of `list_sessions`.
@@ -201,6 +224,8 @@ pub struct SandboxServer {
     cfg: Arc<SandboxConfig>,
     /// Who is calling: over stdio the one local client.
     principal: Arc<str>,
+    /// Log level a pre-2026 client set with logging/setLevel (2026-07-28 requests carry theirs).
+    log_level: live::LevelSlot,
     tool_router: ToolRouter<Self>,
 }
 
@@ -252,8 +277,8 @@ pub fn check_timeout(timeout_s: Option<f64>, cfg: &SandboxConfig) -> Result<Dura
 }
 
 /// Renders a run as readable text plus structured content.
-pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
-    let images = outcome.images;
+pub fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>) -> CallToolResult {
+    let images = outcome.images.clone();
     let (stdout, stdout_base64) = outcome.stdout.render();
     let (stderr, stderr_base64) = outcome.stderr.render();
     let out = RunOutput {
@@ -264,14 +289,18 @@ pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
         stderr,
         stdout_base64,
         stderr_base64,
-        result: outcome.result,
-        error: outcome.error,
+        result: outcome.result.clone(),
+        error: outcome.error.clone(),
         exit_code: outcome.exit_code,
         duration_ms: (outcome.duration.as_secs_f64() * 1e6).round() / 1e3,
         cpu_ms: outcome.cpu_ms.map(|c| c.round()),
         state_lost: outcome.state_lost,
-        notices: outcome.notices,
+        notices: outcome.notices.clone(),
         images: images.len(),
+        peak_memory_kb: outcome.peak_memory_kb,
+        job: job.map(str::to_owned),
+        stdout_offset: None,
+        stderr_offset: None,
     };
     let mut text = String::new();
     if !out.stdout.is_empty() {
@@ -302,6 +331,11 @@ pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
         RunStatus::Timeout => Some(format!("timeout: stopped after {:.1} s", out.duration_ms / 1e3)),
         RunStatus::Cancelled => Some("cancelled".to_owned()),
         RunStatus::InterpreterRestarted => Some("interpreter restarted".to_owned()),
+        RunStatus::Oom => Some("out of memory".to_owned()),
+        RunStatus::Running => Some(format!(
+            "running as {}: call job_status to read more output, cancel_job to stop it",
+            out.job.as_deref().unwrap_or("a job")
+        )),
     };
     if let Some(s) = status {
         text.push_str(&format!("[status] {s}\n"));
@@ -312,7 +346,7 @@ pub fn render_run(session: &str, outcome: RunOutcome) -> CallToolResult {
     if text.is_empty() {
         text.push_str("[ok] no output\n");
     }
-    let is_error = out.status != RunStatus::Ok;
+    let is_error = !matches!(out.status, RunStatus::Ok | RunStatus::Running);
     let json = serde_json::to_value(&out).unwrap_or_default();
     let mut result = if is_error { CallToolResult::structured_error(json) } else { CallToolResult::structured(json) };
     result.content = vec![ContentBlock::text(text)];
@@ -352,48 +386,17 @@ pub fn wanted_packages(packages: Option<&[String]>, code: Option<&str>, max: usi
     deps::parse_set(&wanted, max).map_err(|e| e.to_string())
 }
 
-/// A progress callback for long steps (installs, image builds) and the receiver of its lines.
-fn progress_channel() -> (impl Fn(&str) + Send + Sync, tokio::sync::mpsc::Receiver<String>) {
-    // Bounded, with try_send: a slow client loses lines, never stalls the work.
-    let (tx, rx) = tokio::sync::mpsc::channel::<String>(256);
-    (
-        move |line: &str| {
-            let _ = tx.try_send(line.to_owned());
-        },
-        rx,
-    )
-}
-
-/// Drives `work` while relaying its progress lines to the log and, when the request carried
-/// a progress token, to the client as progress notifications.
-async fn relay<T>(
-    ctx: &RequestContext<RoleServer>,
-    mut rx: tokio::sync::mpsc::Receiver<String>,
-    work: impl std::future::Future<Output = T>,
-) -> T {
-    let token = ctx.meta.get_progress_token();
-    let mut n = 0u32;
-    tokio::pin!(work);
-    loop {
-        tokio::select! {
-            out = &mut work => return out,
-            Some(line) = rx.recv() => {
-                tracing::info!(target: "pyberth::install", "{line}");
-                if let Some(tok) = &token {
-                    n += 1;
-                    let param = ProgressNotificationParam::new(tok.clone(), f64::from(n)).with_message(line);
-                    let _ = ctx.peer.notify_progress(param).await;
-                }
-            }
-        }
-    }
-}
-
 #[tool_router]
 impl SandboxServer {
     /// A server over a registry, acting for `principal`.
     pub fn new(registry: Arc<Registry>, cfg: Arc<SandboxConfig>, principal: &str) -> Self {
-        Self { registry, cfg, principal: principal.into(), tool_router: Self::tool_router() + Self::files_router() }
+        Self {
+            registry,
+            cfg,
+            principal: principal.into(),
+            log_level: Arc::default(),
+            tool_router: Self::tool_router() + Self::files_router() + Self::jobs_router(),
+        }
     }
 
     /// Run Python code in a persistent sandboxed interpreter and return its stdout, stderr,
@@ -424,6 +427,10 @@ impl SandboxServer {
             Ok(t) => t,
             Err(e) => return tool_error(e),
         };
+        let wait = match check_wait(args.wait_s, args.background, &self.cfg) {
+            Ok(w) => w,
+            Err(e) => return tool_error(e),
+        };
         let packages = match wanted_packages(args.packages.as_deref(), Some(&args.code), self.cfg.max_packages) {
             Ok(p) => p,
             Err(e) => return tool_error(e),
@@ -436,8 +443,8 @@ impl SandboxServer {
             Ok(p) => p,
             Err(e) => return tool_error(e),
         };
-        let (progress, rx) = progress_channel();
-        let opened = relay(&ctx, rx, async {
+        let (progress, _, mut rx) = live_channel();
+        let opened = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
             let (session, created) = self.registry.get_or_create(&self.principal, &name, &packages, progress).await?;
             let mut notices = Vec::new();
@@ -474,17 +481,8 @@ impl SandboxServer {
                 Err(e) => return tool_error(format!("cannot save the code as {path}: {e}")),
             }
         }
-        let spec = RunSpec { code: &args.code, env, ..Default::default() };
-        match session.run(spec, timeout, &ctx.ct).await {
-            Ok(mut outcome) => {
-                outcome.notices.splice(0..0, notices);
-                render_run(&name, outcome)
-            }
-            Err(e) => {
-                tracing::warn!(session = %name, error = %e, "run failed");
-                tool_error(format!("the run could not complete: {e}"))
-            }
-        }
+        let spec = JobSpec { code: args.code, env, ..Default::default() };
+        self.execute(&ctx, session, spec, timeout, wait, notices).await
     }
 
     /// Install Python packages into a session (created if new) from the package index. The
@@ -512,8 +510,8 @@ impl SandboxServer {
             Err(e) => return tool_error(e),
         };
         let started = std::time::Instant::now();
-        let (progress, rx) = progress_channel();
-        let done = relay(&ctx, rx, async {
+        let (progress, _, mut rx) = live_channel();
+        let done = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
             let (session, created) = self.registry.get_or_create(&self.principal, &name, &packages, progress).await?;
             if created {
@@ -679,12 +677,26 @@ impl SandboxServer {
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for SandboxServer {
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().enable_resources().build())
-            .with_server_info(Implementation::new("pyberth", env!("CARGO_PKG_VERSION")))
-            .with_instructions(
-                "Runs Python in isolated, offline Docker sandboxes. State persists per session \
+        ServerConfig::new({
+            #[allow(deprecated)] // logging: still how pre-2026 clients ask for live output as log messages
+            let caps = ServerCapabilities::builder().enable_tools().enable_resources().enable_logging().build();
+            caps
+        })
+        .with_server_info(Implementation::new("pyberth", env!("CARGO_PKG_VERSION")))
+        .with_instructions(
+            "Runs Python in isolated, offline Docker sandboxes. State persists per session \
                  like notebook cells; pass `session` to keep separate workspaces apart.",
-            )
+        )
+    }
+
+    #[allow(deprecated)] // logging/setLevel: how pre-2026 clients ask for log messages
+    async fn set_level(
+        &self,
+        request: rmcp::model::SetLevelRequestParams,
+        _ctx: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        live::set_level(&self.log_level, request.level);
+        Ok(())
     }
 
     async fn list_resource_templates(
@@ -767,6 +779,13 @@ mod tests {
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {
             assert!(check_timeout(Some(bad), &cfg).expect_err("bad").contains("out of range"));
         }
+        assert_eq!(check_wait(None, false, &cfg), Ok(None));
+        assert_eq!(check_wait(None, true, &cfg), Ok(Some(Duration::ZERO)));
+        assert_eq!(check_wait(Some(2.5), false, &cfg), Ok(Some(Duration::from_millis(2500))));
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 1e12] {
+            assert!(check_wait(Some(bad), false, &cfg).expect_err("bad").contains("wait_s"), "{bad}");
+        }
+        assert!(check_wait(Some(1.0), true, &cfg).is_err(), "wait_s with background");
     }
 
     fn outcome(status: RunStatus) -> RunOutcome {
@@ -784,20 +803,32 @@ mod tests {
             state_lost: false,
             notices: vec![],
             images: vec![],
+            peak_memory_kb: Some(2048),
         }
     }
 
     #[test]
     fn ok_runs_are_not_errors_and_failures_are() {
-        let ok = render_run("s", outcome(RunStatus::Ok));
+        let ok = render_run("s", &outcome(RunStatus::Ok), None);
         assert_eq!(ok.is_error, Some(false));
         let sc = ok.structured_content.expect("structured");
         assert_eq!(sc["stdout"], "hi\n");
         assert_eq!(sc["result"], "42");
         assert_eq!(sc["status"], "ok");
         assert_eq!(sc["truncated"], false);
-        for s in [RunStatus::Error, RunStatus::Timeout, RunStatus::Cancelled, RunStatus::InterpreterRestarted] {
-            let r = render_run("s", outcome(s));
+        assert_eq!(sc["peak_memory_kb"], 2048);
+        let running = render_run("s", &outcome(RunStatus::Running), Some("job-1"));
+        assert_eq!(running.is_error, Some(false), "a running job is not a failure");
+        assert_eq!(running.structured_content.expect("structured")["job"], "job-1");
+        let statuses = [
+            RunStatus::Error,
+            RunStatus::Timeout,
+            RunStatus::Cancelled,
+            RunStatus::InterpreterRestarted,
+            RunStatus::Oom,
+        ];
+        for s in statuses {
+            let r = render_run("s", &outcome(s), None);
             assert_eq!(r.is_error, Some(true), "{s:?}");
             assert!(r.structured_content.is_some());
         }

@@ -4,11 +4,12 @@
 //! session are serialised in arrival order (tokio's mutex is fair). The mutex is held across
 //! awaits on purpose: the agent stream has exactly one reader.
 
+pub mod jobs;
 pub mod registry;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use bollard::Docker;
@@ -41,6 +42,11 @@ pub enum Error {
     /// The agent did not answer in time.
     #[error("the interpreter did not answer within {0:?}")]
     AgentTimeout(Duration),
+    /// Too many runs are waiting for this session.
+    #[error(
+        "the session is busy: one run is going and {0} are waiting; wait for them, use job_status, or use another session"
+    )]
+    Busy(usize),
     /// Packages could not be copied into the session.
     #[error("cannot add packages to the session: {0}")]
     Install(String),
@@ -64,13 +70,38 @@ pub enum RunStatus {
     Timeout,
     /// The caller cancelled the call and the code was stopped.
     Cancelled,
-    /// The interpreter died during the run (`os._exit`, a fatal signal, out of memory) and
-    /// was restarted; variables are gone, workspace files are kept.
+    /// The interpreter died during the run (`os._exit`, a fatal signal) and was restarted;
+    /// variables are gone, workspace files are kept.
     InterpreterRestarted,
+    /// The code ran out of memory and the interpreter was restarted.
+    Oom,
+    /// The run goes on in the background (a job).
+    Running,
+}
+
+/// Sees each chunk of output as it arrives, for live streaming.
+pub type Observer<'a> = dyn Fn(protocol::Stream, &[u8]) + Send + Sync + 'a;
+
+/// Runs waiting for a busy session beyond the one running; more get a busy error.
+const MAX_QUEUED: usize = 4;
+
+struct WaitGuard<'a>(&'a AtomicUsize);
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What ends a run early: its time limit and its caller's cancellation.
+#[derive(Clone, Copy)]
+struct Stop<'a> {
+    timeout: Duration,
+    ct: &'a CancellationToken,
 }
 
 /// The outcome of one run.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RunOutcome {
     /// How it ended.
     pub status: RunStatus,
@@ -94,6 +125,8 @@ pub struct RunOutcome {
     pub notices: Vec<String>,
     /// Images the run produced: (MIME type, base64 bytes).
     pub images: Vec<(String, String)>,
+    /// Peak resident memory during the run, KiB.
+    pub peak_memory_kb: Option<u64>,
 }
 
 /// What to run.
@@ -216,6 +249,8 @@ pub struct Session {
     packages: std::sync::Mutex<BTreeSet<String>>,
     /// Environment variables set for every run of the session.
     env: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Runs holding or waiting for the session.
+    waiting: AtomicUsize,
 }
 
 impl Session {
@@ -252,6 +287,7 @@ impl Session {
             layer_packages: packages.iter().cloned().collect(),
             packages: std::sync::Mutex::new(packages.into_iter().collect()),
             env: std::sync::Mutex::new(BTreeMap::new()),
+            waiting: AtomicUsize::new(0),
         });
         let started = {
             let mut inner = session.inner.lock().await;
@@ -374,7 +410,18 @@ impl Session {
     }
 
     /// Runs code in the persistent interpreter.
-    pub async fn run(&self, spec: RunSpec<'_>, timeout: Duration, ct: &CancellationToken) -> Result<RunOutcome, Error> {
+    pub async fn run(
+        &self,
+        spec: RunSpec<'_>,
+        timeout: Duration,
+        ct: &CancellationToken,
+        observer: &Observer<'_>,
+    ) -> Result<RunOutcome, Error> {
+        let waiting = self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = WaitGuard(&self.waiting);
+        if waiting > MAX_QUEUED {
+            return Err(Error::Busy(MAX_QUEUED));
+        }
         let mut inner = self.inner.lock().await;
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
@@ -395,11 +442,13 @@ impl Session {
             state_lost: state_lost_before,
             notices: Vec::new(),
             images: Vec::new(),
+            peak_memory_kb: None,
         };
         let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
         env.extend(spec.env.clone());
         let spec = RunSpec { env, ..spec };
-        let ending = self.drive(&mut inner, id, &spec, timeout, ct, &mut outcome).await;
+        let run_started = std::time::SystemTime::now();
+        let ending = self.drive(&mut inner, id, &spec, Stop { timeout, ct }, &mut outcome, observer).await;
         match ending {
             Ending::Done => {}
             Ending::Died(stopped) => {
@@ -407,9 +456,20 @@ impl Session {
                     Some(a) => exec::exit_code(&self.docker, &a.exec_id).await,
                     None => None,
                 };
-                outcome.status = stopped.unwrap_or(RunStatus::InterpreterRestarted);
+                let oom =
+                    code == Some(137) && container::oom_since(&self.docker, &inner.container.id, run_started).await;
+                outcome.status = match (oom, stopped) {
+                    (true, _) => RunStatus::Oom,
+                    (false, Some(s)) => s,
+                    (false, None) => RunStatus::InterpreterRestarted,
+                };
                 outcome.state_lost = true;
                 notices.push(match code {
+                    Some(137) if oom => format!(
+                        "out of memory: the code needed more than the session's {} MiB, and the interpreter was \
+                         killed. A new interpreter was started: variables are gone, workspace files are kept",
+                        self.cfg.memory_mb
+                    ),
                     Some(137) => format!(
                         "the interpreter was killed (SIGKILL); running out of memory is the usual cause \
                          (limit {} MiB). A new interpreter was started: variables are gone, workspace files are kept",
@@ -467,10 +527,11 @@ impl Session {
         inner: &mut Inner,
         id: u64,
         spec: &RunSpec<'_>,
-        timeout: Duration,
-        ct: &CancellationToken,
+        stop: Stop<'_>,
         outcome: &mut RunOutcome,
+        observer: &Observer<'_>,
     ) -> Ending {
+        let Stop { timeout, ct } = stop;
         let Some(agent) = inner.agent.as_mut() else {
             return Ending::Broken("no agent".into());
         };
@@ -486,13 +547,17 @@ impl Session {
             tokio::select! {
                 ev = agent.next_event() => match ev {
                     Ok(Some(Event::Out { id: Some(i), s, t, b })) if i == id => match Event::payload(t, b) {
-                        Ok(bytes) => match s {
-                            protocol::Stream::Stdout => outcome.stdout.push(&bytes),
-                            protocol::Stream::Stderr => outcome.stderr.push(&bytes),
-                        },
+                        Ok(bytes) => {
+                            observer(s, &bytes);
+                            match s {
+                                protocol::Stream::Stdout => outcome.stdout.push(&bytes),
+                                protocol::Stream::Stderr => outcome.stderr.push(&bytes),
+                            }
+                        }
                         Err(e) => tracing::warn!(session = %self.name, error = %e, "bad output chunk"),
                     },
-                    Ok(Some(Event::Done { id: i, status, result, error, exit_code, cpu_ms, .. })) if i == id => {
+                    Ok(Some(Event::Done { id: i, status, result, error, exit_code, cpu_ms, peak_kb, .. })) if i == id => {
+                        outcome.peak_memory_kb = peak_kb;
                         outcome.result = result;
                         outcome.error = error;
                         outcome.exit_code = exit_code;

@@ -49,6 +49,8 @@ pub struct Registry {
     index: IndexSettings,
     /// One lock per requirement set, so concurrent asks for one layer install it once.
     installs: Mutex<HashMap<Vec<String>, Arc<tokio::sync::Mutex<()>>>>,
+    /// Background runs.
+    pub jobs: super::jobs::Jobs,
 }
 
 /// What an install did.
@@ -74,6 +76,7 @@ impl Registry {
             sessions: Mutex::new(HashMap::new()),
             index,
             installs: Mutex::new(HashMap::new()),
+            jobs: super::jobs::Jobs::default(),
         })
     }
 
@@ -287,6 +290,7 @@ impl Registry {
 
     /// Closes every session, then removes anything of ours still labelled (belt and braces).
     pub async fn shutdown(&self) {
+        self.jobs.shutdown().await;
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {

@@ -1,23 +1,58 @@
 //! Test harness: the real `pyberth` binary, spoken to over stdio by the real rmcp client,
 //! against the real Docker engine. Each server gets its own instance name, so a test can
 //! check exactly what its server left behind.
+#![allow(deprecated)] // LoggingMessageNotificationParam: logging is deprecated in MCP 2026-07-28
 
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder};
-use rmcp::model::{CallToolRequestParams, CallToolResult};
-use rmcp::service::RunningService;
-use rmcp::{RoleClient, ServiceExt};
+use rmcp::model::{CallToolRequestParams, CallToolResult, LoggingMessageNotificationParam, ProgressNotificationParam};
+use rmcp::service::{NotificationContext, RunningService};
+use rmcp::{ClientHandler, RoleClient, ServiceExt};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
+/// A notification the client received, with when it arrived.
+#[derive(Debug, Clone)]
+pub struct Heard {
+    pub at: Instant,
+    /// "progress" or "log".
+    pub kind: &'static str,
+    pub text: String,
+}
+
+/// The test client: records progress and log notifications.
+#[derive(Clone, Default)]
+pub struct Recorder {
+    pub heard: Arc<Mutex<Vec<Heard>>>,
+}
+
+impl Recorder {
+    fn push(&self, kind: &'static str, text: String) {
+        self.heard.lock().expect("recorder lock").push(Heard { at: Instant::now(), kind, text });
+    }
+}
+
+impl ClientHandler for Recorder {
+    async fn on_progress(&self, params: ProgressNotificationParam, _: NotificationContext<RoleClient>) {
+        self.push("progress", params.message.unwrap_or_default());
+    }
+
+    async fn on_logging_message(&self, params: LoggingMessageNotificationParam, _: NotificationContext<RoleClient>) {
+        let text = params.data.get("text").and_then(Value::as_str).unwrap_or_default().to_owned();
+        self.push("log", text);
+    }
+}
+
 /// A running server and a client connected to it.
 pub struct Server {
-    pub client: Option<RunningService<RoleClient, ()>>,
+    pub client: Option<RunningService<RoleClient, Recorder>>,
+    pub heard: Arc<Mutex<Vec<Heard>>>,
     pub child: Child,
     pub instance: String,
 }
@@ -59,11 +94,18 @@ impl Server {
         let mut child = cmd.spawn().expect("spawn pyberth");
         let stdout = child.stdout.take().expect("stdout");
         let stdin = child.stdin.take().expect("stdin");
-        let client = ().serve((stdout, stdin)).await.expect("MCP initialise");
-        Server { client: Some(client), child, instance: instance.to_owned() }
+        let recorder = Recorder::default();
+        let heard = recorder.heard.clone();
+        let client = recorder.serve((stdout, stdin)).await.expect("MCP initialise");
+        Server { client: Some(client), heard, child, instance: instance.to_owned() }
     }
 
-    fn client(&self) -> &RunningService<RoleClient, ()> {
+    /// Notifications heard so far, and forgets them.
+    pub fn take_heard(&self) -> Vec<Heard> {
+        std::mem::take(&mut *self.heard.lock().expect("recorder lock"))
+    }
+
+    pub fn client(&self) -> &RunningService<RoleClient, Recorder> {
         self.client.as_ref().expect("client connected")
     }
 

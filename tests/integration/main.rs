@@ -13,5 +13,7 @@ mod lifecycle;
 mod deps;
 // The workspace: files, run_file, save_as, resources, figures, environment variables.
 mod workspace;
+// Long-running work: live output, jobs, cancellation, busy queue, per-run figures.
+mod jobs;
 // Hardening seen from inside the sandbox.
 mod sandbox;

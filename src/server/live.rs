@@ -1,0 +1,107 @@
+//! Live output: output chunks and install lines sent to the client while a call works.
+//!
+//! Logging is deprecated in MCP 2026-07-28 but still how clients that asked for a log level
+//! see output as it happens, hence the module-wide allowance.
+#![allow(deprecated)]
+
+use std::sync::{Arc, Mutex};
+
+use rmcp::RoleServer;
+use rmcp::model::{LoggingLevel, LoggingMessageNotificationParam, ProgressNotificationParam};
+use rmcp::service::RequestContext;
+
+use super::SandboxServer;
+
+/// The log level a pre-2026 client set with logging/setLevel, per connection.
+pub(super) type LevelSlot = Arc<Mutex<Option<LoggingLevel>>>;
+
+/// Records a level set by logging/setLevel.
+pub(super) fn set_level(slot: &LevelSlot, level: LoggingLevel) {
+    if let Ok(mut l) = slot.lock() {
+        *l = Some(level);
+    }
+}
+
+impl SandboxServer {
+    /// A notifier for one request.
+    pub(super) fn notifier<'a>(&self, ctx: &'a RequestContext<RoleServer>) -> Notifier<'a> {
+        Notifier::new(ctx, self.log_level.lock().ok().and_then(|l| *l))
+    }
+}
+
+/// A line for the client while a call works: an install or build line (`None`), or a chunk of
+/// the code's output.
+type Live = (Option<crate::protocol::Stream>, String);
+
+/// A progress callback for long steps (installs, image builds), an output observer for runs,
+/// and the receiver of both. Bounded, with try_send: a slow client loses live lines, never
+/// output in the final result, and never stalls the work.
+pub(super) fn live_channel()
+-> (impl Fn(&str) + Send + Sync, impl Fn(crate::protocol::Stream, &[u8]) + Send + Sync, LiveRx) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Live>(1024);
+    let tx2 = tx.clone();
+    (
+        move |line: &str| {
+            let _ = tx.try_send((None, line.to_owned()));
+        },
+        move |stream, bytes: &[u8]| {
+            let _ = tx2.try_send((Some(stream), String::from_utf8_lossy(bytes).into_owned()));
+        },
+        rx,
+    )
+}
+
+pub(super) type LiveRx = tokio::sync::mpsc::Receiver<Live>;
+
+/// Sends live lines to one request's client: as progress notifications when the request
+/// carried a progress token, output chunks also as log notifications when it asked for a log
+/// level (2026-07-28 `_meta`). Install lines also go to our own log.
+pub(super) struct Notifier<'a> {
+    ctx: &'a RequestContext<RoleServer>,
+    token: Option<rmcp::model::ProgressToken>,
+    log: bool,
+    n: u32,
+}
+
+impl<'a> Notifier<'a> {
+    /// Output chunks go out as `info` messages, so only a level of info or debug asks for them.
+    fn new(ctx: &'a RequestContext<RoleServer>, session_level: Option<LoggingLevel>) -> Self {
+        let log = matches!(ctx.meta.log_level().or(session_level), Some(LoggingLevel::Debug | LoggingLevel::Info));
+        Self { ctx, token: ctx.meta.get_progress_token(), log, n: 0 }
+    }
+
+    pub(super) async fn send(&mut self, stream: Option<crate::protocol::Stream>, text: String) {
+        if stream.is_none() {
+            tracing::info!(target: "pyberth::install", "{text}");
+        }
+        if let (Some(stream), true) = (stream, self.log) {
+            let name = if stream == crate::protocol::Stream::Stdout { "stdout" } else { "stderr" };
+            let param = LoggingMessageNotificationParam::new(
+                LoggingLevel::Info,
+                serde_json::json!({ "stream": name, "text": text }),
+            )
+            .with_logger(name);
+            let _ = self.ctx.peer.notify_logging_message(param).await;
+        }
+        if let Some(tok) = &self.token {
+            self.n += 1;
+            let param = ProgressNotificationParam::new(tok.clone(), f64::from(self.n)).with_message(text);
+            let _ = self.ctx.peer.notify_progress(param).await;
+        }
+    }
+}
+
+/// Drives `work` while relaying its live lines to the client.
+pub(super) async fn relay<T>(
+    mut notifier: Notifier<'_>,
+    rx: &mut LiveRx,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            Some((stream, text)) = rx.recv() => notifier.send(stream, text).await,
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! Background jobs: runs that outlive the call that started them.
+//!
+//! A job is owned by the [`Jobs`] table, not by the request: it keeps running when its client
+//! disconnects, and any later call of the same principal can read its output by offsets,
+//! wait for it or cancel it. Finished jobs are kept for a while, then pruned.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{RunOutcome, RunSpec, RunStatus, Session};
+use crate::protocol::Stream;
+
+/// Finished jobs kept at most this long.
+const KEEP_FINISHED: Duration = Duration::from_secs(3600);
+/// Finished jobs kept at most this many per server.
+const MAX_FINISHED: usize = 200;
+
+/// What a job runs (owned, since the job outlives the request).
+#[derive(Debug, Clone, Default)]
+pub struct JobSpec {
+    /// Python source.
+    pub code: String,
+    /// Or a workspace script.
+    pub file: Option<String>,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Environment for the run.
+    pub env: BTreeMap<String, String>,
+}
+
+/// Output so far, kept up to the cap per stream.
+#[derive(Debug, Default)]
+struct Output {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+/// How a finished job ended.
+#[derive(Debug)]
+pub enum Finished {
+    /// The run completed (in any status).
+    Outcome(Box<RunOutcome>),
+    /// The run could not complete (the session broke or was closed).
+    Failed(String),
+}
+
+/// One job.
+pub struct Job {
+    /// Job id.
+    pub id: String,
+    /// Owner.
+    pub principal: String,
+    /// Session it runs in.
+    pub session: String,
+    /// Cancels the run (interrupt, then kill).
+    pub cancel: CancellationToken,
+    started: Instant,
+    cap: usize,
+    output: Mutex<Output>,
+    finished: Mutex<Option<(Instant, Arc<Finished>)>>,
+    done: watch::Sender<bool>,
+}
+
+impl Job {
+    /// Whether it has finished.
+    pub fn is_finished(&self) -> bool {
+        *self.done.borrow()
+    }
+
+    /// How it ended, once it has.
+    pub fn result(&self) -> Option<Arc<Finished>> {
+        self.finished.lock().ok().and_then(|f| f.as_ref().map(|(_, r)| r.clone()))
+    }
+
+    /// Status for listings.
+    pub fn status(&self) -> RunStatus {
+        match self.result().as_deref() {
+            None => RunStatus::Running,
+            Some(Finished::Outcome(o)) => o.status,
+            Some(Finished::Failed(_)) => RunStatus::Error,
+        }
+    }
+
+    /// Seconds since start.
+    pub fn age(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Waits up to `limit` for the job to finish; true if it has.
+    pub async fn wait(&self, limit: Duration) -> bool {
+        let mut rx = self.done.subscribe();
+        let finished = tokio::time::timeout(limit, rx.wait_for(|d| *d)).await;
+        matches!(finished, Ok(Ok(_)))
+    }
+
+    /// Output after the given byte offsets of each stream, and the new offsets.
+    pub fn output_since(&self, stdout_offset: usize, stderr_offset: usize) -> (Vec<u8>, Vec<u8>, usize, usize) {
+        let Ok(out) = self.output.lock() else { return (Vec::new(), Vec::new(), stdout_offset, stderr_offset) };
+        let slice = |v: &Vec<u8>, off: usize| v.get(off.min(v.len())..).unwrap_or_default().to_vec();
+        (slice(&out.stdout, stdout_offset), slice(&out.stderr, stderr_offset), out.stdout.len(), out.stderr.len())
+    }
+
+    fn observe(&self, stream: Stream, bytes: &[u8]) {
+        if let Ok(mut out) = self.output.lock() {
+            let buf = match stream {
+                Stream::Stdout => &mut out.stdout,
+                Stream::Stderr => &mut out.stderr,
+            };
+            let room = self.cap.saturating_sub(buf.len());
+            buf.extend_from_slice(&bytes[..room.min(bytes.len())]);
+        }
+    }
+
+    fn finish(&self, result: Finished) {
+        if let Ok(mut f) = self.finished.lock() {
+            *f = Some((Instant::now(), Arc::new(result)));
+        }
+        let _ = self.done.send(true);
+    }
+}
+
+/// The jobs of a server.
+pub struct Jobs {
+    jobs: Mutex<HashMap<String, Arc<Job>>>,
+    tasks: TaskTracker,
+    next: AtomicU64,
+}
+
+impl Default for Jobs {
+    fn default() -> Self {
+        Self { jobs: Mutex::new(HashMap::new()), tasks: TaskTracker::new(), next: AtomicU64::new(1) }
+    }
+}
+
+impl Jobs {
+    /// Starts a run as a job.
+    pub fn start(
+        &self,
+        principal: &str,
+        session: Arc<Session>,
+        spec: JobSpec,
+        timeout: Duration,
+        cap: usize,
+    ) -> Arc<Job> {
+        self.prune();
+        let id = format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed));
+        let (done, _) = watch::channel(false);
+        let job = Arc::new(Job {
+            id: id.clone(),
+            principal: principal.to_owned(),
+            session: session.name.clone(),
+            cancel: CancellationToken::new(),
+            started: Instant::now(),
+            cap,
+            output: Mutex::new(Output::default()),
+            finished: Mutex::new(None),
+            done,
+        });
+        if let Ok(mut jobs) = self.jobs.lock() {
+            jobs.insert(id, job.clone());
+        }
+        let task_job = job.clone();
+        self.tasks.spawn(async move {
+            let job = task_job;
+            let spec_ref =
+                RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, env: spec.env.clone() };
+            let observer = |s: Stream, b: &[u8]| job.observe(s, b);
+            let result = session.run(spec_ref, timeout, &job.cancel, &observer).await;
+            job.finish(match result {
+                Ok(outcome) => Finished::Outcome(Box::new(outcome)),
+                Err(e) => Finished::Failed(e.to_string()),
+            });
+        });
+        job
+    }
+
+    /// A job of this principal; another principal's job behaves as a missing one.
+    pub fn get(&self, principal: &str, id: &str) -> Option<Arc<Job>> {
+        let jobs = self.jobs.lock().ok()?;
+        jobs.get(id).filter(|j| j.principal == principal).cloned()
+    }
+
+    /// Jobs of this principal, oldest first.
+    pub fn list(&self, principal: &str) -> Vec<Arc<Job>> {
+        let Ok(jobs) = self.jobs.lock() else { return Vec::new() };
+        let mut list: Vec<Arc<Job>> = jobs.values().filter(|j| j.principal == principal).cloned().collect();
+        list.sort_by_key(|j| std::cmp::Reverse(j.age()));
+        list
+    }
+
+    /// Drops finished jobs past their keep time or beyond the count.
+    fn prune(&self) {
+        let Ok(mut jobs) = self.jobs.lock() else { return };
+        let finished_at = |j: &Job| j.finished.lock().ok().and_then(|f| f.as_ref().map(|(t, _)| *t));
+        jobs.retain(|_, j| finished_at(j).is_none_or(|t| t.elapsed() < KEEP_FINISHED));
+        let mut done: Vec<(Instant, String)> =
+            jobs.iter().filter_map(|(id, j)| finished_at(j).map(|t| (t, id.clone()))).collect();
+        if done.len() > MAX_FINISHED {
+            done.sort();
+            for (_, id) in done.iter().take(done.len() - MAX_FINISHED) {
+                jobs.remove(id);
+            }
+        }
+    }
+
+    /// Cancels every job and waits for them to stop.
+    pub async fn shutdown(&self) {
+        if let Ok(jobs) = self.jobs.lock() {
+            for j in jobs.values() {
+                j.cancel.cancel();
+            }
+        }
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
