@@ -20,6 +20,23 @@ pub mod docker;
 pub mod instance;
 pub mod output;
 pub mod protocol;
+pub mod runner;
 pub mod server;
 pub mod session;
 pub mod workspace;
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}

@@ -38,6 +38,9 @@ enum Command {
         #[command(subcommand)]
         action: LayersAction,
     },
+    /// Run a script, or a command after `--`, in a fresh sandbox and exit with its status
+    /// (for CI). 124: timeout, 125: pyberth or Docker failed, 130: interrupted, 137: out of memory.
+    Run(pyberth::runner::RunArgs),
     /// Measure warm-run latency through MCP stdio beside the raw Docker floors.
     Bench {
         #[command(flatten)]
@@ -82,14 +85,16 @@ enum LayersAction {
 }
 
 fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // `pyberth run` shares stderr with the program it runs: only warnings of our own there.
+    let default_level = if matches!(cli.command, Command::Run(_)) { "warn" } else { "info" };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .init();
-    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -97,21 +102,26 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(run(cli));
+    let code = runtime.block_on(async {
+        match cli.command {
+            Command::Run(args) => std::process::ExitCode::from(pyberth::runner::run(args).await),
+            command => match run(command).await {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    std::process::ExitCode::FAILURE
+                }
+            },
+        }
+    });
     // rmcp reads stdin on a blocking thread that only returns on input; waiting for it
     // would keep a server that was told to stop alive. Cleanup is done by now.
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!("{e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    code
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Serve { cfg } => serve(cfg).await,
         Command::Image { action: ImageAction::Tag } => {
             #[allow(clippy::print_stdout)] // the tag is the command's output
@@ -133,6 +143,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench { cfg, runs } => pyberth::bench::run(cfg, runs).await,
+        Command::Run(_) => Ok(()), // handled in main, for its exit code
         Command::Layers { action: LayersAction::List { cfg } } => {
             let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
             let mut out = String::new();
@@ -189,7 +200,7 @@ async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
                 tracing::warn!(error = %e, "MCP service ended with an error");
             }
         }
-        _ = shutdown_signal() => {
+        _ = pyberth::shutdown_signal() => {
             tracing::info!("signal received; shutting down");
             cancel.cancel();
         }
@@ -200,19 +211,4 @@ async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
     tasks.wait().await;
     tracing::info!("pyberth stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
-    }
 }

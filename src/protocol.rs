@@ -36,6 +36,9 @@ pub enum Request<'a> {
         /// `sys.argv[1:]` for `file`.
         #[serde(skip_serializing_if = "<[String]>::is_empty")]
         args: &'a [String],
+        /// A command (argv) to run in the workspace instead of `code` or `file`.
+        #[serde(skip_serializing_if = "<[String]>::is_empty")]
+        cmd: &'a [String],
         /// Environment variables set for this run only.
         #[serde(skip_serializing_if = "BTreeMap::is_empty")]
         env: &'a BTreeMap<String, String>,
@@ -462,7 +465,8 @@ mod tests {
     #[test]
     fn requests_are_one_line() {
         let env = BTreeMap::new();
-        let line = Request::Run { id: 9, code: "print('a\\nb')\nx = 1", file: None, args: &[], env: &env }.to_line();
+        let line =
+            Request::Run { id: 9, code: "print('a\\nb')\nx = 1", file: None, args: &[], cmd: &[], env: &env }.to_line();
         assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
         assert!(line.ends_with(b"\n"));
         let v: serde_json::Value = serde_json::from_slice(&line).expect("json");

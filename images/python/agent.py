@@ -338,7 +338,9 @@ class Agent:
         with self.state_lock:
             self.current = run_id
         try:
-            if msg.get("file") is not None:
+            if msg.get("cmd"):
+                outcome = self.execute_command([str(a) for a in msg["cmd"]], msg["cmd"][0])
+            elif msg.get("file") is not None:
                 outcome = self.execute_file(msg["file"], msg.get("args") or [])
             else:
                 outcome = self.execute(code)
@@ -391,9 +393,19 @@ class Agent:
             path = workspace_path(rel)
         except PathError as exc:
             return {"status": "error", "error": {"type": "FileNotFoundError", "message": str(exc), "traceback": ""}}
+        return self.execute_command([sys.executable, "-u", "-B", path] + [str(a) for a in args], rel)
+
+    def execute_command(self, argv, label):
+        """Runs a process in the workspace; its exit status is the run's (128+N for signal N)."""
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            proc = subprocess.Popen([sys.executable, "-u", "-B", path] + [str(a) for a in args], cwd=WORKSPACE)
+            try:
+                proc = subprocess.Popen(argv, cwd=WORKSPACE)
+            except OSError as exc:
+                # The shell's conventions: 127 not found, 126 found but not runnable.
+                code = 127 if isinstance(exc, FileNotFoundError) else 126
+                message = "cannot run %s: %s" % (label, exc.strerror or exc)
+                return {"status": "error", "exit_code": code, "error": {"type": type(exc).__name__, "message": message, "traceback": ""}}
             try:
                 code = proc.wait()
             except KeyboardInterrupt:
@@ -405,11 +417,11 @@ class Agent:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         if code == 0:
             return {"status": "ok", "error": None, "exit_code": 0}
-        return {
-            "status": "error",
-            "exit_code": code,
-            "error": {"type": "ExitStatus", "message": "%s exited with status %d" % (rel, code), "traceback": ""},
-        }
+        message = "%s exited with status %d" % (label, code)
+        if code < 0:
+            message = "%s was killed by signal %d" % (label, -code)
+            code = 128 - code
+        return {"status": "error", "exit_code": code, "error": {"type": "ExitStatus", "message": message, "traceback": ""}}
 
     def send_figures(self, run_id):
         """Sends every open matplotlib figure as a PNG, then closes them."""

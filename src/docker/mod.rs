@@ -1,6 +1,7 @@
 //! Everything that speaks to the Docker engine lives below this module, so that another
 //! backend (Kubernetes pods through their exec API) can sit beside it later (DESIGN.md D10).
 
+pub mod archive;
 pub mod container;
 pub mod exec;
 pub mod image;

@@ -143,7 +143,7 @@ impl SandboxServer {
             return self.await_job(&job, wait, ctx, notices).await;
         }
         let (_, observer, mut rx) = live_channel();
-        let run = RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, env: spec.env };
+        let run = RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, cmd: &[], env: spec.env };
         match relay(self.notifier(ctx), &mut rx, session.run(run, timeout, &ctx.ct, &observer)).await {
             Ok(mut outcome) => {
                 outcome.notices.splice(0..0, notices);

@@ -168,8 +168,13 @@ impl Jobs {
         let task_job = job.clone();
         self.tasks.spawn(async move {
             let job = task_job;
-            let spec_ref =
-                RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, env: spec.env.clone() };
+            let spec_ref = RunSpec {
+                code: &spec.code,
+                file: spec.file.as_deref(),
+                args: &spec.args,
+                cmd: &[],
+                env: spec.env.clone(),
+            };
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
             let result = session.run(spec_ref, timeout, &job.cancel, &observer).await;
             job.finish(match result {

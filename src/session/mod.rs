@@ -138,6 +138,8 @@ pub struct RunSpec<'a> {
     pub file: Option<&'a str>,
     /// Its arguments.
     pub args: &'a [String],
+    /// Or a command (argv) run in the workspace, as the code's user.
+    pub cmd: &'a [String],
     /// Environment for this run, on top of the session's.
     pub env: BTreeMap<String, String>,
 }
@@ -306,6 +308,11 @@ impl Session {
         }
     }
 
+    /// The id of the session's current container.
+    pub fn container_id(&self) -> String {
+        self.container.lock().map(|c| c.id.clone()).unwrap_or_default()
+    }
+
     /// Time since the last call.
     pub fn idle(&self) -> Duration {
         self.last_used.lock().map(|t| t.elapsed()).unwrap_or_default()
@@ -450,6 +457,20 @@ impl Session {
         let run_started = std::time::SystemTime::now();
         let ending = self.drive(&mut inner, id, &spec, Stop { timeout, ct }, &mut outcome, observer).await;
         match ending {
+            // A child process (run_file, a command, a subprocess) killed by the OOM killer
+            // leaves the interpreter alive; its status 137 plus the event tells.
+            Ending::Done
+                if outcome.status == RunStatus::Error
+                    && outcome.exit_code == Some(137)
+                    && container::oom_since(&self.docker, &inner.container.id, run_started).await =>
+            {
+                outcome.status = RunStatus::Oom;
+                notices.push(format!(
+                    "out of memory: the program needed more than the session's {} MiB and was killed; \
+                     the session's interpreter and variables are unaffected",
+                    self.cfg.memory_mb
+                ));
+            }
             Ending::Done => {}
             Ending::Died(stopped) => {
                 let code = match inner.agent.as_ref() {
@@ -535,7 +556,7 @@ impl Session {
         let Some(agent) = inner.agent.as_mut() else {
             return Ending::Broken("no agent".into());
         };
-        let req = Request::Run { id, code: spec.code, file: spec.file, args: spec.args, env: &spec.env };
+        let req = Request::Run { id, code: spec.code, file: spec.file, args: spec.args, cmd: spec.cmd, env: &spec.env };
         if let Err(e) = agent.send(&req).await {
             return Ending::Broken(e.to_string());
         }

@@ -15,5 +15,7 @@ mod deps;
 mod workspace;
 // Long-running work: live output, jobs, cancellation, busy queue, per-run figures.
 mod jobs;
+// The CI runner, `pyberth run`.
+mod cli;
 // Hardening seen from inside the sandbox.
 mod sandbox;

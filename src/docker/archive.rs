@@ -1,0 +1,375 @@
+//! Directories in and out of a session's workspace as tar, through the Docker archive API,
+//! streamed both ways: neither direction holds a whole archive in memory.
+//!
+//! Archives coming back from a container are hostile: entries must be relative without `..`,
+//! only regular files and directories are written, links are skipped, and nothing on the host
+//! is written through a symlink.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use bollard::Docker;
+use bollard::query_parameters::{DownloadFromContainerOptionsBuilder, UploadToContainerOptionsBuilder};
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::mpsc;
+
+use super::container::WORKSPACE;
+use super::layers::safe_relative;
+
+/// Owner of uploaded files: the code's uid, so the code can change what it was given.
+const CODE_UID: u64 = 1000;
+/// Chunk size of the streamed archive.
+const CHUNK: usize = 256 << 10;
+/// Directory names never copied back: interpreter and test-runner caches, not results.
+const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
+
+/// What a transfer moved.
+#[derive(Debug, Default, Clone)]
+pub struct Moved {
+    /// Regular files.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Each file's (mtime, size) as sent, by workspace-relative path: what the run was given.
+    pub manifest: HashMap<PathBuf, (u64, u64)>,
+}
+
+/// A `Write` that sends fixed-size chunks down a channel (used from a blocking thread).
+struct ChunkWriter {
+    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+    buf: Vec<u8>,
+}
+
+impl Write for ChunkWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.flush()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.tx.blocking_send(Ok(chunk)).map_err(|_| std::io::Error::other("the upload was abandoned"))
+    }
+}
+
+/// A `Read` over chunks arriving on a channel (used from a blocking thread).
+struct ChunkReader {
+    rx: mpsc::Receiver<Bytes>,
+    cur: Bytes,
+}
+
+impl Read for ChunkReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(b) => self.cur = b,
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.cur.len());
+        out[..n].copy_from_slice(&self.cur.split_to(n));
+        Ok(n)
+    }
+}
+
+/// Uploads the contents of `dir` into the workspace of container `id`, skipping `.git`.
+/// Symlinks travel as symlinks (the container resolves them, inside itself). Refuses a
+/// tree over `cap` bytes.
+pub async fn upload_dir(docker: &Docker, id: &str, dir: &Path, cap: u64) -> Result<Moved, String> {
+    let meta = std::fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    let root = dir.to_path_buf();
+    let packer = tokio::task::spawn_blocking(move || {
+        let mut writer = ChunkWriter { tx: tx.clone(), buf: Vec::with_capacity(CHUNK) };
+        let mut moved = Moved::default();
+        let packed = (|| {
+            let mut ar = tar::Builder::new(&mut writer);
+            ar.follow_symlinks(false);
+            pack(&mut ar, &root, Path::new(""), cap, &mut moved)?;
+            ar.finish().map_err(|e| format!("cannot pack {}: {e}", root.display()))
+        })();
+        let packed = packed.and_then(|()| writer.flush().map_err(|e| e.to_string()));
+        if let Err(e) = &packed {
+            // End the body with an error so Docker discards the partial archive.
+            let _ = tx.blocking_send(Err(std::io::Error::other(e.clone())));
+        }
+        packed.map(|()| moved)
+    });
+    let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+    let opts = UploadToContainerOptionsBuilder::default().path(WORKSPACE).build();
+    let sent = docker.upload_to_container(id, Some(opts), bollard::body_try_stream(body)).await;
+    let packed = packer.await.map_err(|e| format!("the packer stopped: {e}"))?;
+    let moved = packed?;
+    sent.map_err(|e| format!("cannot upload {}: {e}", dir.display()))?;
+    Ok(moved)
+}
+
+/// Uploads one file, `name` (no directories), into the workspace; returns its (mtime, size).
+pub async fn upload_file(docker: &Docker, id: &str, name: &str, data: &[u8]) -> Result<(u64, u64), String> {
+    let mtime = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let mut ar = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(data.len() as u64);
+    h.set_mode(0o644);
+    h.set_uid(CODE_UID);
+    h.set_gid(CODE_UID);
+    h.set_mtime(mtime);
+    h.set_cksum();
+    ar.append_data(&mut h, name, data).map_err(|e| format!("cannot pack {name}: {e}"))?;
+    let buf = ar.into_inner().map_err(|e| format!("cannot pack {name}: {e}"))?;
+    let opts = UploadToContainerOptionsBuilder::default().path(WORKSPACE).build();
+    docker
+        .upload_to_container(id, Some(opts), bollard::body_full(buf.into()))
+        .await
+        .map_err(|e| format!("cannot upload {name}: {e}"))?;
+    Ok((mtime, data.len() as u64))
+}
+
+fn pack<W: Write>(
+    ar: &mut tar::Builder<W>,
+    root: &Path,
+    rel: &Path,
+    cap: u64,
+    moved: &mut Moved,
+) -> Result<(), String> {
+    let here = root.join(rel);
+    let mut entries: Vec<_> = std::fs::read_dir(&here)
+        .map_err(|e| format!("cannot read {}: {e}", here.display()))?
+        .filter_map(Result::ok)
+        .collect();
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let name = entry.file_name();
+        if name == ".git" {
+            continue;
+        }
+        let rel = rel.join(&name);
+        let path = root.join(&rel);
+        let meta = std::fs::symlink_metadata(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let mut header = tar::Header::new_gnu();
+        header.set_metadata(&meta);
+        header.set_uid(CODE_UID);
+        header.set_gid(CODE_UID);
+        // No setuid, setgid or sticky bits reach the sandbox.
+        header.set_mode(meta_mode(&meta) & 0o777);
+        let err = |e: std::io::Error| format!("cannot pack {}: {e}", path.display());
+        if meta.is_dir() {
+            ar.append_data(&mut header, &rel, std::io::empty()).map_err(err)?;
+            pack(ar, root, &rel, cap, moved)?;
+        } else if meta.is_file() {
+            moved.files += 1;
+            moved.bytes += meta.len();
+            moved.manifest.insert(rel.clone(), (header.mtime().unwrap_or(0), meta.len()));
+            if moved.bytes > cap {
+                return Err(format!(
+                    "the directory holds more than {} MiB: make it smaller or raise --transfer-cap-mb",
+                    cap >> 20
+                ));
+            }
+            let file = std::fs::File::open(&path).map_err(err)?;
+            ar.append_data(&mut header, &rel, file.take(meta.len())).map_err(err)?;
+        } else if meta.file_type().is_symlink() {
+            let target = std::fs::read_link(&path).map_err(err)?;
+            ar.append_link(&mut header, &rel, &target).map_err(err)?;
+        }
+        // Sockets, fifos and devices are not copied.
+    }
+    Ok(())
+}
+
+fn meta_mode(meta: &std::fs::Metadata) -> u32 {
+    use std::os::unix::fs::PermissionsExt as _;
+    meta.permissions().mode()
+}
+
+/// Copies the workspace files of container `id` that the run made or changed into `out`
+/// (created if missing), keeping their relative paths: files modified at or after `since`
+/// that are not in `given` as they were sent. Caches are skipped. At most `cap` bytes.
+pub async fn download_changed(
+    docker: &Docker,
+    id: &str,
+    since: SystemTime,
+    given: HashMap<PathBuf, (u64, u64)>,
+    out: &Path,
+    cap: u64,
+) -> Result<Moved, String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let since = since.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    let dest = out.to_path_buf();
+    let unpacker = tokio::task::spawn_blocking(move || {
+        let mut moved = Moved::default();
+        let reader = ChunkReader { rx, cur: Bytes::new() };
+        unpack_changed(reader, &dest, since, &given, cap, &mut moved).map(|()| moved)
+    });
+    // The archive of /workspace has entries named workspace/...; it streams to the unpacker.
+    let opts = DownloadFromContainerOptionsBuilder::default().path(WORKSPACE).build();
+    let mut stream = docker.download_from_container(id, Some(opts));
+    let mut failed = None;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(c) => {
+                if tx.send(c).await.is_err() {
+                    break; // the unpacker stopped; its error says why
+                }
+            }
+            Err(e) => {
+                failed = Some(format!("cannot download the workspace: {e}"));
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let moved = unpacker.await.map_err(|e| format!("the unpacker stopped: {e}"))??;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(moved),
+    }
+}
+
+fn unpack_changed(
+    reader: impl Read,
+    dest: &Path,
+    since: u64,
+    given: &HashMap<PathBuf, (u64, u64)>,
+    cap: u64,
+    moved: &mut Moved,
+) -> Result<(), String> {
+    let mut ar = tar::Archive::new(reader);
+    for entry in ar.entries().map_err(|e| format!("bad archive: {e}"))? {
+        let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
+        let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
+        // Strip the leading "workspace/" the API puts on every entry.
+        let Ok(rel) = path.strip_prefix("workspace") else { continue };
+        if rel.as_os_str().is_empty() || !safe_relative(rel) {
+            continue;
+        }
+        if rel.components().any(|c| CACHES.iter().any(|cache| c.as_os_str() == *cache)) {
+            continue;
+        }
+        let header = entry.header();
+        if header.entry_type() != tar::EntryType::Regular || header.mtime().unwrap_or(0) < since {
+            continue; // links are never recreated on the host; old files were not made by the run
+        }
+        let size = header.size().unwrap_or(0);
+        if given.get(rel).is_some_and(|&(mtime, len)| (mtime, len) == (header.mtime().unwrap_or(0), size)) {
+            continue; // as uploaded: an input, not a result
+        }
+        moved.files += 1;
+        moved.bytes += size;
+        if moved.bytes > cap {
+            return Err(format!("the run's output files exceed {} MiB: raise --transfer-cap-mb", cap >> 20));
+        }
+        let target = host_target(dest, rel)?;
+        // Never write through a link: replace whatever is at the final path.
+        if std::fs::symlink_metadata(&target).is_ok_and(|m| !m.is_file()) {
+            return Err(format!("{} exists and is not a regular file", target.display()));
+        }
+        let _ = std::fs::remove_file(&target);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&target)
+            .map_err(|e| format!("cannot write {}: {e}", target.display()))?;
+        std::io::copy(&mut (&mut entry).take(size), &mut file)
+            .map_err(|e| format!("cannot write {}: {e}", target.display()))?;
+    }
+    Ok(())
+}
+
+/// The host path for `rel` under `dest`, creating its directories; refuses any existing
+/// component that is a symlink, so a tree cannot lead writes out of `dest`.
+fn host_target(dest: &Path, rel: &Path) -> Result<PathBuf, String> {
+    let mut at = dest.to_path_buf();
+    let parts: Vec<_> = rel.components().collect();
+    for (i, part) in parts.iter().enumerate() {
+        at.push(part);
+        if i + 1 == parts.len() {
+            break;
+        }
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(format!("{} is in the way (not a directory)", at.display())),
+            Err(_) => std::fs::create_dir(&at).map_err(|e| format!("cannot create {}: {e}", at.display()))?,
+        }
+    }
+    Ok(at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn archive(entries: &[(&str, tar::EntryType, u64, &str)]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, kind, mtime, data) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(*kind);
+            h.set_mode(0o644);
+            h.set_mtime(*mtime);
+            if *kind == tar::EntryType::Symlink {
+                h.set_size(0);
+                b.append_link(&mut h, path, data).expect("link");
+            } else {
+                h.set_size(data.len() as u64);
+                // Write the raw name so hostile paths ("..", absolute) survive into the archive.
+                let name = path.as_bytes();
+                h.as_old_mut().name[..name.len()].copy_from_slice(name);
+                h.set_cksum();
+                b.append(&h, data.as_bytes()).expect("append");
+            }
+        }
+        b.into_inner().expect("tar")
+    }
+
+    #[test]
+    fn only_new_regular_files_inside_come_back() {
+        let dir = std::env::temp_dir().join(format!("pyberth-unpack-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("reports")).expect("mkdir");
+        let outside = std::env::temp_dir().join(format!("pyberth-outside-{}", std::process::id()));
+        std::fs::create_dir_all(&outside).expect("mkdir");
+        std::os::unix::fs::symlink(&outside, dir.join("escape")).expect("symlink");
+        let tar = archive(&[
+            ("workspace/", tar::EntryType::Directory, 200, ""),
+            ("workspace/reports/junit.xml", tar::EntryType::Regular, 200, "<xml/>"),
+            ("workspace/old.py", tar::EntryType::Regular, 50, "old"),
+            ("workspace/given.py", tar::EntryType::Regular, 150, "same"),
+            ("workspace/edited.py", tar::EntryType::Regular, 150, "longer now"),
+            ("workspace/__pycache__/x.pyc", tar::EntryType::Regular, 200, "pyc"),
+            ("workspace/link", tar::EntryType::Symlink, 200, "/etc/passwd"),
+            ("workspace/../evil", tar::EntryType::Regular, 200, "evil"),
+            ("workspace/escape/owned", tar::EntryType::Regular, 200, "owned"),
+        ]);
+        let given = HashMap::from([("given.py".into(), (150, 4)), ("edited.py".into(), (150, 4))]);
+        let mut moved = Moved::default();
+        let r = unpack_changed(&tar[..], &dir, 100, &given, 1 << 20, &mut moved);
+        assert!(r.is_err_and(|e| e.contains("in the way")), "a symlinked directory on the host stops the copy");
+        assert_eq!(std::fs::read_to_string(dir.join("reports/junit.xml")).expect("junit"), "<xml/>");
+        assert!(!dir.join("old.py").exists(), "files older than the run stay behind");
+        assert!(!dir.join("given.py").exists(), "files as uploaded stay behind");
+        assert!(dir.join("edited.py").exists(), "files the run changed come back");
+        assert!(!dir.join("__pycache__").exists(), "caches stay behind");
+        assert!(!dir.join("link").exists(), "links are never recreated");
+        assert!(!dir.parent().expect("parent").join("evil").exists());
+        assert!(!outside.join("owned").exists(), "nothing is written through a host symlink");
+
+        let mut moved = Moved::default();
+        let big = archive(&[("workspace/big", tar::EntryType::Regular, 200, "0123456789")]);
+        assert!(unpack_changed(&big[..], &dir, 100, &given, 5, &mut moved).is_err_and(|e| e.contains("exceed")));
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&outside);
+    }
+}

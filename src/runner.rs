@@ -1,0 +1,378 @@
+//! `pyberth run`: a script or a command in a fresh sandbox, for CI pipelines.
+//!
+//! The same hardened session container as the MCP server, made for one run and removed after
+//! it. Output streams live to our own stdout and stderr (lossless: the program waits for a slow
+//! reader, as it would outside a sandbox); the exit status is the program's own, and pyberth's
+//! own failures have codes of their own (see [`exit`]).
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use clap::Args;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SandboxConfig;
+use crate::docker::{self, archive, image};
+use crate::instance::Instance;
+use crate::protocol::Stream;
+use crate::session::registry::Registry;
+use crate::session::{RunOutcome, RunSpec, RunStatus};
+
+/// Exit codes of `pyberth run` besides the program's own status.
+pub mod exit {
+    /// Bad invocation: a missing file, a bad requirement, a bad `--env`.
+    pub const USAGE: u8 = 2;
+    /// The time limit ended the run.
+    pub const TIMEOUT: u8 = 124;
+    /// pyberth could not run the program: Docker, the image, an install or a transfer failed.
+    pub const INFRA: u8 = 125;
+    /// Interrupted (Ctrl-C or SIGTERM).
+    pub const INTERRUPTED: u8 = 130;
+    /// The program ran out of memory (the limit is `--memory-mb`).
+    pub const OOM: u8 = 137;
+}
+
+/// Arguments of `pyberth run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub cfg: SandboxConfig,
+    /// Python script to run (`-` reads it from stdin). Without it, the words after `--` are a
+    /// command run in the workspace (e.g. `-- python -m pytest -q`).
+    pub file: Option<PathBuf>,
+    /// The script's arguments, or the command.
+    #[arg(last = true)]
+    pub args: Vec<String>,
+    /// A requirement to install first (repeatable); PEP 723 `dependencies` count too.
+    #[arg(long = "with", value_name = "REQUIREMENT")]
+    pub with: Vec<String>,
+    /// Time limit of the run in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
+    pub timeout: f64,
+    /// An environment variable for the program (repeatable).
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// Upload this directory as the workspace first (without `.git`).
+    #[arg(long, value_name = "DIR")]
+    pub project: Option<PathBuf>,
+    /// Copy the files the run created or changed back into this directory.
+    #[arg(long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+    /// Print a JSON result on stdout instead of streaming the output.
+    #[arg(long)]
+    pub json: bool,
+    /// Cap on the bytes uploaded by --project and copied back by --output, MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 1024)]
+    pub transfer_cap_mb: u64,
+}
+
+/// The `--json` result.
+#[derive(Debug, Serialize)]
+struct JsonResult {
+    status: RunStatus,
+    exit_code: u8,
+    stdout: String,
+    stderr: String,
+    truncated: bool,
+    duration_ms: f64,
+    cpu_ms: Option<f64>,
+    peak_memory_kb: Option<u64>,
+    output_files: Option<u64>,
+    notices: Vec<String>,
+}
+
+/// A failure before or around the program, with its exit code.
+#[derive(Debug)]
+pub struct Failure {
+    /// Exit code.
+    pub code: u8,
+    /// What happened and what to do.
+    pub message: String,
+}
+
+fn usage(message: impl Into<String>) -> Failure {
+    Failure { code: exit::USAGE, message: message.into() }
+}
+
+fn infra(message: impl Into<String>) -> Failure {
+    Failure { code: exit::INFRA, message: message.into() }
+}
+
+/// What runs: a script (workspace path and its bytes, if not already uploaded) or a command.
+enum Target {
+    Script { rel: String, data: Option<Vec<u8>> },
+    Command(Vec<String>),
+}
+
+/// Long steps (image build, installs) as one rewritten status line on a terminal, plain
+/// lines otherwise.
+struct Status {
+    tty: bool,
+    shown: Mutex<bool>,
+}
+
+impl Status {
+    fn new() -> Self {
+        Self { tty: std::io::stderr().is_terminal(), shown: Mutex::new(false) }
+    }
+
+    fn line(&self, text: &str) {
+        let mut err = std::io::stderr().lock();
+        if self.tty {
+            let short: String = text.chars().filter(|c| !c.is_control()).take(100).collect();
+            let _ = write!(err, "\r\x1b[2K[pyberth] {short}");
+            if let Ok(mut s) = self.shown.lock() {
+                *s = true;
+            }
+        } else {
+            let _ = writeln!(err, "[pyberth] {text}");
+        }
+        let _ = err.flush();
+    }
+
+    fn clear(&self) {
+        if let Ok(mut s) = self.shown.lock()
+            && *s
+        {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+            *s = false;
+        }
+    }
+}
+
+/// Parses `--env KEY=VALUE` words.
+fn parse_env(words: &[String]) -> Result<BTreeMap<String, String>, String> {
+    let mut env = BTreeMap::new();
+    for w in words {
+        let Some((k, v)) = w.split_once('=') else {
+            return Err(format!("--env {w:?}: write KEY=VALUE"));
+        };
+        env.insert(k.to_owned(), v.to_owned());
+    }
+    crate::workspace::check_env(&env)?;
+    Ok(env)
+}
+
+/// Works out what to run, reading the script.
+fn target(args: &RunArgs, code_cap: usize) -> Result<Target, Failure> {
+    let Some(file) = &args.file else {
+        if args.args.is_empty() {
+            return Err(usage("give a script to run, or a command after `--` (pyberth run -- python -m pytest)"));
+        }
+        return Ok(Target::Command(args.args.clone()));
+    };
+    if file.as_os_str() == "-" {
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(std::io::stdin(), code_cap as u64 + 1), &mut data)
+            .map_err(|e| usage(format!("cannot read the script from stdin: {e}")))?;
+        if data.len() > code_cap {
+            return Err(usage(format!("the script is over {code_cap} bytes (--code-cap)")));
+        }
+        return Ok(Target::Script { rel: "__main__.py".into(), data: Some(data) });
+    }
+    // A script inside the project runs where it is, next to its modules.
+    if let Some(project) = &args.project
+        && let (Ok(p), Ok(f)) = (project.canonicalize(), file.canonicalize())
+        && let Ok(rel) = f.strip_prefix(&p)
+    {
+        let rel = rel.to_str().ok_or_else(|| usage(format!("{} is not a UTF-8 path", file.display())))?;
+        return Ok(Target::Script { rel: rel.to_owned(), data: None });
+    }
+    let data = std::fs::read(file).map_err(|e| usage(format!("cannot read {}: {e}", file.display())))?;
+    if data.len() > code_cap {
+        return Err(usage(format!("{} is over {code_cap} bytes (--code-cap)", file.display())));
+    }
+    let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("script.py").to_owned();
+    Ok(Target::Script { rel: name, data: Some(data) })
+}
+
+/// Runs `pyberth run`; returns the process exit code.
+pub async fn run(args: RunArgs) -> u8 {
+    let status = Status::new();
+    match run_inner(&args, &status).await {
+        Ok(code) => code,
+        Err(f) => {
+            status.clear();
+            if args.json {
+                let json = serde_json::json!({ "status": "failed", "exit_code": f.code, "error": f.message });
+                #[allow(clippy::print_stdout)] // --json: the result is the command's output
+                {
+                    println!("{json}");
+                }
+            }
+            eprintln!("pyberth: {}", f.message);
+            f.code
+        }
+    }
+}
+
+async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
+    let cfg = &args.cfg;
+    cfg.validate().map_err(|e| usage(e.to_string()))?;
+    if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= cfg.max_timeout_s as f64) {
+        return Err(usage(format!("--timeout must be above 0 and at most {} seconds", cfg.max_timeout_s)));
+    }
+    let env = parse_env(&args.env).map_err(usage)?;
+    let target = target(args, cfg.code_cap)?;
+    let script_text = match &target {
+        Target::Script { data: Some(d), .. } => Some(String::from_utf8_lossy(d).into_owned()),
+        Target::Script { rel, data: None } => {
+            let project = args.project.as_deref().unwrap_or(Path::new("."));
+            std::fs::read(project.join(rel)).ok().map(|d| String::from_utf8_lossy(&d).into_owned())
+        }
+        Target::Command(_) => None,
+    };
+    let packages =
+        crate::server::wanted_packages(Some(&args.with), script_text.as_deref(), cfg.max_packages).map_err(usage)?;
+
+    let docker = docker::connect(cfg.docker_host.as_deref())
+        .await
+        .map_err(|e| infra(format!("cannot reach the Docker engine (is it running? is DOCKER_HOST right?): {e}")))?;
+    let tag = image::sandbox_tag();
+    if cfg.image.is_none() && !image::exists(&docker, &tag).await.unwrap_or(false) {
+        image::ensure(&docker, cfg, &|l: &str| status.line(l)).await.map_err(|e| infra(e.to_string()))?;
+    }
+    let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
+        .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", cfg.state_dir().display())))?;
+    let cfg = Arc::new(cfg.clone());
+    let registry = Registry::new(docker.clone(), cfg.clone(), instance)
+        .map_err(|e| infra(format!("cannot read the CA bundle: {e}")))?;
+    if let Err(e) = registry.sweep_leftovers().await {
+        tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
+    }
+    let registry = Arc::new(registry);
+    let result = in_session(args, status, &registry, &packages, target, env).await;
+    status.clear();
+    registry.shutdown().await;
+    result
+}
+
+async fn in_session(
+    args: &RunArgs,
+    status: &Status,
+    registry: &Arc<Registry>,
+    packages: &[String],
+    target: Target,
+    env: BTreeMap<String, String>,
+) -> Result<u8, Failure> {
+    let progress = |l: &str| status.line(l);
+    let (session, _) =
+        registry.get_or_create("cli", "run", packages, &progress).await.map_err(|e| infra(e.to_string()))?;
+    status.clear();
+    let cap = args.transfer_cap_mb << 20;
+    let mut given = match &args.project {
+        Some(dir) => {
+            archive::upload_dir(registry.docker(), &session.container_id(), dir, cap).await.map_err(infra)?.manifest
+        }
+        None => Default::default(),
+    };
+    let (file, cmd) = match target {
+        Target::Script { rel, data } => {
+            if let Some(data) = data {
+                // Its stamp joins the inputs: the script never comes back with --output.
+                let stamp = archive::upload_file(registry.docker(), &session.container_id(), &rel, &data)
+                    .await
+                    .map_err(infra)?;
+                given.insert(PathBuf::from(&rel), stamp);
+            }
+            (Some(rel), Vec::new())
+        }
+        Target::Command(cmd) => (None, cmd),
+    };
+    let ct = CancellationToken::new();
+    let interrupted = ct.clone();
+    let watcher = tokio::spawn(async move {
+        crate::shutdown_signal().await;
+        interrupted.cancel();
+    });
+    let json = args.json;
+    let observer = move |stream: Stream, bytes: &[u8]| {
+        if json {
+            return;
+        }
+        // Straight through, unbuffered: the pipeline sees output as the program writes it.
+        let _ = match stream {
+            Stream::Stdout => std::io::stdout().lock().write_all(bytes).and_then(|()| std::io::stdout().flush()),
+            Stream::Stderr => std::io::stderr().lock().write_all(bytes),
+        };
+    };
+    let started = SystemTime::now();
+    let spec = RunSpec {
+        code: "",
+        file: file.as_deref(),
+        args: if file.is_some() { &args.args } else { &[] },
+        cmd: &cmd,
+        env,
+    };
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let ran = session.run(spec, timeout, &ct, &observer).await;
+    watcher.abort();
+    let outcome = ran.map_err(|e| infra(format!("the run could not complete: {e}")))?;
+    let copied = match &args.output {
+        Some(out) => {
+            // Whole seconds in the archive: anything touched in the run's first second counts.
+            let since = started - Duration::from_secs(1);
+            Some(
+                archive::download_changed(registry.docker(), &session.container_id(), since, given, out, cap)
+                    .await
+                    .map_err(infra)?,
+            )
+        }
+        None => None,
+    };
+    let code = exit_code(&outcome);
+    if json {
+        print_json(&outcome, code, copied.map(|c| c.files));
+    } else {
+        for n in &outcome.notices {
+            eprintln!("[pyberth] {n}");
+        }
+        match outcome.status {
+            RunStatus::Timeout => eprintln!("[pyberth] timeout: stopped after {} s", args.timeout),
+            RunStatus::Oom => {}
+            // The program's own failure speaks for itself; anything else is explained.
+            RunStatus::Error => {
+                if let Some(e) = outcome.error.as_ref().filter(|e| e.kind != "ExitStatus") {
+                    eprintln!("[pyberth] {}: {}", e.kind, e.message);
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(code)
+}
+
+/// The process exit code for an outcome.
+fn exit_code(o: &RunOutcome) -> u8 {
+    match o.status {
+        RunStatus::Ok => 0,
+        RunStatus::Error => o.exit_code.map(|c| c.clamp(1, 255) as u8).unwrap_or(1),
+        RunStatus::Timeout => exit::TIMEOUT,
+        RunStatus::Oom => exit::OOM,
+        RunStatus::Cancelled => exit::INTERRUPTED,
+        RunStatus::InterpreterRestarted | RunStatus::Running => exit::INFRA,
+    }
+}
+
+fn print_json(o: &RunOutcome, code: u8, files: Option<u64>) {
+    let json = JsonResult {
+        status: o.status,
+        exit_code: code,
+        stdout: o.stdout.render().0,
+        stderr: o.stderr.render().0,
+        truncated: o.stdout.dropped() > 0 || o.stderr.dropped() > 0,
+        duration_ms: (o.duration.as_secs_f64() * 1e6).round() / 1e3,
+        cpu_ms: o.cpu_ms.map(f64::round),
+        peak_memory_kb: o.peak_memory_kb,
+        output_files: files,
+        notices: o.notices.clone(),
+    };
+    #[allow(clippy::print_stdout)] // --json: the result is the command's output
+    {
+        println!("{}", serde_json::to_string(&json).unwrap_or_default());
+    }
+}

@@ -1,0 +1,151 @@
+//! `pyberth run`, the CI runner: exit codes, streams, projects in, reports out.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use serde_json::Value;
+
+use crate::common::{assert_cleaned_up, instance_name, state_dir};
+
+/// Runs `pyberth run ARGS` in `cwd` (stdin from `input`), returning its output and instance.
+async fn pyberth_run(tag: &str, cwd: &Path, args: &[&str], input: Option<&str>) -> (Output, String) {
+    let instance = instance_name(tag);
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"));
+    cmd.arg("run")
+        .args(args)
+        .current_dir(cwd)
+        .env("PYBERTH_INSTANCE", &instance)
+        .env("PYBERTH_STATE_DIR", state_dir())
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().expect("spawn pyberth run");
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt as _;
+        stdin.write_all(input.unwrap_or_default().as_bytes()).await.expect("stdin");
+    }
+    let out = tokio::time::timeout(std::time::Duration::from_secs(300), child.wait_with_output())
+        .await
+        .expect("pyberth run finished in time")
+        .expect("pyberth run output");
+    (out, instance)
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pyberth-cli-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+fn streams(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exit_codes_and_streams_are_the_programs() {
+    let dir = scratch("codes");
+    std::fs::write(
+        dir.join("t.py"),
+        "import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\nsys.exit(int(sys.argv[1]))\n",
+    )
+    .expect("script");
+    for code in [0, 3] {
+        let arg = code.to_string();
+        let (o, instance) = pyberth_run("code", &dir, &["t.py", "--", &arg], None).await;
+        let (out, err) = streams(&o);
+        assert_eq!(o.status.code(), Some(code), "stderr: {err}");
+        assert_eq!(out, "to stdout\n");
+        assert_eq!(err, "to stderr\n", "nothing of pyberth's own on a clean run");
+        assert_cleaned_up(&instance).await;
+    }
+    // A script from stdin; an uncaught exception is status 1 with its traceback on stderr.
+    let (o, _) = pyberth_run("stdin", &dir, &["-"], Some("print('piped')\nraise ValueError('bad')\n")).await;
+    let (out, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(out, "piped\n");
+    assert!(err.contains("ValueError: bad"), "{err}");
+
+    let (o, instance) =
+        pyberth_run("timeout", &dir, &["--timeout", "1", "-"], Some("import time\ntime.sleep(30)")).await;
+    assert_eq!(o.status.code(), Some(124), "timeout: {}", streams(&o).1);
+    assert!(streams(&o).1.contains("timeout"), "{}", streams(&o).1);
+    assert_cleaned_up(&instance).await;
+
+    let hog = "x = ' ' * (400 << 20)\nprint(len(x))";
+    let (o, _) = pyberth_run("oom", &dir, &["--memory-mb", "200", "-"], Some(hog)).await;
+    assert_eq!(o.status.code(), Some(137), "oom: {}", streams(&o).1);
+    assert!(streams(&o).1.contains("out of memory"), "{}", streams(&o).1);
+
+    let (o, _) = pyberth_run("notfound", &dir, &["--", "no-such-tool", "x"], None).await;
+    assert_eq!(o.status.code(), Some(127));
+    assert!(streams(&o).1.contains("no-such-tool"), "{}", streams(&o).1);
+
+    let (o, instance) = pyberth_run("usage", &dir, &["missing.py"], None).await;
+    assert_eq!(o.status.code(), Some(2));
+    assert!(streams(&o).1.contains("missing.py"), "{}", streams(&o).1);
+    assert!(crate::common::containers_of(&instance).await.is_empty(), "no container for a bad invocation");
+    let (o, _) = pyberth_run("badenv", &dir, &["--env", "LD_PRELOAD=/x.so", "t.py"], None).await;
+    assert_eq!(o.status.code(), Some(2), "{}", streams(&o).1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_reports_the_result_and_env_reaches_the_program() {
+    let dir = scratch("json");
+    let code = "import os, sys\nprint(os.environ['GREETING'])\nsys.exit(4)";
+    let (o, instance) = pyberth_run("json", &dir, &["--json", "--env", "GREETING=hi", "-"], Some(code)).await;
+    assert_eq!(o.status.code(), Some(4));
+    let v: Value = serde_json::from_slice(&o.stdout).expect("one JSON document on stdout");
+    assert_eq!(v["status"], "error");
+    assert_eq!(v["exit_code"], 4);
+    assert_eq!(v["stdout"], "hi\n");
+    assert!(v["duration_ms"].as_f64().is_some_and(|d| d > 0.0));
+    assert!(v["peak_memory_kb"].as_u64().is_some());
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_project_runs_its_pytest_suite_and_the_report_comes_back() {
+    let dir = scratch("project");
+    let project = dir.join("proj");
+    std::fs::create_dir_all(project.join("tests")).expect("mkdir");
+    std::fs::create_dir_all(project.join(".git")).expect("mkdir");
+    std::fs::write(project.join(".git/HEAD"), "ref: refs/heads/main\n").expect("git");
+    std::fs::write(project.join("calc.py"), "def add(a, b):\n    return a + b\n").expect("calc");
+    std::fs::write(
+        project.join("tests/test_calc.py"),
+        "import os\nfrom calc import add\n\ndef test_add():\n    assert add(2, 2) == 4\n\n\
+         def test_no_git():\n    assert not os.path.exists('.git')\n\n\
+         def test_broken():\n    assert add(1, 1) == 3\n",
+    )
+    .expect("tests");
+    let out = dir.join("out");
+    let args = [
+        "--with",
+        "pytest",
+        "--project",
+        "proj",
+        "--output",
+        "out",
+        "--",
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "--junitxml=reports/junit.xml",
+    ];
+    let (o, instance) = pyberth_run("pytest", &dir, &args, None).await;
+    let (stdout, stderr) = streams(&o);
+    assert_eq!(o.status.code(), Some(1), "pytest's own status for a failing test; stderr: {stderr}");
+    assert!(stdout.contains("1 failed, 2 passed"), "{stdout}");
+    let junit = std::fs::read_to_string(out.join("reports/junit.xml")).expect("the JUnit report came back");
+    assert!(junit.contains("testsuite") && junit.contains("test_broken"), "{junit}");
+    assert!(!out.join("calc.py").exists(), "only files the run made come back");
+    assert!(!out.join("tests").join("__pycache__").exists(), "caches stay behind");
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
