@@ -1,13 +1,15 @@
-//! Configuration: flags with environment fallbacks.
+//! Configuration: flags, environment variables and a TOML file.
 //!
-//! Precedence is flag > environment variable > default (clap's own order). Every value is
+//! Precedence is flag > environment variable > file > default: clap resolves the first two
+//! and the default, then [`apply_file`] fills in what clap took from a default. Every value is
 //! validated by [`SandboxConfig::validate`] before the server touches Docker.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// Settings shared by every command that starts sandboxes.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, clap::Args, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SandboxConfig {
     /// Docker engine to use: unix:///path or tcp://host:port. Default: the local socket.
     #[arg(long, env = "DOCKER_HOST")]
@@ -103,6 +105,10 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_MAX_PACKAGES", default_value_t = 50)]
     pub max_packages: usize,
 
+    /// Runs (foreground and jobs) one caller may have going at once, across its sessions.
+    #[arg(long, env = "PYBERTH_MAX_RUNS_PER_CALLER", default_value_t = 8)]
+    pub max_runs_per_caller: usize,
+
     /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
     #[arg(long, env = "PYBERTH_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
@@ -114,7 +120,7 @@ pub struct SandboxConfig {
 
 /// A setting out of range.
 #[derive(Debug, thiserror::Error)]
-#[error("invalid setting {key}: {why}")]
+#[error("invalid setting {key} (`{}` in the config file): {why}", key.trim_start_matches('-').replace('-', "_"))]
 pub struct Invalid {
     key: &'static str,
     why: String,
@@ -258,5 +264,98 @@ mod tests {
         assert!(e.to_string().contains("--instance"), "{e}");
         let e = parse(&["--fallback-release", "../x"]).validate().expect_err("release");
         assert!(e.to_string().contains("--fallback-release"), "{e}");
+    }
+}
+
+/// The keys a settings struct takes in the config file.
+pub fn keys_of<T: serde::Serialize>(value: &T) -> Vec<String> {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl SandboxConfig {
+    /// The keys [`SandboxConfig`] takes in the config file: its clap ids, which are its fields.
+    pub fn keys() -> Vec<String> {
+        use clap::Args as _;
+        Self::augment_args(clap::Command::new("keys")).get_arguments().map(|a| a.get_id().to_string()).collect()
+    }
+}
+
+/// Reads a TOML configuration file into a table, with errors that name the file.
+pub fn read_file(path: &std::path::Path) -> anyhow::Result<toml::Table> {
+    use anyhow::Context as _;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read the config file {}", path.display()))?;
+    text.parse::<toml::Table>().with_context(|| format!("{} is not valid TOML", path.display()))
+}
+
+/// Fills the fields of `target` that clap took from a default with the file's values; keys set
+/// by a flag or an environment variable keep those. Returns the keys `target` knows, so the
+/// caller can refuse keys nothing knows. Each key is checked alone, so an error names it.
+pub fn apply_file<T>(target: &mut T, matches: &clap::ArgMatches, file: &toml::Table) -> anyhow::Result<Vec<String>>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned,
+{
+    use clap::parser::ValueSource;
+    let mut current = serde_json::to_value(&*target)?;
+    let Some(fields) = current.as_object_mut() else { anyhow::bail!("settings are not a table") };
+    let mut known = Vec::new();
+    for (key, value) in file {
+        if !fields.contains_key(key) {
+            continue;
+        }
+        known.push(key.clone());
+        let explicit = matches!(
+            matches.try_get_raw(key).ok().and_then(|_| matches.value_source(key)),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        );
+        if explicit {
+            continue;
+        }
+        fields.insert(key.clone(), serde_json::to_value(value)?);
+        if let Err(e) = serde_json::from_value::<T>(serde_json::Value::Object(fields.clone())) {
+            anyhow::bail!("config key `{key}`: {e}");
+        }
+    }
+    *target = serde_json::from_value(current)?;
+    Ok(known)
+}
+
+#[cfg(test)]
+mod file_tests {
+    use super::*;
+    use clap::{CommandFactory as _, FromArgMatches as _, Parser};
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+    }
+
+    fn load(args: &[&str], file: &str) -> anyhow::Result<SandboxConfig> {
+        let matches = Cli::command().try_get_matches_from(args)?;
+        let mut cli = Cli::from_arg_matches(&matches)?;
+        let table: toml::Table = file.parse()?;
+        apply_file(&mut cli.cfg, &matches, &table)?;
+        Ok(cli.cfg)
+    }
+
+    #[test]
+    fn flags_beat_the_file_and_the_file_beats_defaults() {
+        let cfg = load(&["x", "--memory-mb", "300"], "memory_mb = 1024\npids = 99\n").expect("valid");
+        assert_eq!(cfg.memory_mb, 300, "the flag wins");
+        assert_eq!(cfg.pids, 99, "the file beats the default");
+        assert_eq!(cfg.tmp_mb, 64, "untouched keys keep their default");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let e = load(&["x"], "memory_mb = \"lots\"\n").expect_err("a string for a number");
+        assert!(e.to_string().contains("memory_mb"), "{e}");
+        let cfg = load(&["x"], "memory_mb = 10\n").expect("parses");
+        let e = cfg.validate().expect_err("below the minimum");
+        assert!(e.to_string().contains("memory_mb"), "{e}");
     }
 }

@@ -1,11 +1,13 @@
-//! The `pyberth` command line: `serve` (MCP over stdio), `image build`, `bench`.
+//! The `pyberth` command line: `serve` (MCP over stdio or HTTP), `run` (CI), `image`,
+//! `layers`, `bench`.
 
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand};
-use pyberth::config::SandboxConfig;
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
+use pyberth::config::{self, SandboxConfig};
 use pyberth::docker::{self, image, layers};
+use pyberth::http::HttpArgs;
 use pyberth::instance::Instance;
 use pyberth::server::SandboxServer;
 use pyberth::session::registry::Registry;
@@ -16,6 +18,10 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Parser)]
 #[command(name = "pyberth", version)]
 struct Cli {
+    /// TOML configuration file: keys are the long flags with `_` for `-` (memory_mb = 1024).
+    /// Flags and environment variables override it.
+    #[arg(long, env = "PYBERTH_CONFIG", global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -23,10 +29,12 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once at start
 enum Command {
-    /// Serve MCP over stdio (what desktop agents launch).
+    /// Serve MCP over stdio (what desktop agents launch), or over HTTP with --http.
     Serve {
         #[command(flatten)]
         cfg: SandboxConfig,
+        #[command(flatten)]
+        http: HttpArgs,
     },
     /// Manage the sandbox image.
     Image {
@@ -84,8 +92,51 @@ enum LayersAction {
     },
 }
 
+/// Parses the command line, then fills in from the config file what flags and environment
+/// left at their defaults.
+fn parse() -> anyhow::Result<Cli> {
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    let Some(path) = cli.config.clone() else { return Ok(cli) };
+    let file = config::read_file(&path)?;
+    // The settings live in the innermost subcommand (`image build`, `layers prune`).
+    let mut sub = &matches;
+    while let Some((_, m)) = sub.subcommand() {
+        sub = m;
+    }
+    let mut known = std::collections::BTreeSet::new();
+    let (cfg, http) = match &mut cli.command {
+        Command::Serve { cfg, http } => (Some(cfg), Some(http)),
+        Command::Image { action: ImageAction::Build { cfg, .. } }
+        | Command::Layers { action: LayersAction::List { cfg } | LayersAction::Prune { cfg, .. } }
+        | Command::Bench { cfg, .. } => (Some(cfg), None),
+        Command::Run(args) => (Some(&mut args.cfg), None),
+        Command::Image { action: ImageAction::Tag } => (None, None),
+    };
+    let with_path = |e: anyhow::Error| e.context(format!("in {}", path.display()));
+    if let Some(cfg) = cfg {
+        known.extend(config::apply_file(cfg, sub, &file).map_err(with_path)?);
+    }
+    if let Some(http) = http {
+        known.extend(config::apply_file(http, sub, &file).map_err(with_path)?);
+    }
+    // Keys of either kind are fine in any command (one file serves them all); others are typos.
+    let all = config::keys_of(&HttpArgs::default()).into_iter().chain(SandboxConfig::keys());
+    known.extend(all);
+    if let Some(unknown) = file.keys().find(|k| !known.contains(*k)) {
+        anyhow::bail!("{}: unknown key `{unknown}` (keys are long flags with _ for -, e.g. memory_mb)", path.display());
+    }
+    Ok(cli)
+}
+
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            eprintln!("pyberth: {e:#}");
+            return std::process::ExitCode::from(2);
+        }
+    };
     // `pyberth run` shares stderr with the program it runs: only warnings of our own there.
     let default_level = if matches!(cli.command, Command::Run(_)) { "warn" } else { "info" };
     tracing_subscriber::fmt()
@@ -122,7 +173,7 @@ fn main() -> std::process::ExitCode {
 
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Serve { cfg } => serve(cfg).await,
+        Command::Serve { cfg, http } => serve(cfg, http).await,
         Command::Image { action: ImageAction::Tag } => {
             #[allow(clippy::print_stdout)] // the tag is the command's output
             {
@@ -166,7 +217,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
-async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
+async fn serve(cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
     let docker = docker::connect(cfg.docker_host.as_deref())
@@ -191,7 +242,31 @@ async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
         }
     });
 
-    let server = SandboxServer::new(registry.clone(), cfg.clone(), "local");
+    let served = match http.http {
+        Some(addr) => {
+            let stop = shutdown.clone();
+            let signal = tasks.spawn(async move {
+                pyberth::shutdown_signal().await;
+                tracing::info!("signal received; shutting down");
+                stop.cancel();
+            });
+            let served = pyberth::http::serve(&http, addr, registry.clone(), cfg.clone(), shutdown.clone()).await;
+            signal.abort();
+            served
+        }
+        None => serve_stdio(registry.clone(), cfg.clone()).await,
+    };
+    shutdown.cancel();
+    tasks.close();
+    registry.shutdown().await;
+    tasks.wait().await;
+    tracing::info!("pyberth stopped");
+    served
+}
+
+/// Serves the one client on stdin/stdout until it leaves or a signal comes.
+async fn serve_stdio(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> anyhow::Result<()> {
+    let server = SandboxServer::new(registry, cfg);
     let running = server.serve(rmcp::transport::stdio()).await.context("MCP initialisation failed")?;
     let cancel = running.cancellation_token();
     tokio::select! {
@@ -205,10 +280,5 @@ async fn serve(cfg: SandboxConfig) -> anyhow::Result<()> {
             cancel.cancel();
         }
     }
-    shutdown.cancel();
-    tasks.close();
-    registry.shutdown().await;
-    tasks.wait().await;
-    tracing::info!("pyberth stopped");
     Ok(())
 }

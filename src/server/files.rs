@@ -13,7 +13,7 @@ use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
 use super::jobs::check_wait;
-use super::{SandboxServer, check_timeout, session_name, structured, tool_error};
+use super::{Caller, SandboxServer, check_timeout, principal_of, session_name, structured, tool_error};
 use crate::protocol::{FileEntry, Request};
 use crate::session::Session;
 use crate::session::jobs::JobSpec;
@@ -164,8 +164,8 @@ pub struct ListOutput {
 }
 
 impl SandboxServer {
-    fn existing(&self, name: &str) -> Result<std::sync::Arc<Session>, CallToolResult> {
-        self.registry.get(&self.principal, name).map_err(|e| tool_error(e.to_string()))
+    fn existing(&self, who: &str, name: &str) -> Result<std::sync::Arc<Session>, CallToolResult> {
+        self.registry.get(who, name).map_err(|e| tool_error(e.to_string()))
     }
 
     /// Reads up to `length` bytes; used by read_file and resources/read.
@@ -191,7 +191,7 @@ impl SandboxServer {
     /// files can be written in several calls and then run with run_file or imported. Binary
     /// content goes as base64 with encoding="base64". At most 8 MiB per call.
     #[tool(annotations(title = "Write file", destructive_hint = true), output_schema = schema_for_output::<WriteOutput>())]
-    async fn write_file(&self, Parameters(args): Parameters<WriteFileArgs>) -> CallToolResult {
+    async fn write_file(&self, Parameters(args): Parameters<WriteFileArgs>, Caller(who): Caller) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
@@ -214,7 +214,7 @@ impl SandboxServer {
                 self.cfg.file_cap
             ));
         }
-        let (session, _) = match self.registry.get_or_create(&self.principal, &name, &[], &|_| {}).await {
+        let (session, _) = match self.registry.get_or_create(&who, &name, &[], &|_| {}).await {
             Ok(s) => s,
             Err(e) => return tool_error(e.to_string()),
         };
@@ -236,7 +236,7 @@ impl SandboxServer {
     /// Read a file from the session's workspace: text as text, binary as base64. Reads at most
     /// 1 MiB per call by default; use offset and length to page through larger files.
     #[tool(annotations(title = "Read file", read_only_hint = true), output_schema = schema_for_output::<ReadOutput>())]
-    async fn read_file(&self, Parameters(args): Parameters<ReadFileArgs>) -> CallToolResult {
+    async fn read_file(&self, Parameters(args): Parameters<ReadFileArgs>, Caller(who): Caller) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
@@ -251,7 +251,7 @@ impl SandboxServer {
             return tool_error(format!("length must be between 1 and {cap} bytes"));
         }
         let offset = args.offset.unwrap_or(0);
-        let session = match self.existing(&name) {
+        let session = match self.existing(&who, &name) {
             Ok(s) => s,
             Err(e) => return e,
         };
@@ -295,7 +295,7 @@ impl SandboxServer {
     /// List files in the session's workspace with sizes and kinds (file, dir, link). Each file
     /// is also linked as an MCP resource (pyberth://sessions/{session}/files/{path}).
     #[tool(annotations(title = "List files", read_only_hint = true), output_schema = schema_for_output::<ListOutput>())]
-    async fn list_files(&self, Parameters(args): Parameters<ListFilesArgs>) -> CallToolResult {
+    async fn list_files(&self, Parameters(args): Parameters<ListFilesArgs>, Caller(who): Caller) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
@@ -304,7 +304,7 @@ impl SandboxServer {
             Ok(p) => p,
             Err(e) => return tool_error(e),
         };
-        let session = match self.existing(&name) {
+        let session = match self.existing(&who, &name) {
             Ok(s) => s,
             Err(e) => return e,
         };
@@ -347,7 +347,7 @@ impl SandboxServer {
 
     /// Delete a file or directory (with its contents) from the session's workspace.
     #[tool(annotations(title = "Delete file", destructive_hint = true))]
-    async fn delete_file(&self, Parameters(args): Parameters<DeleteFileArgs>) -> CallToolResult {
+    async fn delete_file(&self, Parameters(args): Parameters<DeleteFileArgs>, Caller(who): Caller) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
@@ -356,7 +356,7 @@ impl SandboxServer {
             Ok(p) => p,
             Err(e) => return tool_error(e),
         };
-        let session = match self.existing(&name) {
+        let session = match self.existing(&who, &name) {
             Ok(s) => s,
             Err(e) => return e,
         };
@@ -381,6 +381,7 @@ impl SandboxServer {
         Parameters(args): Parameters<RunFileArgs>,
         ctx: RequestContext<RoleServer>,
     ) -> CallToolResult {
+        let who = principal_of(&ctx);
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
@@ -404,7 +405,7 @@ impl SandboxServer {
         if args.args.len() > 1000 || args.args.iter().any(|a| a.contains('\0')) {
             return tool_error("args must be at most 1000 strings without NUL bytes");
         }
-        let session = match self.existing(&name) {
+        let session = match self.existing(&who, &name) {
             Ok(s) => s,
             Err(e) => return e,
         };

@@ -10,7 +10,7 @@ use rmcp::service::RequestContext;
 use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
-use super::{RunOutput, SandboxServer, live_channel, relay, render_run, structured, tool_error};
+use super::{Caller, RunOutput, SandboxServer, live_channel, principal_of, relay, render_run, structured, tool_error};
 use crate::config::SandboxConfig;
 use crate::protocol::Stream;
 use crate::session::jobs::{Finished, Job, JobSpec};
@@ -138,8 +138,13 @@ impl SandboxServer {
         wait: Option<Duration>,
         notices: Vec<String>,
     ) -> CallToolResult {
+        let who = principal_of(ctx);
+        let slot = match self.registry.run_permit(&who) {
+            Ok(s) => s,
+            Err(e) => return tool_error(e),
+        };
         if let Some(wait) = wait {
-            let job = self.registry.jobs.start(&self.principal, session, spec, timeout, self.cfg.output_cap);
+            let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot);
             return self.await_job(&job, wait, ctx, notices).await;
         }
         let (_, observer, mut rx) = live_channel();
@@ -277,8 +282,8 @@ impl SandboxServer {
     /// Read a background job: the output since the given offsets, its status and, once it has
     /// finished, its full result. Optionally wait up to wait_s for it to finish first.
     #[tool(annotations(title = "Job status", read_only_hint = true), output_schema = schema_for_output::<JobStatusOutput>())]
-    async fn job_status(&self, Parameters(args): Parameters<JobStatusArgs>) -> CallToolResult {
-        let Some(job) = self.registry.jobs.get(&self.principal, &args.job) else { return unknown(&args.job) };
+    async fn job_status(&self, Parameters(args): Parameters<JobStatusArgs>, Caller(who): Caller) -> CallToolResult {
+        let Some(job) = self.registry.jobs.get(&who, &args.job) else { return unknown(&args.job) };
         match check_wait(args.wait_s, false, &self.cfg) {
             Ok(Some(w)) => _ = job.wait(w).await,
             Ok(None) => {}
@@ -290,8 +295,8 @@ impl SandboxServer {
     /// Stop a background job: its code gets KeyboardInterrupt, and is killed if it does not
     /// stop within a second (then the session's variables are lost). Returns its final status.
     #[tool(annotations(title = "Cancel job", destructive_hint = true), output_schema = schema_for_output::<JobStatusOutput>())]
-    async fn cancel_job(&self, Parameters(args): Parameters<JobArgs>) -> CallToolResult {
-        let Some(job) = self.registry.jobs.get(&self.principal, &args.job) else { return unknown(&args.job) };
+    async fn cancel_job(&self, Parameters(args): Parameters<JobArgs>, Caller(who): Caller) -> CallToolResult {
+        let Some(job) = self.registry.jobs.get(&who, &args.job) else { return unknown(&args.job) };
         job.cancel.cancel();
         let limit = self.cfg.grace() + Duration::from_secs(30);
         if !job.wait(limit).await {
@@ -302,11 +307,11 @@ impl SandboxServer {
 
     /// List your background jobs (running and recently finished) with their status.
     #[tool(annotations(title = "List jobs", read_only_hint = true), output_schema = schema_for_output::<JobList>())]
-    async fn list_jobs(&self, Parameters(args): Parameters<ListJobsArgs>) -> CallToolResult {
+    async fn list_jobs(&self, Parameters(args): Parameters<ListJobsArgs>, Caller(who): Caller) -> CallToolResult {
         let jobs: Vec<JobInfo> = self
             .registry
             .jobs
-            .list(&self.principal)
+            .list(&who)
             .iter()
             .filter(|j| match args.status {
                 None => true,

@@ -222,11 +222,36 @@ pub struct VariableList {
 pub struct SandboxServer {
     registry: Arc<Registry>,
     cfg: Arc<SandboxConfig>,
-    /// Who is calling: over stdio the one local client.
-    principal: Arc<str>,
     /// Log level a pre-2026 client set with logging/setLevel (2026-07-28 requests carry theirs).
     log_level: live::LevelSlot,
     tool_router: ToolRouter<Self>,
+}
+
+/// The principal of a caller over stdio: the one local client.
+pub const LOCAL: &str = "local";
+
+/// The principal an HTTP request was authenticated as, put in its extensions by the auth layer.
+#[derive(Debug, Clone)]
+pub struct Principal(pub Arc<str>);
+
+/// Who is calling: the principal of the request's token over HTTP, the local client otherwise.
+/// Read per request (never per connection), so a session id can't carry one caller's rights
+/// to another.
+pub fn principal_of(ctx: &RequestContext<RoleServer>) -> Arc<str> {
+    ctx.extensions
+        .get::<axum::http::request::Parts>()
+        .and_then(|p| p.extensions.get::<Principal>())
+        .map(|p| p.0.clone())
+        .unwrap_or_else(|| LOCAL.into())
+}
+
+/// Extractor form of [`principal_of`] for tools that need nothing else of the context.
+pub struct Caller(pub Arc<str>);
+
+impl<C: rmcp::handler::server::common::AsRequestContext> rmcp::handler::server::common::FromContextPart<C> for Caller {
+    fn from_context_part(context: &mut C) -> Result<Self, ErrorData> {
+        Ok(Caller(principal_of(context.as_request_context())))
+    }
 }
 
 fn tool_error(text: impl Into<String>) -> CallToolResult {
@@ -388,12 +413,11 @@ pub fn wanted_packages(packages: Option<&[String]>, code: Option<&str>, max: usi
 
 #[tool_router]
 impl SandboxServer {
-    /// A server over a registry, acting for `principal`.
-    pub fn new(registry: Arc<Registry>, cfg: Arc<SandboxConfig>, principal: &str) -> Self {
+    /// A server over a registry.
+    pub fn new(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> Self {
         Self {
             registry,
             cfg,
-            principal: principal.into(),
             log_level: Arc::default(),
             tool_router: Self::tool_router() + Self::files_router() + Self::jobs_router(),
         }
@@ -416,6 +440,7 @@ impl SandboxServer {
         Parameters(args): Parameters<RunPythonArgs>,
         ctx: RequestContext<RoleServer>,
     ) -> CallToolResult {
+        let who = principal_of(&ctx);
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
@@ -446,7 +471,7 @@ impl SandboxServer {
         let (progress, _, mut rx) = live_channel();
         let opened = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
-            let (session, created) = self.registry.get_or_create(&self.principal, &name, &packages, progress).await?;
+            let (session, created) = self.registry.get_or_create(&who, &name, &packages, progress).await?;
             let mut notices = Vec::new();
             if created {
                 notices.push(format!("new session {name:?} created"));
@@ -498,6 +523,7 @@ impl SandboxServer {
         Parameters(args): Parameters<InstallArgs>,
         ctx: RequestContext<RoleServer>,
     ) -> CallToolResult {
+        let who = principal_of(&ctx);
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
@@ -513,7 +539,7 @@ impl SandboxServer {
         let (progress, _, mut rx) = live_channel();
         let done = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
-            let (session, created) = self.registry.get_or_create(&self.principal, &name, &packages, progress).await?;
+            let (session, created) = self.registry.get_or_create(&who, &name, &packages, progress).await?;
             if created {
                 return Ok(crate::session::registry::Installed {
                     added: packages.clone(),
@@ -552,12 +578,16 @@ impl SandboxServer {
     /// List the Python distributions installed in a session (name and version), or, with
     /// `names`, say which of those are installed and which are missing.
     #[tool(annotations(title = "List packages", read_only_hint = true), output_schema = schema_for_output::<PackageList>())]
-    async fn list_packages(&self, Parameters(args): Parameters<ListPackagesArgs>) -> CallToolResult {
+    async fn list_packages(
+        &self,
+        Parameters(args): Parameters<ListPackagesArgs>,
+        Caller(who): Caller,
+    ) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
         };
-        let session = match self.registry.get_or_create(&self.principal, &name, &[], &|_| {}).await {
+        let session = match self.registry.get_or_create(&who, &name, &[], &|_| {}).await {
             Ok((s, _)) => s,
             Err(e) => return tool_error(e.to_string()),
         };
@@ -591,8 +621,8 @@ impl SandboxServer {
     /// List your open sessions with their Python version, number of runs, idle time and
     /// time until they are closed for idleness.
     #[tool(annotations(title = "List sessions", read_only_hint = true), output_schema = schema_for_output::<SessionList>())]
-    async fn list_sessions(&self, Parameters(_): Parameters<NoArgs>) -> CallToolResult {
-        let list = SessionList { sessions: self.registry.list(&self.principal), max_sessions: self.cfg.max_sessions };
+    async fn list_sessions(&self, Parameters(_): Parameters<NoArgs>, Caller(who): Caller) -> CallToolResult {
+        let list = SessionList { sessions: self.registry.list(&who), max_sessions: self.cfg.max_sessions };
         let mut text = format!("{} of at most {} sessions open\n", list.sessions.len(), list.max_sessions);
         for s in &list.sessions {
             text.push_str(&format!(
@@ -606,12 +636,12 @@ impl SandboxServer {
     /// Restart a session's interpreter: all variables, imports and running processes are
     /// discarded; files in /workspace are kept. Use it when the state is broken or to start over.
     #[tool(annotations(title = "Reset session", destructive_hint = true, idempotent_hint = true))]
-    async fn reset_session(&self, Parameters(args): Parameters<SessionArgs>) -> CallToolResult {
+    async fn reset_session(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
         };
-        let session = match self.registry.get(&self.principal, &name) {
+        let session = match self.registry.get(&who, &name) {
             Ok(s) => s,
             Err(e) => return tool_error(e.to_string()),
         };
@@ -630,12 +660,12 @@ impl SandboxServer {
     /// Close a session: its container, interpreter and workspace files are deleted. A later
     /// run_python with the same name starts an empty session.
     #[tool(annotations(title = "Close session", destructive_hint = true, idempotent_hint = false))]
-    async fn close_session(&self, Parameters(args): Parameters<SessionArgs>) -> CallToolResult {
+    async fn close_session(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
         };
-        match self.registry.close(&self.principal, &name).await {
+        match self.registry.close(&who, &name).await {
             Ok(()) => CallToolResult::success(vec![ContentBlock::text(format!(
                 "session {name:?} closed: its container and workspace were removed"
             ))]),
@@ -646,12 +676,12 @@ impl SandboxServer {
     /// List the variables defined in a session (name, type and a short repr), like a
     /// notebook's variable view. Names starting with '_' and modules are left out.
     #[tool(annotations(title = "List variables", read_only_hint = true), output_schema = schema_for_output::<VariableList>())]
-    async fn list_variables(&self, Parameters(args): Parameters<SessionArgs>) -> CallToolResult {
+    async fn list_variables(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> CallToolResult {
         let name = match session_name(args.session.as_deref()) {
             Ok(n) => n,
             Err(e) => return tool_error(e),
         };
-        let session = match self.registry.get(&self.principal, &name) {
+        let session = match self.registry.get(&who, &name) {
             Ok(s) => s,
             Err(e) => return tool_error(e.to_string()),
         };
@@ -712,8 +742,9 @@ impl ServerHandler for SandboxServer {
     async fn read_resource(
         &self,
         request: ReadResourceRequestParams,
-        _ctx: RequestContext<RoleServer>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
+        let who = principal_of(&ctx);
         let uri = request.uri;
         let not_found = |why: String| ErrorData::resource_not_found(why, None);
         let Some((name, path)) = workspace::parse_resource_uri(&uri) else {
@@ -722,7 +753,7 @@ impl ServerHandler for SandboxServer {
         let name = session_name(Some(&name)).map_err(not_found)?;
         let path = workspace::check_path(&path, false).map_err(not_found)?;
         // Another principal's session behaves exactly like a missing one.
-        let session = self.registry.get(&self.principal, &name).map_err(|e| not_found(e.to_string()))?;
+        let session = self.registry.get(&who, &name).map_err(|e| not_found(e.to_string()))?;
         let (data, size) = self.read_bytes(&session, &path, 0, self.cfg.file_cap as u64).await.map_err(not_found)?;
         if (data.len() as u64) < size {
             return Err(ErrorData::invalid_params(

@@ -147,6 +147,7 @@ impl Jobs {
         spec: JobSpec,
         timeout: Duration,
         cap: usize,
+        slot: impl Send + 'static,
     ) -> Arc<Job> {
         self.prune();
         let id = format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed));
@@ -177,6 +178,7 @@ impl Jobs {
             };
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
             let result = session.run(spec_ref, timeout, &job.cancel, &observer).await;
+            drop(slot); // the caller's run slot is free before anyone can see the job ended
             job.finish(match result {
                 Ok(outcome) => Finished::Outcome(Box::new(outcome)),
                 Err(e) => Finished::Failed(e.to_string()),

@@ -51,6 +51,8 @@ pub struct Registry {
     installs: Mutex<HashMap<Vec<String>, Arc<tokio::sync::Mutex<()>>>>,
     /// Background runs.
     pub jobs: super::jobs::Jobs,
+    /// Run slots per principal.
+    runs: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
 }
 
 /// What an install did.
@@ -77,6 +79,7 @@ impl Registry {
             index,
             installs: Mutex::new(HashMap::new()),
             jobs: super::jobs::Jobs::default(),
+            runs: Mutex::new(HashMap::new()),
         })
     }
 
@@ -286,6 +289,21 @@ impl Registry {
             tracing::info!(containers = c, volumes = v, "removed leftovers of dead instances");
         }
         Ok(())
+    }
+
+    /// A run slot for `principal`, held for the run's life; a clear error when all are taken.
+    pub fn run_permit(&self, principal: &str) -> Result<tokio::sync::OwnedSemaphorePermit, String> {
+        let max = self.cfg.max_runs_per_caller;
+        let sem = {
+            let mut runs = self.runs.lock().map_err(|_| "run slots unavailable".to_owned())?;
+            runs.entry(principal.to_owned()).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(max))).clone()
+        };
+        sem.try_acquire_owned().map_err(|_| {
+            format!(
+                "you have {max} runs going (the limit per caller): wait for one to finish, or cancel a job \
+                 (list_jobs shows them)"
+            )
+        })
     }
 
     /// Closes every session, then removes anything of ours still labelled (belt and braces).

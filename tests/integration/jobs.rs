@@ -212,3 +212,22 @@ async fn out_of_memory_is_reported_and_the_interpreter_restarts() {
     assert_eq!(s.ok("default", "sum(range(10))").await["result"], "45", "the next call works");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_caller_has_a_bounded_number_of_runs_going() {
+    let s = Server::start("runlimit", &[("PYBERTH_MAX_RUNS_PER_CALLER", "2")]).await;
+    let sleep = "import time\ntime.sleep(3)";
+    for session in ["a", "b"] {
+        let (_, sc) = s.run_with(json!({ "code": sleep, "session": session, "background": true })).await;
+        assert_eq!(sc["status"], "running");
+    }
+    let (r, _) = s.run("c", "1").await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("2 runs going"), "{}", text(&r));
+    let sc = s.call("list_jobs", json!({})).await.structured_content.expect("sc");
+    for job in sc["jobs"].as_array().expect("jobs") {
+        s.call("cancel_job", json!({ "job": job["job"] })).await;
+    }
+    assert_eq!(s.ok("c", "1 + 1").await["result"], "2", "slots come back when jobs end");
+    s.stop().await;
+}

@@ -15,6 +15,8 @@ mod deps;
 mod workspace;
 // Long-running work: live output, jobs, cancellation, busy queue, per-run figures.
 mod jobs;
+// The HTTP service: tokens, principals, streaming, healthz.
+mod http;
 // The CI runner, `pyberth run`.
 mod cli;
 // Hardening seen from inside the sandbox.
