@@ -7,6 +7,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// The default base of the sandbox image.
+pub const DEFAULT_BASE: &str = "python:3.12-slim";
+/// The default Debian release bootstrapped offline.
+pub const DEFAULT_RELEASE: &str = "bookworm";
+
 /// Settings shared by every command that starts sandboxes.
 #[derive(Debug, Clone, clap::Args, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -20,11 +25,11 @@ pub struct SandboxConfig {
     pub image: Option<String>,
 
     /// Base image for building the sandbox image, pulled from a registry when absent.
-    #[arg(long, env = "PYBERTH_BASE_IMAGE", default_value = "python:3.12-slim")]
+    #[arg(long, env = "PYBERTH_BASE_IMAGE", default_value = DEFAULT_BASE)]
     pub base_image: String,
 
     /// Debian release bootstrapped with debootstrap when the base image cannot be pulled.
-    #[arg(long, env = "PYBERTH_FALLBACK_RELEASE", default_value = "bookworm")]
+    #[arg(long, env = "PYBERTH_FALLBACK_RELEASE", default_value = DEFAULT_RELEASE)]
     pub fallback_release: String,
 
     /// Debian mirror for the offline fallback base.
@@ -108,6 +113,21 @@ pub struct SandboxConfig {
     /// Runs (foreground and jobs) one caller may have going at once, across its sessions.
     #[arg(long, env = "PYBERTH_MAX_RUNS_PER_CALLER", default_value_t = 8)]
     pub max_runs_per_caller: usize,
+
+    /// Environment of sessions whose caller names none.
+    #[arg(long, env = "PYBERTH_ENVIRONMENT", default_value = "default")]
+    pub default_environment: String,
+
+    /// Environments defined by the operator (config file only: `[environments.NAME]`).
+    #[arg(skip)]
+    #[serde(default)]
+    pub environments: std::collections::BTreeMap<String, crate::environment::EnvironmentSpec>,
+
+    /// Read-only mounts of the environment these settings belong to (set from an environment,
+    /// never by a flag or the file's top level).
+    #[arg(skip)]
+    #[serde(skip)]
+    pub mounts: Vec<crate::environment::MountSpec>,
 
     /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
     #[arg(long, env = "PYBERTH_STATE_DIR")]
@@ -279,7 +299,10 @@ impl SandboxConfig {
     /// The keys [`SandboxConfig`] takes in the config file: its clap ids, which are its fields.
     pub fn keys() -> Vec<String> {
         use clap::Args as _;
-        Self::augment_args(clap::Command::new("keys")).get_arguments().map(|a| a.get_id().to_string()).collect()
+        let mut keys: Vec<String> =
+            Self::augment_args(clap::Command::new("keys")).get_arguments().map(|a| a.get_id().to_string()).collect();
+        keys.push("environments".into());
+        keys
     }
 }
 

@@ -173,7 +173,10 @@ async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Next) -> Resp
 async fn healthz(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> Response {
     let docker = registry.docker();
     let engine = tokio::time::timeout(Duration::from_secs(5), docker.ping()).await.is_ok_and(|r| r.is_ok());
-    let tag = cfg.image.clone().unwrap_or_else(image::sandbox_tag);
+    let tag = match registry.environments.get(None) {
+        Ok(env) => env.cfg.image.clone().unwrap_or_else(|| image::tag_for(&env.cfg)),
+        Err(_) => cfg.image.clone().unwrap_or_else(image::sandbox_tag),
+    };
     let image = engine && image::exists(docker, &tag).await.unwrap_or(false);
     let status = if engine && image { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = serde_json::json!({ "ok": engine && image, "docker": engine, "image": image, "image_tag": tag });

@@ -17,6 +17,7 @@ pub mod bench;
 pub mod config;
 pub mod deps;
 pub mod docker;
+pub mod environment;
 pub mod http;
 pub mod instance;
 pub mod output;

@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use pyberth::config::{self, SandboxConfig};
 use pyberth::docker::{self, image, layers};
+use pyberth::environment::Environments;
 use pyberth::http::HttpArgs;
 use pyberth::instance::Instance;
 use pyberth::server::SandboxServer;
@@ -69,6 +70,12 @@ enum ImageAction {
         /// Rebuild even if the image exists.
         #[arg(long)]
         force: bool,
+        /// Build the image of every environment (offline too: each one's Debian base).
+        #[arg(long, conflicts_with = "environment")]
+        all: bool,
+        /// Build this environment's image (default: the default environment's).
+        #[arg(long, value_name = "NAME")]
+        environment: Option<String>,
     },
     /// Print the tag of the sandbox image this binary uses.
     Tag,
@@ -181,15 +188,24 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Image { action: ImageAction::Build { cfg, force } } => {
+        Command::Image { action: ImageAction::Build { cfg, force, all, environment } } => {
             cfg.validate()?;
+            let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
             let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
             let progress = |line: &str| eprintln!("{line}");
-            let tag = image::sandbox_tag();
-            if force || !image::exists(&docker, &tag).await? {
-                image::build(&docker, &cfg, &tag, &progress).await?;
+            let targets: Vec<_> = if all {
+                envs.all().cloned().collect()
             } else {
-                eprintln!("{tag} is up to date");
+                vec![envs.get(environment.as_deref()).map_err(anyhow::Error::msg)?]
+            };
+            for env in targets {
+                let tag = image::tag_for(&env.cfg);
+                if force || !image::exists(&docker, &tag).await? {
+                    eprintln!("environment {}: building {tag}", env.name);
+                    image::build(&docker, &env.cfg, &tag, &progress).await?;
+                } else {
+                    eprintln!("environment {}: {tag} is up to date", env.name);
+                }
             }
             Ok(())
         }
@@ -226,7 +242,7 @@ async fn serve(cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
         .with_context(|| format!("cannot take an instance lock in {}", cfg.state_dir().display()))?;
     tracing::info!(instance = %instance.owner.instance, "pyberth starting");
-    let registry = Arc::new(Registry::new(docker, cfg.clone(), instance).context("cannot read the CA bundle")?);
+    let registry = Arc::new(Registry::new(docker, cfg.clone(), instance).map_err(anyhow::Error::msg)?);
     if let Err(e) = registry.sweep_leftovers().await {
         tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
     }
@@ -237,7 +253,12 @@ async fn serve(cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     // Find or build the image now, so the first call does not wait for it.
     let warm = registry.clone();
     tasks.spawn(async move {
-        if let Err(e) = warm.image().await {
+        let env = warm.environments.get(None);
+        let built = match &env {
+            Ok(env) => warm.image(env, &|_| {}).await.map(|_| ()),
+            Err(e) => Err(pyberth::session::registry::Error::Environment(e.clone())),
+        };
+        if let Err(e) = built {
             tracing::error!(error = %e, "sandbox image unavailable");
         }
     });

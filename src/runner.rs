@@ -16,7 +16,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
-use crate::docker::{self, archive, image};
+use crate::docker::{self, archive};
 use crate::instance::Instance;
 use crate::protocol::Stream;
 use crate::session::registry::Registry;
@@ -65,6 +65,10 @@ pub struct RunArgs {
     /// Print a JSON result on stdout instead of streaming the output.
     #[arg(long)]
     pub json: bool,
+    /// Environment to run in (see `[environments]` in the config file; built in: default,
+    /// python3.11, python3.13).
+    #[arg(long, value_name = "NAME")]
+    pub environment: Option<String>,
     /// Cap on the bytes uploaded by --project and copied back by --output, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 1024)]
     pub transfer_cap_mb: u64,
@@ -232,15 +236,10 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
     let docker = docker::connect(cfg.docker_host.as_deref())
         .await
         .map_err(|e| infra(format!("cannot reach the Docker engine (is it running? is DOCKER_HOST right?): {e}")))?;
-    let tag = image::sandbox_tag();
-    if cfg.image.is_none() && !image::exists(&docker, &tag).await.unwrap_or(false) {
-        image::ensure(&docker, cfg, &|l: &str| status.line(l)).await.map_err(|e| infra(e.to_string()))?;
-    }
     let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
         .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", cfg.state_dir().display())))?;
     let cfg = Arc::new(cfg.clone());
-    let registry = Registry::new(docker.clone(), cfg.clone(), instance)
-        .map_err(|e| infra(format!("cannot read the CA bundle: {e}")))?;
+    let registry = Registry::new(docker.clone(), cfg.clone(), instance).map_err(usage)?;
     if let Err(e) = registry.sweep_leftovers().await {
         tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
     }
@@ -260,8 +259,10 @@ async fn in_session(
     env: BTreeMap<String, String>,
 ) -> Result<u8, Failure> {
     let progress = |l: &str| status.line(l);
-    let (session, _) =
-        registry.get_or_create("cli", "run", packages, &progress).await.map_err(|e| infra(e.to_string()))?;
+    let (session, _) = registry
+        .get_or_create("cli", "run", args.environment.as_deref(), packages, &progress)
+        .await
+        .map_err(|e| infra(e.to_string()))?;
     status.clear();
     let cap = args.transfer_cap_mb << 20;
     let mut given = match &args.project {

@@ -136,6 +136,20 @@ pub async fn create(
             typ: Some(MountType::VOLUME),
             ..Default::default()
         });
+        // The environment's host folders, read-only, never propagating mounts either way.
+        for m in &cfg.mounts {
+            mounts.push(Mount {
+                target: Some(m.path.clone()),
+                source: Some(m.host.to_string_lossy().into_owned()),
+                typ: Some(MountType::BIND),
+                read_only: Some(true),
+                bind_options: Some(bollard::models::MountBindOptions {
+                    propagation: Some(bollard::models::MountBindOptionsPropagationEnum::RPRIVATE),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
     }
     let body = ContainerCreateBody {
         image: Some(image.into()),

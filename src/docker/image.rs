@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncBufReadExt;
 
 use super::{Error, LABEL_IMAGE};
-use crate::config::SandboxConfig;
+use crate::config::{DEFAULT_BASE, DEFAULT_RELEASE, SandboxConfig};
 
 /// The agent, as baked into the image.
 pub const AGENT_PY: &str = include_str!("../../images/python/agent.py");
@@ -43,6 +43,20 @@ pub fn sandbox_tag() -> String {
     format!("{SANDBOX_REPO}:{hex}")
 }
 
+/// The sandbox image tag for a config: the content tag, plus a key of the base when it is not
+/// the default one (each environment's image is its own).
+pub fn tag_for(cfg: &SandboxConfig) -> String {
+    if cfg.base_image == DEFAULT_BASE && cfg.fallback_release == DEFAULT_RELEASE {
+        return sandbox_tag();
+    }
+    let mut h = Sha256::new();
+    h.update(cfg.base_image.as_bytes());
+    h.update([0]);
+    h.update(cfg.fallback_release.as_bytes());
+    let key: String = h.finalize().iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("{}-{key}", sandbox_tag())
+}
+
 /// Whether an image exists locally.
 pub async fn exists(docker: &Docker, name: &str) -> Result<bool, Error> {
     match docker.inspect_image(name).await {
@@ -62,7 +76,7 @@ pub async fn ensure(docker: &Docker, cfg: &SandboxConfig, progress: Progress<'_>
             "image {image} (from --image/PYBERTH_IMAGE) does not exist; build or load it, or unset the setting"
         )));
     }
-    let tag = sandbox_tag();
+    let tag = tag_for(cfg);
     if exists(docker, &tag).await? {
         return Ok(tag);
     }

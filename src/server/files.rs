@@ -214,7 +214,7 @@ impl SandboxServer {
                 self.cfg.file_cap
             ));
         }
-        let (session, _) = match self.registry.get_or_create(&who, &name, &[], &|_| {}).await {
+        let (session, _) = match self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await {
             Ok(s) => s,
             Err(e) => return tool_error(e.to_string()),
         };
@@ -409,6 +409,7 @@ impl SandboxServer {
             Ok(s) => s,
             Err(e) => return e,
         };
+        let timeout = if args.timeout_s.is_none() { session.settings().timeout() } else { timeout };
         let spec = JobSpec { code: String::new(), file: Some(path), args: args.args, env };
         self.execute(&ctx, session, spec, timeout, wait, Vec::new()).await
     }

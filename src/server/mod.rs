@@ -22,6 +22,7 @@ use rmcp::{RoleServer, ServerHandler, tool, tool_handler, tool_router};
 use serde::{Deserialize, Serialize};
 
 use crate::config::SandboxConfig;
+mod envs;
 mod files;
 mod jobs;
 mod live;
@@ -82,6 +83,10 @@ pub struct RunPythonArgs {
     /// Start the run as a background job and return its handle at once.
     #[serde(default)]
     pub background: bool,
+    /// Environment (Python version, preinstalled packages, data folders) for a new session;
+    /// omit for the default. list_environments shows them. A session keeps its environment.
+    #[serde(default)]
+    pub environment: Option<String>,
 }
 
 /// Arguments of `install_packages`.
@@ -94,6 +99,10 @@ pub struct InstallArgs {
     /// Session name. Omit for the default session; a new name creates the session.
     #[serde(default)]
     pub session: Option<String>,
+    /// Environment for a new session (list_environments shows them); an existing session
+    /// keeps its own.
+    #[serde(default)]
+    pub environment: Option<String>,
 }
 
 /// Arguments of `list_packages`.
@@ -419,7 +428,7 @@ impl SandboxServer {
             registry,
             cfg,
             log_level: Arc::default(),
-            tool_router: Self::tool_router() + Self::files_router() + Self::jobs_router(),
+            tool_router: Self::tool_router() + Self::files_router() + Self::jobs_router() + Self::envs_router(),
         }
     }
 
@@ -471,7 +480,8 @@ impl SandboxServer {
         let (progress, _, mut rx) = live_channel();
         let opened = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
-            let (session, created) = self.registry.get_or_create(&who, &name, &packages, progress).await?;
+            let (session, created) =
+                self.registry.get_or_create(&who, &name, args.environment.as_deref(), &packages, progress).await?;
             let mut notices = Vec::new();
             if created {
                 notices.push(format!("new session {name:?} created"));
@@ -506,6 +516,8 @@ impl SandboxServer {
                 Err(e) => return tool_error(format!("cannot save the code as {path}: {e}")),
             }
         }
+        // Without timeout_s, the session's environment sets the limit.
+        let timeout = if args.timeout_s.is_none() { session.settings().timeout() } else { timeout };
         let spec = JobSpec { code: args.code, env, ..Default::default() };
         self.execute(&ctx, session, spec, timeout, wait, notices).await
     }
@@ -539,7 +551,8 @@ impl SandboxServer {
         let (progress, _, mut rx) = live_channel();
         let done = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
-            let (session, created) = self.registry.get_or_create(&who, &name, &packages, progress).await?;
+            let (session, created) =
+                self.registry.get_or_create(&who, &name, args.environment.as_deref(), &packages, progress).await?;
             if created {
                 return Ok(crate::session::registry::Installed {
                     added: packages.clone(),
@@ -587,7 +600,7 @@ impl SandboxServer {
             Ok(n) => n,
             Err(e) => return tool_error(e),
         };
-        let session = match self.registry.get_or_create(&who, &name, &[], &|_| {}).await {
+        let session = match self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await {
             Ok((s, _)) => s,
             Err(e) => return tool_error(e.to_string()),
         };

@@ -164,6 +164,8 @@ pub struct SessionInfo {
     pub session: String,
     /// Python version of its interpreter.
     pub python: String,
+    /// Environment it runs in.
+    pub environment: String,
     /// Runs so far.
     pub runs: u64,
     /// Seconds since the last call.
@@ -233,6 +235,8 @@ pub struct Session {
     pub name: String,
     /// Owner.
     pub principal: String,
+    /// Environment it was created in, for life.
+    pub environment: String,
     docker: Docker,
     cfg: Arc<SandboxConfig>,
     image: String,
@@ -255,6 +259,17 @@ pub struct Session {
     waiting: AtomicUsize,
 }
 
+/// Whose a new session is and what it is called.
+#[derive(Debug, Clone)]
+pub struct Naming {
+    /// Session name.
+    pub name: String,
+    /// Owner.
+    pub principal: String,
+    /// Environment name.
+    pub environment: String,
+}
+
 impl Session {
     /// Creates the container and starts the agent.
     pub async fn start(
@@ -262,15 +277,16 @@ impl Session {
         cfg: Arc<SandboxConfig>,
         image: String,
         owner: Owner,
-        name: String,
-        principal: String,
+        naming: Naming,
         packages: Vec<String>,
     ) -> Result<Arc<Self>, Error> {
+        let Naming { name, principal, environment } = naming;
         let created = container::create(&docker, &cfg, &image, &owner, &name, &principal).await?;
         tracing::info!(session = %name, container = %short(&created.id), "session created");
         let session = Arc::new(Self {
             name,
             principal,
+            environment,
             docker,
             cfg,
             image,
@@ -308,6 +324,16 @@ impl Session {
         }
     }
 
+    /// The settings the session was made with (its environment's limits and mounts).
+    pub fn settings(&self) -> &SandboxConfig {
+        &self.cfg
+    }
+
+    /// The image its container runs.
+    pub fn image(&self) -> &str {
+        &self.image
+    }
+
     /// The id of the session's current container.
     pub fn container_id(&self) -> String {
         self.container.lock().map(|c| c.id.clone()).unwrap_or_default()
@@ -330,6 +356,7 @@ impl Session {
         SessionInfo {
             session: self.name.clone(),
             python,
+            environment: self.environment.clone(),
             runs: self.runs.load(Ordering::Relaxed),
             idle_s: idle.as_secs(),
             age_s: self.created.elapsed().map(|d| d.as_secs()).unwrap_or(0),

@@ -14,6 +14,7 @@ use crate::config::SandboxConfig;
 use crate::docker::image::Progress;
 use crate::docker::layers::{self, IndexSettings, Layer};
 use crate::docker::{self, container, image};
+use crate::environment::{Environment, Environments};
 use crate::instance::Instance;
 
 type Key = (String, String);
@@ -37,6 +38,15 @@ pub enum Error {
     /// The session failed to start.
     #[error(transparent)]
     Session(#[from] SessionError),
+    /// No such environment.
+    #[error("{0}")]
+    Environment(String),
+    /// The session exists in another environment.
+    #[error(
+        "session {session:?} runs in environment {has:?}, not {asked:?}: a session keeps its environment for life. \
+         Use another session name for {asked:?}, or close_session {session:?} first (its variables and files go)"
+    )]
+    OtherEnvironment { session: String, has: String, asked: String },
 }
 
 /// The sessions of one server instance.
@@ -44,7 +54,9 @@ pub struct Registry {
     docker: Docker,
     cfg: Arc<SandboxConfig>,
     instance: Instance,
-    image: OnceCell<String>,
+    /// The environments, and each one's image, found or built once.
+    pub environments: Environments,
+    images: Mutex<HashMap<String, Arc<OnceCell<String>>>>,
     sessions: Mutex<HashMap<Key, Slot>>,
     index: IndexSettings,
     /// One lock per requirement set, so concurrent asks for one layer install it once.
@@ -68,13 +80,16 @@ pub struct Installed {
 
 impl Registry {
     /// A registry for this instance.
-    pub fn new(docker: Docker, cfg: Arc<SandboxConfig>, instance: Instance) -> std::io::Result<Self> {
-        let index = IndexSettings::from_config(&cfg)?;
+    /// Fails on a bad environment definition or an unreadable CA bundle, saying which.
+    pub fn new(docker: Docker, cfg: Arc<SandboxConfig>, instance: Instance) -> Result<Self, String> {
+        let index = IndexSettings::from_config(&cfg).map_err(|e| format!("cannot read the CA bundle: {e}"))?;
+        let environments = Environments::from_config(&cfg)?;
         Ok(Self {
             docker,
             cfg,
             instance,
-            image: OnceCell::new(),
+            environments,
+            images: Mutex::new(HashMap::new()),
             sessions: Mutex::new(HashMap::new()),
             index,
             installs: Mutex::new(HashMap::new()),
@@ -83,9 +98,15 @@ impl Registry {
         })
     }
 
-    /// The layer holding `requirements` (canonical, sorted), installed if absent.
-    pub async fn layer(&self, requirements: &[String], progress: Progress<'_>) -> Result<Layer, Error> {
-        let base = self.image().await?;
+    /// The layer holding `requirements` (canonical, sorted) on an environment's image,
+    /// installed if absent.
+    pub async fn layer(
+        &self,
+        env: &Environment,
+        requirements: &[String],
+        progress: Progress<'_>,
+    ) -> Result<Layer, Error> {
+        let base = self.image(env, progress).await?;
         let lock = {
             let mut installs = self.installs.lock().unwrap_or_else(|e| e.into_inner());
             installs.entry(requirements.to_vec()).or_default().clone()
@@ -118,7 +139,8 @@ impl Registry {
         if added.is_empty() {
             return Ok(Installed { added, present, layer: None });
         }
-        let layer = self.layer(&added, progress).await?;
+        let env = self.environments.get(Some(&session.environment)).map_err(Error::Environment)?;
+        let layer = self.layer(&env, &added, progress).await?;
         session.add_layer(&layer.tag, &added).await?;
         Ok(Installed { added, present, layer: Some(layer) })
     }
@@ -133,16 +155,22 @@ impl Registry {
         &self.instance
     }
 
-    /// The sandbox image, found or built once per server.
-    pub async fn image(&self) -> Result<String, Error> {
-        self.image
-            .get_or_try_init(|| async {
-                let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
-                image::ensure(&self.docker, &self.cfg, &progress).await
-            })
-            .await
-            .cloned()
-            .map_err(Error::Image)
+    /// An environment's image, found or built once per server (a build reports progress).
+    pub async fn image(&self, env: &Environment, progress: Progress<'_>) -> Result<String, Error> {
+        let cell = {
+            let mut images = self.images.lock().unwrap_or_else(|e| e.into_inner());
+            images.entry(env.name.clone()).or_default().clone()
+        };
+        cell.get_or_try_init(|| async {
+            let both = |line: &str| {
+                tracing::info!(target: "pyberth::image", environment = %env.name, "{line}");
+                progress(line);
+            };
+            image::ensure(&self.docker, &env.cfg, &both).await
+        })
+        .await
+        .cloned()
+        .map_err(Error::Image)
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Slot>> {
@@ -161,15 +189,28 @@ impl Registry {
         self.find(principal, name).ok_or_else(|| Error::NotFound(name.to_owned()))
     }
 
-    /// The named session, created on first use (from the layer of `packages` when given).
-    /// The bool is true when it was just created.
+    /// The named session, created on first use in `environment` (the default when `None`),
+    /// from the layer of the environment's packages plus `packages`. An existing session asked
+    /// for another environment is an error. The bool is true when it was just created.
     pub async fn get_or_create(
         &self,
         principal: &str,
         name: &str,
+        environment: Option<&str>,
         packages: &[String],
         progress: Progress<'_>,
     ) -> Result<(Arc<Session>, bool), Error> {
+        if let Some(s) = self.find(principal, name) {
+            return match environment {
+                Some(e) if e != s.environment => Err(Error::OtherEnvironment {
+                    session: name.to_owned(),
+                    has: s.environment.clone(),
+                    asked: e.to_owned(),
+                }),
+                _ => Ok((s, false)),
+            };
+        }
+        let env = self.environments.get(environment).map_err(Error::Environment)?;
         let key = (principal.to_owned(), name.to_owned());
         let slot = {
             let mut slots = self.slots();
@@ -190,17 +231,26 @@ impl Registry {
         let mut created = false;
         let result = slot
             .get_or_try_init(|| async {
-                let image =
-                    if packages.is_empty() { self.image().await? } else { self.layer(packages, progress).await?.tag };
+                let mut all: Vec<String> = env.packages.iter().chain(packages).cloned().collect();
+                all.sort();
+                all.dedup();
+                let image = if all.is_empty() {
+                    self.image(&env, progress).await?
+                } else {
+                    self.layer(&env, &all, progress).await?.tag
+                };
                 created = true;
                 Session::start(
                     self.docker.clone(),
-                    self.cfg.clone(),
+                    env.cfg.clone(),
                     image,
                     self.instance.owner.clone(),
-                    name.to_owned(),
-                    principal.to_owned(),
-                    packages.to_vec(),
+                    super::Naming {
+                        name: name.to_owned(),
+                        principal: principal.to_owned(),
+                        environment: env.name.clone(),
+                    },
+                    all,
                 )
                 .await
                 .map_err(Error::from)

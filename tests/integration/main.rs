@@ -17,6 +17,8 @@ mod workspace;
 mod jobs;
 // The HTTP service: tokens, principals, streaming, healthz.
 mod http;
+// Environments: Python versions, operator environments, mounts.
+mod environments;
 // The CI runner, `pyberth run`.
 mod cli;
 // Hardening seen from inside the sandbox.

@@ -1,0 +1,319 @@
+//! Environments: named sandbox flavours an operator defines (a base image or an offline Debian
+//! release, preinstalled packages, limits, read-only host folders), chosen per session.
+//!
+//! Each environment resolves to a full [`SandboxConfig`] (the server's settings with the
+//! environment's overrides), so the rest of the code builds images and containers from a config
+//! as it always has. Callers only pick a name: they cannot add mounts or change limits.
+
+use std::collections::BTreeMap;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::SandboxConfig;
+
+/// The environment used when a caller names none, unless configured otherwise.
+pub const DEFAULT: &str = "default";
+
+/// Paths a mount may not cover or sit in: the system, the agent's own, the workspace.
+const RESERVED: &[&str] = &[
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/opt",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/sys",
+    "/tmp",
+    "/usr",
+    "/var",
+    "/workspace",
+];
+
+/// A host folder (or file) mounted read-only into every session of an environment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MountSpec {
+    /// Path on the host; must exist when the server starts.
+    pub host: PathBuf,
+    /// Absolute path inside the sandbox, e.g. /data.
+    pub path: String,
+}
+
+/// An environment as written in the config file, `[environments.NAME]`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvironmentSpec {
+    /// What it is for, shown to models by list_environments.
+    pub description: Option<String>,
+    /// Base image with Python (e.g. python:3.11-slim), pulled if a registry answers.
+    pub base: Option<String>,
+    /// Debian release bootstrapped offline when the base cannot be pulled (bookworm: 3.11,
+    /// trixie: 3.13).
+    pub debian: Option<String>,
+    /// Packages preinstalled as a dependency layer, built once.
+    #[serde(default)]
+    pub packages: Vec<String>,
+    /// Memory per session, MiB.
+    pub memory_mb: Option<u64>,
+    /// CPU share per session.
+    pub cpus: Option<f64>,
+    /// Processes and threads per session.
+    pub pids: Option<i64>,
+    /// Size of /tmp, MiB.
+    pub tmp_mb: Option<u64>,
+    /// Default time limit of a run, seconds.
+    pub timeout_s: Option<u64>,
+    /// Host folders mounted read-only.
+    #[serde(default)]
+    pub mounts: Vec<MountSpec>,
+}
+
+/// A resolved environment.
+#[derive(Debug)]
+pub struct Environment {
+    /// Its name.
+    pub name: String,
+    /// What it is for.
+    pub description: String,
+    /// The server's settings with this environment's overrides (base, limits, mounts).
+    pub cfg: Arc<SandboxConfig>,
+    /// Preinstalled requirements, canonical and sorted.
+    pub packages: Vec<String>,
+}
+
+/// Every environment of a server.
+#[derive(Debug)]
+pub struct Environments {
+    map: BTreeMap<String, Arc<Environment>>,
+    default: String,
+}
+
+/// The built-in environments: the configured default and two Python versions that also build
+/// offline (Debian bookworm has 3.11, trixie 3.13).
+fn builtins(cfg: &SandboxConfig) -> Vec<(&'static str, EnvironmentSpec)> {
+    let spec = |description: String, base: &str, debian: &str| EnvironmentSpec {
+        description: Some(description),
+        base: Some(base.to_owned()),
+        debian: Some(debian.to_owned()),
+        ..Default::default()
+    };
+    vec![
+        (
+            DEFAULT,
+            spec(
+                format!(
+                    "General purpose: {} (offline: Debian {} Python); no packages preinstalled",
+                    cfg.base_image, cfg.fallback_release
+                ),
+                &cfg.base_image,
+                &cfg.fallback_release,
+            ),
+        ),
+        (
+            "python3.11",
+            spec("Python 3.11 (python:3.11-slim, offline: Debian bookworm)".into(), "python:3.11-slim", "bookworm"),
+        ),
+        (
+            "python3.13",
+            spec("Python 3.13 (python:3.13-slim, offline: Debian trixie)".into(), "python:3.13-slim", "trixie"),
+        ),
+    ]
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 40
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+}
+
+fn check_mount(env: &str, m: &MountSpec) -> Result<MountSpec, String> {
+    let at = format!("environments.{env}.mounts ({} -> {})", m.host.display(), m.path);
+    let host = m.host.canonicalize().map_err(|e| format!("{at}: the host path cannot be used: {e}"))?;
+    let path = Path::new(&m.path);
+    let clean = path.is_absolute()
+        && path.components().skip(1).all(|c| matches!(c, Component::Normal(_)))
+        && path.components().count() >= 2
+        && !m.path.contains(['\0', ':', ',', '\n']);
+    if !clean {
+        return Err(format!("{at}: the sandbox path must be absolute and plain, such as /data"));
+    }
+    if let Some(r) = RESERVED.iter().find(|r| path.starts_with(r) || Path::new(r).starts_with(path)) {
+        return Err(format!("{at}: the sandbox path may not be in or above {r}; use a path such as /data"));
+    }
+    Ok(MountSpec { host, path: m.path.clone() })
+}
+
+impl Environments {
+    /// The built-ins plus the operator's, each checked; errors name the entry.
+    pub fn from_config(cfg: &SandboxConfig) -> Result<Self, String> {
+        let mut specs: BTreeMap<String, EnvironmentSpec> =
+            builtins(cfg).into_iter().map(|(n, s)| (n.to_owned(), s)).collect();
+        for (name, spec) in &cfg.environments {
+            if !valid_name(name) {
+                return Err(format!("environments.{name}: a name is 1-40 letters, digits, '.', '_' or '-'"));
+            }
+            // An operator's entry replaces a built-in of the same name, filling what it omits.
+            let merged = match specs.remove(name) {
+                Some(builtin) => EnvironmentSpec {
+                    description: spec.description.clone().or(builtin.description),
+                    base: spec.base.clone().or(builtin.base),
+                    debian: spec.debian.clone().or(builtin.debian),
+                    ..spec.clone()
+                },
+                None => spec.clone(),
+            };
+            specs.insert(name.clone(), merged);
+        }
+        let mut map = BTreeMap::new();
+        for (name, spec) in specs {
+            let env = resolve(cfg, &name, &spec)?;
+            map.insert(name, Arc::new(env));
+        }
+        let default = cfg.default_environment.clone();
+        if !map.contains_key(&default) {
+            return Err(format!(
+                "default_environment {default:?} is not an environment (known: {})",
+                map.keys().cloned().collect::<Vec<_>>().join(", ")
+            ));
+        }
+        Ok(Self { map, default })
+    }
+
+    /// The named environment, or the default one.
+    pub fn get(&self, name: Option<&str>) -> Result<Arc<Environment>, String> {
+        let name = name.unwrap_or(&self.default);
+        self.map.get(name).cloned().ok_or_else(|| {
+            format!("no environment {name:?}: choose one of {} (list_environments describes them)", self.names())
+        })
+    }
+
+    /// The default environment's name.
+    pub fn default_name(&self) -> &str {
+        &self.default
+    }
+
+    /// All environments, by name.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Environment>> {
+        self.map.values()
+    }
+
+    fn names(&self) -> String {
+        self.map.keys().cloned().collect::<Vec<_>>().join(", ")
+    }
+}
+
+fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<Environment, String> {
+    let mut cfg = base.clone();
+    cfg.environments.clear();
+    // --image pins the default environment's image only; the others build their own.
+    if name != DEFAULT {
+        cfg.image = None;
+    }
+    if let Some(b) = &spec.base {
+        if b.is_empty() || b.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(format!("environments.{name}.base: {b:?} is not an image reference"));
+        }
+        cfg.base_image = b.clone();
+    }
+    if let Some(d) = &spec.debian {
+        cfg.fallback_release = d.clone();
+    }
+    if let Some(v) = spec.memory_mb {
+        cfg.memory_mb = v;
+    }
+    if let Some(v) = spec.cpus {
+        cfg.cpus = v;
+    }
+    if let Some(v) = spec.pids {
+        cfg.pids = v;
+    }
+    if let Some(v) = spec.tmp_mb {
+        cfg.tmp_mb = v;
+    }
+    if let Some(v) = spec.timeout_s {
+        cfg.timeout_s = v;
+    }
+    cfg.max_timeout_s = cfg.max_timeout_s.max(cfg.timeout_s);
+    cfg.mounts = spec.mounts.iter().map(|m| check_mount(name, m)).collect::<Result<_, _>>()?;
+    let mut paths: Vec<&str> = cfg.mounts.iter().map(|m| m.path.as_str()).collect();
+    paths.sort_unstable();
+    if paths.windows(2).any(|w| Path::new(w[1]).starts_with(w[0])) {
+        return Err(format!("environments.{name}.mounts: two mounts overlap"));
+    }
+    cfg.validate().map_err(|e| format!("environments.{name}: {e}"))?;
+    let packages = crate::deps::parse_set(&spec.packages, base.max_packages)
+        .map_err(|e| format!("environments.{name}.packages: {e}"))?;
+    let description = spec.description.clone().unwrap_or_else(|| format!("operator-defined environment {name}"));
+    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory as _, FromArgMatches as _, Parser};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+    }
+
+    fn cfg_with(file: &str) -> SandboxConfig {
+        let m = Cli::command().try_get_matches_from(["x"]).expect("defaults");
+        let mut cli = Cli::from_arg_matches(&m).expect("defaults");
+        let table: toml::Table = file.parse().expect("toml");
+        crate::config::apply_file(&mut cli.cfg, &m, &table).expect("applies");
+        cli.cfg
+    }
+
+    #[test]
+    fn builtins_exist_and_operators_add_and_override() {
+        let dir = std::env::temp_dir().join(format!("pyberth-envdata-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = format!(
+            "[environments.science]\npackages = [\"numpy\"]\nmemory_mb = 1024\n\
+             mounts = [{{ host = \"{}\", path = \"/data\" }}]\n\
+             [environments.\"python3.13\"]\ndescription = \"mine\"\n",
+            dir.display()
+        );
+        let envs = Environments::from_config(&cfg_with(&file)).expect("valid");
+        let science = envs.get(Some("science")).expect("science");
+        assert_eq!(science.packages, vec!["numpy".to_owned()]);
+        assert_eq!(science.cfg.memory_mb, 1024);
+        assert_eq!(science.cfg.mounts[0].path, "/data");
+        let py313 = envs.get(Some("python3.13")).expect("python3.13");
+        assert_eq!(py313.description, "mine");
+        assert_eq!(py313.cfg.fallback_release, "trixie", "unset fields keep the built-in's");
+        assert_eq!(envs.get(None).expect("default").name, "default");
+        let e = envs.get(Some("nope")).expect_err("unknown");
+        assert!(e.contains("python3.11") && e.contains("list_environments"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn bad_entries_are_refused_naming_them() {
+        for (file, why) in [
+            ("[environments.x]\nmounts = [{ host = \"/no/such/dir\", path = \"/data\" }]\n", "environments.x.mounts"),
+            ("[environments.x]\nmounts = [{ host = \"/tmp\", path = \"/etc/x\" }]\n", "/etc"),
+            ("[environments.x]\nmounts = [{ host = \"/tmp\", path = \"/\" }]\n", "environments.x.mounts"),
+            ("[environments.x]\nmounts = [{ host = \"/tmp\", path = \"/data/../etc\" }]\n", "plain"),
+            ("[environments.x]\npackages = [\"-e .\"]\n", "environments.x.packages"),
+            ("[environments.x]\nmemory_mb = 1\n", "environments.x"),
+            ("[environments.\"bad name\"]\n", "a name is"),
+            ("default_environment = \"missing\"\n", "default_environment"),
+        ] {
+            let e = Environments::from_config(&cfg_with(file)).expect_err(file);
+            assert!(e.contains(why), "{file}: {e}");
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Environment tools: what a caller can choose, and what a session runs in.
+
+use rmcp::handler::server::common::schema_for_output;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::CallToolResult;
+use rmcp::{tool, tool_router};
+use serde::Serialize;
+
+use super::{Caller, NoArgs, SandboxServer, SessionArgs, session_name, structured, tool_error};
+use crate::config::SandboxConfig;
+use crate::environment::{Environment, MountSpec};
+
+/// Limits of a session.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct Limits {
+    /// Memory, MiB (swap disabled).
+    pub memory_mb: u64,
+    /// CPU share.
+    pub cpus: f64,
+    /// Processes and threads.
+    pub pids: i64,
+    /// Size of /tmp, MiB.
+    pub tmp_mb: u64,
+    /// Default time limit of a run, seconds.
+    pub timeout_s: u64,
+    /// Largest time limit a run may ask for, seconds.
+    pub max_timeout_s: u64,
+    /// Bytes of stdout and of stderr kept per run.
+    pub output_cap: usize,
+}
+
+impl Limits {
+    fn of(cfg: &SandboxConfig) -> Self {
+        Self {
+            memory_mb: cfg.memory_mb,
+            cpus: cfg.cpus,
+            pids: cfg.pids,
+            tmp_mb: cfg.tmp_mb,
+            timeout_s: cfg.timeout_s,
+            max_timeout_s: cfg.max_timeout_s,
+            output_cap: cfg.output_cap,
+        }
+    }
+}
+
+/// A read-only mount, as the sandbox sees it.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct MountInfo {
+    /// Path inside the sandbox.
+    pub path: String,
+    /// Always true: mounts are read-only.
+    pub read_only: bool,
+}
+
+fn mounts(m: &[MountSpec]) -> Vec<MountInfo> {
+    m.iter().map(|m| MountInfo { path: m.path.clone(), read_only: true }).collect()
+}
+
+/// One environment.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct EnvironmentInfo {
+    /// Name to pass as `environment`.
+    pub name: String,
+    /// What it is for.
+    pub description: String,
+    /// Whether sessions get it when no environment is named.
+    pub default: bool,
+    /// Base image (offline: the Debian release below).
+    pub base: String,
+    /// Debian release used when the base cannot be pulled.
+    pub debian_fallback: String,
+    /// Packages preinstalled.
+    pub packages: Vec<String>,
+    /// Limits of its sessions.
+    pub limits: Limits,
+    /// Folders mounted read-only.
+    pub mounts: Vec<MountInfo>,
+}
+
+/// Structured result of `list_environments`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct EnvironmentList {
+    /// Every environment, by name.
+    pub environments: Vec<EnvironmentInfo>,
+}
+
+/// Structured result of `get_environment`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub struct SessionEnvironment {
+    /// Session.
+    pub session: String,
+    /// Its environment.
+    pub environment: String,
+    /// Python version of its interpreter.
+    pub python: String,
+    /// Image its container runs.
+    pub image: String,
+    /// Its limits.
+    pub limits: Limits,
+    /// Network access of the code: always "none".
+    pub network: String,
+    /// Folders mounted read-only.
+    pub mounts: Vec<MountInfo>,
+    /// Installed distributions (preinstalled, added, and the interpreter's own).
+    pub packages_installed: usize,
+}
+
+fn describe(env: &Environment, default: &str) -> EnvironmentInfo {
+    EnvironmentInfo {
+        name: env.name.clone(),
+        description: env.description.clone(),
+        default: env.name == default,
+        base: env.cfg.image.clone().unwrap_or_else(|| env.cfg.base_image.clone()),
+        debian_fallback: env.cfg.fallback_release.clone(),
+        packages: env.packages.clone(),
+        limits: Limits::of(&env.cfg),
+        mounts: mounts(&env.cfg.mounts),
+    }
+}
+
+#[tool_router(router = envs_router, vis = "pub(super)")]
+impl SandboxServer {
+    /// List the environments a session can be created in: Python version and base, the
+    /// packages preinstalled, limits, and read-only data folders. Pass a name as `environment`
+    /// to run_python (with a new session name) to use one.
+    #[tool(annotations(title = "List environments", read_only_hint = true), output_schema = schema_for_output::<EnvironmentList>())]
+    async fn list_environments(&self, Parameters(_): Parameters<NoArgs>) -> CallToolResult {
+        let envs = &self.registry.environments;
+        let default = envs.default_name();
+        let environments: Vec<EnvironmentInfo> = envs.all().map(|e| describe(e, default)).collect();
+        let mut text = String::new();
+        for e in &environments {
+            let mark = if e.default { " (default)" } else { "" };
+            text.push_str(&format!("{}{mark}: {}\n", e.name, e.description));
+            if !e.packages.is_empty() {
+                text.push_str(&format!("  packages: {}\n", e.packages.join(", ")));
+            }
+            for m in &e.mounts {
+                text.push_str(&format!("  read-only folder: {}\n", m.path));
+            }
+        }
+        structured(&EnvironmentList { environments }, text)
+    }
+
+    /// Report what a session runs in: environment, Python version, image, limits (memory, CPU,
+    /// processes, time, output), network policy, read-only mounts, and how many packages are
+    /// installed. Creates the session (in the default environment) if it does not exist.
+    #[tool(annotations(title = "Get environment", read_only_hint = true), output_schema = schema_for_output::<SessionEnvironment>())]
+    async fn get_environment(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> CallToolResult {
+        let name = match session_name(args.session.as_deref()) {
+            Ok(n) => n,
+            Err(e) => return tool_error(e),
+        };
+        let session = match self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await {
+            Ok((s, _)) => s,
+            Err(e) => return tool_error(format!("cannot open session {name:?}: {e}")),
+        };
+        let packages = match session.installed().await {
+            Ok(p) => p.len(),
+            Err(e) => return tool_error(format!("cannot list the packages of session {name:?}: {e}")),
+        };
+        let cfg = session.settings();
+        let out = SessionEnvironment {
+            session: name,
+            environment: session.environment.clone(),
+            python: session.info().python,
+            image: session.image().to_owned(),
+            limits: Limits::of(cfg),
+            network: "none".into(),
+            mounts: mounts(&cfg.mounts),
+            packages_installed: packages,
+        };
+        let text = format!(
+            "session {}: environment {}, Python {}, image {}\nlimits: {} MiB memory, {} CPU, {} processes, {} s per run \
+             (at most {} s), {} bytes of output per stream\nnetwork: none\nread-only folders: {}\npackages installed: {}\n",
+            out.session,
+            out.environment,
+            out.python,
+            out.image,
+            out.limits.memory_mb,
+            out.limits.cpus,
+            out.limits.pids,
+            out.limits.timeout_s,
+            out.limits.max_timeout_s,
+            out.limits.output_cap,
+            if out.mounts.is_empty() {
+                "none".to_owned()
+            } else {
+                out.mounts.iter().map(|m| m.path.as_str()).collect::<Vec<_>>().join(", ")
+            },
+            out.packages_installed,
+        );
+        structured(&out, text)
+    }
+}
