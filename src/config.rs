@@ -12,6 +12,18 @@ pub const DEFAULT_BASE: &str = "python:3.12-slim";
 /// The default Debian release bootstrapped offline.
 pub const DEFAULT_RELEASE: &str = "bookworm";
 
+/// Which seccomp profile sandboxes get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SeccompMode {
+    /// Ours where the engine's default leaves io_uring open (Docker < 25), Docker's otherwise.
+    Auto,
+    /// Always ours.
+    Pyberth,
+    /// Always Docker's default.
+    Docker,
+}
+
 /// Settings shared by every command that starts sandboxes.
 #[derive(Debug, Clone, clap::Args, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -113,6 +125,24 @@ pub struct SandboxConfig {
     /// Runs (foreground and jobs) one caller may have going at once, across its sessions.
     #[arg(long, env = "PYBERTH_MAX_RUNS_PER_CALLER", default_value_t = 8)]
     pub max_runs_per_caller: usize,
+
+    /// Seccomp profile of sandboxes: auto (ours on engines older than 25, whose default
+    /// profile allows io_uring; Docker's otherwise), pyberth (always ours), docker (always Docker's).
+    #[arg(long, env = "PYBERTH_SECCOMP", value_enum, default_value_t = SeccompMode::Auto)]
+    pub seccomp: SeccompMode,
+
+    /// Refuse to start on an engine or runc with known container escapes (instead of warning).
+    #[arg(long, env = "PYBERTH_STRICT_ENGINE")]
+    pub strict_engine: bool,
+
+    /// OCI runtime for sandboxes, e.g. runsc (gVisor) when installed in the engine.
+    #[arg(long, env = "PYBERTH_RUNTIME")]
+    pub runtime: Option<String>,
+
+    /// The seccomp profile chosen at start-up (JSON), from --seccomp and the engine version.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub seccomp_profile: Option<String>,
 
     /// Environment of sessions whose caller names none.
     #[arg(long, env = "PYBERTH_ENVIRONMENT", default_value = "default")]

@@ -233,12 +233,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
-async fn serve(cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
+async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     cfg.validate()?;
-    let cfg = Arc::new(cfg);
     let docker = docker::connect(cfg.docker_host.as_deref())
         .await
         .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
+    docker::engine::check(&docker, &mut cfg).await?;
+    let cfg = Arc::new(cfg);
     let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
         .with_context(|| format!("cannot take an instance lock in {}", cfg.state_dir().display()))?;
     tracing::info!(instance = %instance.owner.instance, "pyberth starting");

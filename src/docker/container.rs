@@ -77,7 +77,12 @@ pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
     HostConfig {
         network_mode: Some("none".into()),
         cap_drop: Some(vec!["ALL".into()]),
-        security_opt: Some(vec!["no-new-privileges:true".into()]),
+        security_opt: Some(
+            std::iter::once("no-new-privileges:true".to_owned())
+                .chain(cfg.seccomp_profile.as_ref().map(|p| format!("seccomp={p}")))
+                .collect(),
+        ),
+        runtime: cfg.runtime.clone(),
         readonly_rootfs: Some(true),
         tmpfs: Some(HashMap::from([(
             "/tmp".into(),

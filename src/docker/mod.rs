@@ -3,6 +3,7 @@
 
 pub mod archive;
 pub mod container;
+pub mod engine;
 pub mod exec;
 pub mod image;
 pub mod layers;

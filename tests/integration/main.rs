@@ -21,5 +21,7 @@ mod http;
 mod environments;
 // The CI runner, `pyberth run`.
 mod cli;
+// Hostile code: exhaustion, protocol abuse, isolation probes, with the four checks.
+mod hostile;
 // Hardening seen from inside the sandbox.
 mod sandbox;

@@ -1,0 +1,472 @@
+//! The engine under us: version checks at start-up, and the seccomp profile sandboxes get.
+//!
+//! Docker's own default profile leaves io_uring open before engine 25 (moby#46762), and the
+//! io_uring class holds many kernel privilege escalations. On such engines sandboxes get our
+//! profile instead: an allowlist of the native architecture's syscalls without io_uring, the
+//! kernel-admin and namespace calls, the tracing calls, keyrings, bpf and perf, and the legacy
+//! oddities nothing needs. Namespace-creating clone flags and AF_VSOCK sockets are refused by
+//! argument, clone3 answers ENOSYS so libc falls back to clone.
+
+use bollard::Docker;
+use serde_json::{Value, json};
+
+use crate::config::{SandboxConfig, SeccompMode};
+
+/// Syscalls a sandbox may make (names of x86_64 and aarch64; a name unknown on the running
+/// architecture is skipped by libseccomp). Everything else answers EPERM.
+const ALLOWED: &[&str] = &[
+    "accept",
+    "accept4",
+    "access",
+    "adjtimex",
+    "alarm",
+    "arch_prctl",
+    "bind",
+    "brk",
+    "capget",
+    "capset",
+    "chdir",
+    "chmod",
+    "chown",
+    "chroot",
+    "clock_getres",
+    "clock_gettime",
+    "clock_nanosleep",
+    "close",
+    "close_range",
+    "connect",
+    "copy_file_range",
+    "creat",
+    "dup",
+    "dup2",
+    "dup3",
+    "epoll_create",
+    "epoll_create1",
+    "epoll_ctl",
+    "epoll_pwait",
+    "epoll_pwait2",
+    "epoll_wait",
+    "eventfd",
+    "eventfd2",
+    "execve",
+    "execveat",
+    "exit",
+    "exit_group",
+    "faccessat",
+    "faccessat2",
+    "fadvise64",
+    "fallocate",
+    "fchdir",
+    "fchmod",
+    "fchmodat",
+    "fchown",
+    "fchownat",
+    "fcntl",
+    "fdatasync",
+    "fgetxattr",
+    "flistxattr",
+    "flock",
+    "fork",
+    "fremovexattr",
+    "fsetxattr",
+    "fstat",
+    "fstatfs",
+    "fsync",
+    "ftruncate",
+    "futex",
+    "futex_waitv",
+    "futimesat",
+    "get_robust_list",
+    "get_thread_area",
+    "getcpu",
+    "getcwd",
+    "getdents",
+    "getdents64",
+    "getegid",
+    "geteuid",
+    "getgid",
+    "getgroups",
+    "getitimer",
+    "getpeername",
+    "getpgid",
+    "getpgrp",
+    "getpid",
+    "getppid",
+    "getpriority",
+    "getrandom",
+    "getresgid",
+    "getresuid",
+    "getrlimit",
+    "getrusage",
+    "getsid",
+    "getsockname",
+    "getsockopt",
+    "gettid",
+    "gettimeofday",
+    "getuid",
+    "getxattr",
+    "inotify_add_watch",
+    "inotify_init",
+    "inotify_init1",
+    "inotify_rm_watch",
+    "io_cancel",
+    "io_destroy",
+    "io_getevents",
+    "io_pgetevents",
+    "io_setup",
+    "io_submit",
+    "ioctl",
+    "ioprio_get",
+    "ioprio_set",
+    "kill",
+    "landlock_add_rule",
+    "landlock_create_ruleset",
+    "landlock_restrict_self",
+    "lchown",
+    "lgetxattr",
+    "link",
+    "linkat",
+    "listen",
+    "listxattr",
+    "llistxattr",
+    "lremovexattr",
+    "lseek",
+    "lsetxattr",
+    "lstat",
+    "madvise",
+    "membarrier",
+    "memfd_create",
+    "mincore",
+    "mkdir",
+    "mkdirat",
+    "mknod",
+    "mknodat",
+    "mlock",
+    "mlock2",
+    "mlockall",
+    "mmap",
+    "mprotect",
+    "mq_getsetattr",
+    "mq_notify",
+    "mq_open",
+    "mq_timedreceive",
+    "mq_timedsend",
+    "mq_unlink",
+    "mremap",
+    "msgctl",
+    "msgget",
+    "msgrcv",
+    "msgsnd",
+    "msync",
+    "munlock",
+    "munlockall",
+    "munmap",
+    "nanosleep",
+    "newfstatat",
+    "open",
+    "openat",
+    "openat2",
+    "pause",
+    "pidfd_open",
+    "pidfd_send_signal",
+    "pipe",
+    "pipe2",
+    "pkey_alloc",
+    "pkey_free",
+    "pkey_mprotect",
+    "poll",
+    "ppoll",
+    "prctl",
+    "pread64",
+    "preadv",
+    "preadv2",
+    "prlimit64",
+    "pselect6",
+    "pwrite64",
+    "pwritev",
+    "pwritev2",
+    "read",
+    "readahead",
+    "readlink",
+    "readlinkat",
+    "readv",
+    "recvfrom",
+    "recvmmsg",
+    "recvmsg",
+    "remap_file_pages",
+    "removexattr",
+    "rename",
+    "renameat",
+    "renameat2",
+    "restart_syscall",
+    "rmdir",
+    "rseq",
+    "rt_sigaction",
+    "rt_sigpending",
+    "rt_sigprocmask",
+    "rt_sigqueueinfo",
+    "rt_sigreturn",
+    "rt_sigsuspend",
+    "rt_sigtimedwait",
+    "rt_tgsigqueueinfo",
+    "sched_get_priority_max",
+    "sched_get_priority_min",
+    "sched_getaffinity",
+    "sched_getattr",
+    "sched_getparam",
+    "sched_getscheduler",
+    "sched_rr_get_interval",
+    "sched_setaffinity",
+    "sched_setattr",
+    "sched_setparam",
+    "sched_setscheduler",
+    "sched_yield",
+    "seccomp",
+    "select",
+    "semctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "sendfile",
+    "sendmmsg",
+    "sendmsg",
+    "sendto",
+    "set_robust_list",
+    "set_thread_area",
+    "set_tid_address",
+    "setfsgid",
+    "setfsuid",
+    "setgid",
+    "setgroups",
+    "setitimer",
+    "setpgid",
+    "setpriority",
+    "setregid",
+    "setresgid",
+    "setresuid",
+    "setreuid",
+    "setrlimit",
+    "setsid",
+    "setsockopt",
+    "setuid",
+    "setxattr",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "shmget",
+    "shutdown",
+    "sigaltstack",
+    "signalfd",
+    "signalfd4",
+    "socketpair",
+    "splice",
+    "stat",
+    "statfs",
+    "statx",
+    "symlink",
+    "symlinkat",
+    "sync",
+    "sync_file_range",
+    "syncfs",
+    "sysinfo",
+    "tee",
+    "tgkill",
+    "time",
+    "timer_create",
+    "timer_delete",
+    "timer_getoverrun",
+    "timer_gettime",
+    "timer_settime",
+    "timerfd_create",
+    "timerfd_gettime",
+    "timerfd_settime",
+    "times",
+    "tkill",
+    "truncate",
+    "umask",
+    "uname",
+    "unlink",
+    "unlinkat",
+    "utime",
+    "utimensat",
+    "utimes",
+    "vfork",
+    "vmsplice",
+    "wait4",
+    "waitid",
+    "write",
+    "writev",
+];
+
+/// clone flags that create namespaces: CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
+const CLONE_NAMESPACE_FLAGS: u64 =
+    0x0002_0000 | 0x0200_0000 | 0x0400_0000 | 0x0800_0000 | 0x1000_0000 | 0x2000_0000 | 0x4000_0000;
+/// personality() values ordinary programs use: PER_LINUX, UNAME26 and ADDR_NO_RANDOMIZE
+/// combinations, and the 0xffffffff query.
+const PERSONALITIES: &[u64] = &[0x0, 0x8, 0x20000, 0x20008, 0xffff_ffff];
+const AF_VSOCK: u64 = 40;
+const ENOSYS: u64 = 38;
+
+/// Our seccomp profile, as the JSON Docker takes in `security_opt: seccomp=…`.
+pub fn profile() -> String {
+    let arch = match std::env::consts::ARCH {
+        "aarch64" => "SCMP_ARCH_AARCH64",
+        _ => "SCMP_ARCH_X86_64",
+    };
+    let mut rules: Vec<Value> = vec![json!({ "names": ALLOWED, "action": "SCMP_ACT_ALLOW" })];
+    rules.push(json!({
+        "names": ["clone"],
+        "action": "SCMP_ACT_ALLOW",
+        "args": [{ "index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ" }],
+    }));
+    rules.push(json!({ "names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS }));
+    rules.push(json!({
+        "names": ["socket"],
+        "action": "SCMP_ACT_ALLOW",
+        "args": [{ "index": 0, "value": AF_VSOCK, "valueTwo": 0, "op": "SCMP_CMP_NE" }],
+    }));
+    for p in PERSONALITIES {
+        rules.push(json!({
+            "names": ["personality"],
+            "action": "SCMP_ACT_ALLOW",
+            "args": [{ "index": 0, "value": p, "valueTwo": 0, "op": "SCMP_CMP_EQ" }],
+        }));
+    }
+    json!({
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "defaultErrnoRet": 1,
+        "architectures": [arch],
+        "syscalls": rules,
+    })
+    .to_string()
+}
+
+/// What start-up learned of the engine.
+#[derive(Debug, Clone, Default)]
+pub struct EngineFacts {
+    /// Engine version, e.g. "20.10.24+dfsg1".
+    pub engine: String,
+    /// runc version, when the engine reports it.
+    pub runc: Option<String>,
+    /// Known problems, one line each.
+    pub warnings: Vec<String>,
+}
+
+/// Leading numeric parts of a version string: "1.1.5+ds1" → [1, 1, 5].
+fn numbers(v: &str) -> Vec<u64> {
+    v.trim_start_matches('v')
+        .split(|c: char| !c.is_ascii_digit() && c != '.')
+        .next()
+        .unwrap_or("")
+        .split('.')
+        .map_while(|p| p.parse().ok())
+        .collect()
+}
+
+fn older(v: &str, than: &[u64]) -> bool {
+    let n = numbers(v);
+    !n.is_empty() && n.as_slice() < than
+}
+
+/// Known escapes and gaps by version (security.md §4). Distributions backport fixes without
+/// changing the upstream number, so these are warnings, not verdicts.
+pub fn assess(engine: &str, runc: Option<&str>) -> Vec<String> {
+    let mut w = Vec::new();
+    if older(engine, &[25]) {
+        w.push(format!(
+            "Docker {engine} does not block io_uring in its default seccomp profile (fixed in 25.0); \
+             pyberth applies its own profile (--seccomp)"
+        ));
+    }
+    if older(engine, &[26]) {
+        w.push(format!(
+            "Docker {engine} is older than 26.0 (CVE-2024-29018: DNS of internal networks leaks); sandboxes use \
+             network none, which it does not affect"
+        ));
+    }
+    match runc {
+        Some(r) if older(r, &[1, 1, 12]) => w.push(format!(
+            "runc {r} is older than 1.1.12 (CVE-2024-21626, container escape) unless your distribution backported the fix"
+        )),
+        _ => {}
+    }
+    match runc {
+        Some(r) if older(r, &[1, 2, 8]) => w.push(format!(
+            "runc {r} is older than 1.2.8 (CVE-2024-45310, CVE-2025-31133, CVE-2025-52565, CVE-2025-52881); \
+             upgrade runc, or use gVisor (--runtime runsc) or user-namespace remapping"
+        )),
+        _ => {}
+    }
+    w
+}
+
+/// Checks the engine, logs what is known to be wrong with it, refuses to go on under
+/// `--strict-engine`, and sets the seccomp profile sandboxes get.
+pub async fn check(docker: &Docker, cfg: &mut SandboxConfig) -> anyhow::Result<EngineFacts> {
+    let version = docker.version().await?;
+    let engine = version.version.clone().unwrap_or_default();
+    let runc = version
+        .components
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.name.eq_ignore_ascii_case("runc"))
+        .map(|c| c.version);
+    let warnings = assess(&engine, runc.as_deref());
+    for w in &warnings {
+        tracing::warn!(target: "pyberth::engine", "{w}");
+    }
+    if cfg.strict_engine && !warnings.is_empty() {
+        anyhow::bail!(
+            "refusing to start under --strict-engine: {} (upgrade the engine, or drop --strict-engine)",
+            warnings.join("; ")
+        );
+    }
+    let ours = match cfg.seccomp {
+        SeccompMode::Auto => older(&engine, &[25]),
+        SeccompMode::Pyberth => true,
+        SeccompMode::Docker => false,
+    };
+    cfg.seccomp_profile = ours.then(profile);
+    if let Some(runtime) = &cfg.runtime {
+        let info = docker.info().await?;
+        let known = info.runtimes.unwrap_or_default();
+        if !known.contains_key(runtime) {
+            anyhow::bail!(
+                "the runtime {runtime:?} (--runtime) is not installed in this engine (it has: {}); \
+                 for gVisor run `runsc install` and restart dockerd",
+                known.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    Ok(EngineFacts { engine, runc, warnings })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_compare_by_their_numbers() {
+        assert_eq!(numbers("20.10.24+dfsg1"), vec![20, 10, 24]);
+        assert_eq!(numbers("1.1.5+ds1"), vec![1, 1, 5]);
+        assert_eq!(numbers("v1.2.8"), vec![1, 2, 8]);
+        assert!(older("20.10.24+dfsg1", &[25]));
+        assert!(!older("27.3.1", &[25]));
+        assert!(!older("garbage", &[25]), "unknown versions are not judged");
+        let w = assess("20.10.24+dfsg1", Some("1.1.5+ds1"));
+        assert!(w.iter().any(|l| l.contains("io_uring")) && w.iter().any(|l| l.contains("CVE-2024-21626")), "{w:?}");
+        assert!(assess("28.0.1", Some("1.3.3")).is_empty());
+    }
+
+    #[test]
+    fn the_profile_denies_io_uring_and_namespaces() {
+        let p: Value = serde_json::from_str(&profile()).expect("json");
+        assert_eq!(p["defaultAction"], "SCMP_ACT_ERRNO");
+        let allowed: Vec<&str> =
+            p["syscalls"][0]["names"].as_array().expect("names").iter().filter_map(Value::as_str).collect();
+        for denied in ["io_uring_setup", "io_uring_enter", "keyctl", "bpf", "unshare", "setns", "ptrace", "mount"] {
+            assert!(!allowed.contains(&denied), "{denied} must not be allowed");
+        }
+        assert!(allowed.contains(&"read") && allowed.contains(&"execve"));
+    }
+}

@@ -1,0 +1,227 @@
+//! Hostile code: resource exhaustion, output and protocol abuse, isolation probes. Every
+//! payload is followed by the four checks of security.md §2: the host is unaffected (the
+//! server still answers, nothing of ours is left after stop), a canary session answers
+//! within 2 s, the attacked session works or says it was recycled, and nothing is left behind.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::common::{Server, assert_cleaned_up, text};
+
+/// The canary session answers quickly.
+async fn canary(s: &Server) {
+    let t = Instant::now();
+    let sc = s.ok("canary", "print(1)").await;
+    assert_eq!(sc["stdout"], "1\n");
+    assert!(t.elapsed() < Duration::from_secs(2), "the canary took {:?}", t.elapsed());
+}
+
+/// Runs a payload, then checks that the session either works or said it was recycled, and
+/// that the canary answers.
+async fn survive(s: &Server, session: &str, code: &str, timeout_s: u64) -> Value {
+    let (r, sc) = s.run_with(json!({ "session": session, "code": code, "timeout_s": timeout_s })).await;
+    assert!(r.structured_content.is_some(), "a result, not a protocol error: {}", text(&r));
+    let after = s.run_with(json!({ "session": session, "code": "print('ok')" })).await.1;
+    assert_eq!(after["stdout"], "ok\n", "the session works after {code:?}: {after}");
+    if sc["state_lost"] == true {
+        assert!(
+            !sc["notices"].as_array().is_some_and(Vec::is_empty) || sc["status"] != "ok",
+            "recycling is said: {sc}"
+        );
+    }
+    canary(s).await;
+    sc
+}
+
+fn result(sc: &Value) -> &str {
+    sc["result"].as_str().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn resource_exhaustion_is_contained() {
+    let s = Server::start("exhaust", &[]).await;
+    canary(&s).await;
+    let threads = "import threading, time\nts = []\nerr = None\ntry:\n    for i in range(5000):\n        \
+                   t = threading.Thread(target=time.sleep, args=(1,)); t.start(); ts.append(t)\n\
+                   except RuntimeError as e:\n    err = 'RuntimeError'\n(len(ts) < 5000, err)";
+    assert_eq!(result(&survive(&s, "x", threads, 30).await), "(True, 'RuntimeError')", "thread bomb");
+    let alloc = "try:\n    b = bytearray(1 << 40)\n    r = 'allocated'\nexcept MemoryError:\n    r = 'MemoryError'\nr";
+    assert_eq!(result(&survive(&s, "x", alloc, 30).await), "'MemoryError'", "one huge allocation");
+    let recursion =
+        "def f(n):\n    return f(n + 1)\ntry:\n    f(0)\nexcept RecursionError:\n    r = 'RecursionError'\nr";
+    assert_eq!(result(&survive(&s, "x", recursion, 30).await), "'RecursionError'");
+    // Past the interpreter's guard, the C stack overflows: the interpreter dies and comes back.
+    let crash = "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)";
+    let sc = survive(&s, "x", crash, 30).await;
+    assert_eq!(sc["state_lost"], true, "{sc}");
+    let fds = "import errno\nfs = []\ntry:\n    while True:\n        fs.append(open('/dev/null'))\nexcept OSError as e:\n    \
+               r = errno.errorcode[e.errno]\nfor f in fs:\n    f.close()\n(r, len(fs) < 2000)";
+    assert_eq!(result(&survive(&s, "x", fds, 30).await), "('EMFILE', True)", "fd exhaustion");
+    let tmp = "import errno, os\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        while True:\n            \
+               f.write(b'x' * (1 << 20))\nexcept OSError as e:\n    r = errno.errorcode[e.errno]\nos.remove('/tmp/fill')\nr";
+    assert_eq!(result(&survive(&s, "x", tmp, 60).await), "'ENOSPC'", "/tmp fill");
+    let inodes = "import errno, os, shutil\nos.makedirs('/tmp/i', exist_ok=True)\nn = 0\ntry:\n    while True:\n        \
+                  open(f'/tmp/i/{n}', 'w').close(); n += 1\nexcept OSError as e:\n    r = errno.errorcode[e.errno]\n\
+                  shutil.rmtree('/tmp/i')\n(r, n < 20000)";
+    assert_eq!(result(&survive(&s, "x", inodes, 60).await), "('ENOSPC', True)", "inode fill");
+    let big = "import errno\ntry:\n    with open('big', 'wb') as f:\n        f.seek((1 << 30) + 10)\n        f.write(b'x')\n\
+               except OSError as e:\n    r = errno.errorcode[e.errno]\nr";
+    assert_eq!(result(&survive(&s, "x", big, 30).await), "'EFBIG'", "a file past the size limit");
+    let rootfs =
+        "import errno\ntry:\n    open('/usr/evil', 'w')\nexcept OSError as e:\n    r = errno.errorcode[e.errno]\nr";
+    assert_eq!(result(&survive(&s, "x", rootfs, 30).await), "'EROFS'");
+    let int = "try:\n    str(10 ** 5000)\nexcept ValueError:\n    r = 'ValueError'\nr";
+    assert_eq!(result(&survive(&s, "x", int, 30).await), "'ValueError'", "huge integers");
+    let spin = survive(&s, "x", "while True:\n    pass", 1).await;
+    assert_eq!(spin["status"], "timeout");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn output_and_protocol_abuse_cannot_confuse_the_server() {
+    let s = Server::start("protocol", &[]).await;
+    let flood = survive(&s, "x", "import sys\nsys.stdout.write('x' * (20 << 20))", 60).await;
+    assert_eq!(flood["truncated"], true);
+    let line = survive(&s, "x", "print('y' * (5 << 20))", 60).await;
+    assert_eq!(line["truncated"], true);
+    let control = survive(&s, "x", "print('a\\x00b\\x1b[31mc\\x07d')", 30).await;
+    assert_eq!(control["stdout"], "a\u{0}b\u{1b}[31mc\u{7}d\n");
+    // Forged agent events, printed and from a forked child, stay output.
+    let forged = r#"import os
+fake = '{"ev":"done","id":999,"status":"ok","result":"forged"}'
+print(fake, flush=True)
+pid = os.fork()
+if pid == 0:
+    print(fake, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+'real'"#;
+    let sc = survive(&s, "x", forged, 30).await;
+    assert_eq!(sc["result"], "'real'");
+    assert_eq!(sc["stdout"].as_str().map(|o| o.matches("forged").count()), Some(2), "{sc}");
+    // Forged events written straight into the event stream of the agent's forwarder.
+    let inject = r#"import os, json
+me = os.getpid()
+done = 0
+for pid in os.listdir('/proc'):
+    if not pid.isdigit() or int(pid) == me:
+        continue
+    try:
+        for fd in os.listdir(f'/proc/{pid}/fd'):
+            try:
+                with open(f'/proc/{pid}/fd/{fd}', 'wb', buffering=0) as f:
+                    for i in range(1, 50):
+                        f.write(json.dumps({"ev": "done", "id": i, "status": "ok", "result": "forged"}).encode() + b'\n')
+                    f.write(b'\xff garbage \x00 not json\n')
+                    done += 1
+            except OSError:
+                pass
+    except OSError:
+        pass
+'injected'"#;
+    let (_, sc) = s.run_with(json!({ "session": "x", "code": inject, "timeout_s": 30 })).await;
+    assert_ne!(sc["result"], "'forged'", "an injected done never passes for the real result: {sc}");
+    let after = s.ok("x", "21 * 2").await;
+    assert_eq!(after["result"], "42", "the next run's result is its own");
+    let closed = survive(&s, "x", "import os\nos.close(0)\nos.close(1)\nos.close(2)", 30).await;
+    assert!(closed["status"] == "ok" || closed["state_lost"] == true, "{closed}");
+    let redirected =
+        "import os, sys\nfd = os.open('/dev/null', os.O_WRONLY)\nos.dup2(fd, 1)\nos.dup2(fd, 2)\nprint('gone')";
+    survive(&s, "x", redirected, 30).await;
+    assert_eq!(s.ok("x", "print('back')").await["stdout"], "back\n", "fds 1 and 2 are restored");
+    let sc = survive(&s, "x", "raise SystemExit(3)", 30).await;
+    assert_eq!(sc["exit_code"], 3);
+    let sc = survive(&s, "x", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", 30).await;
+    assert_eq!(sc["state_lost"], true);
+    let zombies = r#"import os, time, subprocess
+for _ in range(20):
+    if os.fork() == 0:
+        os._exit(0)
+subprocess.run(['sh', '-c', 'sleep 0.2 & exit 0'])
+time.sleep(1)
+def state(p):
+    try:
+        return open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0]
+    except OSError:
+        return '?'
+zs = [p for p in os.listdir('/proc') if p.isdigit() and state(p) == 'Z']
+while True:
+    try:
+        if os.waitpid(-1, os.WNOHANG) == (0, 0):
+            break
+    except ChildProcessError:
+        break
+orphans = [p for p in os.listdir('/proc') if p.isdigit() and state(p) == 'Z']
+len(orphans)"#;
+    let sc = survive(&s, "x", zombies, 30).await;
+    assert_eq!(sc["result"], "0", "the code's own zombies are its to reap; orphans are reaped by init");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn isolation_probes_find_nothing() {
+    let s = Server::start("probes", &[("AWS_SECRET_ACCESS_KEY", "do-not-leak")]).await;
+    s.ok("other", "open('marker-of-other', 'w').write('secret')").await;
+    let probes = r#"import ctypes, errno, os, signal, socket
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+def err(f):
+    try:
+        f()
+        return 'allowed'
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+    except Exception as e:
+        return type(e).__name__
+def sys_call(nr, *args):
+    r = libc.syscall(nr, *args)
+    return 'allowed' if r >= 0 else errno.errorcode.get(ctypes.get_errno(), '?')
+out['io_uring'] = sys_call(425, 8, ctypes.create_string_buffer(120))
+out['unshare_user'] = sys_call(272, 0x10000000)
+out['keyctl'] = sys_call(250, 0, 0, 0, 0, 0)
+out['ip'] = err(lambda: socket.create_connection(('1.1.1.1', 53), timeout=2))
+out['metadata'] = err(lambda: socket.create_connection(('169.254.169.254', 80), timeout=2))
+out['dns'] = err(lambda: socket.getaddrinfo('pypi.org', 443))
+out['vsock'] = err(lambda: socket.socket(40, socket.SOCK_STREAM))
+out['docker_sock'] = os.path.exists('/var/run/docker.sock') or os.path.exists('/run/docker.sock')
+out['proc_sys'] = err(lambda: open('/proc/sys/kernel/hostname', 'w').write('x'))
+out['sys'] = err(lambda: open('/sys/kernel/uevent_helper', 'w').write('x'))
+out['kill_init'] = err(lambda: os.kill(1, signal.SIGTERM))
+out['setuid'] = err(lambda: os.setuid(0))
+status = open('/proc/self/status').read()
+out['caps'] = [l.split()[1] for l in status.splitlines() if l.startswith('CapEff')][0]
+out['suid_files'] = [os.path.join(d, f) for d, _, fs in os.walk('/usr') for f in fs
+                     if os.path.isfile(os.path.join(d, f)) and os.stat(os.path.join(d, f)).st_mode & 0o6000][:3]
+out['secret'] = 'AWS_SECRET_ACCESS_KEY' in os.environ
+out['other'] = [d for d, _, fs in os.walk('/') if 'marker-of-other' in fs and not d.startswith('/proc')][:3]
+out"#;
+    let sc = s.ok("x", probes).await;
+    let r = result(&sc).to_owned();
+    for want in [
+        "'io_uring': 'EPERM'",
+        "'unshare_user': 'EPERM'",
+        "'keyctl': 'EPERM'",
+        "'ip': 'ENETUNREACH'",
+        "'metadata': 'ENETUNREACH'",
+        "'docker_sock': False",
+        "'kill_init': 'EPERM'",
+        "'setuid': 'EPERM'",
+        "'caps': '0000000000000000'",
+        "'suid_files': []",
+        "'secret': False",
+        "'other': []",
+    ] {
+        assert!(r.contains(want), "missing {want} in {r}");
+    }
+    for written in ["'proc_sys': 'allowed'", "'sys': 'allowed'", "'dns': 'allowed'", "'vsock': 'allowed'"] {
+        assert!(!r.contains(written), "{written} in {r}");
+    }
+    // A broadcast kill reaches only the code's own processes: the container survives.
+    let sc = survive(&s, "x", "import os, signal\nos.kill(-1, signal.SIGKILL)", 30).await;
+    assert_eq!(sc["state_lost"], true);
+    assert_eq!(s.ok("other", "open('marker-of-other').read()").await["result"], "'secret'");
+    let instance = s.instance.clone();
+    s.stop().await;
+    assert_cleaned_up(&instance).await;
+}
