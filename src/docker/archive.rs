@@ -239,6 +239,65 @@ pub async fn download_changed(
     }
 }
 
+/// Downloads `rel` (a checked workspace path, "." for all) from container `id` as a tar of
+/// its regular files and directories, at most `cap` bytes of content. Entries are renamed
+/// relative to the workspace; links, devices and anything outside are left out.
+pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: u64) -> Result<(Vec<u8>, Moved), String> {
+    let src = if rel == "." { WORKSPACE.to_owned() } else { format!("{WORKSPACE}/{rel}") };
+    let opts = DownloadFromContainerOptionsBuilder::default().path(&src).build();
+    let mut stream = docker.download_from_container(id, Some(opts));
+    let mut raw = Vec::new();
+    // The archive carries headers and padding besides content: allow for them, then check.
+    let raw_cap = cap + cap / 4 + (1 << 20);
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| match e {
+            bollard::errors::Error::DockerResponseServerError { status_code: 404, .. } => {
+                format!("{rel} does not exist in the workspace")
+            }
+            e => format!("cannot download {rel}: {e}"),
+        })?;
+        raw.extend_from_slice(&chunk);
+        if raw.len() as u64 > raw_cap {
+            return Err(format!("{rel} holds more than {} MiB: download a smaller directory", cap >> 20));
+        }
+    }
+    // The API names entries after the last component of the source; re-root them at `rel`.
+    let top = Path::new(&src).file_name().map(PathBuf::from).unwrap_or_default();
+    let base = if rel == "." { PathBuf::new() } else { PathBuf::from(rel) };
+    let mut out = tar::Builder::new(Vec::new());
+    let mut moved = Moved::default();
+    let mut ar = tar::Archive::new(&raw[..]);
+    for entry in ar.entries().map_err(|e| format!("bad archive: {e}"))? {
+        let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
+        let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
+        let Ok(inner) = path.strip_prefix(&top) else { continue };
+        let name = base.join(inner);
+        if name.as_os_str().is_empty() || !safe_relative(&name) {
+            continue;
+        }
+        let kind = entry.header().entry_type();
+        if kind != tar::EntryType::Regular && kind != tar::EntryType::Directory {
+            continue;
+        }
+        let mut header = entry.header().clone();
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mode(header.mode().unwrap_or(0o644) & 0o777);
+        if kind == tar::EntryType::Regular {
+            moved.files += 1;
+            moved.bytes += header.size().unwrap_or(0);
+            if moved.bytes > cap {
+                return Err(format!("{rel} holds more than {} MiB: download a smaller directory", cap >> 20));
+            }
+        }
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data).map_err(|e| format!("bad archive entry: {e}"))?;
+        out.append_data(&mut header, &name, &data[..]).map_err(|e| format!("cannot pack {}: {e}", name.display()))?;
+    }
+    let tar = out.into_inner().map_err(|e| format!("cannot pack: {e}"))?;
+    Ok((tar, moved))
+}
+
 fn unpack_changed(
     reader: impl Read,
     dest: &Path,

@@ -26,6 +26,7 @@ mod envs;
 mod files;
 mod jobs;
 mod live;
+mod transfer;
 
 use std::collections::BTreeMap;
 
@@ -428,7 +429,11 @@ impl SandboxServer {
             registry,
             cfg,
             log_level: Arc::default(),
-            tool_router: Self::tool_router() + Self::files_router() + Self::jobs_router() + Self::envs_router(),
+            tool_router: Self::tool_router()
+                + Self::files_router()
+                + Self::jobs_router()
+                + Self::envs_router()
+                + Self::transfer_router(),
         }
     }
 

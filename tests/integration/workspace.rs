@@ -218,3 +218,71 @@ async fn every_figure_comes_back_as_an_image() {
     assert_eq!(sc["images"], 1);
     s.stop().await;
 }
+
+fn tar_of(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, kind, data) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(*kind);
+        h.set_mode(0o644);
+        if *kind == tar::EntryType::Symlink {
+            h.set_size(0);
+            b.append_link(&mut h, path, data).expect("link");
+        } else {
+            h.set_size(data.len() as u64);
+            let name = path.as_bytes();
+            h.as_old_mut().name[..name.len()].copy_from_slice(name);
+            h.set_cksum();
+            b.append(&h, data.as_bytes()).expect("append");
+        }
+    }
+    b.into_inner().expect("tar")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn directories_move_in_and_out_as_tar_archives() {
+    let s = Server::start("archives", &[]).await;
+    let tar = tar_of(&[
+        ("proj/", tar::EntryType::Directory, ""),
+        ("proj/a.txt", tar::EntryType::Regular, "alpha"),
+        ("proj/pkg/mod.py", tar::EntryType::Regular, "VALUE = 7\n"),
+        ("proj/empty.txt", tar::EntryType::Regular, ""),
+        ("proj/link", tar::EntryType::Symlink, "/etc/passwd"),
+        ("../evil.txt", tar::EntryType::Regular, "evil"),
+    ]);
+    let r = s.call("upload_archive", json!({ "archive": b64(&tar), "path": "in" })).await;
+    let sc = r.structured_content.clone().expect("sc");
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["files"], 3);
+    assert_eq!(sc["skipped"].as_array().map(Vec::len), Some(2), "{sc}");
+    let sc = s.ok("default", "import os, sys\nsys.path.insert(0, 'in/proj/pkg')\nimport mod\n(open('in/proj/a.txt').read(), mod.VALUE, os.stat('in/proj/a.txt').st_uid)").await;
+    assert_eq!(sc["result"], "('alpha', 7, 1000)", "files land as the code's own");
+    s.ok("default", "import os\nos.symlink('/etc/passwd', 'in/proj/pw')\nos.symlink('/tmp', 'escape')").await;
+
+    let r = s.call("download_archive", json!({ "path": "in/proj" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = r.structured_content.expect("sc");
+    let data = base64::engine::general_purpose::STANDARD.decode(sc["archive"].as_str().expect("archive")).expect("b64");
+    let mut names = Vec::new();
+    for e in tar::Archive::new(&data[..]).entries().expect("tar") {
+        let mut e = e.expect("entry");
+        let name = e.path().expect("path").to_string_lossy().into_owned();
+        let mut body = String::new();
+        std::io::Read::read_to_string(&mut e, &mut body).expect("read");
+        names.push((name, body));
+    }
+    assert!(names.contains(&("in/proj/a.txt".to_owned(), "alpha".to_owned())), "{names:?}");
+    assert!(names.iter().all(|(n, _)| !n.ends_with("pw")), "links are left out: {names:?}");
+    assert_eq!(sc["files"], 3);
+
+    // Unpacking through a link the code made is refused: nothing lands in /tmp.
+    let tar = tar_of(&[("planted.txt", tar::EntryType::Regular, "x")]);
+    let r = s.call("upload_archive", json!({ "archive": b64(&tar), "path": "escape" })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    assert_eq!(s.ok("default", "import os\nos.path.exists('/tmp/planted.txt')").await["result"], "False");
+    let r = s.call("download_archive", json!({ "path": "missing" })).await;
+    assert!(text(&r).contains("does not exist"), "{}", text(&r));
+    let r = s.call("upload_archive", json!({ "archive": "not base64!" })).await;
+    assert_eq!(r.is_error, Some(true));
+    s.stop().await;
+}
