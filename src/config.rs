@@ -122,6 +122,11 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_MAX_PACKAGES", default_value_t = 50)]
     pub max_packages: usize,
 
+    /// Started, hardened containers kept ready for new sessions of the default environment
+    /// (0 disables the warm pool).
+    #[arg(long, env = "PYBERTH_POOL_SIZE", default_value_t = 2)]
+    pub pool_size: usize,
+
     /// Runs (foreground and jobs) one caller may have going at once, across its sessions.
     #[arg(long, env = "PYBERTH_MAX_RUNS_PER_CALLER", default_value_t = 8)]
     pub max_runs_per_caller: usize,

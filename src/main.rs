@@ -144,8 +144,9 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    // `pyberth run` shares stderr with the program it runs: only warnings of our own there.
-    let default_level = if matches!(cli.command, Command::Run(_)) { "warn" } else { "info" };
+    // `pyberth run` shares stderr with the program it runs: only errors of our own there (its
+    // notices come as [pyberth] lines).
+    let default_level = if matches!(cli.command, Command::Run(_)) { "error" } else { "info" };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -238,7 +239,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     let docker = docker::connect(cfg.docker_host.as_deref())
         .await
         .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
-    docker::engine::check(&docker, &mut cfg).await?;
+    docker::engine::check(&docker, &mut cfg, true).await?;
     let cfg = Arc::new(cfg);
     let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
         .with_context(|| format!("cannot take an instance lock in {}", cfg.state_dir().display()))?;
@@ -251,6 +252,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let tasks = tokio_util::task::TaskTracker::new();
     tasks.spawn(registry.clone().reaper(shutdown.clone()));
+    tasks.spawn(registry.clone().pool_keeper(shutdown.clone()));
     // Find or build the image now, so the first call does not wait for it.
     let warm = registry.clone();
     tasks.spawn(async move {

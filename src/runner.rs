@@ -237,7 +237,7 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
         .await
         .map_err(|e| infra(format!("cannot reach the Docker engine (is it running? is DOCKER_HOST right?): {e}")))?;
     let mut cfg = cfg.clone();
-    docker::engine::check(&docker, &mut cfg).await.map_err(|e| infra(format!("{e:#}")))?;
+    docker::engine::check(&docker, &mut cfg, false).await.map_err(|e| infra(format!("{e:#}")))?;
     let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
         .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", cfg.state_dir().display())))?;
     let cfg = Arc::new(cfg);

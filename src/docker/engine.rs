@@ -400,9 +400,10 @@ pub fn assess(engine: &str, runc: Option<&str>) -> Vec<String> {
     w
 }
 
-/// Checks the engine, logs what is known to be wrong with it, refuses to go on under
+/// Checks the engine, logs what is known to be wrong with it (as warnings when `announce`,
+/// else at debug level: `pyberth run` shares stderr with the program), refuses to go on under
 /// `--strict-engine`, and sets the seccomp profile sandboxes get.
-pub async fn check(docker: &Docker, cfg: &mut SandboxConfig) -> anyhow::Result<EngineFacts> {
+pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> anyhow::Result<EngineFacts> {
     let version = docker.version().await?;
     let engine = version.version.clone().unwrap_or_default();
     let runc = version
@@ -413,7 +414,11 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig) -> anyhow::Result<E
         .map(|c| c.version);
     let warnings = assess(&engine, runc.as_deref());
     for w in &warnings {
-        tracing::warn!(target: "pyberth::engine", "{w}");
+        if announce {
+            tracing::warn!(target: "pyberth::engine", "{w}");
+        } else {
+            tracing::debug!(target: "pyberth::engine", "{w}");
+        }
     }
     if cfg.strict_engine && !warnings.is_empty() {
         anyhow::bail!(

@@ -270,6 +270,64 @@ pub struct Naming {
     pub environment: String,
 }
 
+/// Attaches the agent in `inner`'s container and waits for its greeting.
+async fn greet(docker: &Docker, inner: &mut Inner, name: &str) -> Result<(), Error> {
+    let attached = exec::attach_agent(docker, &inner.container.id).await?;
+    let mut agent =
+        Agent { exec_id: attached.id, input: attached.input, output: attached.output, decoder: LineDecoder::default() };
+    let hello = tokio::time::timeout(HELLO_TIMEOUT, agent.next_event())
+        .await
+        .map_err(|_| Error::AgentTimeout(HELLO_TIMEOUT))?;
+    match hello {
+        Ok(Some(Event::Hello { protocol, python, pid })) if protocol == PROTOCOL_VERSION => {
+            tracing::debug!(session = %name, %python, pid, "agent ready");
+            inner.python = python;
+            inner.agent = Some(agent);
+            Ok(())
+        }
+        Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(
+            "agent protocol {protocol}, server protocol {PROTOCOL_VERSION}: rebuild the image with `pyberth image build`"
+        ))),
+        Ok(Some(other)) => Err(Error::AgentStart(format!("unexpected first event {other:?}"))),
+        Ok(None) => {
+            let code = exec::exit_code(docker, &agent.exec_id).await;
+            Err(Error::AgentStart(format!("the agent exited at start (exit code {code:?})")))
+        }
+        Err(ReadError::Skippable(e)) => Err(Error::AgentStart(e.to_string())),
+        Err(ReadError::Fatal(e)) => Err(Error::AgentStart(e)),
+    }
+}
+
+/// A started container whose agent has greeted, not yet anyone's session (the warm pool).
+pub struct Prepared {
+    inner: Inner,
+}
+
+impl Prepared {
+    /// Creates a container under `label` and starts its agent.
+    pub async fn make(
+        docker: &Docker,
+        cfg: &SandboxConfig,
+        image: &str,
+        owner: &Owner,
+        label: &str,
+        principal: &str,
+    ) -> Result<Self, Error> {
+        let created = container::create(docker, cfg, image, owner, label, principal).await?;
+        let mut inner = Inner { container: created.clone(), agent: None, python: String::new(), next_id: 0 };
+        if let Err(e) = greet(docker, &mut inner, label).await {
+            container::destroy(docker, &created).await;
+            return Err(e);
+        }
+        Ok(Self { inner })
+    }
+
+    /// Removes its container and volumes.
+    pub async fn destroy(self, docker: &Docker) {
+        container::destroy(docker, &self.inner.container).await;
+    }
+}
+
 impl Session {
     /// Creates the container and starts the agent.
     pub async fn start(
@@ -280,10 +338,25 @@ impl Session {
         naming: Naming,
         packages: Vec<String>,
     ) -> Result<Arc<Self>, Error> {
+        let prepared = Prepared::make(&docker, &cfg, &image, &owner, &naming.name, &naming.principal).await?;
+        Ok(Self::adopt(docker, cfg, image, owner, naming, packages, prepared))
+    }
+
+    /// Makes a prepared container someone's session.
+    #[allow(clippy::too_many_arguments)] // the parts of a session, each needed once
+    pub fn adopt(
+        docker: Docker,
+        cfg: Arc<SandboxConfig>,
+        image: String,
+        owner: Owner,
+        naming: Naming,
+        packages: Vec<String>,
+        prepared: Prepared,
+    ) -> Arc<Self> {
         let Naming { name, principal, environment } = naming;
-        let created = container::create(&docker, &cfg, &image, &owner, &name, &principal).await?;
+        let created = prepared.inner.container.clone();
         tracing::info!(session = %name, container = %short(&created.id), "session created");
-        let session = Arc::new(Self {
+        Arc::new(Self {
             name,
             principal,
             environment,
@@ -291,13 +364,8 @@ impl Session {
             cfg,
             image,
             owner,
-            inner: tokio::sync::Mutex::new(Inner {
-                container: created.clone(),
-                agent: None,
-                python: String::new(),
-                next_id: 0,
-            }),
-            container: std::sync::Mutex::new(created.clone()),
+            inner: tokio::sync::Mutex::new(prepared.inner),
+            container: std::sync::Mutex::new(created),
             last_used: std::sync::Mutex::new(Instant::now()),
             created: SystemTime::now(),
             runs: AtomicU64::new(0),
@@ -306,16 +374,7 @@ impl Session {
             packages: std::sync::Mutex::new(packages.into_iter().collect()),
             env: std::sync::Mutex::new(BTreeMap::new()),
             waiting: AtomicUsize::new(0),
-        });
-        let started = {
-            let mut inner = session.inner.lock().await;
-            session.start_agent(&mut inner).await
-        };
-        if let Err(e) = started {
-            container::destroy(&session.docker, &created).await;
-            return Err(e);
-        }
-        Ok(session)
+        })
     }
 
     fn touch(&self) {
@@ -365,34 +424,7 @@ impl Session {
     }
 
     async fn start_agent(&self, inner: &mut Inner) -> Result<(), Error> {
-        let attached = exec::attach_agent(&self.docker, &inner.container.id).await?;
-        let mut agent = Agent {
-            exec_id: attached.id,
-            input: attached.input,
-            output: attached.output,
-            decoder: LineDecoder::default(),
-        };
-        let hello = tokio::time::timeout(HELLO_TIMEOUT, agent.next_event())
-            .await
-            .map_err(|_| Error::AgentTimeout(HELLO_TIMEOUT))?;
-        match hello {
-            Ok(Some(Event::Hello { protocol, python, pid })) if protocol == PROTOCOL_VERSION => {
-                tracing::debug!(session = %self.name, %python, pid, "agent ready");
-                inner.python = python;
-                inner.agent = Some(agent);
-                Ok(())
-            }
-            Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(
-                "agent protocol {protocol}, server protocol {PROTOCOL_VERSION}: rebuild the image with `pyberth image build`"
-            ))),
-            Ok(Some(other)) => Err(Error::AgentStart(format!("unexpected first event {other:?}"))),
-            Ok(None) => {
-                let code = exec::exit_code(&self.docker, &agent.exec_id).await;
-                Err(Error::AgentStart(format!("the agent exited at start (exit code {code:?})")))
-            }
-            Err(ReadError::Skippable(e)) => Err(Error::AgentStart(e.to_string())),
-            Err(ReadError::Fatal(e)) => Err(Error::AgentStart(e)),
-        }
+        greet(&self.docker, inner, &self.name).await
     }
 
     /// Makes sure an agent is running, restarting it (or the whole container) if needed.

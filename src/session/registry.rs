@@ -65,6 +65,10 @@ pub struct Registry {
     pub jobs: super::jobs::Jobs,
     /// Run slots per principal.
     runs: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    /// The warm pool: started containers of the default environment, each handed out once.
+    pool: Mutex<Vec<super::Prepared>>,
+    /// Wakes the pool keeper when a container was taken.
+    pool_wake: tokio::sync::Notify,
 }
 
 /// What an install did.
@@ -95,6 +99,8 @@ impl Registry {
             installs: Mutex::new(HashMap::new()),
             jobs: super::jobs::Jobs::default(),
             runs: Mutex::new(HashMap::new()),
+            pool: Mutex::new(Vec::new()),
+            pool_wake: tokio::sync::Notify::new(),
         })
     }
 
@@ -240,20 +246,22 @@ impl Registry {
                     self.layer(&env, &all, progress).await?.tag
                 };
                 created = true;
-                Session::start(
-                    self.docker.clone(),
-                    env.cfg.clone(),
-                    image,
-                    self.instance.owner.clone(),
-                    super::Naming {
-                        name: name.to_owned(),
-                        principal: principal.to_owned(),
-                        environment: env.name.clone(),
-                    },
-                    all,
-                )
-                .await
-                .map_err(Error::from)
+                let naming = super::Naming {
+                    name: name.to_owned(),
+                    principal: principal.to_owned(),
+                    environment: env.name.clone(),
+                };
+                if all.is_empty() && env.name == self.environments.default_name() {
+                    let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                    if let Some(prepared) = taken {
+                        self.pool_wake.notify_one();
+                        let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
+                        return Ok(Session::adopt(docker, env.cfg.clone(), image, owner, naming, all, prepared));
+                    }
+                }
+                Session::start(self.docker.clone(), env.cfg.clone(), image, self.instance.owner.clone(), naming, all)
+                    .await
+                    .map_err(Error::from)
             })
             .await
             .cloned();
@@ -356,8 +364,54 @@ impl Registry {
         })
     }
 
+    /// Keeps the warm pool full until `shutdown` fires, making one container at a time so
+    /// refills never crowd out running sessions; then removes what is left in the pool.
+    pub async fn pool_keeper(self: Arc<Self>, shutdown: CancellationToken) {
+        let size = self.cfg.pool_size;
+        let mut serial = 0u64;
+        while size > 0 && !shutdown.is_cancelled() {
+            let missing = size.saturating_sub(self.pool.lock().unwrap_or_else(|e| e.into_inner()).len());
+            if missing == 0 {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = self.pool_wake.notified() => continue,
+                }
+            }
+            serial += 1;
+            let label = format!("pool-{serial}");
+            let made = async {
+                let env = self.environments.get(None).map_err(Error::Environment)?;
+                let image = self.image(&env, &|_| {}).await?;
+                super::Prepared::make(&self.docker, &env.cfg, &image, &self.instance.owner, &label, "")
+                    .await
+                    .map_err(Error::from)
+            };
+            let made = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                m = made => m,
+            };
+            match made {
+                Ok(p) => self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot fill the warm pool; retrying in 10 s");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+                    }
+                }
+            }
+        }
+        self.drain_pool().await;
+    }
+
+    async fn drain_pool(&self) {
+        let left: Vec<super::Prepared> = std::mem::take(&mut *self.pool.lock().unwrap_or_else(|e| e.into_inner()));
+        futures::future::join_all(left.into_iter().map(|p| p.destroy(&self.docker))).await;
+    }
+
     /// Closes every session, then removes anything of ours still labelled (belt and braces).
     pub async fn shutdown(&self) {
+        self.drain_pool().await;
         self.jobs.shutdown().await;
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;

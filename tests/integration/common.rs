@@ -84,6 +84,8 @@ impl Server {
             .env("PYBERTH_INSTANCE", instance)
             .env("PYBERTH_STATE_DIR", &state_dir)
             .env("RUST_LOG", "pyberth=debug,info")
+            // Tests count containers exactly; the pool has its own test and opts in.
+            .env("PYBERTH_POOL_SIZE", "0")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

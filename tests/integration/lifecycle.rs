@@ -1,4 +1,4 @@
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -133,4 +133,47 @@ async fn a_killed_container_is_replaced_and_the_caller_is_told() {
     assert_eq!(now.len(), 1, "the old container was removed");
     assert_ne!(now[0].id.as_deref(), Some(old.as_str()));
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_warm_pool_hands_each_container_to_one_session_and_refills() {
+    let s = Server::start("pool", &[("PYBERTH_POOL_SIZE", "2")]).await;
+    let ids = |list: &[bollard::models::ContainerSummary]| -> Vec<String> {
+        list.iter().filter_map(|c| c.id.clone()).collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let pooled = loop {
+        let list = containers_of(&s.instance).await;
+        if list.len() == 2 {
+            break ids(&list);
+        }
+        assert!(Instant::now() < deadline, "the pool did not fill: {} containers", list.len());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut hosts = Vec::new();
+    let mut ready = pooled;
+    for (n, session) in ["a", "b"].into_iter().enumerate() {
+        let sc = s.ok(session, "import socket\nsocket.gethostname()").await;
+        let host = sc["result"].as_str().expect("hostname").trim_matches('\'').to_owned();
+        assert!(ready.iter().any(|id| id.starts_with(&host)), "session {session} got a container made before it");
+        hosts.push(host);
+        // The pool refills to two beside the sessions, one container at a time.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let list = containers_of(&s.instance).await;
+            if list.len() == n + 3 {
+                ready = ids(&list);
+                break;
+            }
+            assert!(Instant::now() < deadline, "the pool did not refill: {} containers", list.len());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    assert_ne!(hosts[0], hosts[1], "a pooled container goes to one session only");
+    // The adopted container is a working session.
+    let sc = s.ok("a", "x = 41\nx + 1").await;
+    assert_eq!(sc["result"], "42");
+    let instance = s.instance.clone();
+    s.stop().await;
+    assert_cleaned_up(&instance).await;
 }
