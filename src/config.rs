@@ -201,7 +201,11 @@ impl SandboxConfig {
         )?;
         check(self.idle_ttl_s >= 1, "--idle-ttl-s", "must be at least 1")?;
         check(self.max_sessions >= 1, "--max-sessions", "must be at least 1")?;
-        check(self.output_cap >= 1024, "--output-cap", "must be at least 1024")?;
+        check(
+            self.output_cap >= 1024 && self.output_cap <= 4 << 20,
+            "--output-cap",
+            "must be between 1024 and 4 MiB (a result must fit one MCP message; write more to a file)",
+        )?;
         check(self.code_cap >= 1 && self.code_cap <= 16 << 20, "--code-cap", "must be between 1 and 16 MiB")?;
         check(
             self.fallback_release.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),

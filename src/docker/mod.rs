@@ -27,7 +27,7 @@ pub const LABEL_IMAGE: &str = "pyberth.image";
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The engine answered with an error or could not be reached.
-    #[error("docker: {0}")]
+    #[error("{}", describe(.0))]
     Engine(#[from] bollard::errors::Error),
     /// `DOCKER_HOST` names a transport this build does not speak.
     #[error("unsupported DOCKER_HOST {0:?}: use unix:///path/to/docker.sock or tcp://host:port")]
@@ -50,6 +50,22 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Says plainly when the engine itself is away (stopped, restarting, socket gone), so a caller
+/// knows to retry later rather than to change its request.
+fn describe(e: &bollard::errors::Error) -> String {
+    use bollard::errors::Error as B;
+    match e {
+        B::IOError { .. }
+        | B::HyperResponseError { .. }
+        | B::HyperLegacyError { .. }
+        | B::SocketNotFoundError(_)
+        | B::RequestTimeoutError => {
+            format!("the Docker engine is not answering ({e}); retry when it is back")
+        }
+        _ => format!("docker: {e}"),
+    }
 }
 
 impl Error {

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::SandboxConfig;
 mod envs;
 mod files;
+mod fit;
 mod jobs;
 mod live;
 mod transfer;
@@ -724,6 +725,21 @@ impl SandboxServer {
 
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for SandboxServer {
+    /// The tool table, with every result kept within one message a client accepts.
+    async fn call_tool(
+        &self,
+        request: rmcp::model::CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
+        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
+        Ok(match self.tool_router.call(tcc).await? {
+            rmcp::model::CallToolResponse::Complete(r) => {
+                rmcp::model::CallToolResponse::Complete(fit::fit(r, fit::BUDGET))
+            }
+            other => other,
+        })
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new({
             #[allow(deprecated)] // logging: still how pre-2026 clients ask for live output as log messages
@@ -782,8 +798,12 @@ impl ServerHandler for SandboxServer {
                 None,
             ));
         }
+        // Text whose escaping would push the message past the budget travels as a blob (4/3).
+        let escaped = |t: &str| t.len() + 5 * t.bytes().filter(|b| *b < 0x20 && *b != b'\n').count();
         let contents = match String::from_utf8(data) {
-            Ok(text) => ResourceContents::text(text, uri),
+            Ok(text) if escaped(&text) <= fit::BUDGET => ResourceContents::text(text, uri),
+            Ok(text) => ResourceContents::blob(base64::engine::general_purpose::STANDARD.encode(text), uri)
+                .with_mime_type("application/octet-stream"),
             Err(e) => ResourceContents::blob(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()), uri)
                 .with_mime_type("application/octet-stream"),
         };

@@ -465,6 +465,18 @@ impl Session {
         ))
     }
 
+    /// After a run lost its interpreter: a fresh one now if possible, else a notice saying why
+    /// not. The run's own result is kept either way; the next call tries again.
+    async fn recover(&self, inner: &mut Inner) -> Option<String> {
+        match self.restart_agent(inner).await {
+            Ok(notice) => notice,
+            Err(e) => {
+                tracing::warn!(session = %self.name, error = %e, "cannot start a new interpreter");
+                Some(format!("no new interpreter could be started yet: {e}; the next call tries again"))
+            }
+        }
+    }
+
     /// Kills the agent and everything the code started, then starts a fresh agent.
     /// Returns a notice if the container itself had to be replaced.
     async fn restart_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
@@ -563,9 +575,7 @@ impl Session {
                              workspace files are kept"
                         .into(),
                 });
-                if let Some(n) = self.restart_agent(&mut inner).await? {
-                    notices.push(n);
-                }
+                notices.extend(self.recover(&mut inner).await);
             }
             Ending::Killed(status) => {
                 outcome.status = status;
@@ -576,9 +586,7 @@ impl Session {
                     "{why} and the code did not stop after an interrupt, so its processes were killed and a new \
                      interpreter was started: variables are gone, workspace files are kept"
                 ));
-                if let Some(n) = self.restart_agent(&mut inner).await? {
-                    notices.push(n);
-                }
+                notices.extend(self.recover(&mut inner).await);
             }
             Ending::Broken(why) => {
                 tracing::warn!(session = %self.name, %why, "agent stream broken");
@@ -589,9 +597,7 @@ impl Session {
                               workspace files are kept"
                         .into(),
                 );
-                if let Some(n) = self.restart_agent(&mut inner).await? {
-                    notices.push(n);
-                }
+                notices.extend(self.recover(&mut inner).await);
             }
         }
         outcome.duration = started.elapsed();

@@ -23,5 +23,7 @@ mod environments;
 mod cli;
 // Hostile code: exhaustion, protocol abuse, isolation probes, with the four checks.
 mod hostile;
+// Faults outside the code: containers removed mid-run, load beside a canary, bad MCP lines.
+mod faults;
 // Hardening seen from inside the sandbox.
 mod sandbox;

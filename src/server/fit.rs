@@ -1,0 +1,155 @@
+//! Keeps every tool result inside one MCP message that clients accept.
+//!
+//! rmcp-based clients drop an incoming stdio line over 16 MiB and then wait forever for the
+//! answer it carried; other SDKs have similar limits. A result holds each output stream
+//! twice (text and structured), and JSON escaping can make a control byte six, so even the
+//! default 1 MiB output cap could produce a line past that limit. Results are cut to a budget
+//! well below it, saying so.
+
+use rmcp::model::{CallToolResult, ContentBlock};
+use serde_json::Value;
+
+/// The largest serialized result sent; below the 16 MiB line limit of common clients.
+pub const BUDGET: usize = 12 << 20;
+
+/// Strings shorter than this are never cut: the cut goes where the bytes are.
+const SMALL: usize = 16 << 10;
+
+/// Cuts the longest strings of a result until it serializes within `budget` bytes.
+pub fn fit(mut r: CallToolResult, budget: usize) -> CallToolResult {
+    // Cheap bound first: a result whose strings, escaped at worst, fit, needs no work. Warm
+    // runs with small output stop here.
+    if 6 * raw_len(&r) + 4096 <= budget {
+        return r;
+    }
+    for _ in 0..8 {
+        let size = serde_json::to_vec(&r).map(|v| v.len()).unwrap_or(usize::MAX);
+        if size <= budget {
+            return r;
+        }
+        let keep = (budget as f64 * 0.9 / size as f64).min(0.9);
+        let mut cut = false;
+        for block in &mut r.content {
+            match block {
+                ContentBlock::Text(t) => cut |= shorten(&mut t.text, keep),
+                // A picture cannot be cut in part: it goes, and the text says so.
+                ContentBlock::Image(i) if i.data.len() > SMALL => {
+                    let note = format!("[image of {} bytes left out to fit one MCP message]", i.data.len());
+                    *block = ContentBlock::text(note);
+                    cut = true;
+                }
+                _ => {}
+            }
+        }
+        if let Some(v) = r.structured_content.as_mut() {
+            cut |= shorten_value(v, keep);
+        }
+        if !cut {
+            break;
+        }
+    }
+    r
+}
+
+fn raw_len(r: &CallToolResult) -> usize {
+    let content: usize = r
+        .content
+        .iter()
+        .map(|c| match c {
+            ContentBlock::Text(t) => t.text.len(),
+            ContentBlock::Image(i) => i.data.len(),
+            _ => SMALL,
+        })
+        .sum();
+    content + r.structured_content.as_ref().map_or(0, value_len)
+}
+
+fn value_len(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len(),
+        Value::Array(a) => a.iter().map(value_len).sum::<usize>() + a.len(),
+        Value::Object(o) => o.iter().map(|(k, v)| k.len() + value_len(v) + 4).sum(),
+        _ => 8,
+    }
+}
+
+fn shorten_value(v: &mut Value, keep: f64) -> bool {
+    match v {
+        Value::Object(o) => {
+            let mut cut = false;
+            for (key, value) in o.iter_mut() {
+                // Exact bytes as base64 cannot be cut in part: dropped, the text stays.
+                if key.ends_with("_base64") && value.as_str().is_some_and(|s| s.len() > SMALL) {
+                    *value = Value::Null;
+                    cut = true;
+                } else {
+                    cut |= shorten_value(value, keep);
+                }
+            }
+            cut
+        }
+        Value::Array(a) => a.iter_mut().fold(false, |cut, v| shorten_value(v, keep) | cut),
+        Value::String(s) => shorten(s, keep),
+        _ => false,
+    }
+}
+
+/// Keeps the first `keep` share of a long string (at a character boundary) and says so.
+fn shorten(s: &mut String, keep: f64) -> bool {
+    if s.len() <= SMALL {
+        return false;
+    }
+    let mut at = ((s.len() as f64 * keep) as usize).max(SMALL / 2);
+    while !s.is_char_boundary(at) {
+        at -= 1;
+    }
+    let dropped = s.len() - at;
+    s.truncate(at);
+    s.push_str(&format!(
+        "\n[cut to fit one MCP message: {dropped} more bytes not shown; write large output to a file and read it in parts]\n"
+    ));
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn result(text: &str, structured: Value) -> CallToolResult {
+        let mut r = CallToolResult::structured(structured);
+        r.content = vec![ContentBlock::text(text.to_owned())];
+        r
+    }
+
+    #[test]
+    fn small_results_pass_untouched() {
+        let r = result("hi\n", json!({ "stdout": "hi\n" }));
+        let before = serde_json::to_string(&r).expect("json");
+        assert_eq!(serde_json::to_string(&fit(r, BUDGET)).expect("json"), before);
+    }
+
+    #[test]
+    fn escape_heavy_output_is_cut_to_the_budget_and_says_so() {
+        // 1 MiB of control bytes, twice: 24 MiB once escaped.
+        let ctl = "\u{1}".repeat(1 << 20);
+        let r = result(
+            &format!("{ctl}{ctl}"),
+            json!({ "stdout": ctl, "stderr": ctl, "stdout_base64": "QQ==".repeat(1 << 18), "status": "ok" }),
+        );
+        let fitted = fit(r, BUDGET);
+        let size = serde_json::to_vec(&fitted).expect("json").len();
+        assert!(size <= BUDGET, "{size}");
+        let sc = fitted.structured_content.expect("structured");
+        assert_eq!(sc["status"], "ok", "small fields are kept");
+        assert!(sc["stdout"].as_str().expect("stdout").contains("[cut to fit one MCP message"));
+        assert!(sc["stdout_base64"].is_null(), "base64 is dropped, not corrupted");
+    }
+
+    #[test]
+    fn a_cut_never_splits_a_character() {
+        let mut s = "é".repeat(40_000);
+        assert!(shorten(&mut s, 0.5001));
+        assert!(s.starts_with('é'));
+    }
+}
