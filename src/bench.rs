@@ -11,7 +11,9 @@ use bollard::Docker;
 use bollard::container::LogOutput;
 use bollard::exec::{CreateExecOptions, StartExecResults};
 use bollard::models::{ContainerCreateBody, HostConfig};
-use bollard::query_parameters::{CreateContainerOptionsBuilder, RemoveContainerOptionsBuilder};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, StatsOptionsBuilder,
+};
 use futures::StreamExt;
 use rmcp::ServiceExt as _;
 use rmcp::model::CallToolRequestParams;
@@ -19,7 +21,7 @@ use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
 use crate::config::SandboxConfig;
-use crate::docker::{self, LABEL_MANAGED, image};
+use crate::docker::{self, LABEL_INSTANCE, LABEL_MANAGED, image};
 
 /// p50 and p95 of a set of durations, in milliseconds.
 fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
@@ -31,7 +33,8 @@ fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
     (at(0.50), at(0.95))
 }
 
-struct Table(Vec<(String, f64, f64, String)>);
+/// Latency rows, and figure rows placed after the latency row they follow.
+struct Table(Vec<(String, f64, f64, String)>, Vec<(usize, String, String, String)>);
 
 impl Table {
     fn add(&mut self, what: &str, samples: &mut [Duration], note: String) -> (f64, f64) {
@@ -40,11 +43,28 @@ impl Table {
         (p50, p95)
     }
 
+    /// A row with one figure that is not a latency.
+    fn text(&mut self, what: &str, figure: String, note: String) {
+        self.1.push((self.0.len(), what.to_owned(), figure, note));
+    }
+
+    /// Sets the note of the last latency row.
+    fn note(&mut self, note: String) {
+        if let Some(row) = self.0.last_mut() {
+            row.3 = note;
+        }
+    }
+
     fn print(&self) {
         let mut out = String::new();
         out.push_str(&format!("{:<58} {:>10} {:>10}  {}\n", "measurement", "p50 ms", "p95 ms", "note"));
-        for (what, p50, p95, note) in &self.0 {
-            out.push_str(&format!("{what:<58} {p50:>10.3} {p95:>10.3}  {note}\n"));
+        for i in 0..=self.0.len() {
+            for (_, what, figure, note) in self.1.iter().filter(|r| r.0 == i) {
+                out.push_str(&format!("{what:<58} {figure:>21}  {note}\n"));
+            }
+            if let Some((what, p50, p95, note)) = self.0.get(i) {
+                out.push_str(&format!("{what:<58} {p50:>10.3} {p95:>10.3}  {note}\n"));
+            }
         }
         #[allow(clippy::print_stdout)] // the table is the command's output
         {
@@ -53,57 +73,123 @@ impl Table {
     }
 }
 
+/// What to measure beyond the basics.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Warm runs to time.
+    #[arg(long, default_value_t = 200)]
+    pub runs: usize,
+    /// Concurrent sessions to drive at once, one level after another.
+    #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
+    pub concurrency: Vec<usize>,
+    /// Calls each concurrent session makes.
+    #[arg(long, default_value_t = 10)]
+    pub calls_per_session: usize,
+    /// Sizes of stdout to stream through one run, MiB.
+    #[arg(long, value_delimiter = ',', default_value = "10,100")]
+    pub stdout_mib: Vec<usize>,
+}
+
+/// One `pyberth serve` child driven over MCP stdio.
+struct Server {
+    child: tokio::process::Child,
+    client: rmcp::service::RunningService<rmcp::RoleClient, ()>,
+    pid: u32,
+}
+
+impl Server {
+    async fn start(cfg: &SandboxConfig, instance: &str, env: &[(&str, String)]) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("cannot find the pyberth binary")?;
+        let mut cmd = tokio::process::Command::new(exe);
+        cmd.arg("serve")
+            .env("PYBERTH_INSTANCE", instance)
+            // Engine warnings were printed by this process already; failures still show.
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        if let Some(h) = &cfg.docker_host {
+            cmd.env("DOCKER_HOST", h);
+        }
+        let mut child = cmd.spawn().context("cannot start pyberth serve")?;
+        let (Some(stdout), Some(stdin), Some(pid)) = (child.stdout.take(), child.stdin.take(), child.id()) else {
+            bail!("no pipes to the server");
+        };
+        let client = ().serve((stdout, stdin)).await.context("MCP initialise")?;
+        Ok(Self { child, client, pid })
+    }
+
+    /// One `run_python` call that must succeed; returns its text.
+    async fn run(&self, session: &str, code: &str, packages: &[&str]) -> anyhow::Result<String> {
+        let args = json!({ "session": session, "code": code, "packages": packages });
+        let params =
+            CallToolRequestParams::new("run_python").with_arguments(args.as_object().cloned().unwrap_or_default());
+        let r = self.client.call_tool(params).await.context("run_python failed at the protocol level")?;
+        let text: String = r.content.iter().filter_map(|c| c.as_text()).map(|t| t.text.as_str()).collect();
+        if r.is_error != Some(false) {
+            bail!("run_python returned an error: {}", text.chars().take(500).collect::<String>());
+        }
+        Ok(text)
+    }
+
+    /// Resident and peak resident memory of the server process, KiB.
+    fn memory_kb(&self) -> (Option<u64>, Option<u64>) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
+        let field = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    /// Resets the peak-RSS mark (Linux 4.0+), so a later peak belongs to what ran since.
+    fn reset_peak(&self) {
+        let _ = std::fs::write(format!("/proc/{}/clear_refs", self.pid), "5");
+    }
+
+    async fn stop(mut self) {
+        let _ = self.client.cancel().await;
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
+    }
+}
+
+fn mib(kb: Option<u64>) -> String {
+    kb.map(|k| format!("{:.1} MiB", k as f64 / 1024.0)).unwrap_or_else(|| "n/a".into())
+}
+
 /// Runs the benchmark and prints its figures.
-pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
+pub async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
     cfg.validate()?;
     let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
     let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
     let img = image::ensure(&docker, &cfg, &progress).await?;
-    let mut table = Table(Vec::new());
-    let runs = runs.max(10);
+    let mut table = Table(Vec::new(), Vec::new());
+    let runs = args.runs.max(10);
 
     // Floors: the engine alone.
     let container = floor_container(&docker, &img).await?;
     let floors = floors(&docker, &img, &container, runs, &mut table).await;
     remove(&docker, &container).await;
-    let (create_p50, exec_p50, stream_p50) = floors?;
+    let (create_p50, stream_p50) = floors?;
 
-    // pyberth over MCP stdio.
-    let exe = std::env::current_exe().context("cannot find the pyberth binary")?;
+    // pyberth over MCP stdio, with the pool as configured and room for every bench session.
     let instance = format!("bench-{}", std::process::id());
+    let most = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
+    let sessions_needed: usize = args.concurrency.iter().sum::<usize>() + 32;
+    let env = [
+        ("PYBERTH_POOL_SIZE", cfg.pool_size.to_string()),
+        ("PYBERTH_MAX_SESSIONS", sessions_needed.to_string()),
+        ("PYBERTH_MAX_RUNS_PER_CALLER", most.to_string()),
+    ];
     let t0 = Instant::now();
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.arg("serve")
-        .env("PYBERTH_INSTANCE", &instance)
-        .env("RUST_LOG", "warn")
-        .env("PYBERTH_POOL_SIZE", cfg.pool_size.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true);
-    if let Some(h) = &cfg.docker_host {
-        cmd.env("DOCKER_HOST", h);
-    }
-    let mut child = cmd.spawn().context("cannot start pyberth serve")?;
-    let (Some(stdout), Some(stdin)) = (child.stdout.take(), child.stdin.take()) else {
-        bail!("no pipes to the server");
-    };
-    let client = ().serve((stdout, stdin)).await.context("MCP initialise")?;
-    let call_with = |session: String, code: &'static str, packages: &[&str]| {
-        let args = json!({ "session": session, "code": code, "packages": packages });
-        let params =
-            CallToolRequestParams::new("run_python").with_arguments(args.as_object().cloned().unwrap_or_default());
-        let client = &client;
-        async move {
-            let r = client.call_tool(params).await.context("run_python failed at the protocol level")?;
-            if r.is_error != Some(false) {
-                bail!("run_python returned an error: {:?}", r.content);
-            }
-            anyhow::Ok(())
-        }
-    };
-    let call = |session: String, code: &'static str| call_with(session, code, &[]);
-    call("bench".into(), "1").await?;
+    let server = Server::start(&cfg, &instance, &env).await?;
+    server.run("bench", "1", &[]).await?;
     let mut startup = [t0.elapsed()];
     table.add(
         "server start to first result (existing image)",
@@ -114,40 +200,25 @@ pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
     let mut warm = Vec::with_capacity(runs);
     for _ in 0..runs {
         let t = Instant::now();
-        call("bench".into(), "x = 1\nx + 1").await?;
+        server.run("bench", "x = 1\nx + 1", &[]).await?;
         warm.push(t.elapsed());
     }
     let (warm_p50, _) =
         table.add(&format!("warm run_python through MCP stdio ({runs} calls)"), &mut warm, String::new());
-    if let Some(row) = table.0.last_mut() {
-        row.3 = format!("{:.1}x the attached-stream floor", warm_p50 / stream_p50);
-    }
+    table.note(format!("{:.1}x the attached-stream floor; rmcp client", warm_p50 / stream_p50));
+    let mut raw = raw_warm(&cfg, &format!("{instance}-raw"), runs).await?;
+    let (raw_p50, _) =
+        table.add(&format!("warm run_python, raw JSON-RPC lines ({runs} calls)"), &mut raw, String::new());
+    table.note(format!("{:.1}x the floor; the server's share, no client library", raw_p50 / stream_p50));
 
-    let fresh_n = 8;
-    let mut fresh = Vec::with_capacity(fresh_n);
-    for i in 0..fresh_n {
-        if cfg.pool_size > 0 {
-            // New sessions arriving now and then, not in a burst: the pool has refilled.
-            tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
-        }
-        let t = Instant::now();
-        call(format!("fresh{i}"), "1").await?;
-        fresh.push(t.elapsed());
+    if cfg.pool_size > 0 {
+        fresh_sessions(&server, "pooled", cfg.pool_size, create_p50, &mut table).await?;
     }
-    let (fresh_p50, _) = table.add(
-        &format!("first call in a new session ({fresh_n} sessions, pool {})", cfg.pool_size),
-        &mut fresh,
-        String::new(),
-    );
-    if let Some(row) = table.0.last_mut() {
-        row.3 = format!("{:.1}x container create+start", fresh_p50 / create_p50);
-    }
-    let _ = exec_p50;
 
     // Dependency layers: a cold install, then the same set from the cache.
     forget_layers(&docker, "tomli").await;
     let t = Instant::now();
-    call_with("deps-cold".into(), "import tomli", &["tomli"]).await?;
+    server.run("deps-cold", "import tomli", &["tomli"]).await?;
     let mut cold = [t.elapsed()];
     table.add(
         "new session with packages=[tomli], first install",
@@ -157,18 +228,210 @@ pub async fn run(cfg: SandboxConfig, runs: usize) -> anyhow::Result<()> {
     let mut hits = Vec::new();
     for i in 0..5 {
         let t = Instant::now();
-        call_with(format!("deps-hit{i}"), "import tomli", &["tomli"]).await?;
+        server.run(&format!("deps-hit{i}"), "import tomli", &["tomli"]).await?;
         hits.push(t.elapsed());
     }
-    let (hit_p50, _) = table.add("new session with packages=[tomli], cached layer", &mut hits, String::new());
-    if let Some(row) = table.0.last_mut() {
-        row.3 = format!("{:+.0} ms vs a plain new session", hit_p50 - fresh_p50);
+    table.add("new session with packages=[tomli], cached layer", &mut hits, String::new());
+
+    // Many sessions at once: each makes its calls one after another, all sessions together.
+    let (rss_before, _) = server.memory_kb();
+    let mut made = 0;
+    for &n in &args.concurrency {
+        let names: Vec<String> = (0..n).map(|i| format!("c{n}-{i}")).collect();
+        // Sessions exist before the clock starts: this measures calls, not container creation.
+        let created: Vec<anyhow::Result<String>> =
+            futures::stream::iter(names.iter()).map(|s| server.run(s, "0", &[])).buffer_unordered(8).collect().await;
+        created.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+        made += n;
+        let calls = args.calls_per_session.max(1);
+        let t = Instant::now();
+        let per_session = futures::future::join_all(names.iter().map(|s| {
+            let server = &server;
+            async move {
+                let mut lat = Vec::with_capacity(calls);
+                for k in 0..calls {
+                    let t = Instant::now();
+                    server.run(s, &format!("{k} * 2"), &[]).await?;
+                    lat.push(t.elapsed());
+                }
+                anyhow::Ok(lat)
+            }
+        }))
+        .await;
+        let elapsed = t.elapsed();
+        let mut lat: Vec<Duration> = Vec::new();
+        for l in per_session {
+            lat.extend(l?);
+        }
+        let total = lat.len();
+        table.add(&format!("{n} sessions x {calls} calls at once"), &mut lat, String::new());
+        table.note(format!("{:.0} calls/s", total as f64 / elapsed.as_secs_f64()));
     }
 
-    let _ = client.cancel().await;
-    let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+    // Memory per idle session: the server's growth over the sessions just made, plus what
+    // each of its containers holds (pool containers included: they are idle sessions too).
+    let (rss_after, _) = server.memory_kb();
+    if made > 0 {
+        let server_kb = match (rss_before, rss_after) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a) / made as u64),
+            _ => None,
+        };
+        let (count, bytes) = containers_memory(&docker, &instance).await?;
+        let container_kb = (count > 0).then(|| bytes / 1024 / count as u64);
+        let total = server_kb.zip(container_kb).map(|(a, b)| a + b);
+        table.text(
+            &format!("memory per idle session ({count} containers)"),
+            mib(total),
+            format!("server {} + container {}", mib(server_kb), mib(container_kb)),
+        );
+    }
+    server.stop().await;
+
+    // The same fresh-session figure without the pool, from a server that has none.
+    let plain = Server::start(&cfg, &format!("{instance}-nopool"), &[("PYBERTH_POOL_SIZE", "0".into())]).await?;
+    plain.run("first", "1", &[]).await?;
+    fresh_sessions(&plain, "plain", 0, create_p50, &mut table).await?;
+    plain.stop().await;
+
+    // Output volume: the cap raised to its 4 MiB ceiling, then more than that printed.
+    let cap = 4usize << 20;
+    let loud = Server::start(
+        &cfg,
+        &format!("{instance}-out"),
+        &[("PYBERTH_POOL_SIZE", "0".into()), ("PYBERTH_OUTPUT_CAP", cap.to_string())],
+    )
+    .await?;
+    loud.run("out", "1", &[]).await?;
+    let (idle_rss, _) = loud.memory_kb();
+    for &m in &args.stdout_mib {
+        loud.reset_peak();
+        let code =
+            format!("import sys\nline = 'x' * 1023 + '\\n'\nfor _ in range({}):\n    sys.stdout.write(line)", m * 1024);
+        let t = Instant::now();
+        let text = loud.run("out", &code, &[]).await?;
+        let mut took = [t.elapsed()];
+        let (_, peak) = loud.memory_kb();
+        table.add(&format!("{m} MiB of stdout in one run (cap 4 MiB)"), &mut took, String::new());
+        table.note(format!(
+            "{:.0} MiB/s, server peak {} (idle {}), result {:.1} MiB",
+            m as f64 / took[0].as_secs_f64(),
+            mib(peak),
+            mib(idle_rss),
+            text.len() as f64 / (1 << 20) as f64
+        ));
+    }
+    loud.stop().await;
+
     table.print();
     Ok(())
+}
+
+/// Warm runs timed with a minimal client that writes JSON-RPC lines and reads the answer
+/// line, so the figure is the server's (and the sandbox's) cost without a client library's.
+async fn raw_warm(cfg: &SandboxConfig, instance: &str, runs: usize) -> anyhow::Result<Vec<Duration>> {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let exe = std::env::current_exe().context("cannot find the pyberth binary")?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("serve")
+        .env("PYBERTH_INSTANCE", instance)
+        .env("PYBERTH_POOL_SIZE", "0")
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    if let Some(h) = &cfg.docker_host {
+        cmd.env("DOCKER_HOST", h);
+    }
+    let mut child = cmd.spawn().context("cannot start pyberth serve")?;
+    let (Some(stdout), Some(mut stdin)) = (child.stdout.take(), child.stdin.take()) else {
+        bail!("no pipes to the server");
+    };
+    let mut lines = BufReader::new(stdout).lines();
+    let mut exchange = async |id: u64, msg: serde_json::Value| -> anyhow::Result<serde_json::Value> {
+        let mut line = msg.to_string().into_bytes();
+        line.push(b'\n');
+        stdin.write_all(&line).await?;
+        stdin.flush().await?;
+        if id == 0 {
+            return Ok(serde_json::Value::Null); // a notification: no answer
+        }
+        loop {
+            let Some(line) = lines.next_line().await? else { bail!("the server closed its stdout") };
+            let v: serde_json::Value = serde_json::from_str(&line)?;
+            if v["id"] == id {
+                return Ok(v);
+            }
+        }
+    };
+    let init = json!({ "jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": { "name": "bench", "version": "0" } } });
+    exchange(1, init).await?;
+    exchange(0, json!({ "jsonrpc": "2.0", "method": "notifications/initialized" })).await?;
+    let mut samples = Vec::with_capacity(runs);
+    for i in 0..runs + 20 {
+        let id = 2 + i as u64;
+        let call = json!({ "jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": { "name": "run_python", "arguments": { "session": "raw", "code": "x = 1\nx + 1" } } });
+        let t = Instant::now();
+        let v = exchange(id, call).await?;
+        if v["result"]["isError"] != false {
+            bail!("run_python failed: {v}");
+        }
+        if i >= 20 {
+            samples.push(t.elapsed()); // the first calls create the session and warm up
+        }
+    }
+    drop(stdin);
+    let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+    Ok(samples)
+}
+
+/// First calls in new sessions, spaced so a pool (if any) has refilled between them.
+async fn fresh_sessions(
+    server: &Server,
+    prefix: &str,
+    pool: usize,
+    create_p50: f64,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    let n = 8;
+    let mut fresh = Vec::with_capacity(n);
+    for i in 0..n {
+        if pool > 0 {
+            // New sessions arriving now and then, not in a burst: the pool has refilled.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+        let t = Instant::now();
+        server.run(&format!("{prefix}{i}"), "1", &[]).await?;
+        fresh.push(t.elapsed());
+    }
+    let (p50, _) =
+        table.add(&format!("first call in a new session ({n} sessions, pool {pool})"), &mut fresh, String::new());
+    table.note(format!("{:.2}x container create+start", p50 / create_p50));
+    Ok(())
+}
+
+/// Containers of one server instance and the memory they hold (page cache not counted).
+async fn containers_memory(docker: &Docker, instance: &str) -> anyhow::Result<(usize, u64)> {
+    let label = format!("{LABEL_INSTANCE}={instance}");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListContainersOptionsBuilder::default().filters(&filters).build();
+    let ids: Vec<String> = docker.list_containers(Some(opts)).await?.into_iter().filter_map(|c| c.id).collect();
+    let usages: Vec<Option<u64>> = futures::stream::iter(ids.iter())
+        .map(|id| async move {
+            let opts = StatsOptionsBuilder::default().stream(false).one_shot(true).build();
+            let s = docker.stats(id, Some(opts)).next().await?.ok()?;
+            let m = s.memory_stats?;
+            let stats = m.stats.unwrap_or_default();
+            let cache = stats.get("total_inactive_file").or_else(|| stats.get("inactive_file")).copied().unwrap_or(0);
+            Some(m.usage?.saturating_sub(cache))
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    let known: Vec<u64> = usages.into_iter().flatten().collect();
+    Ok((known.len(), known.iter().sum()))
 }
 
 async fn forget_layers(docker: &Docker, requirements: &str) {
@@ -193,7 +456,9 @@ async fn floor_container(docker: &Docker, img: &str) -> anyhow::Result<String> {
         host_config: Some(HostConfig { network_mode: Some("none".into()), init: Some(true), ..Default::default() }),
         ..Default::default()
     };
-    let name = format!("pyberth-bench-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos());
+    static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("pyberth-bench-{}-{serial}", std::process::id());
     let c = docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
     docker.start_container(&c.id, None).await?;
     Ok(c.id)
@@ -204,15 +469,15 @@ async fn remove(docker: &Docker, id: &str) {
     let _ = docker.remove_container(id, Some(opts)).await;
 }
 
-/// Measures the engine floors; returns p50 of create+start, of a new exec, and of a round
-/// trip on an attached stream.
+/// Measures the engine floors; returns p50 of create+start and of a round trip on an
+/// attached stream.
 async fn floors(
     docker: &Docker,
     img: &str,
     container: &str,
     runs: usize,
     table: &mut Table,
-) -> anyhow::Result<(f64, f64, f64)> {
+) -> anyhow::Result<(f64, f64)> {
     let mut create = Vec::new();
     let mut create_rm = Vec::new();
     for _ in 0..8 {
@@ -231,8 +496,7 @@ async fn floors(
         exec_to_end(docker, container, vec!["true"]).await?;
         execs.push(t.elapsed());
     }
-    let (exec_p50, _) =
-        table.add("floor: a new exec running `true`", &mut execs, "one exec per run costs at least this".into());
+    table.add("floor: a new exec running `true`", &mut execs, "one exec per run costs at least this".into());
 
     let mut py = Vec::new();
     for _ in 0..10 {
@@ -276,7 +540,7 @@ async fn floors(
     }
     let (stream_p50, _) =
         table.add("floor: round trip on an attached exec stream", &mut rt, "the floor for a warm run".into());
-    Ok((create_p50, exec_p50, stream_p50))
+    Ok((create_p50, stream_p50))
 }
 
 async fn exec_to_end(docker: &Docker, container: &str, cmd: Vec<&str>) -> anyhow::Result<()> {

@@ -50,13 +50,13 @@ enum Command {
     /// Run a script, or a command after `--`, in a fresh sandbox and exit with its status
     /// (for CI). 124: timeout, 125: pyberth or Docker failed, 130: interrupted, 137: out of memory.
     Run(pyberth::runner::RunArgs),
-    /// Measure warm-run latency through MCP stdio beside the raw Docker floors.
+    /// Measure pyberth through MCP stdio (warm runs, new sessions with and without the pool,
+    /// concurrency, idle memory, output volume) beside the raw Docker floors.
     Bench {
         #[command(flatten)]
         cfg: SandboxConfig,
-        /// Warm runs to time.
-        #[arg(long, default_value_t = 200)]
-        runs: usize,
+        #[command(flatten)]
+        args: pyberth::bench::BenchArgs,
     },
 }
 
@@ -210,7 +210,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { cfg, runs } => pyberth::bench::run(cfg, runs).await,
+        Command::Bench { cfg, args } => pyberth::bench::run(cfg, args).await,
         Command::Run(_) => Ok(()), // handled in main, for its exit code
         Command::Layers { action: LayersAction::List { cfg } } => {
             let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;

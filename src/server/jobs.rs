@@ -147,9 +147,10 @@ impl SandboxServer {
             let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot);
             return self.await_job(&job, wait, ctx, notices).await;
         }
-        let (_, observer, mut rx) = live_channel();
+        let notifier = self.notifier(ctx);
+        let (_, observer, mut rx) = live_channel(notifier.wants_output());
         let run = RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, cmd: &[], env: spec.env };
-        match relay(self.notifier(ctx), &mut rx, session.run(run, timeout, &ctx.ct, &observer)).await {
+        match relay(notifier, &mut rx, session.run(run, timeout, &ctx.ct, &observer)).await {
             Ok(mut outcome) => {
                 outcome.notices.splice(0..0, notices);
                 render_run(&session.name, &outcome, None)

@@ -35,21 +35,29 @@ type Live = (Option<crate::protocol::Stream>, String);
 
 /// A progress callback for long steps (installs, image builds), an output observer for runs,
 /// and the receiver of both. Bounded, with try_send: a slow client loses live lines, never
-/// output in the final result, and never stalls the work.
-pub(super) fn live_channel()
--> (impl Fn(&str) + Send + Sync, impl Fn(crate::protocol::Stream, &[u8]) + Send + Sync, LiveRx) {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Live>(1024);
+/// output in the final result, and never stalls the work. Output is copied only when the
+/// client asked for it (`output`): a plain call costs no copy, and at most `LIVE_QUEUE`
+/// chunks (of up to 64 KiB) wait in memory, whatever the code prints.
+pub(super) fn live_channel(
+    output: bool,
+) -> (impl Fn(&str) + Send + Sync, impl Fn(crate::protocol::Stream, &[u8]) + Send + Sync, LiveRx) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Live>(LIVE_QUEUE);
     let tx2 = tx.clone();
     (
         move |line: &str| {
             let _ = tx.try_send((None, line.to_owned()));
         },
         move |stream, bytes: &[u8]| {
-            let _ = tx2.try_send((Some(stream), String::from_utf8_lossy(bytes).into_owned()));
+            if output {
+                let _ = tx2.try_send((Some(stream), String::from_utf8_lossy(bytes).into_owned()));
+            }
         },
         rx,
     )
 }
+
+/// Live lines waiting for a client at most: 64 chunks of 64 KiB bound the queue at 4 MiB.
+const LIVE_QUEUE: usize = 64;
 
 pub(super) type LiveRx = tokio::sync::mpsc::Receiver<Live>;
 
@@ -68,6 +76,11 @@ impl<'a> Notifier<'a> {
     fn new(ctx: &'a RequestContext<RoleServer>, session_level: Option<LoggingLevel>) -> Self {
         let log = matches!(ctx.meta.log_level().or(session_level), Some(LoggingLevel::Debug | LoggingLevel::Info));
         Self { ctx, token: ctx.meta.get_progress_token(), log, n: 0 }
+    }
+
+    /// True when the client will be sent output chunks.
+    pub(super) fn wants_output(&self) -> bool {
+        self.token.is_some() || self.log
     }
 
     pub(super) async fn send(&mut self, stream: Option<crate::protocol::Stream>, text: String) {

@@ -483,7 +483,7 @@ impl SandboxServer {
             Ok(p) => p,
             Err(e) => return tool_error(e),
         };
-        let (progress, _, mut rx) = live_channel();
+        let (progress, _, mut rx) = live_channel(false);
         let opened = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
             let (session, created) =
@@ -554,7 +554,7 @@ impl SandboxServer {
             Err(e) => return tool_error(e),
         };
         let started = std::time::Instant::now();
-        let (progress, _, mut rx) = live_channel();
+        let (progress, _, mut rx) = live_channel(false);
         let done = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
             let (session, created) =
