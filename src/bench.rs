@@ -90,6 +90,31 @@ pub struct BenchArgs {
     pub stdout_mib: Vec<usize>,
 }
 
+/// `pyberth serve` as a child speaking over pipes, with extra environment.
+fn serve_command(
+    cfg: &SandboxConfig,
+    instance: &str,
+    env: &[(&str, String)],
+) -> anyhow::Result<tokio::process::Command> {
+    let exe = std::env::current_exe().context("cannot find the pyberth binary")?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("serve")
+        .env("PYBERTH_INSTANCE", instance)
+        // Engine warnings were printed by this process already; failures still show.
+        .env("RUST_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    if let Some(h) = &cfg.docker_host {
+        cmd.env("DOCKER_HOST", h);
+    }
+    Ok(cmd)
+}
+
 /// One `pyberth serve` child driven over MCP stdio.
 struct Server {
     child: tokio::process::Child,
@@ -99,23 +124,7 @@ struct Server {
 
 impl Server {
     async fn start(cfg: &SandboxConfig, instance: &str, env: &[(&str, String)]) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe().context("cannot find the pyberth binary")?;
-        let mut cmd = tokio::process::Command::new(exe);
-        cmd.arg("serve")
-            .env("PYBERTH_INSTANCE", instance)
-            // Engine warnings were printed by this process already; failures still show.
-            .env("RUST_LOG", "error")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        if let Some(h) = &cfg.docker_host {
-            cmd.env("DOCKER_HOST", h);
-        }
-        let mut child = cmd.spawn().context("cannot start pyberth serve")?;
+        let mut child = serve_command(cfg, instance, env)?.spawn().context("cannot start pyberth serve")?;
         let (Some(stdout), Some(stdin), Some(pid)) = (child.stdout.take(), child.stdin.take(), child.id()) else {
             bail!("no pipes to the server");
         };
@@ -330,19 +339,7 @@ pub async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
 /// line, so the figure is the server's (and the sandbox's) cost without a client library's.
 async fn raw_warm(cfg: &SandboxConfig, instance: &str, runs: usize) -> anyhow::Result<Vec<Duration>> {
     use tokio::io::{AsyncBufReadExt, BufReader};
-    let exe = std::env::current_exe().context("cannot find the pyberth binary")?;
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.arg("serve")
-        .env("PYBERTH_INSTANCE", instance)
-        .env("PYBERTH_POOL_SIZE", "0")
-        .env("RUST_LOG", "error")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true);
-    if let Some(h) = &cfg.docker_host {
-        cmd.env("DOCKER_HOST", h);
-    }
+    let mut cmd = serve_command(cfg, instance, &[("PYBERTH_POOL_SIZE", "0".into())])?;
     let mut child = cmd.spawn().context("cannot start pyberth serve")?;
     let (Some(stdout), Some(mut stdin)) = (child.stdout.take(), child.stdin.take()) else {
         bail!("no pipes to the server");
