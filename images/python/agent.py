@@ -13,8 +13,8 @@ Standard library only: the same file runs on every base image.
 import ast
 import base64
 import builtins
+import gc
 import importlib
-import importlib.metadata
 import json
 import linecache
 import os
@@ -25,7 +25,6 @@ import io
 import signal
 import site
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -74,10 +73,25 @@ def add_site_dirs():
     importlib.invalidate_caches()
 
 
+def stdlib(name):
+    """Imports a standard module on first use, never from the workspace (sys.path[0] is the
+    working directory). Lazy because importlib.metadata alone holds 5 MiB in every idle
+    session, and subprocess 2 MiB."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if p not in ("", ".", WORKSPACE)]
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
 def distributions():
     """Installed distributions visible to the code, first on the path wins."""
     seen = {}
-    for dist in importlib.metadata.distributions():
+    for dist in stdlib("importlib.metadata").distributions():
         name = dist.metadata["Name"] or ""
         key = name.lower().replace("_", "-").replace(".", "-")
         if key and key not in seen:
@@ -229,8 +243,12 @@ class Agent:
         msg_r, msg_w = os.pipe()
         # Fork before any thread exists. The child keeps the real stdout (the event stream);
         # the agent keeps only the write end of the message pipe.
+        # Objects that exist now are never scanned by the collector again, so neither process
+        # writes to their pages and they stay shared after the fork.
+        gc.freeze()
         if os.fork() == 0:
             try:
+                gc.disable()
                 for fd in (0, self.out_w, self.err_w, msg_w):
                     os.close(fd)
                 forwarder(1, msg_r, {self.out_r: "stdout", self.err_r: "stderr"})
@@ -400,7 +418,7 @@ class Agent:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             try:
-                proc = subprocess.Popen(argv, cwd=WORKSPACE)
+                proc = stdlib("subprocess").Popen(argv, cwd=WORKSPACE)
             except OSError as exc:
                 # The shell's conventions: 127 not found, 126 found but not runnable.
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
