@@ -64,6 +64,12 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_TMP_MB", default_value_t = 64)]
     pub tmp_mb: u64,
 
+    /// Size of each session's workspace in MiB, as a tmpfs-backed volume whose pages count
+    /// against the session's memory; 0 keeps it on the Docker volume disk, unbounded per
+    /// session where the filesystem has no project quotas (ext4).
+    #[arg(long, env = "PYBERTH_WORKSPACE_MB", default_value_t = 0)]
+    pub workspace_mb: u64,
+
     /// Default time limit of one run, seconds.
     #[arg(long, env = "PYBERTH_TIMEOUT", default_value_t = 60)]
     pub timeout_s: u64,
@@ -192,6 +198,11 @@ impl SandboxConfig {
         check(self.cpus > 0.0 && self.cpus <= 1024.0, "--cpus", "must be above 0")?;
         check(self.pids >= 16, "--pids", "must be at least 16")?;
         check(self.tmp_mb >= 1 && self.tmp_mb < self.memory_mb, "--tmp-mb", "must be between 1 and --memory-mb")?;
+        check(
+            self.workspace_mb == 0 || (self.workspace_mb >= 1 && self.workspace_mb < self.memory_mb),
+            "--workspace-mb",
+            "must be 0 (on disk) or between 1 and --memory-mb (its pages count against the session's memory)",
+        )?;
         check(self.timeout_s >= 1, "--timeout-s", "must be at least 1")?;
         check(self.max_timeout_s >= self.timeout_s, "--max-timeout-s", "must be at least --timeout-s")?;
         check(

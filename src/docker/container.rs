@@ -126,8 +126,23 @@ pub async fn create(
     let labels = owner.labels(session, principal);
     let live = format!("{name}-live");
     for volume in [&name, &live] {
-        let request =
+        let mut request =
             VolumeCreateRequest { name: Some(volume.clone()), labels: Some(labels.clone()), ..Default::default() };
+        if volume == &name && cfg.workspace_mb > 0 {
+            // A hard size and inode bound on any filesystem: tmpfs through the local driver.
+            // Owned by the sandbox user, as the image's /workspace is (no copy-up on tmpfs).
+            let o = format!(
+                "size={}m,nr_inodes={},uid=1000,gid=1000,mode=0755,nosuid,nodev",
+                cfg.workspace_mb,
+                (cfg.workspace_mb * 256).max(1024)
+            );
+            request.driver = Some("local".into());
+            request.driver_opts = Some(HashMap::from([
+                ("type".into(), "tmpfs".into()),
+                ("device".into(), "tmpfs".into()),
+                ("o".into(), o),
+            ]));
+        }
         if let Err(e) = docker.create_volume(request).await {
             remove_volume(docker, &name).await;
             return Err(e.into());

@@ -21,6 +21,8 @@ pub struct Limits {
     pub pids: i64,
     /// Size of /tmp, MiB.
     pub tmp_mb: u64,
+    /// Size of the workspace, MiB; 0: on disk, without a per-session bound.
+    pub workspace_mb: u64,
     /// Default time limit of a run, seconds.
     pub timeout_s: u64,
     /// Largest time limit a run may ask for, seconds.
@@ -36,6 +38,7 @@ impl Limits {
             cpus: cfg.cpus,
             pids: cfg.pids,
             tmp_mb: cfg.tmp_mb,
+            workspace_mb: cfg.workspace_mb,
             timeout_s: cfg.timeout_s,
             max_timeout_s: cfg.max_timeout_s,
             output_cap: cfg.output_cap,

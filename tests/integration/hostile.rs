@@ -79,6 +79,41 @@ async fn resource_exhaustion_is_contained() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_bounded_workspace_stops_disk_and_inode_fills_and_keeps_working() {
+    let s = Server::start("workspace-fill", &[("PYBERTH_WORKSPACE_MB", "32")]).await;
+    canary(&s).await;
+    let fill = "import errno, os\ntry:\n    with open('fill', 'wb') as f:\n        while True:\n            \
+                f.write(b'x' * (1 << 20))\nexcept OSError as e:\n    r = errno.errorcode[e.errno]\n\
+                (r, os.path.getsize('fill') <= 32 << 20)";
+    assert_eq!(result(&survive(&s, "w", fill, 60).await), "('ENOSPC', True)", "workspace fill");
+    // Full, the workspace still answers the file tools; deleting makes room again.
+    let r = s.call("delete_file", json!({ "session": "w", "path": "fill" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let inodes = "import errno, os, shutil\nos.makedirs('i', exist_ok=True)\nn = 0\ntry:\n    while True:\n        \
+                  open(f'i/{n}', 'w').close(); n += 1\nexcept OSError as e:\n    r = errno.errorcode[e.errno]\n\
+                  shutil.rmtree('i')\n(r, n < 20000)";
+    assert_eq!(result(&survive(&s, "w", inodes, 60).await), "('ENOSPC', True)", "workspace inode fill");
+    let r = s.call("write_file", json!({ "session": "w", "path": "ok.txt", "content": "still here" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(result(&s.ok("w", "open('ok.txt').read()").await), "'still here'");
+    // Archives go in and out of a tmpfs-backed workspace through the Docker archive API.
+    let tar = crate::workspace::tar_of(&[
+        ("d/", tar::EntryType::Directory, ""),
+        ("d/a.txt", tar::EntryType::Regular, "alpha"),
+    ]);
+    let r = s.call("upload_archive", json!({ "session": "w", "archive": crate::workspace::b64(&tar) })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(result(&s.ok("w", "open('d/a.txt').read()").await), "'alpha'");
+    let r = s.call("download_archive", json!({ "session": "w", "path": "d" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let env = s.call("get_environment", json!({ "session": "w" })).await;
+    assert_eq!(env.structured_content.expect("sc")["limits"]["workspace_mb"], 32);
+    let instance = s.instance.clone();
+    s.stop().await;
+    assert_cleaned_up(&instance).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn output_and_protocol_abuse_cannot_confuse_the_server() {
     let s = Server::start("protocol", &[]).await;
     let flood = survive(&s, "x", "import sys\nsys.stdout.write('x' * (20 << 20))", 60).await;

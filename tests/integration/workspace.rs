@@ -4,7 +4,7 @@ use serde_json::{Value, json};
 
 use crate::common::{Server, text};
 
-fn b64(data: &[u8]) -> String {
+pub(crate) fn b64(data: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(data)
 }
 
@@ -219,7 +219,7 @@ async fn every_figure_comes_back_as_an_image() {
     s.stop().await;
 }
 
-fn tar_of(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
+pub(crate) fn tar_of(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
     for (path, kind, data) in entries {
         let mut h = tar::Header::new_gnu();
