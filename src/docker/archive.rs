@@ -16,11 +16,10 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 
+use super::CODE_UID;
 use super::container::WORKSPACE;
 use super::layers::safe_relative;
 
-/// Owner of uploaded files: the code's uid, so the code can change what it was given.
-const CODE_UID: u64 = 1000;
 /// Chunk size of the streamed archive.
 const CHUNK: usize = 256 << 10;
 /// Directory names never copied back: interpreter and test-runner caches, not results.

@@ -13,7 +13,7 @@ use bollard::query_parameters::{
     RemoveContainerOptionsBuilder, RemoveVolumeOptionsBuilder,
 };
 
-use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
+use super::{CODE_UID, Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
 use crate::config::SandboxConfig;
 
 /// Where the session workspace (a named volume) is mounted, and the code's working directory.
@@ -132,7 +132,7 @@ pub async fn create(
             // A hard size and inode bound on any filesystem: tmpfs through the local driver.
             // Owned by the sandbox user, as the image's /workspace is (no copy-up on tmpfs).
             let o = format!(
-                "size={}m,nr_inodes={},uid=1000,gid=1000,mode=0755,nosuid,nodev",
+                "size={}m,nr_inodes={},uid={CODE_UID},gid={CODE_UID},mode=0755,nosuid,nodev",
                 cfg.workspace_mb,
                 (cfg.workspace_mb * 256).max(1024)
             );

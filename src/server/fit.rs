@@ -12,6 +12,12 @@ use serde_json::Value;
 /// The largest serialized result sent; below the 16 MiB line limit of common clients.
 pub const BUDGET: usize = 12 << 20;
 
+/// True when `text` as a JSON string stays within the budget (a control byte escapes to six
+/// bytes), for replies that do not pass through `fit` (resources).
+pub fn text_fits(text: &str) -> bool {
+    text.len() + 5 * text.bytes().filter(|b| *b < 0x20 && *b != b'\n').count() <= BUDGET
+}
+
 /// Strings shorter than this are never cut: the cut goes where the bytes are.
 const SMALL: usize = 16 << 10;
 

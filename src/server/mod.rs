@@ -799,9 +799,8 @@ impl ServerHandler for SandboxServer {
             ));
         }
         // Text whose escaping would push the message past the budget travels as a blob (4/3).
-        let escaped = |t: &str| t.len() + 5 * t.bytes().filter(|b| *b < 0x20 && *b != b'\n').count();
         let contents = match String::from_utf8(data) {
-            Ok(text) if escaped(&text) <= fit::BUDGET => ResourceContents::text(text, uri),
+            Ok(text) if fit::text_fits(&text) => ResourceContents::text(text, uri),
             Ok(text) => ResourceContents::blob(base64::engine::general_purpose::STANDARD.encode(text), uri)
                 .with_mime_type("application/octet-stream"),
             Err(e) => ResourceContents::blob(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()), uri)

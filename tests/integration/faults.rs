@@ -42,19 +42,6 @@ async fn a_container_removed_mid_run_fails_fast_and_the_next_call_starts_fresh()
     assert_cleaned_up(&instance).await;
 }
 
-/// Polls a job until it is no longer running.
-async fn settle(s: &Server, job: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let r = s.call("job_status", json!({ "job": job, "wait_s": 5 })).await;
-        let sc = r.structured_content.clone().expect("structured");
-        if sc["status"] != "running" {
-            return sc;
-        }
-        assert!(Instant::now() < deadline, "job {job} still running");
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_canary_stays_responsive_while_many_sessions_burn_cpu_and_flood_output() {
     let s = Server::start("canary-load", &[]).await;
@@ -85,7 +72,7 @@ async fn a_canary_stays_responsive_while_many_sessions_burn_cpu_and_flood_output
     let running = listed.structured_content.expect("sc")["jobs"].as_array().map(Vec::len).unwrap_or(0);
     assert!(running >= 1, "the load was still running while the canary was timed");
     for (i, job) in jobs.iter().enumerate() {
-        let sc = settle(&s, job).await;
+        let sc = crate::jobs::finished(&s, job).await;
         assert_eq!(sc["status"], "ok", "load{i}: {sc}");
         let result = &sc["result"];
         let stdout = result["stdout"].as_str().unwrap_or_default();

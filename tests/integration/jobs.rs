@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 use crate::common::{Server, text};
 
 /// Polls job_status (waiting server-side) until the job has finished.
-async fn finished(s: &Server, job: &str) -> Value {
+pub(crate) async fn finished(s: &Server, job: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let r = s.call("job_status", json!({ "job": job, "wait_s": 5 })).await;
