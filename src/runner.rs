@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
 use crate::docker::{self, archive};
+use crate::docker::archive::{CopyBack, Moved};
 use crate::instance::Instance;
 use crate::protocol::Stream;
 use crate::session::registry::Registry;
@@ -59,9 +60,17 @@ pub struct RunArgs {
     /// Upload this directory as the workspace first (without `.git`).
     #[arg(long, value_name = "DIR")]
     pub project: Option<PathBuf>,
-    /// Copy the files the run created or changed back into this directory.
+    /// Copy the files the run created or changed back into this directory. Version-control
+    /// metadata (`.git`, …) never comes back, nor does a file over one the run was not given.
     #[arg(long, value_name = "DIR")]
     pub output: Option<PathBuf>,
+    /// With --output: also replace existing files the run was not given.
+    #[arg(long, requires = "output")]
+    pub output_overwrite: bool,
+    /// With --output: never copy back paths matching this pattern (repeatable; `*`, `?`, `**`;
+    /// without `/` it matches any one component, e.g. `.github`, `Makefile`, `*.sh`).
+    #[arg(long, value_name = "GLOB", requires = "output")]
+    pub output_exclude: Vec<String>,
     /// Print a JSON result on stdout instead of streaming the output.
     #[arg(long)]
     pub json: bool,
@@ -86,7 +95,17 @@ struct JsonResult {
     cpu_ms: Option<f64>,
     peak_memory_kb: Option<u64>,
     output_files: Option<u64>,
+    /// What came back, workspace-relative.
+    output_paths: Option<Vec<String>>,
+    /// What the run made but was not copied back, and why.
+    output_held_back: Option<Vec<HeldBackJson>>,
     notices: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct HeldBackJson {
+    path: String,
+    why: &'static str,
 }
 
 /// A failure before or around the program, with its exit code.
@@ -319,8 +338,10 @@ async fn in_session(
         Some(out) => {
             // Whole seconds in the archive: anything touched in the run's first second counts.
             let since = started - Duration::from_secs(1);
+            let rules =
+                CopyBack { given, overwrite: args.output_overwrite, exclude: args.output_exclude.clone() };
             Some(
-                archive::download_changed(registry.docker(), &session.container_id(), since, given, out, cap)
+                archive::download_changed(registry.docker(), &session.container_id(), since, rules, out, cap)
                     .await
                     .map_err(infra)?,
             )
@@ -329,8 +350,11 @@ async fn in_session(
     };
     let code = exit_code(&outcome);
     if json {
-        print_json(&outcome, code, copied.map(|c| c.files));
+        print_json(&outcome, code, copied.as_ref());
     } else {
+        if let (Some(moved), Some(out)) = (&copied, &args.output) {
+            report_copied(moved, out);
+        }
         for n in &outcome.notices {
             eprintln!("[pyberth] {n}");
         }
@@ -361,7 +385,30 @@ fn exit_code(o: &RunOutcome) -> u8 {
     }
 }
 
-fn print_json(o: &RunOutcome, code: u8, files: Option<u64>) {
+/// Lines listed per kind before the rest is only counted: a run can make 100,000 files.
+const LISTED: usize = 50;
+
+/// Says on stderr what came back and what was held back. Names come from the sandbox: control
+/// characters are escaped so a file name cannot write into the CI log.
+fn report_copied(moved: &Moved, out: &Path) {
+    let name = |p: &Path| p.to_string_lossy().escape_debug().to_string();
+    eprintln!("[pyberth] copied back {} file(s) into {}", moved.copied.len(), out.display());
+    for p in moved.copied.iter().take(LISTED) {
+        eprintln!("[pyberth]   {}", name(p));
+    }
+    if moved.copied.len() > LISTED {
+        eprintln!("[pyberth]   … and {} more", moved.copied.len() - LISTED);
+    }
+    for (p, why) in moved.held_back.iter().take(LISTED) {
+        eprintln!("[pyberth] not copied back: {} ({})", name(p), why.why());
+    }
+    if moved.held_back.len() > LISTED {
+        eprintln!("[pyberth] … and {} more not copied back", moved.held_back.len() - LISTED);
+    }
+}
+
+fn print_json(o: &RunOutcome, code: u8, copied: Option<&Moved>) {
+    let rel = |p: &Path| p.to_string_lossy().into_owned();
     let json = JsonResult {
         status: o.status,
         exit_code: code,
@@ -371,7 +418,10 @@ fn print_json(o: &RunOutcome, code: u8, files: Option<u64>) {
         duration_ms: (o.duration.as_secs_f64() * 1e6).round() / 1e3,
         cpu_ms: o.cpu_ms.map(f64::round),
         peak_memory_kb: o.peak_memory_kb,
-        output_files: files,
+        output_files: copied.map(|m| m.copied.len() as u64),
+        output_paths: copied.map(|m| m.copied.iter().map(|p| rel(p)).collect()),
+        output_held_back: copied
+            .map(|m| m.held_back.iter().map(|(p, w)| HeldBackJson { path: rel(p), why: w.why() }).collect()),
         notices: o.notices.clone(),
     };
     #[allow(clippy::print_stdout)] // --json: the result is the command's output

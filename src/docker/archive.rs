@@ -24,6 +24,9 @@ use super::layers::safe_relative;
 const CHUNK: usize = 256 << 10;
 /// Directory names never copied back: interpreter and test-runner caches, not results.
 const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
+/// Version-control metadata, never copied back: a `.git/config` with a `core.fsmonitor` command
+/// is run by the host's next `git status`. Compared without case (macOS and Windows checkouts).
+const VCS: &[&str] = &[".git", ".hg", ".svn", ".bzr", "_darcs", ".jj", ".pijul", "cvs", ".fslckout", "_fossil_"];
 
 /// What a transfer moved.
 #[derive(Debug, Default, Clone)]
@@ -34,6 +37,88 @@ pub struct Moved {
     pub bytes: u64,
     /// Each file's (mtime, size) as sent, by workspace-relative path: what the run was given.
     pub manifest: HashMap<PathBuf, (u64, u64)>,
+    /// Copied back to the host: the workspace-relative paths, in archive order.
+    pub copied: Vec<PathBuf>,
+    /// Made or changed by the run but left in the sandbox, and why.
+    pub held_back: Vec<(PathBuf, HeldBack)>,
+}
+
+/// Why a file the run made was not copied back to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeldBack {
+    /// Version-control metadata (`.git`, `.hg`, …): never copied back.
+    Vcs,
+    /// Matched an `--output-exclude` pattern.
+    Excluded,
+    /// A file the run was not given already stands there on the host (`--output-overwrite`).
+    Exists,
+}
+
+impl HeldBack {
+    /// Why, for a person reading the CI log.
+    pub fn why(self) -> &'static str {
+        match self {
+            Self::Vcs => "version-control metadata is never copied back",
+            Self::Excluded => "matches --output-exclude",
+            Self::Exists => "a file not given to the run is there: --output-overwrite replaces it",
+        }
+    }
+}
+
+/// What `download_changed` may write on the host.
+#[derive(Debug, Default)]
+pub struct CopyBack {
+    /// Each file's (mtime, size) as uploaded: inputs, not results; and the only host files a
+    /// result may replace without `overwrite`.
+    pub given: HashMap<PathBuf, (u64, u64)>,
+    /// Replace existing host files the run was not given.
+    pub overwrite: bool,
+    /// Patterns of paths never copied back (`*`, `?`, `**`; a pattern without `/` matches any
+    /// one path component, one with `/` the path from the top).
+    pub exclude: Vec<String>,
+}
+
+impl CopyBack {
+    fn held_back(&self, rel: &Path, exists: bool) -> Option<HeldBack> {
+        let names = || rel.components().filter_map(|c| c.as_os_str().to_str());
+        if rel.components().any(|c| VCS.iter().any(|v| c.as_os_str().eq_ignore_ascii_case(v))) {
+            return Some(HeldBack::Vcs);
+        }
+        let text = rel.to_string_lossy();
+        let excluded = self.exclude.iter().any(|p| {
+            let p = p.trim_start_matches("./").trim_start_matches('/').trim_end_matches('/');
+            if p.contains('/') {
+                // The path itself or any directory above it.
+                let parts: Vec<&str> = text.split('/').collect();
+                (1..=parts.len()).any(|n| glob(p.as_bytes(), parts[..n].join("/").as_bytes()))
+            } else {
+                names().any(|n| glob(p.as_bytes(), n.as_bytes()))
+            }
+        });
+        if excluded {
+            return Some(HeldBack::Excluded);
+        }
+        if exists && !self.overwrite && !self.given.contains_key(rel) {
+            return Some(HeldBack::Exists);
+        }
+        None
+    }
+}
+
+/// Shell-style matching: `*` and `?` stay within a path component, `**` crosses them.
+fn glob(pat: &[u8], s: &[u8]) -> bool {
+    match pat {
+        [] => s.is_empty(),
+        [b'*', b'*', rest @ ..] => {
+            let rest = rest.strip_prefix(b"/").unwrap_or(rest);
+            (0..=s.len()).any(|i| glob(rest, &s[i..]))
+        }
+        [b'*', rest @ ..] => {
+            (0..=s.len()).take_while(|&i| i == 0 || s[i - 1] != b'/').any(|i| glob(rest, &s[i..]))
+        }
+        [b'?', rest @ ..] => s.first().is_some_and(|&c| c != b'/') && glob(rest, &s[1..]),
+        [c, rest @ ..] => s.first() == Some(c) && glob(rest, &s[1..]),
+    }
 }
 
 /// A `Write` that sends fixed-size chunks down a channel (used from a blocking thread).
@@ -195,12 +280,14 @@ fn meta_mode(meta: &std::fs::Metadata) -> u32 {
 
 /// Copies the workspace files of container `id` that the run made or changed into `out`
 /// (created if missing), keeping their relative paths: files modified at or after `since`
-/// that are not in `given` as they were sent. Caches are skipped. At most `cap` bytes.
+/// that are not in `rules.given` as they were sent. Caches are skipped; version-control
+/// metadata, excluded paths and (unless asked) existing host files are held back. At most
+/// `cap` bytes.
 pub async fn download_changed(
     docker: &Docker,
     id: &str,
     since: SystemTime,
-    given: HashMap<PathBuf, (u64, u64)>,
+    rules: CopyBack,
     out: &Path,
     cap: u64,
 ) -> Result<Moved, String> {
@@ -211,7 +298,7 @@ pub async fn download_changed(
     let unpacker = tokio::task::spawn_blocking(move || {
         let mut moved = Moved::default();
         let reader = ChunkReader { rx, cur: Bytes::new() };
-        unpack_changed(reader, &dest, since, &given, cap, &mut moved).map(|()| moved)
+        unpack_changed(reader, &dest, since, &rules, cap, &mut moved).map(|()| moved)
     });
     // The archive of /workspace has entries named workspace/...; it streams to the unpacker.
     let opts = DownloadFromContainerOptionsBuilder::default().path(WORKSPACE).build();
@@ -301,7 +388,7 @@ fn unpack_changed(
     reader: impl Read,
     dest: &Path,
     since: u64,
-    given: &HashMap<PathBuf, (u64, u64)>,
+    rules: &CopyBack,
     cap: u64,
     moved: &mut Moved,
 ) -> Result<(), String> {
@@ -322,8 +409,14 @@ fn unpack_changed(
             continue; // links are never recreated on the host; old files were not made by the run
         }
         let size = header.size().unwrap_or(0);
-        if given.get(rel).is_some_and(|&(mtime, len)| (mtime, len) == (header.mtime().unwrap_or(0), size)) {
+        if rules.given.get(rel).is_some_and(|&(mtime, len)| (mtime, len) == (header.mtime().unwrap_or(0), size)) {
             continue; // as uploaded: an input, not a result
+        }
+        // Checked before any directory is made on the host for it.
+        let exists = std::fs::symlink_metadata(dest.join(rel)).is_ok();
+        if let Some(why) = rules.held_back(rel, exists) {
+            moved.held_back.push((rel.to_path_buf(), why));
+            continue;
         }
         moved.files += 1;
         moved.bytes += size;
@@ -343,6 +436,7 @@ fn unpack_changed(
             .map_err(|e| format!("cannot write {}: {e}", target.display()))?;
         std::io::copy(&mut (&mut entry).take(size), &mut file)
             .map_err(|e| format!("cannot write {}: {e}", target.display()))?;
+        moved.copied.push(rel.to_path_buf());
     }
     Ok(())
 }
@@ -412,8 +506,9 @@ mod tests {
             ("workspace/escape/owned", tar::EntryType::Regular, 200, "owned"),
         ]);
         let given = HashMap::from([("given.py".into(), (150, 4)), ("edited.py".into(), (150, 4))]);
+        let rules = CopyBack { given, ..Default::default() };
         let mut moved = Moved::default();
-        let r = unpack_changed(&tar[..], &dir, 100, &given, 1 << 20, &mut moved);
+        let r = unpack_changed(&tar[..], &dir, 100, &rules, 1 << 20, &mut moved);
         assert!(r.is_err_and(|e| e.contains("in the way")), "a symlinked directory on the host stops the copy");
         assert_eq!(std::fs::read_to_string(dir.join("reports/junit.xml")).expect("junit"), "<xml/>");
         assert!(!dir.join("old.py").exists(), "files older than the run stay behind");
@@ -426,8 +521,61 @@ mod tests {
 
         let mut moved = Moved::default();
         let big = archive(&[("workspace/big", tar::EntryType::Regular, 200, "0123456789")]);
-        assert!(unpack_changed(&big[..], &dir, 100, &given, 5, &mut moved).is_err_and(|e| e.contains("exceed")));
+        assert!(unpack_changed(&big[..], &dir, 100, &rules, 5, &mut moved).is_err_and(|e| e.contains("exceed")));
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&outside);
+    }
+
+    #[test]
+    fn vcs_metadata_excluded_paths_and_existing_files_are_held_back() {
+        let dir = std::env::temp_dir().join(format!("pyberth-holdback-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(dir.join("Makefile"), "host").expect("makefile");
+        std::fs::write(dir.join("given.txt"), "host").expect("given");
+        let tar = archive(&[
+            ("workspace/.git/config", tar::EntryType::Regular, 200, "[core]\nfsmonitor = touch /tmp/pwned"),
+            ("workspace/sub/.GIT/config", tar::EntryType::Regular, 200, "x"),
+            ("workspace/.hg/hgrc", tar::EntryType::Regular, 200, "x"),
+            ("workspace/Makefile", tar::EntryType::Regular, 200, "evil"),
+            ("workspace/given.txt", tar::EntryType::Regular, 200, "changed"),
+            ("workspace/.github/workflows/ci.yml", tar::EntryType::Regular, 200, "x"),
+            ("workspace/build/a.sh", tar::EntryType::Regular, 200, "x"),
+            ("workspace/build/deep/b.sh", tar::EntryType::Regular, 200, "x"),
+            ("workspace/report.txt", tar::EntryType::Regular, 200, "ok"),
+        ]);
+        let rules = CopyBack {
+            given: HashMap::from([("given.txt".into(), (150, 4))]),
+            overwrite: false,
+            exclude: vec![".github".into(), "build/*.sh".into()],
+        };
+        let mut moved = Moved::default();
+        unpack_changed(&tar[..], &dir, 100, &rules, 1 << 20, &mut moved).expect("copy back");
+        assert!(!dir.join(".git").exists() && !dir.join("sub").exists() && !dir.join(".hg").exists());
+        assert_eq!(std::fs::read_to_string(dir.join("Makefile")).expect("makefile"), "host", "not replaced");
+        assert_eq!(std::fs::read_to_string(dir.join("given.txt")).expect("given"), "changed", "an input may change");
+        assert!(!dir.join(".github").exists() && !dir.join("build/a.sh").exists());
+        assert!(dir.join("build/deep/b.sh").exists(), "`*` stays within one component");
+        let why = |p: &str| moved.held_back.iter().find(|(r, _)| r == Path::new(p)).map(|(_, w)| *w);
+        assert_eq!(why(".git/config"), Some(HeldBack::Vcs));
+        assert_eq!(why("sub/.GIT/config"), Some(HeldBack::Vcs));
+        assert_eq!(why("Makefile"), Some(HeldBack::Exists));
+        assert_eq!(why(".github/workflows/ci.yml"), Some(HeldBack::Excluded));
+        let copied: Vec<_> = moved.copied.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        assert_eq!(copied, ["given.txt", "build/deep/b.sh", "report.txt"]);
+
+        let rules = CopyBack { overwrite: true, ..Default::default() };
+        let mut moved = Moved::default();
+        unpack_changed(&tar[..], &dir, 100, &rules, 1 << 20, &mut moved).expect("copy back");
+        assert_eq!(std::fs::read_to_string(dir.join("Makefile")).expect("makefile"), "evil", "asked to overwrite");
+        assert!(!dir.join(".git").exists(), "never VCS metadata, even with --output-overwrite");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob(b"*.sh", b"a.sh") && !glob(b"*.sh", b"a/b.sh"));
+        assert!(glob(b"**/*.sh", b"a/b/c.sh") && glob(b"**/*.sh", b"c.sh"));
+        assert!(glob(b"docs/**", b"docs/a/b") && glob(b"?akefile", b"Makefile") && !glob(b"?", b"/"));
     }
 }

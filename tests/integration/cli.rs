@@ -149,3 +149,76 @@ async fn a_project_runs_its_pytest_suite_and_the_report_comes_back() {
     assert_cleaned_up(&instance).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The attack of a prompt-injected model's code on a checkout: with `--project . --output .`,
+/// it writes `.git/config` with a `core.fsmonitor` command (run by the host's next
+/// `git status`), overwrites a `Makefile` it was never given, and a workflow. None of it may
+/// land; what came back is listed, and control bytes in names are escaped.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_copy_back_never_writes_vcs_metadata_nor_over_files_it_was_not_given() {
+    let dir = scratch("gitattack");
+    let repo = dir.join("repo");
+    std::fs::create_dir_all(&repo).expect("mkdir");
+    let git = |args: &[&str]| std::process::Command::new("git").arg("-C").arg(&repo).args(args).output();
+    let have_git = git(&["init", "-q"]).is_ok_and(|o| o.status.success());
+    if !have_git {
+        std::fs::create_dir_all(repo.join(".git")).expect("mkdir .git");
+        std::fs::write(repo.join(".git/config"), "[core]\n").expect("config");
+    }
+    let config_before = std::fs::read(repo.join(".git/config")).expect("config");
+    std::fs::write(repo.join("app.py"), "print('app')\n").expect("app");
+    let marker = dir.join("pwned");
+    let evil = format!(
+        "import os\nos.makedirs('.git/hooks', exist_ok=True)\n\
+         open('.git/config', 'w').write('[core]\\n\\tfsmonitor = \"touch {m}; false\"\\n')\n\
+         open('.git/hooks/pre-commit', 'w').write('#!/bin/sh\\ntouch {m}\\n')\n\
+         open('Makefile', 'w').write('all:\\n\\ttouch {m}\\n')\n\
+         os.makedirs('.github/workflows', exist_ok=True)\n\
+         open('.github/workflows/ci.yml', 'w').write('on: push')\n\
+         open('app.py', 'a').write('# changed\\n')\n\
+         open('result.txt', 'w').write('42')\n\
+         open('odd\\x1b]0;title\\x07.txt', 'w').write('x')\n",
+        m = marker.display()
+    );
+    std::fs::write(dir.join("evil.py"), evil).expect("script");
+    // Uploaded with the project, so a changed input: only --output-exclude keeps it.
+    std::fs::write(repo.join("Makefile"), "all:\n\techo host\n").expect("makefile");
+    let args =
+        ["--project", "repo", "--output", "repo", "--output-exclude", ".github", "--output-exclude", "Makefile", "evil.py"];
+    let (o, instance) = pyberth_run("gitattack", &dir, &args, None).await;
+    let (_, stderr) = streams(&o);
+    assert_eq!(o.status.code(), Some(0), "{stderr}");
+    assert_eq!(std::fs::read(repo.join(".git/config")).expect("config"), config_before, ".git/config untouched");
+    assert!(!repo.join(".git/hooks/pre-commit").exists(), "no hook came back");
+    assert!(!repo.join(".github").exists(), "--output-exclude held the workflow back");
+    assert_eq!(std::fs::read_to_string(repo.join("result.txt")).expect("result"), "42");
+    assert!(std::fs::read_to_string(repo.join("app.py")).expect("app").contains("# changed"), "an input may change");
+    if have_git {
+        let _ = git(&["status", "--porcelain"]);
+    }
+    assert!(!marker.exists(), "no command of the sandbox's ran on the host");
+    assert!(std::fs::read_to_string(repo.join("Makefile")).expect("makefile").contains("echo host"));
+    assert!(stderr.contains("copied back"), "{stderr}");
+    assert!(stderr.contains("not copied back: .git/config (version-control metadata"), "{stderr}");
+    assert!(stderr.contains("not copied back: .github/workflows/ci.yml (matches --output-exclude)"), "{stderr}");
+    assert!(!stderr.contains('\x1b'), "names are escaped: {stderr:?}");
+    assert_cleaned_up(&instance).await;
+
+    // An output directory apart from the project: existing files there were never given.
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).expect("mkdir");
+    std::fs::write(out.join("Makefile"), "host\n").expect("makefile");
+    let (o, _) = pyberth_run("gitattack2", &dir, &["--output", "out", "--json", "evil.py"], None).await;
+    assert_eq!(o.status.code(), Some(0), "{}", streams(&o).1);
+    assert_eq!(std::fs::read_to_string(out.join("Makefile")).expect("makefile"), "host\n", "not overwritten");
+    let v: Value = serde_json::from_slice(&o.stdout).expect("json");
+    let held = v["output_held_back"].as_array().expect("held back list");
+    assert!(held.iter().any(|h| h["path"] == "Makefile" && h["why"].as_str().is_some_and(|w| w.contains("--output-overwrite"))), "{v}");
+    assert!(v["output_paths"].as_array().expect("paths").iter().any(|p| p == "result.txt"), "{v}");
+    let (o, _) =
+        pyberth_run("gitattack3", &dir, &["--output", "out", "--output-overwrite", "evil.py"], None).await;
+    assert_eq!(o.status.code(), Some(0), "{}", streams(&o).1);
+    assert!(std::fs::read_to_string(out.join("Makefile")).expect("makefile").contains("touch"), "asked to overwrite");
+    assert!(!out.join(".git").exists(), "never VCS metadata");
+    let _ = std::fs::remove_dir_all(&dir);
+}
