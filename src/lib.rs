@@ -14,6 +14,7 @@
 //! [`instance`] tells live servers from dead ones so leftovers can be swept at start.
 
 pub mod bench;
+pub mod checks;
 pub mod config;
 pub mod deps;
 pub mod docker;
@@ -25,7 +26,6 @@ pub mod protocol;
 pub mod runner;
 pub mod server;
 pub mod session;
-pub mod workspace;
 
 /// Resolves on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {

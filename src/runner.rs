@@ -16,7 +16,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
-use crate::docker::{self, archive};
+use crate::docker;
 use crate::docker::archive::{CopyBack, Moved};
 use crate::instance::Instance;
 use crate::protocol::Stream;
@@ -176,7 +176,7 @@ fn parse_env(words: &[String]) -> Result<BTreeMap<String, String>, String> {
         };
         env.insert(k.to_owned(), v.to_owned());
     }
-    crate::workspace::check_env(&env)?;
+    crate::checks::check_env(&env)?;
     Ok(env)
 }
 
@@ -250,7 +250,7 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
         Target::Command(_) => None,
     };
     let packages =
-        crate::server::wanted_packages(Some(&args.with), script_text.as_deref(), cfg.max_packages).map_err(usage)?;
+        crate::checks::wanted_packages(Some(&args.with), script_text.as_deref(), cfg.max_packages).map_err(usage)?;
 
     let docker = docker::connect(cfg.docker_host.as_deref())
         .await
@@ -287,18 +287,14 @@ async fn in_session(
     status.clear();
     let cap = args.transfer_cap_mb << 20;
     let mut given = match &args.project {
-        Some(dir) => {
-            archive::upload_dir(registry.docker(), &session.container_id(), dir, cap).await.map_err(infra)?.manifest
-        }
+        Some(dir) => session.upload_dir(dir, cap).await.map_err(infra)?.manifest,
         None => Default::default(),
     };
     let (file, cmd) = match target {
         Target::Script { rel, data } => {
             if let Some(data) = data {
                 // Its stamp joins the inputs: the script never comes back with --output.
-                let stamp = archive::upload_file(registry.docker(), &session.container_id(), &rel, &data)
-                    .await
-                    .map_err(infra)?;
+                let stamp = session.upload_file(&rel, &data).await.map_err(infra)?;
                 given.insert(PathBuf::from(&rel), stamp);
             }
             (Some(rel), Vec::new())
@@ -338,13 +334,8 @@ async fn in_session(
         Some(out) => {
             // Whole seconds in the archive: anything touched in the run's first second counts.
             let since = started - Duration::from_secs(1);
-            let rules =
-                CopyBack { given, overwrite: args.output_overwrite, exclude: args.output_exclude.clone() };
-            Some(
-                archive::download_changed(registry.docker(), &session.container_id(), since, rules, out, cap)
-                    .await
-                    .map_err(infra)?,
-            )
+            let rules = CopyBack { given, overwrite: args.output_overwrite, exclude: args.output_exclude.clone() };
+            Some(session.download_changed(since, rules, out, cap).await.map_err(infra)?)
         }
         None => None,
     };

@@ -113,9 +113,7 @@ fn glob(pat: &[u8], s: &[u8]) -> bool {
             let rest = rest.strip_prefix(b"/").unwrap_or(rest);
             (0..=s.len()).any(|i| glob(rest, &s[i..]))
         }
-        [b'*', rest @ ..] => {
-            (0..=s.len()).take_while(|&i| i == 0 || s[i - 1] != b'/').any(|i| glob(rest, &s[i..]))
-        }
+        [b'*', rest @ ..] => (0..=s.len()).take_while(|&i| i == 0 || s[i - 1] != b'/').any(|i| glob(rest, &s[i..])),
         [b'?', rest @ ..] => s.first().is_some_and(|&c| c != b'/') && glob(rest, &s[1..]),
         [c, rest @ ..] => s.first() == Some(c) && glob(rest, &s[1..]),
     }
@@ -382,6 +380,58 @@ pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: u64) -> Re
     }
     let tar = out.into_inner().map_err(|e| format!("cannot pack: {e}"))?;
     Ok((tar, moved))
+}
+
+/// An upload read by [`read_upload`]: its files by workspace path, and what was skipped.
+pub type Upload = (Vec<(String, Vec<u8>)>, Vec<String>);
+
+/// The regular files of an uploaded tar, read whole before anything is written (a broken
+/// archive changes nothing): (workspace path, bytes) under `dest`, each path passed through
+/// `check`; and what was skipped, with why. Synchronous: call it off the runtime.
+pub fn read_upload(
+    tar: &[u8],
+    dest: &str,
+    check: impl Fn(&str) -> Result<String, String>,
+) -> Result<Upload, String> {
+    let mut files = Vec::new();
+    let mut skipped = Vec::new();
+    let mut ar = tar::Archive::new(tar);
+    let entries = ar.entries().map_err(|e| format!("archive is not a tar archive: {e}"))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| format!("archive is not a valid tar archive: {e}"))?;
+        let shown = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+        let kind = entry.header().entry_type();
+        if kind == tar::EntryType::Directory {
+            continue; // directories come with their files
+        }
+        if kind != tar::EntryType::Regular {
+            skipped.push(format!("{shown}: not a regular file"));
+            continue;
+        }
+        let rel = match entry.path() {
+            Ok(p) if safe_relative(&p) => p.into_owned(),
+            _ => {
+                skipped.push(format!("{shown}: unsafe name"));
+                continue;
+            }
+        };
+        let joined = if dest == "." { rel } else { Path::new(dest).join(rel) };
+        let path = match joined.to_str().map(&check) {
+            Some(Ok(p)) => p,
+            Some(Err(e)) => {
+                skipped.push(format!("{shown}: {e}"));
+                continue;
+            }
+            None => {
+                skipped.push(format!("{shown}: not UTF-8"));
+                continue;
+            }
+        };
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data).map_err(|e| format!("archive entry {shown} is unreadable: {e}"))?;
+        files.push((path, data));
+    }
+    Ok((files, skipped))
 }
 
 fn unpack_changed(

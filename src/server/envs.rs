@@ -2,11 +2,14 @@
 
 use rmcp::handler::server::common::schema_for_output;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::CallToolResult;
 use rmcp::{tool, tool_router};
 use serde::Serialize;
 
-use super::{Caller, NoArgs, SandboxServer, SessionArgs, session_name, structured, tool_error};
+use super::error::{Context as _, ToolResult};
+use super::render::structured;
+use super::types::{NoArgs, SessionArgs};
+use super::{Caller, SandboxServer};
+use crate::checks::session_name;
 use crate::config::SandboxConfig;
 use crate::environment::{Environment, MountSpec};
 
@@ -127,7 +130,7 @@ impl SandboxServer {
     /// packages preinstalled, limits, and read-only data folders. Pass a name as `environment`
     /// to run_python (with a new session name) to use one.
     #[tool(annotations(title = "List environments", read_only_hint = true), output_schema = schema_for_output::<EnvironmentList>())]
-    async fn list_environments(&self, Parameters(_): Parameters<NoArgs>) -> CallToolResult {
+    async fn list_environments(&self, Parameters(_): Parameters<NoArgs>) -> ToolResult {
         let envs = &self.registry.environments;
         let default = envs.default_name();
         let environments: Vec<EnvironmentInfo> = envs.all().map(|e| describe(e, default)).collect();
@@ -142,26 +145,22 @@ impl SandboxServer {
                 text.push_str(&format!("  read-only folder: {}\n", m.path));
             }
         }
-        structured(&EnvironmentList { environments }, text)
+        Ok(structured(&EnvironmentList { environments }, text))
     }
 
     /// Report what a session runs in: environment, Python version, image, limits (memory, CPU,
     /// processes, time, output), network policy, read-only mounts, and how many packages are
     /// installed. Creates the session (in the default environment) if it does not exist.
     #[tool(annotations(title = "Get environment", read_only_hint = true), output_schema = schema_for_output::<SessionEnvironment>())]
-    async fn get_environment(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> CallToolResult {
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let session = match self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await {
-            Ok((s, _)) => s,
-            Err(e) => return tool_error(format!("cannot open session {name:?}: {e}")),
-        };
-        let packages = match session.installed().await {
-            Ok(p) => p.len(),
-            Err(e) => return tool_error(format!("cannot list the packages of session {name:?}: {e}")),
-        };
+    async fn get_environment(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let (session, _) = self
+            .registry
+            .get_or_create(&who, &name, None, &[], &|_| {})
+            .await
+            .context(format!("cannot open session {name:?}"))?;
+        let packages =
+            session.installed().await.context(format!("cannot list the packages of session {name:?}"))?.len();
         let cfg = session.settings();
         let out = SessionEnvironment {
             session: name,
@@ -193,6 +192,6 @@ impl SandboxServer {
             },
             out.packages_installed,
         );
-        structured(&out, text)
+        Ok(structured(&out, text))
     }
 }

@@ -12,12 +12,13 @@ use rmcp::service::RequestContext;
 use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
-use super::jobs::check_wait;
-use super::{Caller, SandboxServer, check_timeout, principal_of, session_name, structured, tool_error};
+use super::error::{Context as _, ToolError, ToolResult};
+use super::render::structured;
+use super::{Caller, SandboxServer};
+use crate::checks::{self, check_path, check_timeout, check_wait, session_name};
 use crate::protocol::{FileEntry, Request};
-use crate::session::Session;
 use crate::session::jobs::JobSpec;
-use crate::workspace::{self, check_path};
+use crate::session::{FileReply, Session};
 
 /// How `content` is encoded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
@@ -163,11 +164,16 @@ pub struct ListOutput {
     pub truncated: bool,
 }
 
-impl SandboxServer {
-    fn existing(&self, who: &str, name: &str) -> Result<std::sync::Arc<Session>, CallToolResult> {
-        self.registry.get(who, name).map_err(|e| tool_error(e.to_string()))
-    }
+/// A file request to the session's agent; its refusal or failure is told as `what: why`.
+pub(super) async fn agent_file<'r>(
+    session: &Session,
+    what: impl std::fmt::Display,
+    make: impl FnOnce(u64) -> Request<'r>,
+) -> Result<FileReply, ToolError> {
+    session.file(make).await.context(&what)?.context(what)
+}
 
+impl SandboxServer {
     /// Reads up to `length` bytes; used by read_file and resources/read.
     pub(super) async fn read_bytes(
         &self,
@@ -175,12 +181,10 @@ impl SandboxServer {
         path: &str,
         offset: u64,
         length: u64,
-    ) -> Result<(Vec<u8>, u64), String> {
-        match session.file(|id| Request::Read { id, path, offset, length }).await {
-            Ok(Ok(reply)) => Ok((reply.data, reply.size.unwrap_or(0))),
-            Ok(Err(e)) => Err(format!("cannot read {path}: {e}")),
-            Err(e) => Err(format!("cannot read {path}: {e}")),
-        }
+    ) -> Result<(Vec<u8>, u64), ToolError> {
+        let reply =
+            agent_file(session, format!("cannot read {path}"), |id| Request::Read { id, path, offset, length }).await?;
+        Ok((reply.data, reply.size.unwrap_or(0)))
     }
 }
 
@@ -191,74 +195,50 @@ impl SandboxServer {
     /// files can be written in several calls and then run with run_file or imported. Binary
     /// content goes as base64 with encoding="base64". At most 8 MiB per call.
     #[tool(annotations(title = "Write file", destructive_hint = true), output_schema = schema_for_output::<WriteOutput>())]
-    async fn write_file(&self, Parameters(args): Parameters<WriteFileArgs>, Caller(who): Caller) -> CallToolResult {
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let path = match check_path(&args.path, false) {
-            Ok(p) => p,
-            Err(e) => return tool_error(e),
-        };
+    async fn write_file(&self, Parameters(args): Parameters<WriteFileArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let path = check_path(&args.path, false)?;
         let data = match args.encoding {
             Encoding::Text => args.content.into_bytes(),
             Encoding::Base64 => match base64::engine::general_purpose::STANDARD.decode(args.content.trim()) {
                 Ok(d) => d,
-                Err(_) => return tool_error("content is not valid base64 (encoding is \"base64\")"),
+                Err(_) => return Err("content is not valid base64 (encoding is \"base64\")".into()),
             },
         };
         if data.len() > self.cfg.file_cap {
-            return tool_error(format!(
+            return Err(format!(
                 "content is {} bytes, over the limit of {} per call: write it in parts with append=true",
                 data.len(),
                 self.cfg.file_cap
-            ));
+            )
+            .into());
         }
-        let (session, _) = match self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await {
-            Ok(s) => s,
-            Err(e) => return tool_error(e.to_string()),
-        };
+        let (session, _) = self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await?;
         let written = data.len() as u64;
         let b = base64::engine::general_purpose::STANDARD.encode(&data);
         drop(data);
         let path_ref = path.as_str();
-        match session.file(|id| Request::Write { id, path: path_ref, b, append: args.append }).await {
-            Ok(Ok(reply)) => {
-                let out = WriteOutput { session: name, path: path.clone(), written, size: reply.size.unwrap_or(0) };
-                let text = format!("wrote {written} bytes to {path} (size now {} bytes)", out.size);
-                structured(&out, text)
-            }
-            Ok(Err(e)) => tool_error(format!("cannot write {path}: {e}")),
-            Err(e) => tool_error(format!("cannot write {path}: {e}")),
-        }
+        let write = |id| Request::Write { id, path: path_ref, b, append: args.append };
+        let reply = agent_file(&session, format!("cannot write {path}"), write).await?;
+        let out = WriteOutput { session: name, path: path.clone(), written, size: reply.size.unwrap_or(0) };
+        let text = format!("wrote {written} bytes to {path} (size now {} bytes)", out.size);
+        Ok(structured(&out, text))
     }
 
     /// Read a file from the session's workspace: text as text, binary as base64. Reads at most
     /// 1 MiB per call by default; use offset and length to page through larger files.
     #[tool(annotations(title = "Read file", read_only_hint = true), output_schema = schema_for_output::<ReadOutput>())]
-    async fn read_file(&self, Parameters(args): Parameters<ReadFileArgs>, Caller(who): Caller) -> CallToolResult {
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let path = match check_path(&args.path, false) {
-            Ok(p) => p,
-            Err(e) => return tool_error(e),
-        };
+    async fn read_file(&self, Parameters(args): Parameters<ReadFileArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let path = check_path(&args.path, false)?;
         let cap = self.cfg.file_cap as u64;
         let length = args.length.unwrap_or(cap.min(1 << 20));
         if length == 0 || length > cap {
-            return tool_error(format!("length must be between 1 and {cap} bytes"));
+            return Err(format!("length must be between 1 and {cap} bytes").into());
         }
         let offset = args.offset.unwrap_or(0);
-        let session = match self.existing(&who, &name) {
-            Ok(s) => s,
-            Err(e) => return e,
-        };
-        let (data, size) = match self.read_bytes(&session, &path, offset, length).await {
-            Ok(r) => r,
-            Err(e) => return tool_error(e),
-        };
+        let session = self.registry.get(&who, &name)?;
+        let (data, size) = self.read_bytes(&session, &path, offset, length).await?;
         let got = data.len() as u64;
         let (encoding, content) = match String::from_utf8(data) {
             Ok(t) => (Encoding::Text, t),
@@ -287,37 +267,21 @@ impl SandboxServer {
         }
         let mut result = structured(&out, text);
         result.content.push(ContentBlock::resource_link(
-            Resource::new(workspace::resource_uri(&name, &path), path.clone()).with_size(size),
+            Resource::new(checks::resource_uri(&name, &path), path.clone()).with_size(size),
         ));
-        result
+        Ok(result)
     }
 
     /// List files in the session's workspace with sizes and kinds (file, dir, link). Each file
     /// is also linked as an MCP resource (pyberth://sessions/{session}/files/{path}).
     #[tool(annotations(title = "List files", read_only_hint = true), output_schema = schema_for_output::<ListOutput>())]
-    async fn list_files(&self, Parameters(args): Parameters<ListFilesArgs>, Caller(who): Caller) -> CallToolResult {
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let path = match check_path(args.path.as_deref().unwrap_or(""), true) {
-            Ok(p) => p,
-            Err(e) => return tool_error(e),
-        };
-        let session = match self.existing(&who, &name) {
-            Ok(s) => s,
-            Err(e) => return e,
-        };
+    async fn list_files(&self, Parameters(args): Parameters<ListFilesArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let path = check_path(args.path.as_deref().unwrap_or(""), true)?;
+        let session = self.registry.get(&who, &name)?;
         let path_ref = path.as_str();
-        let reply =
-            match session.file(|id| Request::List { id, path: path_ref, recursive: args.recursive, limit: 1000 }).await
-            {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) | Err(crate::session::Error::Install(e)) => {
-                    return tool_error(format!("cannot list {path}: {e}"));
-                }
-                Err(e) => return tool_error(format!("cannot list {path}: {e}")),
-            };
+        let list = |id| Request::List { id, path: path_ref, recursive: args.recursive, limit: 1000 };
+        let reply = agent_file(&session, format!("cannot list {path}"), list).await?;
         let mut text = String::new();
         for e in &reply.entries {
             text.push_str(&format!("{}\t{}\t{}\n", e.kind, e.size, e.path));
@@ -335,37 +299,25 @@ impl SandboxServer {
             .take(100)
             .map(|e| {
                 ContentBlock::resource_link(
-                    Resource::new(workspace::resource_uri(&name, &e.path), e.path.clone()).with_size(e.size),
+                    Resource::new(checks::resource_uri(&name, &e.path), e.path.clone()).with_size(e.size),
                 )
             })
             .collect();
         let out = ListOutput { session: name, entries: reply.entries, truncated: reply.truncated };
         let mut result = structured(&out, text);
         result.content.extend(links);
-        result
+        Ok(result)
     }
 
     /// Delete a file or directory (with its contents) from the session's workspace.
     #[tool(annotations(title = "Delete file", destructive_hint = true))]
-    async fn delete_file(&self, Parameters(args): Parameters<DeleteFileArgs>, Caller(who): Caller) -> CallToolResult {
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let path = match check_path(&args.path, false) {
-            Ok(p) => p,
-            Err(e) => return tool_error(e),
-        };
-        let session = match self.existing(&who, &name) {
-            Ok(s) => s,
-            Err(e) => return e,
-        };
+    async fn delete_file(&self, Parameters(args): Parameters<DeleteFileArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let path = check_path(&args.path, false)?;
+        let session = self.registry.get(&who, &name)?;
         let path_ref = path.as_str();
-        match session.file(|id| Request::Delete { id, path: path_ref }).await {
-            Ok(Ok(_)) => CallToolResult::success(vec![ContentBlock::text(format!("deleted {path}"))]),
-            Ok(Err(e)) => tool_error(format!("cannot delete {path}: {e}")),
-            Err(e) => tool_error(format!("cannot delete {path}: {e}")),
-        }
+        agent_file(&session, format!("cannot delete {path}"), |id| Request::Delete { id, path: path_ref }).await?;
+        Ok(CallToolResult::success(vec![ContentBlock::text(format!("deleted {path}"))]))
     }
 
     /// Run a Python script from the workspace as __main__ in a fresh interpreter process inside
@@ -376,41 +328,20 @@ impl SandboxServer {
         annotations(title = "Run file", destructive_hint = false, open_world_hint = false),
         output_schema = schema_for_output::<super::RunOutput>()
     )]
-    async fn run_file(
-        &self,
-        Parameters(args): Parameters<RunFileArgs>,
-        ctx: RequestContext<RoleServer>,
-    ) -> CallToolResult {
-        let who = principal_of(&ctx);
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let path = match check_path(&args.path, false) {
-            Ok(p) => p,
-            Err(e) => return tool_error(e),
-        };
-        let timeout = match check_timeout(args.timeout_s, &self.cfg) {
-            Ok(t) => t,
-            Err(e) => return tool_error(e),
-        };
-        let wait = match check_wait(args.wait_s, args.background, &self.cfg) {
-            Ok(w) => w,
-            Err(e) => return tool_error(e),
-        };
+    async fn run_file(&self, Parameters(args): Parameters<RunFileArgs>, ctx: RequestContext<RoleServer>) -> ToolResult {
+        let who = super::principal_of(&ctx);
+        let name = session_name(args.session.as_deref())?;
+        let path = check_path(&args.path, false)?;
+        // Checked against the server before any container is touched; resolved in `execute`.
+        check_timeout(args.timeout_s, &self.cfg)?;
+        let wait = check_wait(args.wait_s, args.background, &self.cfg)?;
         let env = args.env.unwrap_or_default();
-        if let Err(e) = workspace::check_env(&env) {
-            return tool_error(e);
-        }
+        checks::check_env(&env)?;
         if args.args.len() > 1000 || args.args.iter().any(|a| a.contains('\0')) {
-            return tool_error("args must be at most 1000 strings without NUL bytes");
+            return Err("args must be at most 1000 strings without NUL bytes".into());
         }
-        let session = match self.existing(&who, &name) {
-            Ok(s) => s,
-            Err(e) => return e,
-        };
-        let timeout = if args.timeout_s.is_none() { session.settings().timeout() } else { timeout };
+        let session = self.registry.get(&who, &name)?;
         let spec = JobSpec { code: String::new(), file: Some(path), args: args.args, env };
-        self.execute(&ctx, session, spec, timeout, wait, Vec::new()).await
+        self.execute(&ctx, session, spec, args.timeout_s, wait, Vec::new()).await
     }
 }

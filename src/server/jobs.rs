@@ -10,31 +10,16 @@ use rmcp::service::RequestContext;
 use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
-use super::{Caller, RunOutput, SandboxServer, live_channel, principal_of, relay, render_run, structured, tool_error};
-use crate::config::SandboxConfig;
+use super::error::{ToolError, ToolResult};
+use super::render::{render_run, running_job, structured};
+use super::{Caller, SandboxServer};
+use crate::checks::check_wait;
 use crate::protocol::Stream;
-use crate::session::jobs::{Finished, Job, JobSpec};
-use crate::session::{RunSpec, RunStatus, Session};
+use crate::session::RunStatus;
+use crate::session::jobs::{Finished, Job};
 
 /// How often a waited-for job's new output is sent to the client.
 const LIVE_POLL: Duration = Duration::from_millis(100);
-
-/// How a run call waits: `None` to the end, or up to a limit before answering with a job handle.
-pub(super) fn check_wait(
-    wait_s: Option<f64>,
-    background: bool,
-    cfg: &SandboxConfig,
-) -> Result<Option<Duration>, String> {
-    match (wait_s, background) {
-        (Some(_), true) => Err("give wait_s or background, not both (background is wait_s 0)".into()),
-        (None, true) => Ok(Some(Duration::ZERO)),
-        (None, false) => Ok(None),
-        (Some(w), false) if w.is_finite() && (0.0..=cfg.max_timeout_s as f64).contains(&w) => {
-            Ok(Some(Duration::from_secs_f64(w)))
-        }
-        (Some(w), false) => Err(format!("wait_s {w} is out of range: give seconds from 0 to {}", cfg.max_timeout_s)),
-    }
-}
 
 /// Arguments of `job_status`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -123,45 +108,11 @@ pub struct JobList {
     pub jobs: Vec<JobInfo>,
 }
 
-fn unknown(job: &str) -> CallToolResult {
-    tool_error(format!("no job {job:?}: list_jobs shows yours (finished jobs are kept for an hour)"))
+fn unknown(job: &str) -> ToolError {
+    ToolError::new(format!("no job {job:?}: list_jobs shows yours (finished jobs are kept for an hour)"))
 }
 
 impl SandboxServer {
-    /// Runs in a session: to the end with live output, or as a job waited for up to `wait`.
-    pub(super) async fn execute(
-        &self,
-        ctx: &RequestContext<RoleServer>,
-        session: Arc<Session>,
-        spec: JobSpec,
-        timeout: Duration,
-        wait: Option<Duration>,
-        notices: Vec<String>,
-    ) -> CallToolResult {
-        let who = principal_of(ctx);
-        let slot = match self.registry.run_permit(&who) {
-            Ok(s) => s,
-            Err(e) => return tool_error(e),
-        };
-        if let Some(wait) = wait {
-            let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot);
-            return self.await_job(&job, wait, ctx, notices).await;
-        }
-        let notifier = self.notifier(ctx);
-        let (_, observer, mut rx) = live_channel(notifier.wants_output());
-        let run = RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, cmd: &[], env: spec.env };
-        match relay(notifier, &mut rx, session.run(run, timeout, &ctx.ct, &observer)).await {
-            Ok(mut outcome) => {
-                outcome.notices.splice(0..0, notices);
-                render_run(&session.name, &outcome, None)
-            }
-            Err(e) => {
-                tracing::warn!(session = %session.name, error = %e, "run failed");
-                tool_error(format!("the run could not complete: {e}"))
-            }
-        }
-    }
-
     /// Waits up to `wait` for a job, then answers with its result or with what it has so far.
     /// A caller that cancels while waiting stops the job too: it was never handed out.
     pub(super) async fn await_job(
@@ -170,7 +121,7 @@ impl SandboxServer {
         wait: Duration,
         ctx: &RequestContext<RoleServer>,
         notices: Vec<String>,
-    ) -> CallToolResult {
+    ) -> ToolResult {
         let deadline = tokio::time::Instant::now() + wait;
         let mut notifier = self.notifier(ctx);
         let (mut so, mut se) = (0, 0);
@@ -195,49 +146,18 @@ impl SandboxServer {
                 }
             }
         };
-        if finished {
-            return match job.result().as_deref() {
-                Some(Finished::Outcome(o)) => {
-                    let mut o = o.as_ref().clone();
-                    o.notices.splice(0..0, notices);
-                    render_run(&job.session, &o, Some(&job.id))
-                }
-                Some(Finished::Failed(e)) => tool_error(format!("the run could not complete: {e}")),
-                None => tool_error("the job ended without a result"),
-            };
+        if !finished {
+            return Ok(running_job(job, notices));
         }
-        let (stdout, stderr, so, se) = job.output_since(0, 0);
-        let out = RunOutput {
-            session: job.session.clone(),
-            status: RunStatus::Running,
-            stdout: String::from_utf8_lossy(&stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&stderr).into_owned(),
-            stdout_base64: None,
-            stderr_base64: None,
-            result: None,
-            error: None,
-            exit_code: None,
-            duration_ms: (job.age().as_secs_f64() * 1e3).round(),
-            cpu_ms: None,
-            truncated: false,
-            state_lost: false,
-            notices,
-            images: 0,
-            peak_memory_kb: None,
-            job: Some(job.id.clone()),
-            stdout_offset: Some(so),
-            stderr_offset: Some(se),
-        };
-        let mut text = out.stdout.clone();
-        if !out.stderr.is_empty() {
-            text.push_str(&format!("[stderr]\n{}", out.stderr));
+        match job.result().as_deref() {
+            Some(Finished::Outcome(o)) => {
+                let mut o = o.as_ref().clone();
+                o.notices.splice(0..0, notices);
+                Ok(render_run(&job.session, &o, Some(&job.id)))
+            }
+            Some(Finished::Failed(e)) => Err(format!("the run could not complete: {e}").into()),
+            None => Err("the job ended without a result".into()),
         }
-        text.push_str(&format!(
-            "[status] running as {}: call job_status with stdout_offset {so} and stderr_offset {se} for newer output, \
-             cancel_job to stop it\n",
-            job.id
-        ));
-        structured(&out, text)
     }
 
     fn job_status_of(&self, job: &Job, stdout_offset: usize, stderr_offset: usize) -> CallToolResult {
@@ -283,32 +203,30 @@ impl SandboxServer {
     /// Read a background job: the output since the given offsets, its status and, once it has
     /// finished, its full result. Optionally wait up to wait_s for it to finish first.
     #[tool(annotations(title = "Job status", read_only_hint = true), output_schema = schema_for_output::<JobStatusOutput>())]
-    async fn job_status(&self, Parameters(args): Parameters<JobStatusArgs>, Caller(who): Caller) -> CallToolResult {
-        let Some(job) = self.registry.jobs.get(&who, &args.job) else { return unknown(&args.job) };
-        match check_wait(args.wait_s, false, &self.cfg) {
-            Ok(Some(w)) => _ = job.wait(w).await,
-            Ok(None) => {}
-            Err(e) => return tool_error(e),
+    async fn job_status(&self, Parameters(args): Parameters<JobStatusArgs>, Caller(who): Caller) -> ToolResult {
+        let job = self.registry.jobs.get(&who, &args.job).ok_or_else(|| unknown(&args.job))?;
+        if let Some(w) = check_wait(args.wait_s, false, &self.cfg)? {
+            job.wait(w).await;
         }
-        self.job_status_of(&job, args.stdout_offset, args.stderr_offset)
+        Ok(self.job_status_of(&job, args.stdout_offset, args.stderr_offset))
     }
 
     /// Stop a background job: its code gets KeyboardInterrupt, and is killed if it does not
     /// stop within a second (then the session's variables are lost). Returns its final status.
     #[tool(annotations(title = "Cancel job", destructive_hint = true), output_schema = schema_for_output::<JobStatusOutput>())]
-    async fn cancel_job(&self, Parameters(args): Parameters<JobArgs>, Caller(who): Caller) -> CallToolResult {
-        let Some(job) = self.registry.jobs.get(&who, &args.job) else { return unknown(&args.job) };
+    async fn cancel_job(&self, Parameters(args): Parameters<JobArgs>, Caller(who): Caller) -> ToolResult {
+        let job = self.registry.jobs.get(&who, &args.job).ok_or_else(|| unknown(&args.job))?;
         job.cancel.cancel();
         let limit = self.cfg.grace() + Duration::from_secs(30);
         if !job.wait(limit).await {
-            return tool_error(format!("{} did not stop within {} s", job.id, limit.as_secs()));
+            return Err(format!("{} did not stop within {} s", job.id, limit.as_secs()).into());
         }
-        self.job_status_of(&job, 0, 0)
+        Ok(self.job_status_of(&job, 0, 0))
     }
 
     /// List your background jobs (running and recently finished) with their status.
     #[tool(annotations(title = "List jobs", read_only_hint = true), output_schema = schema_for_output::<JobList>())]
-    async fn list_jobs(&self, Parameters(args): Parameters<ListJobsArgs>, Caller(who): Caller) -> CallToolResult {
+    async fn list_jobs(&self, Parameters(args): Parameters<ListJobsArgs>, Caller(who): Caller) -> ToolResult {
         let jobs: Vec<JobInfo> = self
             .registry
             .jobs
@@ -331,6 +249,6 @@ impl SandboxServer {
         if jobs.is_empty() {
             text.push_str("no jobs\n");
         }
-        structured(&JobList { jobs }, text)
+        Ok(structured(&JobList { jobs }, text))
     }
 }

@@ -9,14 +9,16 @@
 use base64::Engine as _;
 use rmcp::handler::server::common::schema_for_output;
 use rmcp::handler::server::wrapper::Parameters;
-use rmcp::model::CallToolResult;
 use rmcp::{tool, tool_router};
 use serde::{Deserialize, Serialize};
 
-use super::{Caller, SandboxServer, session_name, structured, tool_error};
-use crate::docker::{archive, layers::safe_relative};
+use super::error::{Context as _, ToolResult};
+use super::files::agent_file;
+use super::render::structured;
+use super::{Caller, SandboxServer};
+use crate::checks::{check_path, session_name};
+use crate::docker::archive;
 use crate::protocol::Request;
-use crate::workspace::check_path;
 
 /// Largest archive moved in one call (decoded), and largest total content.
 const MAX_ARCHIVE: usize = 64 << 20;
@@ -79,77 +81,25 @@ impl SandboxServer {
     /// Regular files and directories only; links and devices are skipped and listed. At most
     /// 64 MiB per archive.
     #[tool(annotations(title = "Upload archive", destructive_hint = true), output_schema = schema_for_output::<UploadOutput>())]
-    async fn upload_archive(
-        &self,
-        Parameters(args): Parameters<UploadArchiveArgs>,
-        Caller(who): Caller,
-    ) -> CallToolResult {
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let dest = match args.path.as_deref().map(|p| check_path(p, true)).transpose() {
-            Ok(p) => p.unwrap_or_else(|| ".".into()),
-            Err(e) => return tool_error(e),
-        };
+    async fn upload_archive(&self, Parameters(args): Parameters<UploadArchiveArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let dest = args.path.as_deref().map(|p| check_path(p, true)).transpose()?.unwrap_or_else(|| ".".into());
         if args.archive.len() > MAX_ARCHIVE / 3 * 4 + 4 {
-            return tool_error(format!("the archive is over {} MiB: upload it in parts", MAX_ARCHIVE >> 20));
+            return Err(format!("the archive is over {} MiB: upload it in parts", MAX_ARCHIVE >> 20).into());
         }
-        let tar = match base64::engine::general_purpose::STANDARD.decode(args.archive.trim()) {
-            Ok(t) => t,
-            Err(_) => return tool_error("archive is not valid base64"),
+        // Up to 64 MiB to decode and read: off the runtime's threads.
+        let (files, skipped) = {
+            let dest = dest.clone();
+            tokio::task::spawn_blocking(move || {
+                let tar = base64::engine::general_purpose::STANDARD
+                    .decode(args.archive.trim())
+                    .map_err(|_| "archive is not valid base64".to_owned())?;
+                archive::read_upload(&tar, &dest, |p| check_path(p, false))
+            })
+            .await
+            .context("the archive reader stopped")??
         };
-        // Read every entry first: a broken archive changes nothing.
-        let mut files: Vec<(String, Vec<u8>)> = Vec::new();
-        let mut skipped = Vec::new();
-        let mut ar = tar::Archive::new(&tar[..]);
-        let entries = match ar.entries() {
-            Ok(e) => e,
-            Err(e) => return tool_error(format!("archive is not a tar archive: {e}")),
-        };
-        for entry in entries {
-            let mut entry = match entry {
-                Ok(e) => e,
-                Err(e) => return tool_error(format!("archive is not a valid tar archive: {e}")),
-            };
-            let shown = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
-            let kind = entry.header().entry_type();
-            if kind == tar::EntryType::Directory {
-                continue; // directories come with their files
-            }
-            if kind != tar::EntryType::Regular {
-                skipped.push(format!("{shown}: not a regular file"));
-                continue;
-            }
-            let rel = match entry.path() {
-                Ok(p) if safe_relative(&p) => p.into_owned(),
-                _ => {
-                    skipped.push(format!("{shown}: unsafe name"));
-                    continue;
-                }
-            };
-            let joined = if dest == "." { rel } else { std::path::Path::new(&dest).join(rel) };
-            let path = match joined.to_str().map(|p| check_path(p, false)) {
-                Some(Ok(p)) => p,
-                Some(Err(e)) => {
-                    skipped.push(format!("{shown}: {e}"));
-                    continue;
-                }
-                None => {
-                    skipped.push(format!("{shown}: not UTF-8"));
-                    continue;
-                }
-            };
-            let mut data = Vec::new();
-            if let Err(e) = std::io::Read::read_to_end(&mut entry, &mut data) {
-                return tool_error(format!("archive entry {shown} is unreadable: {e}"));
-            }
-            files.push((path, data));
-        }
-        let (session, _) = match self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await {
-            Ok(s) => s,
-            Err(e) => return tool_error(e.to_string()),
-        };
+        let (session, _) = self.registry.get_or_create(&who, &name, None, &[], &|_| {}).await?;
         let (mut count, mut bytes) = (0u64, 0u64);
         for (path, data) in &files {
             // One file at a time in chunks of the per-call cap; an empty file is one empty write.
@@ -159,16 +109,9 @@ impl SandboxServer {
             }
             for (i, chunk) in chunks.into_iter().enumerate() {
                 let b = base64::engine::general_purpose::STANDARD.encode(chunk);
-                let written = session.file(|id| Request::Write { id, path, b, append: i > 0 }).await;
-                let failed = match written {
-                    Ok(Ok(_)) => None,
-                    Ok(Err(e)) => Some(e),
-                    Err(e) => Some(e.to_string()),
-                };
-                if let Some(e) = failed {
-                    return tool_error(format!(
-                        "cannot write {path}: {e} ({count} files were written before it, the rest were not)"
-                    ));
+                let what = format!("cannot write {path}");
+                if let Err(e) = agent_file(&session, what, |id| Request::Write { id, path, b, append: i > 0 }).await {
+                    return Err(format!("{e} ({count} files were written before it, the rest were not)").into());
                 }
             }
             count += 1;
@@ -178,7 +121,7 @@ impl SandboxServer {
         for s in &skipped {
             text.push_str(&format!("[skipped] {s}\n"));
         }
-        structured(&UploadOutput { session: name, files: count, bytes, skipped }, text)
+        Ok(structured(&UploadOutput { session: name, files: count, bytes, skipped }, text))
     }
 
     /// Pack a workspace file or directory (default: the whole workspace) as a tar archive,
@@ -189,30 +132,16 @@ impl SandboxServer {
         &self,
         Parameters(args): Parameters<DownloadArchiveArgs>,
         Caller(who): Caller,
-    ) -> CallToolResult {
-        let name = match session_name(args.session.as_deref()) {
-            Ok(n) => n,
-            Err(e) => return tool_error(e),
-        };
-        let rel = match args.path.as_deref().map(|p| check_path(p, true)).transpose() {
-            Ok(p) => p.unwrap_or_else(|| ".".into()),
-            Err(e) => return tool_error(e),
-        };
-        let session = match self.registry.get(&who, &name) {
-            Ok(s) => s,
-            Err(e) => return tool_error(e.to_string()),
-        };
-        let docker = self.registry.docker();
-        match archive::download_tree(docker, &session.container_id(), &rel, MAX_ARCHIVE as u64).await {
-            Ok((tar, moved)) => {
-                let text = format!(
-                    "packed {} files ({} bytes) of {rel}; the archive is in archive (base64 tar)\n",
-                    moved.files, moved.bytes
-                );
-                let archive = base64::engine::general_purpose::STANDARD.encode(&tar);
-                structured(&DownloadOutput { session: name, archive, files: moved.files, bytes: moved.bytes }, text)
-            }
-            Err(e) => tool_error(e),
-        }
+    ) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let rel = args.path.as_deref().map(|p| check_path(p, true)).transpose()?.unwrap_or_else(|| ".".into());
+        let session = self.registry.get(&who, &name)?;
+        let (tar, moved) = session.download_tree(&rel, MAX_ARCHIVE as u64).await?;
+        let text = format!(
+            "packed {} files ({} bytes) of {rel}; the archive is in archive (base64 tar)\n",
+            moved.files, moved.bytes
+        );
+        let archive = base64::engine::general_purpose::STANDARD.encode(&tar);
+        Ok(structured(&DownloadOutput { session: name, archive, files: moved.files, bytes: moved.bytes }, text))
     }
 }

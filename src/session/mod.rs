@@ -6,6 +6,7 @@
 
 pub mod jobs;
 pub mod registry;
+mod transfer;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;

@@ -71,6 +71,16 @@ pub struct Registry {
     pool_wake: tokio::sync::Notify,
 }
 
+/// A session opened for a call by [`Registry::open`].
+pub struct Opened {
+    /// The session.
+    pub session: Arc<Session>,
+    /// True when this call created it.
+    pub created: bool,
+    /// What the call's packages needed.
+    pub installed: Installed,
+}
+
 /// What an install did.
 #[derive(Debug, Clone)]
 pub struct Installed {
@@ -149,6 +159,26 @@ impl Registry {
         let layer = self.layer(&env, &added, progress).await?;
         session.add_layer(&layer.tag, &added).await?;
         Ok(Installed { added, present, layer: Some(layer) })
+    }
+
+    /// The session `name` of `principal`, created if new, holding `packages`: the one way a
+    /// call opens a session and makes sure of its packages.
+    pub async fn open(
+        &self,
+        principal: &str,
+        name: &str,
+        environment: Option<&str>,
+        packages: &[String],
+        progress: Progress<'_>,
+    ) -> Result<Opened, Error> {
+        let (session, created) = self.get_or_create(principal, name, environment, packages, progress).await?;
+        let installed = if created {
+            // A new session starts from the layer holding them all.
+            Installed { added: packages.to_vec(), present: Vec::new(), layer: None }
+        } else {
+            self.install(&session, packages, progress).await?
+        };
+        Ok(Opened { session, created, installed })
     }
 
     /// The engine.

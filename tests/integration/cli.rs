@@ -183,8 +183,17 @@ async fn the_copy_back_never_writes_vcs_metadata_nor_over_files_it_was_not_given
     std::fs::write(dir.join("evil.py"), evil).expect("script");
     // Uploaded with the project, so a changed input: only --output-exclude keeps it.
     std::fs::write(repo.join("Makefile"), "all:\n\techo host\n").expect("makefile");
-    let args =
-        ["--project", "repo", "--output", "repo", "--output-exclude", ".github", "--output-exclude", "Makefile", "evil.py"];
+    let args = [
+        "--project",
+        "repo",
+        "--output",
+        "repo",
+        "--output-exclude",
+        ".github",
+        "--output-exclude",
+        "Makefile",
+        "evil.py",
+    ];
     let (o, instance) = pyberth_run("gitattack", &dir, &args, None).await;
     let (_, stderr) = streams(&o);
     assert_eq!(o.status.code(), Some(0), "{stderr}");
@@ -213,10 +222,13 @@ async fn the_copy_back_never_writes_vcs_metadata_nor_over_files_it_was_not_given
     assert_eq!(std::fs::read_to_string(out.join("Makefile")).expect("makefile"), "host\n", "not overwritten");
     let v: Value = serde_json::from_slice(&o.stdout).expect("json");
     let held = v["output_held_back"].as_array().expect("held back list");
-    assert!(held.iter().any(|h| h["path"] == "Makefile" && h["why"].as_str().is_some_and(|w| w.contains("--output-overwrite"))), "{v}");
+    assert!(
+        held.iter()
+            .any(|h| h["path"] == "Makefile" && h["why"].as_str().is_some_and(|w| w.contains("--output-overwrite"))),
+        "{v}"
+    );
     assert!(v["output_paths"].as_array().expect("paths").iter().any(|p| p == "result.txt"), "{v}");
-    let (o, _) =
-        pyberth_run("gitattack3", &dir, &["--output", "out", "--output-overwrite", "evil.py"], None).await;
+    let (o, _) = pyberth_run("gitattack3", &dir, &["--output", "out", "--output-overwrite", "evil.py"], None).await;
     assert_eq!(o.status.code(), Some(0), "{}", streams(&o).1);
     assert!(std::fs::read_to_string(out.join("Makefile")).expect("makefile").contains("touch"), "asked to overwrite");
     assert!(!out.join(".git").exists(), "never VCS metadata");

@@ -1,6 +1,81 @@
-//! Checks on caller input for the workspace and the environment, done before any Docker call.
+//! Checks on caller input, done before any Docker call, shared by both front ends (the MCP
+//! tools in [`crate::server`] and `pyberth run` in [`crate::runner`]): session names, code,
+//! time limits, requirements, workspace paths, environment variables, resource URIs.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::config::SandboxConfig;
+use crate::deps;
+
+/// The session used when a call names none.
+pub const DEFAULT_SESSION: &str = "default";
+
+/// Validates a session name, defaulting to [`DEFAULT_SESSION`].
+pub fn session_name(arg: Option<&str>) -> Result<String, String> {
+    let name = arg.unwrap_or(DEFAULT_SESSION);
+    let ok = !name.is_empty()
+        && name.len() <= 40
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(name.to_owned())
+    } else {
+        let shown: String = name.chars().take(60).collect();
+        Err(format!(
+            "invalid session name {shown:?}: use 1-40 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        ))
+    }
+}
+
+/// Checks code before any container is touched.
+pub fn check_code(code: &str, cap: usize) -> Result<(), String> {
+    if code.trim().is_empty() {
+        return Err("code is empty: pass the Python source to run".into());
+    }
+    if code.len() > cap {
+        return Err(format!("code is {} bytes, over the limit of {cap} bytes: split it into several runs", code.len()));
+    }
+    if let Some(pos) = code.find('\0') {
+        return Err(format!("code contains a NUL byte at offset {pos}: remove it"));
+    }
+    Ok(())
+}
+
+/// Resolves a requested time limit against `cfg` (the server's, or a session's environment's
+/// settings): its default when none is asked for, an error past its maximum.
+pub fn check_timeout(timeout_s: Option<f64>, cfg: &SandboxConfig) -> Result<Duration, String> {
+    match timeout_s {
+        None => Ok(cfg.timeout()),
+        Some(t) if t.is_finite() && t > 0.0 && t <= cfg.max_timeout_s as f64 => Ok(Duration::from_secs_f64(t)),
+        Some(t) => Err(format!(
+            "timeout_s {t} is out of range: give a number of seconds above 0 and at most {}",
+            cfg.max_timeout_s
+        )),
+    }
+}
+
+/// How a run call waits: `None` to the end, or up to a limit before answering with a job handle.
+pub fn check_wait(wait_s: Option<f64>, background: bool, cfg: &SandboxConfig) -> Result<Option<Duration>, String> {
+    match (wait_s, background) {
+        (Some(_), true) => Err("give wait_s or background, not both (background is wait_s 0)".into()),
+        (None, true) => Ok(Some(Duration::ZERO)),
+        (None, false) => Ok(None),
+        (Some(w), false) if w.is_finite() && (0.0..=cfg.max_timeout_s as f64).contains(&w) => {
+            Ok(Some(Duration::from_secs_f64(w)))
+        }
+        (Some(w), false) => Err(format!("wait_s {w} is out of range: give seconds from 0 to {}", cfg.max_timeout_s)),
+    }
+}
+
+/// Validates requested packages plus those declared inline (PEP 723) in `code`.
+pub fn wanted_packages(packages: Option<&[String]>, code: Option<&str>, max: usize) -> Result<Vec<String>, String> {
+    let mut wanted: Vec<String> = packages.map(|p| p.to_vec()).unwrap_or_default();
+    if let Some(code) = code {
+        wanted.extend(deps::inline_dependencies(code)?);
+    }
+    deps::parse_set(&wanted, max).map_err(|e| e.to_string())
+}
 
 /// Longest workspace path accepted.
 const MAX_PATH: usize = 1024;
@@ -144,6 +219,48 @@ fn percent_decode(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        c: SandboxConfig,
+    }
+
+    #[test]
+    fn session_names() {
+        assert_eq!(session_name(None).as_deref(), Ok("default"));
+        assert_eq!(session_name(Some("a.b_c-1")).as_deref(), Ok("a.b_c-1"));
+        for bad in ["", "-x", "a b", "a/b", "é", &"x".repeat(41), "a\nb"] {
+            let e = session_name(Some(bad)).expect_err(bad);
+            assert!(e.contains("invalid session name"), "{e}");
+        }
+    }
+
+    #[test]
+    fn code_checks() {
+        assert!(check_code("print(1)", 100).is_ok());
+        assert!(check_code("  \n", 100).expect_err("empty").contains("empty"));
+        assert!(check_code("x = 1\0", 100).expect_err("nul").contains("offset 5"));
+        assert!(check_code(&"x".repeat(101), 100).expect_err("big").contains("over the limit"));
+    }
+
+    #[test]
+    fn timeout_checks() {
+        let cfg = Cli::parse_from(["x"]).c;
+        assert_eq!(check_timeout(None, &cfg), Ok(Duration::from_secs(60)));
+        assert_eq!(check_timeout(Some(2.5), &cfg), Ok(Duration::from_millis(2500)));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {
+            assert!(check_timeout(Some(bad), &cfg).expect_err("bad").contains("out of range"));
+        }
+        assert_eq!(check_wait(None, false, &cfg), Ok(None));
+        assert_eq!(check_wait(None, true, &cfg), Ok(Some(Duration::ZERO)));
+        assert_eq!(check_wait(Some(2.5), false, &cfg), Ok(Some(Duration::from_millis(2500))));
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 1e12] {
+            assert!(check_wait(Some(bad), false, &cfg).expect_err("bad").contains("wait_s"), "{bad}");
+        }
+        assert!(check_wait(Some(1.0), true, &cfg).is_err(), "wait_s with background");
+    }
 
     #[test]
     fn paths() {

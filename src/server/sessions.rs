@@ -1,0 +1,77 @@
+//! Session management and introspection: `list_sessions`, `reset_session`, `close_session`,
+//! `list_variables`.
+
+use rmcp::handler::server::common::schema_for_output;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{CallToolResult, ContentBlock};
+use rmcp::{tool, tool_router};
+
+use super::error::{Context as _, ToolResult};
+use super::render::structured;
+use super::types::{NoArgs, SessionArgs, SessionList, VariableList};
+use super::{Caller, SandboxServer};
+use crate::checks::session_name;
+
+#[tool_router(router = sessions_router, vis = "pub(super)")]
+impl SandboxServer {
+    /// List your open sessions with their Python version, number of runs, idle time and
+    /// time until they are closed for idleness.
+    #[tool(annotations(title = "List sessions", read_only_hint = true), output_schema = schema_for_output::<SessionList>())]
+    async fn list_sessions(&self, Parameters(_): Parameters<NoArgs>, Caller(who): Caller) -> ToolResult {
+        let list = SessionList { sessions: self.registry.list(&who), max_sessions: self.cfg.max_sessions };
+        let mut text = format!("{} of at most {} sessions open\n", list.sessions.len(), list.max_sessions);
+        for s in &list.sessions {
+            text.push_str(&format!(
+                "{}: python {}, {} runs, idle {} s, closes in {} s\n",
+                s.session, s.python, s.runs, s.idle_s, s.expires_in_s
+            ));
+        }
+        Ok(structured(&list, text))
+    }
+
+    /// Restart a session's interpreter: all variables, imports and running processes are
+    /// discarded; files in /workspace are kept. Use it when the state is broken or to start over.
+    #[tool(annotations(title = "Reset session", destructive_hint = true, idempotent_hint = true))]
+    async fn reset_session(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let session = self.registry.get(&who, &name)?;
+        let notice = session.reset().await.context(format!("cannot reset session {name:?}"))?;
+        let mut text = format!("session {name:?} reset: fresh interpreter, workspace files kept");
+        if let Some(n) = notice {
+            text.push_str(&format!("\n[notice] {n}"));
+        }
+        Ok(CallToolResult::success(vec![ContentBlock::text(text)]))
+    }
+
+    /// Close a session: its container, interpreter and workspace files are deleted. A later
+    /// run_python with the same name starts an empty session.
+    #[tool(annotations(title = "Close session", destructive_hint = true, idempotent_hint = false))]
+    async fn close_session(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        self.registry.close(&who, &name).await?;
+        Ok(CallToolResult::success(vec![ContentBlock::text(format!(
+            "session {name:?} closed: its container and workspace were removed"
+        ))]))
+    }
+
+    /// List the variables defined in a session (name, type and a short repr), like a
+    /// notebook's variable view. Names starting with '_' and modules are left out.
+    #[tool(annotations(title = "List variables", read_only_hint = true), output_schema = schema_for_output::<VariableList>())]
+    async fn list_variables(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        let session = self.registry.get(&who, &name)?;
+        let (variables, notice) =
+            session.variables().await.context(format!("cannot list variables of session {name:?}"))?;
+        let mut text = String::new();
+        if let Some(n) = notice {
+            text.push_str(&format!("[notice] {n}\n"));
+        }
+        if variables.is_empty() {
+            text.push_str("no variables defined\n");
+        }
+        for v in &variables {
+            text.push_str(&format!("{}: {} = {}\n", v.name, v.kind, v.repr));
+        }
+        Ok(structured(&VariableList { session: name, variables }, text))
+    }
+}
