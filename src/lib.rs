@@ -1,30 +1,47 @@
 //! pyberth: an MCP server that runs Python for AI agents inside hardened Docker containers.
 //!
-//! Data flow of one `run_python` call:
-//! - [`server`] receives the MCP tool call (stdio), validates arguments and picks the session;
-//! - [`session::registry`] finds or creates the [`session::Session`]: one container per session,
-//!   made by [`docker::container`] from the image that [`docker::image`] builds;
-//! - the session writes a [`protocol::Request`] line into the agent's attached exec
-//!   ([`docker::exec`]) and reads [`protocol::Event`] lines back, reassembled from Docker
-//!   frames by [`protocol::LineDecoder`];
-//! - output is kept per stream, capped, by [`output::Capture`]; the session stops runaway
-//!   code by interrupt, then kill, and restarts the agent;
-//! - [`server`] renders the outcome as text plus structured content.
+//! # Where a `run_python` call goes
+//! 1. A transport hands the call to [`server::SandboxServer`]: stdio (`main.rs`, `serve`) or
+//!    streamable HTTP ([`http`], one server per MCP session, behind bearer tokens).
+//! 2. `server/run.rs` checks the arguments ([`checks`]) and opens the session through
+//!    [`session::registry::Registry::open`], which finds it or creates it (a warm-pool
+//!    container or a new one, made by [`docker::container`] from the image [`docker::image`]
+//!    builds, or from a dependency layer of [`docker::layers`]) and installs missing packages.
+//! 3. [`session::Session`] writes a [`protocol::Request`] line into the agent's attached exec
+//!    ([`docker::exec`]) and reads [`protocol::Event`] lines back, reassembled from Docker frames
+//!    by [`protocol::LineDecoder`]; output is kept per stream, capped, by [`output::Capture`].
+//!    Runaway code is interrupted, then killed, and the agent restarted.
+//! 4. `server/render.rs` turns the outcome into text plus structured content, and `server/fit.rs`
+//!    keeps every result within one message a client accepts.
 //!
-//! [`instance`] tells live servers from dead ones so leftovers can be swept at start.
+//! `docs/architecture.md` follows the same path in more detail; `docs/agent-protocol.md` is the
+//! wire format between the server and `images/python/agent.py`.
 
+/// `pyberth bench`: start, warm-run, install and load figures beside Docker floors.
 pub mod bench;
-pub mod checks;
+/// Checks on caller input, before any Docker call, shared by the MCP tools and `pyberth run`.
+pub(crate) mod checks;
+/// Every setting: flags, environment variables and the TOML file, in one struct.
 pub mod config;
-pub mod deps;
+/// Requirement strings: parsing, normalising, PEP 723 inline metadata.
+pub(crate) mod deps;
+/// Everything that talks to the Docker engine (containers, execs, images, layers, archives).
 pub mod docker;
+/// Named sandbox flavours (Python version, packages, mounts, limits) a session is created in.
 pub mod environment;
+/// The HTTP service: streamable MCP behind bearer tokens, one principal per token.
 pub mod http;
+/// Liveness of server instances, so leftovers of dead ones can be swept at start.
 pub mod instance;
-pub mod output;
-pub mod protocol;
+/// Capped capture of a run's output streams, exact bytes kept.
+pub(crate) mod output;
+/// The server↔agent wire format: newline-delimited JSON, reassembled from Docker frames.
+pub(crate) mod protocol;
+/// `pyberth run`: a script or command in a fresh sandbox for CI, exit code passed through.
 pub mod runner;
+/// The MCP tool table.
 pub mod server;
+/// Sessions (one container and one agent each), their registry and background jobs.
 pub mod session;
 
 /// Resolves on Ctrl-C or SIGTERM.

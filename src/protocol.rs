@@ -220,7 +220,9 @@ pub enum Event {
         /// Exit status passed to `sys.exit`, when the code called it.
         #[serde(default)]
         exit_code: Option<i64>,
-        /// Wall time measured inside the agent.
+        /// Wall time measured inside the agent. Part of the wire format; the server reports its
+        /// own measure, which includes the trip to and from the container.
+        #[allow(dead_code)]
         wall_ms: f64,
         /// CPU time (user + system, children included) of the run.
         cpu_ms: f64,
@@ -342,12 +344,6 @@ impl LineDecoder {
         let parsed = serde_json::from_slice(&self.buf[..end]);
         self.buf.advance(end + 1);
         parsed.map(Some).map_err(Error::BadEvent)
-    }
-
-    /// Drops buffered bytes, for a fresh agent.
-    pub fn clear(&mut self) {
-        self.buf.clear();
-        self.scanned = 0;
     }
 }
 

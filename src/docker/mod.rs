@@ -10,11 +10,11 @@ pub mod layers;
 
 use bollard::Docker;
 
-/// Label on everything pyberth creates.
 /// The uid (and gid) user code runs as (`images/python/Dockerfile`): owner of uploaded files
 /// and of a tmpfs workspace, so the code can change what it was given.
 pub const CODE_UID: u64 = 1000;
 
+/// Label on everything pyberth creates.
 pub const LABEL_MANAGED: &str = "pyberth.managed";
 /// Label naming the server instance that owns a container or volume.
 pub const LABEL_INSTANCE: &str = "pyberth.instance";
