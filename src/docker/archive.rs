@@ -388,11 +388,7 @@ pub type Upload = (Vec<(String, Vec<u8>)>, Vec<String>);
 /// The regular files of an uploaded tar, read whole before anything is written (a broken
 /// archive changes nothing): (workspace path, bytes) under `dest`, each path passed through
 /// `check`; and what was skipped, with why. Synchronous: call it off the runtime.
-pub fn read_upload(
-    tar: &[u8],
-    dest: &str,
-    check: impl Fn(&str) -> Result<String, String>,
-) -> Result<Upload, String> {
+pub fn read_upload(tar: &[u8], dest: &str, check: impl Fn(&str) -> Result<String, String>) -> Result<Upload, String> {
     let mut files = Vec::new();
     let mut skipped = Vec::new();
     let mut ar = tar::Archive::new(tar);

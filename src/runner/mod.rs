@@ -23,6 +23,9 @@ use crate::protocol::Stream;
 use crate::session::registry::Registry;
 use crate::session::{RunOutcome, RunSpec, RunStatus};
 
+mod neutralize;
+use neutralize::{Neutralizer, one_line};
+
 /// Exit codes of `pyberth run` besides the program's own status.
 pub mod exit {
     /// Bad invocation: a missing file, a bad requirement, a bad `--env`.
@@ -74,6 +77,11 @@ pub struct RunArgs {
     /// Print a JSON result on stdout instead of streaming the output.
     #[arg(long)]
     pub json: bool,
+    /// Pass the program's output through untouched. By default, lines that start a CI runner
+    /// command (`::`, `##[`, `##vso[`, `##teamcity[`) or `[pyberth]` get a `\` in front, and
+    /// escape sequences and other control bytes are written as `\xNN`.
+    #[arg(long)]
+    pub raw_output: bool,
     /// Environment to run in (see `[environments]` in the config file; built in: default,
     /// python3.11, python3.13).
     #[arg(long, value_name = "NAME")]
@@ -152,7 +160,7 @@ impl Status {
                 *s = true;
             }
         } else {
-            let _ = writeln!(err, "[pyberth] {text}");
+            let _ = writeln!(err, "[pyberth] {}", one_line(text));
         }
         let _ = err.flush();
     }
@@ -308,15 +316,11 @@ async fn in_session(
         interrupted.cancel();
     });
     let json = args.json;
-    let observer = move |stream: Stream, bytes: &[u8]| {
-        if json {
-            return;
+    let echo = Echo::new(args.raw_output);
+    let observer = |stream: Stream, bytes: &[u8]| {
+        if !json {
+            echo.write(stream, bytes);
         }
-        // Straight through, unbuffered: the pipeline sees output as the program writes it.
-        let _ = match stream {
-            Stream::Stdout => std::io::stdout().lock().write_all(bytes).and_then(|()| std::io::stdout().flush()),
-            Stream::Stderr => std::io::stderr().lock().write_all(bytes),
-        };
     };
     let started = SystemTime::now();
     let spec = RunSpec {
@@ -329,6 +333,7 @@ async fn in_session(
     let timeout = Duration::from_secs_f64(args.timeout);
     let ran = session.run(spec, timeout, &ct, &observer).await;
     watcher.abort();
+    let mid_line = echo.finish();
     let outcome = ran.map_err(|e| infra(format!("the run could not complete: {e}")))?;
     let copied = match &args.output {
         Some(out) => {
@@ -343,11 +348,15 @@ async fn in_session(
     if json {
         print_json(&outcome, code, copied.as_ref());
     } else {
+        // Our lines start lines: the program's last line may lack its newline.
+        if mid_line {
+            eprintln!();
+        }
         if let (Some(moved), Some(out)) = (&copied, &args.output) {
             report_copied(moved, out);
         }
         for n in &outcome.notices {
-            eprintln!("[pyberth] {n}");
+            eprintln!("[pyberth] {}", one_line(n));
         }
         match outcome.status {
             RunStatus::Timeout => eprintln!("[pyberth] timeout: stopped after {} s", args.timeout),
@@ -355,13 +364,76 @@ async fn in_session(
             // The program's own failure speaks for itself; anything else is explained.
             RunStatus::Error => {
                 if let Some(e) = outcome.error.as_ref().filter(|e| e.kind != "ExitStatus") {
-                    eprintln!("[pyberth] {}: {}", e.kind, e.message);
+                    eprintln!("[pyberth] {}: {}", one_line(&e.kind), one_line(&e.message));
                 }
             }
             _ => {}
         }
+        // Always the last line, and one the program cannot forge: its own lines that start with
+        // `[pyberth]` were defused (unless --raw-output).
+        eprintln!(
+            "[pyberth] exit {code} ({}) after {:.1} s",
+            status_word(outcome.status),
+            outcome.duration.as_secs_f64()
+        );
     }
     Ok(code)
+}
+
+/// The program's output on our stdout and stderr, straight through and unbuffered (the
+/// pipeline sees output as the program writes it), defused unless raw.
+struct Echo {
+    raw: bool,
+    /// Per stream: the filter, and whether the last byte written ended a line.
+    streams: Mutex<[(Neutralizer, bool); 2]>,
+}
+
+impl Echo {
+    fn new(raw: bool) -> Self {
+        Self { raw, streams: Mutex::new([(Neutralizer::default(), true), (Neutralizer::default(), true)]) }
+    }
+
+    fn write(&self, stream: Stream, bytes: &[u8]) {
+        let Ok(mut streams) = self.streams.lock() else { return };
+        let (filter, ended) = &mut streams[stream as usize];
+        if self.raw {
+            *ended = bytes.last().map_or(*ended, |&b| b == b'\n');
+            emit(stream, bytes);
+        } else {
+            let mut out = Vec::with_capacity(bytes.len());
+            filter.feed(bytes, &mut out);
+            *ended = filter.at_line_start();
+            emit(stream, &out);
+        }
+    }
+
+    /// Writes what the filters held back; true when a stream was left mid-line.
+    fn finish(&self) -> bool {
+        let Ok(mut streams) = self.streams.lock() else { return false };
+        let mut mid_line = false;
+        for (i, (filter, ended)) in streams.iter_mut().enumerate() {
+            let mut out = Vec::new();
+            filter.finish(&mut out);
+            if !out.is_empty() {
+                *ended = out.last() == Some(&b'\n');
+                emit(if i == 0 { Stream::Stdout } else { Stream::Stderr }, &out);
+            }
+            mid_line |= !*ended;
+        }
+        mid_line
+    }
+}
+
+fn emit(stream: Stream, bytes: &[u8]) {
+    let _ = match stream {
+        Stream::Stdout => std::io::stdout().lock().write_all(bytes).and_then(|()| std::io::stdout().flush()),
+        Stream::Stderr => std::io::stderr().lock().write_all(bytes),
+    };
+}
+
+/// How a run ended, in the word the JSON result uses.
+fn status_word(status: RunStatus) -> String {
+    serde_json::to_value(status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
 /// The process exit code for an outcome.
@@ -382,7 +454,7 @@ const LISTED: usize = 50;
 /// Says on stderr what came back and what was held back. Names come from the sandbox: control
 /// characters are escaped so a file name cannot write into the CI log.
 fn report_copied(moved: &Moved, out: &Path) {
-    let name = |p: &Path| p.to_string_lossy().escape_debug().to_string();
+    let name = |p: &Path| one_line(&p.to_string_lossy());
     eprintln!("[pyberth] copied back {} file(s) into {}", moved.copied.len(), out.display());
     for p in moved.copied.iter().take(LISTED) {
         eprintln!("[pyberth]   {}", name(p));
