@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds a minimal Debian root filesystem with Python from the OS package mirror and writes it
 # to stdout as a tar stream, ready for `docker import` (or the Docker API's image create with
-# fromSrc=-). This is the offline fallback of DESIGN.md D7: it needs no container registry,
+# fromSrc=-). This is the offline fallback of docs/design.md D7: it needs no container registry,
 # only debootstrap, root, and a reachable Debian mirror.
 #
 # usage: debootstrap-base.sh RELEASE [MIRROR] > rootfs.tar

@@ -1,4 +1,4 @@
-//! Session containers with the hardened defaults of DESIGN.md D4, their volumes, and the
+//! Session containers with the hardened defaults of docs/design.md D4, their volumes, and the
 //! sweep that removes what dead server instances left behind.
 
 use std::collections::HashMap;
@@ -215,7 +215,7 @@ fn next_serial() -> u64 {
 
 /// Whether Docker reported an out-of-memory kill in the container since `since`. An exec
 /// killed by the OOM killer exits 137 but leaves `State.OOMKilled` false; the event is the
-/// only sign (security.md §0).
+/// only sign (docs/threat-model.md §5).
 pub async fn oom_since(docker: &Docker, id: &str, since: std::time::SystemTime) -> bool {
     use futures::StreamExt;
     let secs = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

@@ -368,7 +368,7 @@ fn older(v: &str, than: &[u64]) -> bool {
     !n.is_empty() && n.as_slice() < than
 }
 
-/// Known escapes and gaps by version (security.md §4). Distributions backport fixes without
+/// Known escapes and gaps by version (docs/threat-model.md §4). Distributions backport fixes without
 /// changing the upstream number, so these are warnings, not verdicts.
 pub fn assess(engine: &str, runc: Option<&str>) -> Vec<String> {
     let mut w = Vec::new();

@@ -1,5 +1,5 @@
 //! The sandbox image: built from `images/python`, which is embedded in the binary, under a
-//! tag that hashes those files, so server and agent can never drift apart (DESIGN.md D2, D7).
+//! tag that hashes those files, so server and agent can never drift apart (docs/design.md D2, D7).
 
 use std::collections::HashMap;
 use std::process::Stdio;

@@ -1,5 +1,5 @@
 //! Everything that speaks to the Docker engine lives below this module, so that another
-//! backend (Kubernetes pods through their exec API) can sit beside it later (DESIGN.md D10).
+//! backend (Kubernetes pods through their exec API) can sit beside it later (docs/design.md D10).
 
 pub mod archive;
 pub mod container;
@@ -90,7 +90,7 @@ pub async fn connect(host: Option<&str>) -> Result<Docker, Error> {
         Some(h) => return Err(Error::UnsupportedHost(h.to_owned())),
     };
     // bollard 0.21.1 sends unversioned requests; negotiating pins the engine's own version so
-    // that later bollard releases keep working against older engines (api-facts.md §12).
+    // that later bollard releases keep working against older engines (docs/api-facts.md §3).
     let docker = docker.negotiate_version().await?;
     docker.ping().await?;
     Ok(docker)

@@ -1,5 +1,5 @@
 //! Hostile code: resource exhaustion, output and protocol abuse, isolation probes. Every
-//! payload is followed by the four checks of security.md §2: the host is unaffected (the
+//! payload is followed by the four checks of docs/threat-model.md §6: the host is unaffected (the
 //! server still answers, nothing of ours is left after stop), a canary session answers
 //! within 2 s, the attacked session works or says it was recycled, and nothing is left behind.
 
