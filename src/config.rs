@@ -4,7 +4,7 @@
 //! and the default, then [`apply_file`] fills in what clap took from a default. Every value is
 //! validated by [`SandboxConfig::validate`] before the server touches Docker.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The default base of the sandbox image.
@@ -288,10 +288,53 @@ impl SandboxConfig {
         Duration::from_secs(self.install_timeout_s)
     }
 
-    /// Where liveness locks live.
+    /// Where liveness locks, the build lock and layer use times live: `--state-dir`, or a
+    /// directory of this user's own (`$XDG_RUNTIME_DIR/pyberth`, else `$TMPDIR/pyberth-<uid>`),
+    /// never one a shared name lets another user create first.
     pub fn state_dir(&self) -> PathBuf {
-        self.state_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("pyberth"))
+        if let Some(dir) = &self.state_dir {
+            return dir.clone();
+        }
+        match env_any(&["XDG_RUNTIME_DIR"]) {
+            Some(run) if Path::new(&run).is_absolute() => Path::new(&run).join("pyberth"),
+            _ => std::env::temp_dir().join(format!("pyberth-{}", rustix::process::geteuid().as_raw())),
+        }
     }
+
+    /// Creates the state dir (mode 0700) or checks the one there: ours, a real directory, and
+    /// writable by no one else. Another user's directory could feed us forged locks or lead our
+    /// writes through symlinks.
+    pub fn secure_state_dir(&self) -> Result<PathBuf, String> {
+        let dir = self.state_dir();
+        secure_dir(&dir, rustix::process::geteuid().as_raw())?;
+        Ok(dir)
+    }
+}
+
+/// See [`SandboxConfig::secure_state_dir`].
+fn secure_dir(dir: &Path, uid: u32) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
+    let shown = dir.display();
+    match std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) => return Err(format!("cannot create the state dir {shown}: {e} (set --state-dir)")),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("cannot read the state dir {shown}: {e}"))?;
+    let refuse = |why: String| {
+        Err(format!(
+            "refusing the state dir {shown}: {why}. Remove it, or pass --state-dir with a directory of your own"
+        ))
+    };
+    if !meta.is_dir() {
+        return refuse("it is not a directory (a symlink?)".into());
+    }
+    if meta.uid() != uid {
+        return refuse(format!("it belongs to uid {}, not to us (uid {uid})", meta.uid()));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return refuse(format!("others may write to it (mode {:o})", meta.mode() & 0o7777));
+    }
+    Ok(())
 }
 
 fn env_any(names: &[&str]) -> Option<String> {
@@ -307,6 +350,26 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         c: SandboxConfig,
+    }
+
+    #[test]
+    fn a_state_dir_of_someone_else_or_open_to_others_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let base = std::env::temp_dir().join(format!("pyberth-statedir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let uid = rustix::process::geteuid().as_raw();
+        let fresh = base.join("a/b");
+        secure_dir(&fresh, uid).expect("created");
+        let mode = std::fs::metadata(&fresh).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let e = secure_dir(&fresh, uid + 1).expect_err("another user's");
+        assert!(e.contains("belongs to uid"), "{e}");
+        std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        assert!(secure_dir(&fresh, uid).expect_err("world-writable").contains("others may write"));
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&fresh, &link).expect("symlink");
+        assert!(secure_dir(&link, uid).expect_err("a symlink").contains("not a directory"));
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     fn parse(args: &[&str]) -> SandboxConfig {

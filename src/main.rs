@@ -191,6 +191,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Image { action: ImageAction::Build { cfg, force, all, environment } } => {
             cfg.validate()?;
+            cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
             let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
             let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
             let progress = |line: &str| eprintln!("{line}");
@@ -215,7 +216,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Layers { action: LayersAction::List { cfg } } => {
             let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
             let mut out = String::new();
-            for l in layers::list_by_use(&docker, &cfg.state_dir()).await? {
+            let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
+            for l in layers::list_by_use(&docker, &state_dir).await? {
                 out.push_str(&format!("{}\t{} MB\t{}\n", l.tag, l.size >> 20, l.requirements.join(" ")));
             }
             #[allow(clippy::print_stdout)] // the listing is the command's output
@@ -226,7 +228,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Layers { action: LayersAction::Prune { cfg, keep_mb } } => {
             let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
-            for tag in layers::prune(&docker, &cfg.state_dir(), keep_mb << 20).await? {
+            let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
+            for tag in layers::prune(&docker, &state_dir, keep_mb << 20).await? {
                 eprintln!("removed {tag}");
             }
             Ok(())
@@ -241,8 +244,9 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
         .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
     docker::engine::check(&docker, &mut cfg, true).await?;
     let cfg = Arc::new(cfg);
-    let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
-        .with_context(|| format!("cannot take an instance lock in {}", cfg.state_dir().display()))?;
+    let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
+    let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
+        .with_context(|| format!("cannot take an instance lock in {}", state_dir.display()))?;
     tracing::info!(instance = %instance.owner.instance, "pyberth starting");
     let registry = Arc::new(Registry::new(docker, cfg.clone(), instance).map_err(anyhow::Error::msg)?);
     if let Err(e) = registry.sweep_leftovers().await {

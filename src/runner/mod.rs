@@ -265,8 +265,9 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
         .map_err(|e| infra(format!("cannot reach the Docker engine (is it running? is DOCKER_HOST right?): {e}")))?;
     let mut cfg = cfg.clone();
     docker::engine::check(&docker, &mut cfg, false).await.map_err(|e| infra(format!("{e:#}")))?;
-    let instance = Instance::acquire(&cfg.state_dir(), cfg.instance.as_deref())
-        .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", cfg.state_dir().display())))?;
+    let state_dir = cfg.secure_state_dir().map_err(usage)?;
+    let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
+        .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", state_dir.display())))?;
     let cfg = Arc::new(cfg);
     let registry = Registry::new(docker.clone(), cfg.clone(), instance).map_err(usage)?;
     if let Err(e) = registry.sweep_leftovers().await {

@@ -271,3 +271,29 @@ async fn run_output_cannot_command_the_ci_runner_nor_forge_our_lines() {
     assert!(out.starts_with("::add-mask::hunter2\n") && out.contains('\x1b'), "raw on request: {out:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Another local user plants the state dir first (a shared `/tmp` name): its locks would be
+/// trusted and our writes led through its symlinks. pyberth refuses it, before any container.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_state_dir_others_can_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = scratch("statedir");
+    let planted = dir.join("state");
+    std::fs::create_dir_all(&planted).expect("mkdir");
+    std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let instance = instance_name("statedir");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+        .args(["run", "-"])
+        .current_dir(&dir)
+        .env("PYBERTH_INSTANCE", &instance)
+        .env("PYBERTH_STATE_DIR", &planted)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .expect("pyberth run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("refusing the state dir") && err.contains("others may write"), "{err}");
+    assert!(crate::common::containers_of(&instance).await.is_empty(), "no container was made");
+    let _ = std::fs::remove_dir_all(&dir);
+}
