@@ -153,6 +153,9 @@ pub fn check_env(vars: &BTreeMap<String, String>) -> Result<(), String> {
         if name.starts_with("LD_") || name.starts_with("DYLD_") || DENIED.contains(&name.as_str()) {
             return Err(format!("environment variable {name} is refused: it can hijack the loader or the interpreter"));
         }
+        if crate::docker::container::ENV.iter().any(|fixed| fixed.split('=').next() == Some(name.as_str())) {
+            return Err(format!("environment variable {name} is fixed by the sandbox and cannot be set"));
+        }
         if value.contains('\0') {
             return Err(format!("environment variable {name} contains a NUL byte"));
         }
@@ -164,25 +167,62 @@ pub fn check_env(vars: &BTreeMap<String, String>) -> Result<(), String> {
     Ok(())
 }
 
-/// Parses `.env` text: `KEY=VALUE` lines, optional `export `, optional single or double
-/// quotes around the value, `#` comments and blank lines.
+/// Parses `.env` text: `KEY=VALUE` lines, optional `export `, `#` comments and blank lines.
+/// A value in double quotes may span lines and takes the escapes `\n`, `\t`, `\"` and `\\`;
+/// one in single quotes may span lines and is taken literally; an unquoted one ends at the
+/// line's end (or at ` #`, a comment).
 pub fn parse_dotenv(text: &str) -> Result<BTreeMap<String, String>, String> {
     let mut vars = BTreeMap::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
+    let mut lines = text.lines().enumerate();
+    while let Some((n, line)) = lines.next() {
+        let line = line.trim_start();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
         let line = line.strip_prefix("export ").unwrap_or(line);
-        let Some((key, value)) = line.split_once('=') else {
+        let Some((key, rest)) = line.split_once('=') else {
             return Err(format!("env_file line {}: expected KEY=VALUE", n + 1));
         };
-        let value = value.trim();
-        let value = match (value.chars().next(), value.chars().last()) {
-            (Some(q @ ('"' | '\'')), Some(e)) if e == q && value.len() >= 2 => &value[1..value.len() - 1],
-            _ => value,
+        let rest = rest.trim_start();
+        let value = match rest.chars().next() {
+            Some(q @ ('"' | '\'')) => {
+                // Read to the closing quote, across lines if need be.
+                let mut value = String::new();
+                let mut chars: Vec<char> = rest[1..].chars().collect();
+                let mut i = 0;
+                loop {
+                    if i == chars.len() {
+                        let Some((_, next)) = lines.next() else {
+                            return Err(format!("env_file line {}: the {q} quote is never closed", n + 1));
+                        };
+                        value.push('\n');
+                        chars = next.chars().collect();
+                        i = 0;
+                        continue;
+                    }
+                    let c = chars[i];
+                    i += 1;
+                    if c == q {
+                        break;
+                    }
+                    if q == '"' && c == '\\' && i < chars.len() {
+                        let e = chars[i];
+                        i += 1;
+                        value.push(match e {
+                            'n' => '\n',
+                            't' => '\t',
+                            'r' => '\r',
+                            other => other,
+                        });
+                        continue;
+                    }
+                    value.push(c);
+                }
+                value
+            }
+            _ => rest.split(" #").next().unwrap_or_default().trim_end().to_owned(),
         };
-        vars.insert(key.trim().to_owned(), value.to_owned());
+        vars.insert(key.trim().to_owned(), value);
     }
     Ok(vars)
 }
@@ -298,6 +338,14 @@ mod tests {
         assert_eq!(vars["C"], "x=y");
         assert_eq!(vars["D"], "");
         assert!(parse_dotenv("A=1\nnonsense\n").expect_err("bad").contains("line 2"));
+        let v = parse_dotenv("K=\"it's \\\"quoted\\\"\nsecond line\\tx\"\nL='a \"b\"\nc'\nM=plain # note\nN=1").expect("multi-line");
+        assert_eq!(v["K"], "it's \"quoted\"\nsecond line\tx");
+        assert_eq!(v["L"], "a \"b\"\nc");
+        assert_eq!(v["M"], "plain");
+        assert_eq!(v["N"], "1", "lines after a multi-line value are read");
+        assert!(parse_dotenv("K=\"open\n").expect_err("unclosed").contains("never closed"));
+        let fixed = BTreeMap::from([("PYTHONDONTWRITEBYTECODE".to_owned(), String::new())]);
+        assert!(check_env(&fixed).expect_err("fixed").contains("fixed by the sandbox"));
     }
 
     #[test]
