@@ -90,8 +90,10 @@ pub fn check_path(path: &str, allow_root: bool) -> Result<String, String> {
     if path.len() > MAX_PATH {
         return Err(format!("path {shown:?}... is longer than {MAX_PATH} bytes"));
     }
-    if path.chars().any(|c| c == '\0' || c == '\\' || c.is_control()) {
-        return Err(format!("path {shown:?} contains a NUL, a backslash or a control character"));
+    // Any other byte is a legal name the code may have made: every file it lists must be
+    // readable and deletable through the tools. Names are escaped where they are shown.
+    if path.contains('\0') {
+        return Err(format!("path {shown:?} contains a NUL byte"));
     }
     if path.starts_with('/') {
         return Err(format!(
@@ -227,9 +229,17 @@ pub fn parse_dotenv(text: &str) -> Result<BTreeMap<String, String>, String> {
     Ok(vars)
 }
 
-/// URI of a workspace file as an MCP resource.
+/// URI of a workspace file as an MCP resource; the path percent-encoded but for its `/`.
 pub fn resource_uri(session: &str, path: &str) -> String {
-    format!("pyberth://sessions/{session}/files/{path}")
+    let mut uri = format!("pyberth://sessions/{session}/files/");
+    for b in path.bytes() {
+        if b.is_ascii_alphanumeric() || b"/-._~".contains(&b) {
+            uri.push(char::from(b));
+        } else {
+            uri.push_str(&format!("%{b:02X}"));
+        }
+    }
+    uri
 }
 
 /// Splits a resource URI into (session, path).
@@ -307,9 +317,11 @@ mod tests {
         assert_eq!(check_path("a/./b//c.txt", false).as_deref(), Ok("a/b/c.txt"));
         assert_eq!(check_path("", true).as_deref(), Ok("."));
         assert_eq!(check_path("./", true).as_deref(), Ok("."));
-        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a\\b", "a\0b", "a\nb", &"x".repeat(256), &"a/".repeat(600)]
-        {
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a\0b", &"x".repeat(256), &"a/".repeat(600)] {
             assert!(check_path(bad, false).is_err(), "{bad:?} accepted");
+        }
+        for odd in ["a\\b", "a\nb", "\x1b]0;t\x07"] {
+            assert_eq!(check_path(odd, false).as_deref(), Ok(odd), "a name the code can make is usable");
         }
         assert!(check_path("/x", false).expect_err("abs").contains("relative to the workspace"));
     }
@@ -354,6 +366,10 @@ mod tests {
         assert_eq!(parse_resource_uri(&uri), Some(("s1".into(), "data/out.csv".into())));
         assert_eq!(parse_resource_uri("pyberth://sessions/s/files/a%20b.txt"), Some(("s".into(), "a b.txt".into())));
         assert_eq!(parse_resource_uri("file:///etc/passwd"), None);
+        let odd = "dir/a b\n%.txt";
+        let uri = resource_uri("s", odd);
+        assert_eq!(uri, "pyberth://sessions/s/files/dir/a%20b%0A%25.txt");
+        assert_eq!(parse_resource_uri(&uri), Some(("s".into(), odd.into())));
         assert_eq!(parse_resource_uri("pyberth://sessions/s/files/%zz"), None);
     }
 }

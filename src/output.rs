@@ -60,6 +60,17 @@ impl Capture {
     }
 }
 
+/// One piece of sandbox text (an exception message, a file name, an installer line) made
+/// safe to print on one `[pyberth]` line: every control character escaped, newlines too.
+pub(crate) fn one_line(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() { c.escape_default().collect() } else { vec![c] };
+            escaped
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,7 +24,8 @@ use crate::session::registry::Registry;
 use crate::session::{RunOutcome, RunSpec, RunStatus};
 
 mod neutralize;
-use neutralize::{Neutralizer, one_line};
+use crate::output::one_line;
+use neutralize::Neutralizer;
 
 /// Exit codes of `pyberth run` besides the program's own status.
 pub mod exit {

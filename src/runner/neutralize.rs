@@ -108,17 +108,6 @@ fn escape(b: u8, out: &mut Vec<u8>) {
     }
 }
 
-/// One piece of sandbox text (an exception message, a file name, an installer line) made
-/// safe to print on one `[pyberth]` line: every control character escaped, newlines too.
-pub(crate) fn one_line(text: &str) -> String {
-    text.chars()
-        .flat_map(|c| {
-            let escaped: Vec<char> = if c.is_control() { c.escape_default().collect() } else { vec![c] };
-            escaped
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,6 +149,6 @@ mod tests {
     #[test]
     fn text_and_tabs_pass_and_one_line_escapes_newlines() {
         assert_eq!(run(&["héllo\tworld\n".as_bytes()]), "héllo\tworld\n");
-        assert_eq!(one_line("a\n::error::b\x1b"), "a\\n::error::b\\u{1b}");
+        assert_eq!(crate::output::one_line("a\n::error::b\x1b"), "a\\n::error::b\\u{1b}");
     }
 }

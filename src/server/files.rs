@@ -284,7 +284,8 @@ impl SandboxServer {
         let reply = agent_file(&session, format!("cannot list {path}"), list).await?;
         let mut text = String::new();
         for e in &reply.entries {
-            text.push_str(&format!("{}\t{}\t{}\n", e.kind, e.size, e.path));
+            // Names are the code's: escaped, so one cannot add lines to the listing.
+            text.push_str(&format!("{}\t{}\t{}\n", e.kind, e.size, crate::output::one_line(&e.path)));
         }
         if reply.entries.is_empty() {
             text.push_str("(empty)\n");

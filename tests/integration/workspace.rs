@@ -286,3 +286,42 @@ async fn directories_move_in_and_out_as_tar_archives() {
     assert_eq!(r.is_error, Some(true));
     s.stop().await;
 }
+
+/// File names are the code's to choose: a newline and tab in a name could add forged lines to
+/// the listing (a file that does not exist), and control bytes could break resource URIs. The
+/// listing escapes them, every listed file can be read, fetched as a resource and deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn odd_file_names_cannot_forge_listing_lines_and_stay_usable() {
+    let s = Server::start("ws-oddnames", &[]).await;
+    let forged = "x\nfile\t0\tforged.txt";
+    let names = [forged, "back\\slash", "esc\u{1b}]0;t\u{7}.txt", "sp ace%.txt"];
+    let code = format!(
+        "for i, n in enumerate({}):\n    open(n, 'w').write(str(i))\n",
+        serde_json::to_string(&names).expect("json")
+    );
+    s.ok("default", &code).await;
+    let r = s.call("list_files", json!({})).await;
+    let listing = text(&r);
+    assert!(!listing.lines().any(|l| l == "file\t0\tforged.txt"), "no forged line: {listing:?}");
+    assert!(!listing.contains('\u{1b}'), "{listing:?}");
+    let entries = r.structured_content.as_ref().expect("structured")["entries"].as_array().expect("entries").clone();
+    let client = s.client.as_ref().expect("client");
+    for (i, name) in names.iter().enumerate() {
+        assert!(entries.iter().any(|e| e["path"] == *name), "{name:?} listed exactly: {entries:?}");
+        let read = ok_call(&s, "read_file", json!({ "path": name })).await;
+        assert_eq!(read["content"], i.to_string(), "{name:?} readable");
+        let link = r
+            .content
+            .iter()
+            .filter_map(|c| c.as_resource_link())
+            .find(|l| l.name == *name)
+            .unwrap_or_else(|| panic!("a resource link for {name:?}"));
+        let got = client.read_resource(ReadResourceRequestParams::new(link.uri.clone())).await.expect("resource");
+        let v = serde_json::to_value(&got).expect("json");
+        assert_eq!(v["contents"][0]["text"], i.to_string(), "{name:?} as a resource ({})", link.uri);
+        ok_call(&s, "delete_file", json!({ "path": name })).await;
+    }
+    let sc = s.ok("default", "import os\nsorted(os.listdir('.'))").await;
+    assert_eq!(sc["result"], "[]", "every odd file was deleted");
+    s.stop().await;
+}
