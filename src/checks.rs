@@ -350,7 +350,8 @@ mod tests {
         assert_eq!(vars["C"], "x=y");
         assert_eq!(vars["D"], "");
         assert!(parse_dotenv("A=1\nnonsense\n").expect_err("bad").contains("line 2"));
-        let v = parse_dotenv("K=\"it's \\\"quoted\\\"\nsecond line\\tx\"\nL='a \"b\"\nc'\nM=plain # note\nN=1").expect("multi-line");
+        let v = parse_dotenv("K=\"it's \\\"quoted\\\"\nsecond line\\tx\"\nL='a \"b\"\nc'\nM=plain # note\nN=1")
+            .expect("multi-line");
         assert_eq!(v["K"], "it's \"quoted\"\nsecond line\tx");
         assert_eq!(v["L"], "a \"b\"\nc");
         assert_eq!(v["M"], "plain");

@@ -28,6 +28,18 @@ const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
 /// is run by the host's next `git status`. Compared without case (macOS and Windows checkouts).
 const VCS: &[&str] = &[".git", ".hg", ".svn", ".bzr", "_darcs", ".jj", ".pijul", "cvs", ".fslckout", "_fossil_"];
 
+/// Deepest path a transfer takes: deeper trees are refused, not walked.
+const MAX_DEPTH: usize = 64;
+
+/// The bounds of one transfer: content bytes and files (100,000 empty files cost no bytes).
+#[derive(Debug, Clone, Copy)]
+pub struct Cap {
+    /// Content bytes.
+    pub bytes: u64,
+    /// Regular files (and, coming back, entries looked at).
+    pub files: u64,
+}
+
 /// What a transfer moved.
 #[derive(Debug, Default, Clone)]
 pub struct Moved {
@@ -166,7 +178,7 @@ impl Read for ChunkReader {
 /// Uploads the contents of `dir` into the workspace of container `id`, skipping `.git`.
 /// Symlinks travel as symlinks (the container resolves them, inside itself). Refuses a
 /// tree over `cap` bytes.
-pub async fn upload_dir(docker: &Docker, id: &str, dir: &Path, cap: u64) -> Result<Moved, String> {
+pub async fn upload_dir(docker: &Docker, id: &str, dir: &Path, cap: Cap) -> Result<Moved, String> {
     let meta = std::fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
     if !meta.is_dir() {
         return Err(format!("{} is not a directory", dir.display()));
@@ -223,9 +235,12 @@ fn pack<W: Write>(
     ar: &mut tar::Builder<W>,
     root: &Path,
     rel: &Path,
-    cap: u64,
+    cap: Cap,
     moved: &mut Moved,
 ) -> Result<(), String> {
+    if rel.components().count() > MAX_DEPTH {
+        return Err(format!("{} is nested more than {MAX_DEPTH} directories deep", root.join(rel).display()));
+    }
     let here = root.join(rel);
     let mut entries: Vec<_> = std::fs::read_dir(&here)
         .map_err(|e| format!("cannot read {}: {e}", here.display()))?
@@ -254,10 +269,16 @@ fn pack<W: Write>(
             moved.files += 1;
             moved.bytes += meta.len();
             moved.manifest.insert(rel.clone(), (header.mtime().unwrap_or(0), meta.len()));
-            if moved.bytes > cap {
+            if moved.bytes > cap.bytes {
                 return Err(format!(
                     "the directory holds more than {} MiB: make it smaller or raise --transfer-cap-mb",
-                    cap >> 20
+                    cap.bytes >> 20
+                ));
+            }
+            if moved.files > cap.files {
+                return Err(format!(
+                    "the directory holds more than {} files: make it smaller or raise --transfer-max-files",
+                    cap.files
                 ));
             }
             let file = std::fs::File::open(&path).map_err(err)?;
@@ -287,7 +308,7 @@ pub async fn download_changed(
     since: SystemTime,
     rules: CopyBack,
     out: &Path,
-    cap: u64,
+    cap: Cap,
 ) -> Result<Moved, String> {
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
     let since = since.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -326,13 +347,13 @@ pub async fn download_changed(
 /// Downloads `rel` (a checked workspace path, "." for all) from container `id` as a tar of
 /// its regular files and directories, at most `cap` bytes of content. Entries are renamed
 /// relative to the workspace; links, devices and anything outside are left out.
-pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: u64) -> Result<(Vec<u8>, Moved), String> {
+pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), String> {
     let src = if rel == "." { WORKSPACE.to_owned() } else { format!("{WORKSPACE}/{rel}") };
     let opts = DownloadFromContainerOptionsBuilder::default().path(&src).build();
     let mut stream = docker.download_from_container(id, Some(opts));
     let mut raw = Vec::new();
     // The archive carries headers and padding besides content: allow for them, then check.
-    let raw_cap = cap + cap / 4 + (1 << 20);
+    let raw_cap = cap.bytes + cap.bytes / 4 + (1 << 20) + cap.files * 1024;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| match e {
             bollard::errors::Error::DockerResponseServerError { status_code: 404, .. } => {
@@ -342,7 +363,7 @@ pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: u64) -> Re
         })?;
         raw.extend_from_slice(&chunk);
         if raw.len() as u64 > raw_cap {
-            return Err(format!("{rel} holds more than {} MiB: download a smaller directory", cap >> 20));
+            return Err(format!("{rel} holds more than {} MiB: download a smaller directory", cap.bytes >> 20));
         }
     }
     // The API names entries after the last component of the source; re-root them at `rel`.
@@ -356,7 +377,7 @@ pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: u64) -> Re
         let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
         let Ok(inner) = path.strip_prefix(&top) else { continue };
         let name = base.join(inner);
-        if name.as_os_str().is_empty() || !safe_relative(&name) {
+        if name.as_os_str().is_empty() || !safe_relative(&name) || name.components().count() > MAX_DEPTH {
             continue;
         }
         let kind = entry.header().entry_type();
@@ -370,8 +391,11 @@ pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: u64) -> Re
         if kind == tar::EntryType::Regular {
             moved.files += 1;
             moved.bytes += header.size().unwrap_or(0);
-            if moved.bytes > cap {
-                return Err(format!("{rel} holds more than {} MiB: download a smaller directory", cap >> 20));
+            if moved.bytes > cap.bytes {
+                return Err(format!("{rel} holds more than {} MiB: download a smaller directory", cap.bytes >> 20));
+            }
+            if moved.files > cap.files {
+                return Err(format!("{rel} holds more than {} files: download a smaller directory", cap.files));
             }
         }
         let mut data = Vec::new();
@@ -435,16 +459,25 @@ fn unpack_changed(
     dest: &Path,
     since: u64,
     rules: &CopyBack,
-    cap: u64,
+    cap: Cap,
     moved: &mut Moved,
 ) -> Result<(), String> {
     let mut ar = tar::Archive::new(reader);
+    let mut seen = 0u64;
     for entry in ar.entries().map_err(|e| format!("bad archive: {e}"))? {
+        // Every entry costs work and a line in the listing, even one that is left behind.
+        seen += 1;
+        if seen > cap.files.saturating_mul(4) {
+            return Err(format!(
+                "the workspace holds more than {} entries: raise --transfer-max-files",
+                cap.files.saturating_mul(4)
+            ));
+        }
         let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
         let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
         // Strip the leading "workspace/" the API puts on every entry.
         let Ok(rel) = path.strip_prefix("workspace") else { continue };
-        if rel.as_os_str().is_empty() || !safe_relative(rel) {
+        if rel.as_os_str().is_empty() || !safe_relative(rel) || rel.components().count() > MAX_DEPTH {
             continue;
         }
         if rel.components().any(|c| CACHES.iter().any(|cache| c.as_os_str() == *cache)) {
@@ -466,8 +499,11 @@ fn unpack_changed(
         }
         moved.files += 1;
         moved.bytes += size;
-        if moved.bytes > cap {
-            return Err(format!("the run's output files exceed {} MiB: raise --transfer-cap-mb", cap >> 20));
+        if moved.bytes > cap.bytes {
+            return Err(format!("the run's output files exceed {} MiB: raise --transfer-cap-mb", cap.bytes >> 20));
+        }
+        if moved.files > cap.files {
+            return Err(format!("the run made more than {} output files: raise --transfer-max-files", cap.files));
         }
         let target = host_target(dest, rel)?;
         // Never write through a link: replace whatever is at the final path.
@@ -509,6 +545,8 @@ fn host_target(dest: &Path, rel: &Path) -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const CAP: Cap = Cap { bytes: 1 << 20, files: 1000 };
 
     fn archive(entries: &[(&str, tar::EntryType, u64, &str)]) -> Vec<u8> {
         let mut b = tar::Builder::new(Vec::new());
@@ -554,7 +592,7 @@ mod tests {
         let given = HashMap::from([("given.py".into(), (150, 4)), ("edited.py".into(), (150, 4))]);
         let rules = CopyBack { given, ..Default::default() };
         let mut moved = Moved::default();
-        let r = unpack_changed(&tar[..], &dir, 100, &rules, 1 << 20, &mut moved);
+        let r = unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut moved);
         assert!(r.is_err_and(|e| e.contains("in the way")), "a symlinked directory on the host stops the copy");
         assert_eq!(std::fs::read_to_string(dir.join("reports/junit.xml")).expect("junit"), "<xml/>");
         assert!(!dir.join("old.py").exists(), "files older than the run stay behind");
@@ -567,7 +605,15 @@ mod tests {
 
         let mut moved = Moved::default();
         let big = archive(&[("workspace/big", tar::EntryType::Regular, 200, "0123456789")]);
-        assert!(unpack_changed(&big[..], &dir, 100, &rules, 5, &mut moved).is_err_and(|e| e.contains("exceed")));
+        let tight = Cap { bytes: 5, files: 10 };
+        assert!(unpack_changed(&big[..], &dir, 100, &rules, tight, &mut moved).is_err_and(|e| e.contains("exceed")));
+        let many: Vec<(String, tar::EntryType, u64, &str)> =
+            (0..3).map(|i| (format!("workspace/f{i}"), tar::EntryType::Regular, 200, "")).collect();
+        let many: Vec<_> = many.iter().map(|(p, k, m, d)| (p.as_str(), *k, *m, *d)).collect();
+        let mut moved = Moved::default();
+        let two = Cap { bytes: 1 << 20, files: 2 };
+        let r = unpack_changed(&archive(&many)[..], &dir, 100, &rules, two, &mut moved);
+        assert!(r.is_err_and(|e| e.contains("more than 2 output files")), "empty files count too");
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&outside);
     }
@@ -596,7 +642,7 @@ mod tests {
             exclude: vec![".github".into(), "build/*.sh".into()],
         };
         let mut moved = Moved::default();
-        unpack_changed(&tar[..], &dir, 100, &rules, 1 << 20, &mut moved).expect("copy back");
+        unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut moved).expect("copy back");
         assert!(!dir.join(".git").exists() && !dir.join("sub").exists() && !dir.join(".hg").exists());
         assert_eq!(std::fs::read_to_string(dir.join("Makefile")).expect("makefile"), "host", "not replaced");
         assert_eq!(std::fs::read_to_string(dir.join("given.txt")).expect("given"), "changed", "an input may change");
@@ -612,7 +658,7 @@ mod tests {
 
         let rules = CopyBack { overwrite: true, ..Default::default() };
         let mut moved = Moved::default();
-        unpack_changed(&tar[..], &dir, 100, &rules, 1 << 20, &mut moved).expect("copy back");
+        unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut moved).expect("copy back");
         assert_eq!(std::fs::read_to_string(dir.join("Makefile")).expect("makefile"), "evil", "asked to overwrite");
         assert!(!dir.join(".git").exists(), "never VCS metadata, even with --output-overwrite");
         let _ = std::fs::remove_dir_all(&dir);

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
 use crate::docker;
-use crate::docker::archive::{CopyBack, Moved};
+use crate::docker::archive::{Cap, CopyBack, Moved};
 use crate::instance::Instance;
 use crate::protocol::Stream;
 use crate::session::registry::Registry;
@@ -90,6 +90,9 @@ pub struct RunArgs {
     /// Cap on the bytes uploaded by --project and copied back by --output, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 1024)]
     pub transfer_cap_mb: u64,
+    /// Cap on the files uploaded by --project and copied back by --output.
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
+    pub transfer_max_files: u64,
 }
 
 /// The `--json` result.
@@ -295,7 +298,7 @@ async fn in_session(
         .await
         .map_err(|e| infra(e.to_string()))?;
     status.clear();
-    let cap = args.transfer_cap_mb << 20;
+    let cap = Cap { bytes: args.transfer_cap_mb << 20, files: args.transfer_max_files };
     let mut given = match &args.project {
         Some(dir) => session.upload_dir(dir, cap).await.map_err(infra)?.manifest,
         None => Default::default(),

@@ -22,6 +22,8 @@ use crate::protocol::Request;
 
 /// Largest archive moved in one call (decoded), and largest total content.
 const MAX_ARCHIVE: usize = 64 << 20;
+/// Most files in one downloaded archive: empty files cost no bytes, but a header each.
+const MAX_FILES: u64 = 20_000;
 
 /// Arguments of `upload_archive`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -136,7 +138,8 @@ impl SandboxServer {
         let name = session_name(args.session.as_deref())?;
         let rel = args.path.as_deref().map(|p| check_path(p, true)).transpose()?.unwrap_or_else(|| ".".into());
         let session = self.registry.get(&who, &name)?;
-        let (tar, moved) = session.download_tree(&rel, MAX_ARCHIVE as u64).await?;
+        let cap = archive::Cap { bytes: MAX_ARCHIVE as u64, files: MAX_FILES };
+        let (tar, moved) = session.download_tree(&rel, cap).await?;
         let text = format!(
             "packed {} files ({} bytes) of {rel}; the archive is in archive (base64 tar)\n",
             moved.files, moved.bytes

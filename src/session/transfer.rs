@@ -6,11 +6,11 @@ use std::path::Path;
 use std::time::SystemTime;
 
 use super::Session;
-use crate::docker::archive::{self, CopyBack, Moved};
+use crate::docker::archive::{self, Cap, CopyBack, Moved};
 
 impl Session {
     /// Uploads a host directory as the workspace (without `.git`), at most `cap` bytes.
-    pub async fn upload_dir(&self, dir: &Path, cap: u64) -> Result<Moved, String> {
+    pub async fn upload_dir(&self, dir: &Path, cap: Cap) -> Result<Moved, String> {
         archive::upload_dir(&self.docker, &self.container_id(), dir, cap).await
     }
 
@@ -25,13 +25,13 @@ impl Session {
         since: SystemTime,
         rules: CopyBack,
         out: &Path,
-        cap: u64,
+        cap: Cap,
     ) -> Result<Moved, String> {
         archive::download_changed(&self.docker, &self.container_id(), since, rules, out, cap).await
     }
 
     /// A workspace file or directory as a tar of its regular files and directories.
-    pub async fn download_tree(&self, rel: &str, cap: u64) -> Result<(Vec<u8>, Moved), String> {
+    pub async fn download_tree(&self, rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), String> {
         archive::download_tree(&self.docker, &self.container_id(), rel, cap).await
     }
 }

@@ -297,3 +297,20 @@ async fn a_state_dir_others_can_write_is_refused() {
     assert!(crate::common::containers_of(&instance).await.is_empty(), "no container was made");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Empty files cost no bytes: a run that makes thousands of them must still hit a bound on the
+/// way back, not flood the host directory.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_copy_back_is_bounded_in_files_not_only_bytes() {
+    let dir = scratch("manyfiles");
+    let code = "import os\nos.makedirs('o', exist_ok=True)\nfor i in range(500):\n    open(f'o/{i}', 'w').close()\n";
+    let args = ["--output", "out", "--transfer-max-files", "100", "-"];
+    let (o, instance) = pyberth_run("manyfiles", &dir, &args, Some(code)).await;
+    let (_, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(125), "{err}");
+    assert!(err.contains("more than 100 output files") && err.contains("--transfer-max-files"), "{err}");
+    let landed = std::fs::read_dir(dir.join("out/o")).map(|d| d.count()).unwrap_or(0);
+    assert!(landed <= 100, "{landed} files landed");
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
