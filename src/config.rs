@@ -86,9 +86,13 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_IDLE_TTL", default_value_t = 900)]
     pub idle_ttl_s: u64,
 
-    /// Most sessions open at once.
+    /// Most sessions one caller (principal) may have open at once.
     #[arg(long, env = "PYBERTH_MAX_SESSIONS", default_value_t = 32)]
     pub max_sessions: usize,
+
+    /// Most sessions open at once on the whole server, across callers.
+    #[arg(long, env = "PYBERTH_MAX_SESSIONS_TOTAL", default_value_t = 256)]
+    pub max_sessions_total: usize,
 
     /// Bytes of stdout and of stderr kept per run; the rest is counted and dropped.
     #[arg(long, env = "PYBERTH_OUTPUT_CAP", default_value_t = 1 << 20)]
@@ -212,6 +216,7 @@ impl SandboxConfig {
         )?;
         check(self.idle_ttl_s >= 1, "--idle-ttl-s", "must be at least 1")?;
         check(self.max_sessions >= 1, "--max-sessions", "must be at least 1")?;
+        check(self.max_sessions_total >= 1, "--max-sessions-total", "must be at least 1")?;
         check(
             self.output_cap >= 1024 && self.output_cap <= 4 << 20,
             "--output-cap",

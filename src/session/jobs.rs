@@ -18,7 +18,7 @@ use crate::protocol::Stream;
 
 /// Finished jobs kept at most this long.
 const KEEP_FINISHED: Duration = Duration::from_secs(3600);
-/// Finished jobs kept at most this many per server.
+/// Finished jobs kept at most this many per principal.
 const MAX_FINISHED: usize = 200;
 
 /// What a job runs (owned, since the job outlives the request).
@@ -206,13 +206,24 @@ impl Jobs {
         let Ok(mut jobs) = self.jobs.lock() else { return };
         let finished_at = |j: &Job| j.finished.lock().ok().and_then(|f| f.as_ref().map(|(t, _)| *t));
         jobs.retain(|_, j| finished_at(j).is_none_or(|t| t.elapsed() < KEEP_FINISHED));
-        let mut done: Vec<(Instant, String)> =
-            jobs.iter().filter_map(|(id, j)| finished_at(j).map(|t| (t, id.clone()))).collect();
-        if done.len() > MAX_FINISHED {
-            done.sort();
-            for (_, id) in done.iter().take(done.len() - MAX_FINISHED) {
-                jobs.remove(id);
+        // Counted per principal: one caller's many jobs never evict another's results.
+        let mut done: HashMap<&str, Vec<(Instant, String)>> = HashMap::new();
+        for (id, j) in jobs.iter() {
+            if let Some(t) = finished_at(j) {
+                done.entry(j.principal.as_str()).or_default().push((t, id.clone()));
             }
+        }
+        let evict: Vec<String> = done
+            .into_values()
+            .filter(|d| d.len() > MAX_FINISHED)
+            .flat_map(|mut d| {
+                d.sort();
+                let extra = d.len() - MAX_FINISHED;
+                d.into_iter().take(extra).map(|(_, id)| id)
+            })
+            .collect();
+        for id in evict {
+            jobs.remove(&id);
         }
     }
 
@@ -225,5 +236,43 @@ impl Jobs {
         }
         self.tasks.close();
         self.tasks.wait().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finished(id: &str, principal: &str) -> Arc<Job> {
+        let (done, _) = watch::channel(false);
+        let job = Job {
+            id: id.to_owned(),
+            principal: principal.to_owned(),
+            session: "s".into(),
+            cancel: CancellationToken::new(),
+            started: Instant::now(),
+            cap: 0,
+            output: Mutex::new(Output::default()),
+            finished: Mutex::new(None),
+            done,
+        };
+        job.finish(Finished::Failed("x".into()));
+        Arc::new(job)
+    }
+
+    #[test]
+    fn one_principal_s_many_jobs_never_evict_another_s_results() {
+        let jobs = Jobs::default();
+        {
+            let mut map = jobs.jobs.lock().expect("jobs");
+            map.insert("alice-1".into(), finished("alice-1", "alice"));
+            for i in 0..MAX_FINISHED + 6 {
+                let id = format!("mallory-{i}");
+                map.insert(id.clone(), finished(&id, "mallory"));
+            }
+        }
+        jobs.prune();
+        assert!(jobs.get("alice", "alice-1").is_some(), "alice's result survives mallory's flood");
+        assert_eq!(jobs.list("mallory").len(), MAX_FINISHED, "mallory keeps only the newest");
     }
 }

@@ -23,9 +23,14 @@ type Slot = Arc<OnceCell<Arc<Session>>>;
 /// Why a session could not be had.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The session cap is reached.
-    #[error("too many sessions open ({0}): close one with close_session, or wait for idle ones to expire")]
+    /// The caller's session cap is reached.
+    #[error(
+        "you have {0} sessions open (the limit per caller): close one with close_session, or wait for idle ones to expire"
+    )]
     Capacity(usize),
+    /// The server's session ceiling is reached; says nothing of who holds the sessions.
+    #[error("the server has no room for another session right now: try again later, or close one of yours")]
+    ServerFull,
     /// A tool that needs an existing session named one that does not exist.
     #[error("no session named {0:?}: run_python creates sessions; list_sessions shows the open ones")]
     NotFound(String),
@@ -253,8 +258,12 @@ impl Registry {
             if let Some(slot) = slots.get(&key) {
                 slot.clone()
             } else {
-                if slots.len() >= self.cfg.max_sessions {
+                // The caller's own cap first: one caller never learns of another's use.
+                if slots.keys().filter(|(p, _)| p == principal).count() >= self.cfg.max_sessions {
                     return Err(Error::Capacity(self.cfg.max_sessions));
+                }
+                if slots.len() >= self.cfg.max_sessions_total {
+                    return Err(Error::ServerFull);
                 }
                 let slot: Slot = Arc::default();
                 slots.insert(key.clone(), slot.clone());

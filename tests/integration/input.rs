@@ -46,10 +46,18 @@ async fn the_session_cap_gives_a_clear_error() {
     s.ok("b", "1").await;
     let (r, _) = s.run("c", "1").await;
     assert_eq!(r.is_error, Some(true));
-    assert!(text(&r).contains("too many sessions open (2)"), "{}", text(&r));
+    assert!(text(&r).contains("you have 2 sessions open (the limit per caller)"), "{}", text(&r));
     assert_eq!(containers_of(&s.instance).await.len(), 2);
     let r = s.call("close_session", json!({ "session": "a" })).await;
     assert_eq!(r.is_error, Some(false));
     s.ok("c", "1").await;
+    s.stop().await;
+
+    let s = Server::start("cap-total", &[("PYBERTH_MAX_SESSIONS", "5"), ("PYBERTH_MAX_SESSIONS_TOTAL", "1")]).await;
+    s.ok("a", "1").await;
+    let (r, _) = s.run("b", "1").await;
+    assert_eq!(r.is_error, Some(true));
+    let t = text(&r);
+    assert!(t.contains("no room for another session") && !t.contains('1'), "reveals no count: {t}");
     s.stop().await;
 }
