@@ -148,9 +148,9 @@ impl SandboxServer {
             return self.await_job(&job, wait, ctx, notices).await;
         }
         let notifier = self.notifier(ctx);
-        let (_, observer, mut rx) = live_channel(notifier.wants_output());
+        let mut live = live_channel(notifier.wants_output());
         let run = RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, cmd: &[], env: spec.env };
-        match relay(notifier, &mut rx, session.run(run, timeout, &ctx.ct, &observer)).await {
+        match relay(notifier, &mut live.rx, session.run(run, timeout, &ctx.ct, &live.observer)).await {
             Ok(mut outcome) => {
                 outcome.notices.splice(0..0, notices);
                 render_run(&session.name, &outcome, None)
@@ -191,7 +191,7 @@ impl SandboxServer {
             (so, se) = (nso, nse);
             for (stream, bytes) in [(Stream::Stdout, out), (Stream::Stderr, err)] {
                 if !bytes.is_empty() {
-                    notifier.send(Some(stream), String::from_utf8_lossy(&bytes).into_owned()).await;
+                    notifier.output(stream, String::from_utf8_lossy(&bytes).into_owned()).await;
                 }
             }
         };

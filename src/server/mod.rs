@@ -38,7 +38,7 @@ use crate::session::registry::Registry;
 use crate::session::{RunOutcome, RunStatus, SessionInfo};
 use crate::workspace;
 use jobs::check_wait;
-use live::{live_channel, relay};
+use live::{LiveChannel, live_channel, relay};
 
 /// The session used when a call names none.
 pub const DEFAULT_SESSION: &str = "default";
@@ -483,7 +483,7 @@ impl SandboxServer {
             Ok(p) => p,
             Err(e) => return tool_error(e),
         };
-        let (progress, _, mut rx) = live_channel(false);
+        let LiveChannel { progress, mut rx, .. } = live_channel(false);
         let opened = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
             let (session, created) =
@@ -554,7 +554,7 @@ impl SandboxServer {
             Err(e) => return tool_error(e),
         };
         let started = std::time::Instant::now();
-        let (progress, _, mut rx) = live_channel(false);
+        let LiveChannel { progress, mut rx, .. } = live_channel(false);
         let done = relay(self.notifier(&ctx), &mut rx, async {
             let progress = &progress;
             let (session, created) =
