@@ -5,6 +5,7 @@
 #![allow(deprecated)]
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rmcp::RoleServer;
 use rmcp::model::{LoggingLevel, LoggingMessageNotificationParam, ProgressNotificationParam};
@@ -40,9 +41,9 @@ pub(super) enum Live {
 
 /// One call's live lines: a progress callback for long steps (installs, image builds), an
 /// output observer for runs, and the receiver of both for `relay`. Bounded, with try_send: a
-/// slow client loses live lines, never output in the final result, and never stalls the work.
-/// Output is copied only when the client asked for it (`output`): a plain call costs no copy,
-/// and at most `LIVE_QUEUE` chunks (of up to 64 KiB) wait in memory, whatever the code prints.
+/// slow client loses live lines, never output in the final result. Output is copied only when
+/// the client asked for it (`output`): a plain call costs no copy, and at most `LIVE_QUEUE`
+/// chunks (of up to 64 KiB) wait in memory, whatever the code prints.
 pub(super) struct LiveChannel<P, O> {
     pub(super) progress: P,
     pub(super) observer: O,
@@ -70,6 +71,10 @@ pub(super) fn live_channel(
 
 /// Live lines waiting for a client at most: 64 chunks of 64 KiB bound the queue at 4 MiB.
 const LIVE_QUEUE: usize = 64;
+
+/// How long lines still queued when the work ends may hold up its result: enough for a
+/// client that keeps up to take a full queue, short against any call.
+const DRAIN: Duration = Duration::from_millis(100);
 
 pub(super) type LiveRx = tokio::sync::mpsc::Receiver<Live>;
 
@@ -100,7 +105,8 @@ impl<'a> Notifier<'a> {
         self.send(Live::Output(stream, text)).await;
     }
 
-    /// Sends one line.
+    /// Sends one line. rmcp's send returns once the transport has written it, so this waits
+    /// as long as the client takes to read.
     async fn send(&mut self, line: Live) {
         let (stream, text) = match line {
             Live::Step(text) => {
@@ -126,13 +132,31 @@ impl<'a> Notifier<'a> {
     }
 }
 
-/// Drives `work` while relaying its live lines to the client.
+/// Drives `work` while relaying its live lines to the client. Forwarding is its own future,
+/// polled beside `work` rather than inside a select arm: a send blocked on a slow client then
+/// holds up only the lines behind it (later ones are dropped by try_send), never the work, its
+/// reading of the agent or its deadline. Lines still queued when the work ends go out before
+/// the result for up to `DRAIN`; after that the rest are dropped (the result has all output).
 pub(super) async fn relay<T>(mut notifier: Notifier<'_>, rx: &mut LiveRx, work: impl Future<Output = T>) -> T {
-    tokio::pin!(work);
-    loop {
+    let out = {
+        // Dropped when the work ends, which may cut one send short: rmcp still writes a
+        // notification it had queued, and one not yet queued is a live line lost, as above.
+        let forward = forward(&mut notifier, rx);
+        tokio::pin!(work, forward);
         tokio::select! {
-            out = &mut work => return out,
-            Some(line) = rx.recv() => notifier.send(line).await,
+            out = &mut work => out,
+            // Every sender is gone: nothing more can come, only the work is left.
+            () = &mut forward => work.await,
         }
+    };
+    rx.close();
+    let _ = tokio::time::timeout(DRAIN, forward(&mut notifier, rx)).await;
+    out
+}
+
+/// Sends lines until the channel is closed and empty.
+async fn forward(notifier: &mut Notifier<'_>, rx: &mut LiveRx) {
+    while let Some(line) = rx.recv().await {
+        notifier.send(line).await;
     }
 }
