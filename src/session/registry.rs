@@ -1,7 +1,7 @@
 //! All sessions of a server: lookup by (principal, name), the session cap, the idle reaper,
 //! and cleanup at start and at shutdown (DESIGN.md D9).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -122,7 +122,11 @@ impl Registry {
             layers::ensure(&self.docker, &self.cfg, &self.instance.owner, &base, requirements, &self.index, progress)
                 .await?;
         let state_dir = self.cfg.state_dir();
-        layers::touch(&state_dir, &layer.tag);
+        // A file read, write and rename: off the runtime's workers.
+        let (dir, tag) = (state_dir.clone(), layer.tag.clone());
+        if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &tag)).await {
+            tracing::debug!(error = %e, "cannot record layer use");
+        }
         if !layer.cached {
             match layers::prune(&self.docker, &state_dir, self.cfg.layer_cache_mb << 20).await {
                 Ok(removed) if !removed.is_empty() => tracing::info!(?removed, "layer cache over its size; pruned"),
@@ -342,7 +346,24 @@ impl Registry {
 
     /// Removes what dead instances on this host left behind.
     pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
-        let (c, v) = container::sweep(&self.docker, &|l| self.instance.is_leftover(l)).await?;
+        // The sweep asks a plain function of labels, and probing an instance's lock is file
+        // I/O. So a first pass only notes which other instances left resources, their locks
+        // are probed on a blocking thread, and a second pass removes what the dead ones left.
+        let seen = Mutex::new(HashSet::new());
+        container::sweep(&self.docker, &|l| {
+            if let Some(i) = self.instance.other_here(l) {
+                seen.lock().unwrap_or_else(|e| e.into_inner()).insert(i.to_owned());
+            }
+            false
+        })
+        .await?;
+        let seen = seen.into_inner().unwrap_or_else(|e| e.into_inner());
+        if seen.is_empty() {
+            return Ok(());
+        }
+        let dead = self.instance.dead(seen).await;
+        let (c, v) =
+            container::sweep(&self.docker, &|l| self.instance.other_here(l).is_some_and(|i| dead.contains(i))).await?;
         if c + v > 0 {
             tracing::info!(containers = c, volumes = v, "removed leftovers of dead instances");
         }
