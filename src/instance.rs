@@ -7,7 +7,7 @@
 //! volume from this host whose instance lock can be taken (or is missing) is a leftover.
 //! Resources from other hosts are left alone: their liveness cannot be checked from here.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -46,29 +46,30 @@ impl Instance {
         Ok(Self { owner: Owner { instance, host: host_id() }, dir: dir.to_owned(), lock_path, _lock: lock })
     }
 
-    /// Whether a resource with these labels belongs to a dead instance on this host.
-    pub fn is_leftover(&self, labels: &HashMap<String, String>) -> bool {
+    /// The instance a resource with these labels belongs to, when it is another instance on
+    /// this host whose liveness `dead` can probe (a name that is safe in a path).
+    pub fn other_here<'a>(&self, labels: &'a HashMap<String, String>) -> Option<&'a str> {
         let (Some(instance), Some(host)) = (labels.get(LABEL_INSTANCE), labels.get(LABEL_HOST)) else {
-            return false;
+            return None;
         };
         if *instance == self.owner.instance || *host != self.owner.host {
-            return false;
+            return None;
         }
         if instance.is_empty() || !instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
-            return false;
+            return None;
         }
-        let path = self.dir.join(format!("{instance}.lock"));
-        let Ok(file) = OpenOptions::new().write(true).open(&path) else {
-            // No lock file: its owner never lived here or the state dir was wiped (reboot).
-            return true;
-        };
-        match file.try_lock() {
-            Ok(()) => {
-                let _ = std::fs::remove_file(&path);
-                true
-            }
-            Err(_) => false,
-        }
+        Some(instance)
+    }
+
+    /// Which of `instances` (from `other_here`) are dead; a dead one's lock file is removed.
+    /// The flock probes are file I/O, so they run on a blocking thread.
+    pub async fn dead(&self, instances: HashSet<String>) -> HashSet<String> {
+        let dir = self.dir.clone();
+        let probe = move || instances.into_iter().filter(|i| lock_is_free(&dir, i)).collect();
+        tokio::task::spawn_blocking(probe).await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "cannot probe instance locks; nothing is swept");
+            HashSet::new()
+        })
     }
 
     /// Whether a resource with these labels is this instance's own.
@@ -80,6 +81,22 @@ impl Instance {
 impl Drop for Instance {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.lock_path);
+    }
+}
+
+/// Whether `instance`'s lock in `dir` is free: no lock file (its owner never lived here or the
+/// state dir was wiped at a reboot), or one nobody holds, which is then removed.
+fn lock_is_free(dir: &Path, instance: &str) -> bool {
+    let path = dir.join(format!("{instance}.lock"));
+    let Ok(file) = OpenOptions::new().write(true).open(&path) else {
+        return true;
+    };
+    match file.try_lock() {
+        Ok(()) => {
+            let _ = std::fs::remove_file(&path);
+            true
+        }
+        Err(_) => false,
     }
 }
 
@@ -110,21 +127,29 @@ mod tests {
         HashMap::from([(LABEL_INSTANCE.into(), instance.into()), (LABEL_HOST.into(), host.into())])
     }
 
-    #[test]
-    fn live_dead_and_foreign_instances() {
+    /// What the sweep decides for one resource.
+    async fn leftover(me: &Instance, labels: &HashMap<String, String>) -> bool {
+        match me.other_here(labels) {
+            Some(i) => me.dead(HashSet::from([i.to_owned()])).await.contains(i),
+            None => false,
+        }
+    }
+
+    #[tokio::test]
+    async fn live_dead_and_foreign_instances() {
         let dir = std::env::temp_dir().join(format!("pyberth-instance-test-{}", std::process::id()));
         let me = Instance::acquire(&dir, Some("me")).expect("me");
         let other = Instance::acquire(&dir, Some("other")).expect("other");
         let host = me.owner.host.clone();
-        assert!(!me.is_leftover(&labels("me", &host)), "own resources are not leftovers");
+        assert!(!leftover(&me, &labels("me", &host)).await, "own resources are not leftovers");
         assert!(me.is_own(&labels("me", &host)));
-        assert!(!me.is_leftover(&labels("other", &host)), "a live instance is not dead");
+        assert!(!leftover(&me, &labels("other", &host)).await, "a live instance is not dead");
         assert!(Instance::acquire(&dir, Some("other")).is_err(), "the lock is exclusive");
         drop(other);
-        assert!(me.is_leftover(&labels("other", &host)), "a dropped instance is dead");
-        assert!(me.is_leftover(&labels("never-existed", &host)));
-        assert!(!me.is_leftover(&labels("never-existed", "another-host")), "other hosts are left alone");
-        assert!(!me.is_leftover(&labels("../etc/x", &host)), "odd names are never touched");
+        assert!(leftover(&me, &labels("other", &host)).await, "a dropped instance is dead");
+        assert!(leftover(&me, &labels("never-existed", &host)).await);
+        assert!(!leftover(&me, &labels("never-existed", "another-host")).await, "other hosts are left alone");
+        assert!(!leftover(&me, &labels("../etc/x", &host)).await, "odd names are never touched");
         drop(me);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -5,6 +5,7 @@
 //! untrusted code shaped (security.md §4).
 
 use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::time::Instant;
 
 use bollard::Docker;
@@ -15,8 +16,10 @@ use bollard::query_parameters::{
     DownloadFromContainerOptionsBuilder, ListImagesOptionsBuilder, RemoveImageOptionsBuilder,
     UploadToContainerOptionsBuilder,
 };
+use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
 
 use super::container::{self, CODE_USER, Owner, WORKSPACE};
 use super::{Error as DockerError, LABEL_IMAGE, LABEL_INSTANCE, LABEL_MANAGED};
@@ -35,6 +38,8 @@ pub const LAYER_SITE: &str = "/opt/pyberth/site";
 pub const LIVE_DIR: &str = "/opt/pyberth/live";
 /// Largest installed tree accepted from an installer.
 const MAX_TREE: u64 = 4 << 30;
+/// Chunk size of the build context streamed to the engine.
+const CHUNK: usize = 256 << 10;
 
 /// Why an install failed.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +103,16 @@ pub fn layer_key(base_image_id: &str, requirements: &[String], index: &IndexSett
     h.finalize().iter().take(10).map(|b| format!("{b:02x}")).collect()
 }
 
+/// What a layer is built from, and its name.
+struct LayerSpec<'a> {
+    /// The image it is built on.
+    base: &'a str,
+    /// The canonical requirement set it holds.
+    requirements: &'a [String],
+    /// Its image tag.
+    tag: &'a str,
+}
+
 /// A layer ready for use.
 #[derive(Debug, Clone)]
 pub struct Layer {
@@ -124,22 +139,20 @@ pub async fn ensure(
     }
     progress(&format!("installing {} into a new layer", requirements.join(" ")));
     let started = Instant::now();
-    let tree = install(docker, cfg, owner, base, requirements, index, progress).await?;
-    build_layer(docker, base, &tag, requirements, tree).await?;
+    install(docker, cfg, owner, &LayerSpec { base, requirements, tag: &tag }, index, progress).await?;
     progress(&format!("layer {tag} ready in {:.1} s", started.elapsed().as_secs_f64()));
     Ok(Layer { tag, cached: false })
 }
 
-/// Runs the installer container and returns the installed tree as a tar (entries `site/...`).
+/// Runs the installer container, then builds the layer from the tree it installed.
 async fn install(
     docker: &Docker,
     cfg: &SandboxConfig,
     owner: &Owner,
-    base: &str,
-    requirements: &[String],
+    spec: &LayerSpec<'_>,
     index: &IndexSettings,
     progress: Progress<'_>,
-) -> Result<Vec<u8>, Error> {
+) -> Result<(), Error> {
     let name = format!("pyberth-{}-install-{}", owner.instance, next_serial());
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
@@ -185,7 +198,7 @@ async fn install(
             cmd.extend(["--cert".to_owned(), "/workspace/ca.pem".to_owned()]);
         }
         cmd.push("--".to_owned());
-        cmd.extend(requirements.iter().cloned());
+        cmd.extend(spec.requirements.iter().cloned());
         // The sandbox's hardening, but with the default network and room to build wheels.
         let mut hc = container::host_config(cfg, &name);
         hc.network_mode = None;
@@ -199,7 +212,7 @@ async fn install(
             ..Default::default()
         }]);
         let body = ContainerCreateBody {
-            image: Some(base.into()),
+            image: Some(spec.base.into()),
             cmd: Some(cmd),
             user: Some(CODE_USER.into()),
             working_dir: Some(WORKSPACE.into()),
@@ -255,7 +268,7 @@ async fn install(
             if code != 0 {
                 return Err(Error::Failed(explain(&tail, index)));
             }
-            download_tree(docker, &id).await
+            build_layer(docker, &id, spec).await
         };
         let result = run.await;
         container::remove_container(docker, &id).await;
@@ -330,26 +343,160 @@ async fn upload_file(docker: &Docker, id: &str, dir: &str, name: &str, data: &[u
     Ok(())
 }
 
-/// Downloads `/workspace/site` from the installer, bounded in size.
-async fn download_tree(docker: &Docker, id: &str) -> Result<Vec<u8>, Error> {
+/// Forwards the installer's `/workspace/site`, a tar, to the re-packer, bounded in size. A
+/// failure reaches the re-packer as an error, never as an early end: a tree cut short must
+/// not become a layer.
+async fn download_tree(docker: &Docker, id: &str, tx: mpsc::Sender<std::io::Result<Bytes>>) -> Result<(), Error> {
     let opts = DownloadFromContainerOptionsBuilder::default().path("/workspace/site").build();
     let mut stream = docker.download_from_container(id, Some(opts));
-    let mut tree = Vec::new();
-    while let Some(chunk) = stream.try_next().await? {
-        tree.extend_from_slice(&chunk);
-        if tree.len() as u64 > MAX_TREE {
-            return Err(Error::Failed(format!("install failed: the installed packages exceed {} GiB", MAX_TREE >> 30)));
+    let mut total = 0u64;
+    let failed = loop {
+        let chunk = match stream.try_next().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => return Ok(()),
+            Err(e) => break Error::from(e),
+        };
+        total += chunk.len() as u64;
+        if total > MAX_TREE {
+            break Error::Failed(format!("install failed: the installed packages exceed {} GiB", MAX_TREE >> 30));
         }
-    }
-    Ok(tree)
+        if tx.send(Ok(chunk)).await.is_err() {
+            // The re-packer stopped: at the archive's end, or with an error it reports.
+            return Ok(());
+        }
+    };
+    let _ = tx.send(Err(std::io::Error::other("the download of the installed tree failed"))).await;
+    Err(failed)
 }
 
-/// Re-packs the installer's tree into a build context. The tree came from a container that
-/// ran untrusted install hooks, so it is treated as hostile: entries must stay under `site/`,
-/// links may not point out of it, devices and fifos are dropped, and modes are made
-/// readable (never setuid) so the code's uid can import what root's COPY wrote.
-fn context_from_tree(base: &str, tree: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = tar::Builder::new(Vec::new());
+/// The installer's tree as a `Read` for the blocking re-packer, from chunks `download_tree`
+/// forwards.
+struct TreeReader {
+    rx: mpsc::Receiver<std::io::Result<Bytes>>,
+    cur: Bytes,
+}
+
+impl Read for TreeReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(chunk) => self.cur = chunk?,
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.cur.len());
+        out[..n].copy_from_slice(&self.cur.split_to(n));
+        Ok(n)
+    }
+}
+
+/// The build context as chunks down a channel, from the blocking re-packer. `None` marks the
+/// end, sent only by `finish`: a body that stops without it, because the re-packer failed or
+/// panicked, ends in an error, so the engine never builds from part of a tree.
+struct ContextWriter {
+    tx: mpsc::Sender<std::io::Result<Option<Bytes>>>,
+    buf: Vec<u8>,
+    /// The build stopped reading (it failed on its own).
+    gone: bool,
+}
+
+impl ContextWriter {
+    fn send(&mut self, item: std::io::Result<Option<Bytes>>) -> std::io::Result<()> {
+        self.tx.blocking_send(item).map_err(|_| {
+            self.gone = true;
+            std::io::Error::other("the build stopped reading its context")
+        })
+    }
+
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.flush()?;
+        self.send(Ok(None))
+    }
+}
+
+impl Write for ContextWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.flush()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.send(Ok(Some(chunk)))
+    }
+}
+
+/// Re-packs the tree arriving on `tree` into a build context sent down `context` (on a
+/// blocking thread). Also says whether the build stopped reading.
+fn repack(
+    base: &str,
+    tree: mpsc::Receiver<std::io::Result<Bytes>>,
+    context: mpsc::Sender<std::io::Result<Option<Bytes>>>,
+) -> (Result<(), String>, bool) {
+    let mut out = ContextWriter { tx: context, buf: Vec::with_capacity(CHUNK), gone: false };
+    let tree = TreeReader { rx: tree, cur: Bytes::new() };
+    let packed = context_from_tree(base, tree, &mut out).and_then(|w| w.finish().map_err(|e| e.to_string()));
+    if let Err(e) = &packed {
+        let _ = out.tx.blocking_send(Err(std::io::Error::other(e.clone())));
+    }
+    (packed, out.gone)
+}
+
+/// The request body of a build, from the re-packer's chunks.
+fn context_body(
+    rx: mpsc::Receiver<std::io::Result<Option<Bytes>>>,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    futures::stream::unfold(Some(rx), |rx| async move {
+        let mut rx = rx?;
+        match rx.recv().await {
+            Some(Ok(Some(chunk))) => Some((Ok(chunk), Some(rx))),
+            Some(Ok(None)) => None,
+            Some(Err(e)) => Some((Err(e), None)),
+            None => Some((Err(std::io::Error::other("the context was cut short")), None)),
+        }
+    })
+}
+
+/// Cuts off a writer after a failure: tar's `Builder` writes an end-of-archive marker when
+/// dropped, and that marker would make a refused tree look whole to whoever reads it.
+struct Cut<W> {
+    inner: W,
+    cut: bool,
+}
+
+impl<W: Write> Write for Cut<W> {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.cut { Ok(data.len()) } else { self.inner.write(data) }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.cut { Ok(()) } else { self.inner.flush() }
+    }
+}
+
+/// Re-packs the installer's tree into a build context written to `out`. The tree came from a
+/// container that ran untrusted install hooks, so it is treated as hostile: entries must stay
+/// under `site/`, links may not point out of it, devices and fifos are dropped, and modes are
+/// made readable (never setuid) so the code's uid can import what root's COPY wrote. On
+/// failure `out` gets no end-of-archive marker.
+fn context_from_tree<W: Write>(base: &str, tree: impl Read, out: W) -> Result<W, String> {
+    let mut out = tar::Builder::new(Cut { inner: out, cut: false });
+    match append_tree(base, tree, &mut out) {
+        Ok(()) => out.into_inner().map(|c| c.inner).map_err(|e| e.to_string()),
+        Err(e) => {
+            out.get_mut().cut = true;
+            Err(e)
+        }
+    }
+}
+
+fn append_tree<W: Write>(base: &str, tree: impl Read, out: &mut tar::Builder<W>) -> Result<(), String> {
     let dockerfile = format!("FROM {base}\nCOPY site {LAYER_SITE}\n");
     let mut h = tar::Header::new_gnu();
     h.set_size(dockerfile.len() as u64);
@@ -383,11 +530,10 @@ fn context_from_tree(base: &str, tree: &[u8]) -> Result<Vec<u8>, String> {
         header.set_uid(0);
         header.set_gid(0);
         header.set_cksum();
-        let mut data = Vec::new();
-        std::io::Read::read_to_end(&mut entry, &mut data).map_err(|e| e.to_string())?;
-        out.append_data(&mut header, &path, &data[..]).map_err(|e| e.to_string())?;
+        // Streamed, not read whole: one file of a tree may be gigabytes.
+        out.append_data(&mut header, &path, &mut entry).map_err(|e| e.to_string())?;
     }
-    out.into_inner().map_err(|e| e.to_string())
+    Ok(())
 }
 
 fn normalize(p: &std::path::Path) -> std::path::PathBuf {
@@ -411,40 +557,55 @@ pub fn safe_relative(p: &std::path::Path) -> bool {
     p.components().all(|c| matches!(c, std::path::Component::Normal(_) | std::path::Component::CurDir))
 }
 
-async fn build_layer(
-    docker: &Docker,
-    base: &str,
-    tag: &str,
-    requirements: &[String],
-    tree: Vec<u8>,
-) -> Result<(), Error> {
-    let context = context_from_tree(base, &tree).map_err(|e| Error::Failed(format!("install failed: {e}")))?;
-    drop(tree);
+/// Builds the layer from the stopped installer `installer`. Its tree streams through a
+/// re-packer on a blocking thread (the `tar` crate is synchronous) into the build's request
+/// body; bounded channels join the three, so neither memory nor a runtime worker holds it.
+async fn build_layer(docker: &Docker, installer: &str, spec: &LayerSpec<'_>) -> Result<(), Error> {
+    let (tree_tx, tree_rx) = mpsc::channel(4);
+    let (context_tx, context_rx) = mpsc::channel(4);
+    let base = spec.base.to_owned();
+    // Awaited below; if this future is dropped instead, both its channels close and it ends.
+    let repacker = tokio::task::spawn_blocking(move || repack(&base, tree_rx, context_tx));
     let labels = HashMap::from([
         (LABEL_IMAGE, "layer".to_owned()),
-        (LABEL_REQUIREMENTS, requirements.join("\n")),
-        (LABEL_BASE, base.to_owned()),
+        (LABEL_REQUIREMENTS, spec.requirements.join("\n")),
+        (LABEL_BASE, spec.base.to_owned()),
     ]);
     let opts = BuildImageOptionsBuilder::default()
         .dockerfile("Dockerfile")
-        .t(tag)
+        .t(spec.tag)
         .labels(&labels)
         .rm(true)
         .forcerm(true)
         .build();
-    let mut stream = docker.build_image(opts, None, Some(bollard::body_full(context.into())));
-    while let Some(item) = stream.next().await {
-        match item {
-            Ok(info) => {
-                if let Some(detail) = info.error_detail.and_then(|d| d.message) {
-                    return Err(DockerError::Build(detail).into());
+    let build = async {
+        let body = bollard::body_try_stream(context_body(context_rx));
+        let mut stream = docker.build_image(opts, None, Some(body));
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(info) => {
+                    if let Some(detail) = info.error_detail.and_then(|d| d.message) {
+                        return Err(DockerError::Build(detail).into());
+                    }
                 }
+                Err(bollard::errors::Error::DockerStreamError { error }) => {
+                    return Err(DockerError::Build(error).into());
+                }
+                Err(e) => return Err(e.into()),
             }
-            Err(bollard::errors::Error::DockerStreamError { error }) => return Err(DockerError::Build(error).into()),
-            Err(e) => return Err(e.into()),
         }
+        Ok(())
+    };
+    let (downloaded, built) = tokio::join!(download_tree(docker, installer, tree_tx), build);
+    let (packed, build_gone) =
+        repacker.await.map_err(|e| Error::Failed(format!("install failed: the re-packer stopped: {e}")))?;
+    // The first failure is the cause; the others follow from the channels it closed.
+    downloaded?;
+    match packed {
+        Ok(()) => built,
+        Err(_) if build_gone && built.is_err() => built,
+        Err(e) => Err(Error::Failed(format!("install failed: {e}"))),
     }
-    Ok(())
 }
 
 /// Copies a layer's packages into a running session's live volume, streamed from a stopped
@@ -630,6 +791,69 @@ mod tests {
         assert_ne!(k, layer_key("sha256:a", &reqs, &other));
     }
 
+    /// A tree of `site/` plus one file of `size` bytes.
+    fn tree_with_file(size: usize) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Directory);
+        h.set_mode(0o700);
+        h.set_size(0);
+        b.append_data(&mut h, "site/", &[][..]).expect("dir");
+        let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o600);
+        h.set_size(size as u64);
+        b.append_data(&mut h, "site/big.so", &data[..]).expect("file");
+        b.into_inner().expect("tar")
+    }
+
+    /// Streams `chunks` through `repack` as `build_layer` does; returns the body's items and
+    /// the re-packer's result.
+    async fn stream(chunks: Vec<std::io::Result<Bytes>>) -> (Vec<std::io::Result<Bytes>>, Result<(), String>) {
+        let (tree_tx, tree_rx) = mpsc::channel(4);
+        let (context_tx, context_rx) = mpsc::channel(4);
+        let repacker = tokio::task::spawn_blocking(move || repack("base", tree_rx, context_tx));
+        let feed = async move {
+            for c in chunks {
+                if tree_tx.send(c).await.is_err() {
+                    break;
+                }
+            }
+        };
+        let ((), body) = tokio::join!(feed, context_body(context_rx).collect::<Vec<_>>());
+        let (packed, _) = repacker.await.expect("re-packer");
+        (body, packed)
+    }
+
+    #[tokio::test]
+    async fn the_streamed_context_is_the_whole_context_and_a_cut_tree_never_ends_cleanly() {
+        // Bigger than a chunk both ways, fed in odd-sized pieces.
+        let tree = tree_with_file(CHUNK + 12345);
+        let whole = context_from_tree("base", &tree[..], Vec::new()).expect("context");
+        let pieces = |t: &[u8]| t.chunks(7000).map(|c| Ok(Bytes::copy_from_slice(c))).collect::<Vec<_>>();
+        let (body, packed) = stream(pieces(&tree)).await;
+        assert_eq!(packed, Ok(()));
+        let got: Vec<u8> = body.into_iter().flat_map(|c| c.expect("chunk").to_vec()).collect();
+        assert!(got == whole, "the streamed context differs from the whole one");
+
+        // A download that fails between two entries, where a tar could end: the body still
+        // ends in an error.
+        let mut cut = pieces(&tree[..512]);
+        cut.push(Err(std::io::Error::other("download failed")));
+        let (body, packed) = stream(cut).await;
+        assert!(packed.is_err());
+        assert!(body.last().is_some_and(Result::is_err), "a cut tree must not end the body cleanly");
+    }
+
+    #[test]
+    fn a_refused_tree_leaves_no_end_of_archive_marker() {
+        let bad = tree(&[("site/", tar::EntryType::Directory, ""), ("other/x.py", tar::EntryType::Regular, "")]);
+        let mut sink = Vec::new();
+        assert!(context_from_tree("base", &bad[..], &mut sink).is_err());
+        assert!(!sink.is_empty(), "what came before was written");
+        assert!(!sink.ends_with(&[0u8; 1024]), "a refused tree must not look whole to the engine");
+    }
+
     #[test]
     fn hostile_trees_are_refused_or_defanged() {
         let ok = tree(&[
@@ -640,7 +864,7 @@ mod tests {
             ("site/abs", tar::EntryType::Symlink, "/etc/passwd"),
             ("site/fifo", tar::EntryType::Fifo, ""),
         ]);
-        let ctx = context_from_tree("base", &ok).expect("context");
+        let ctx = context_from_tree("base", &ok[..], Vec::new()).expect("context");
         let got = names(&ctx);
         let paths: Vec<&str> = got.iter().map(|(p, _)| p.as_str()).collect();
         assert_eq!(paths, ["Dockerfile", "site/", "site/six.py", "site/link.py"]);
@@ -648,7 +872,7 @@ mod tests {
         assert_eq!(got[1].1, 0o755);
         for bad in ["site/../../etc/x", "other/x.py"] {
             let t = tree(&[(bad, tar::EntryType::Regular, "")]);
-            assert!(context_from_tree("base", &t).is_err(), "{bad}");
+            assert!(context_from_tree("base", &t[..], Vec::new()).is_err(), "{bad}");
         }
     }
 }

@@ -142,7 +142,7 @@ impl SandboxServer {
             (so, se) = (nso, nse);
             for (stream, bytes) in [(Stream::Stdout, out), (Stream::Stderr, err)] {
                 if !bytes.is_empty() {
-                    notifier.send(Some(stream), String::from_utf8_lossy(&bytes).into_owned()).await;
+                    notifier.output(stream, String::from_utf8_lossy(&bytes).into_owned()).await;
                 }
             }
         };

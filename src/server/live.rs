@@ -5,12 +5,14 @@
 #![allow(deprecated)]
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rmcp::RoleServer;
 use rmcp::model::{LoggingLevel, LoggingMessageNotificationParam, ProgressNotificationParam};
 use rmcp::service::RequestContext;
 
 use super::SandboxServer;
+use crate::protocol::Stream;
 
 /// The log level a pre-2026 client set with logging/setLevel, per connection.
 pub(super) type LevelSlot = Arc<Mutex<Option<LoggingLevel>>>;
@@ -29,35 +31,50 @@ impl SandboxServer {
     }
 }
 
-/// A line for the client while a call works: an install or build line (`None`), or a chunk of
-/// the code's output.
-type Live = (Option<crate::protocol::Stream>, String);
+/// A line for the client while a call works.
+pub(super) enum Live {
+    /// A line of an install or image build.
+    Step(String),
+    /// A chunk of the code's output.
+    Output(Stream, String),
+}
 
-/// A progress callback for long steps (installs, image builds), an output observer for runs,
-/// and the receiver of both. Bounded, with try_send: a slow client loses live lines, never
-/// output in the final result, and never stalls the work. Output is copied only when the
-/// client asked for it (`output`): a plain call costs no copy, and at most `LIVE_QUEUE`
+/// One call's live lines: a progress callback for long steps (installs, image builds), an
+/// output observer for runs, and the receiver of both for `relay`. Bounded, with try_send: a
+/// slow client loses live lines, never output in the final result. Output is copied only when
+/// the client asked for it (`output`): a plain call costs no copy, and at most `LIVE_QUEUE`
 /// chunks (of up to 64 KiB) wait in memory, whatever the code prints.
+pub(super) struct LiveChannel<P, O> {
+    pub(super) progress: P,
+    pub(super) observer: O,
+    pub(super) rx: LiveRx,
+}
+
+/// A call's live channel; see `LiveChannel`.
 pub(super) fn live_channel(
     output: bool,
-) -> (impl Fn(&str) + Send + Sync, impl Fn(crate::protocol::Stream, &[u8]) + Send + Sync, LiveRx) {
+) -> LiveChannel<impl Fn(&str) + Send + Sync, impl Fn(Stream, &[u8]) + Send + Sync> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Live>(LIVE_QUEUE);
     let tx2 = tx.clone();
-    (
-        move |line: &str| {
-            let _ = tx.try_send((None, line.to_owned()));
+    LiveChannel {
+        progress: move |line: &str| {
+            let _ = tx.try_send(Live::Step(line.to_owned()));
         },
-        move |stream, bytes: &[u8]| {
+        observer: move |stream, bytes: &[u8]| {
             if output {
-                let _ = tx2.try_send((Some(stream), String::from_utf8_lossy(bytes).into_owned()));
+                let _ = tx2.try_send(Live::Output(stream, String::from_utf8_lossy(bytes).into_owned()));
             }
         },
         rx,
-    )
+    }
 }
 
 /// Live lines waiting for a client at most: 64 chunks of 64 KiB bound the queue at 4 MiB.
 const LIVE_QUEUE: usize = 64;
+
+/// How long lines still queued when the work ends may hold up its result: enough for a
+/// client that keeps up to take a full queue, short against any call.
+const DRAIN: Duration = Duration::from_millis(100);
 
 pub(super) type LiveRx = tokio::sync::mpsc::Receiver<Live>;
 
@@ -83,12 +100,23 @@ impl<'a> Notifier<'a> {
         self.token.is_some() || self.log
     }
 
-    pub(super) async fn send(&mut self, stream: Option<crate::protocol::Stream>, text: String) {
-        if stream.is_none() {
-            tracing::info!(target: "pyberth::install", "{text}");
-        }
+    /// Sends a chunk of output.
+    pub(super) async fn output(&mut self, stream: Stream, text: String) {
+        self.send(Live::Output(stream, text)).await;
+    }
+
+    /// Sends one line. rmcp's send returns once the transport has written it, so this waits
+    /// as long as the client takes to read.
+    async fn send(&mut self, line: Live) {
+        let (stream, text) = match line {
+            Live::Step(text) => {
+                tracing::info!(target: "pyberth::install", "{text}");
+                (None, text)
+            }
+            Live::Output(stream, text) => (Some(stream), text),
+        };
         if let (Some(stream), true) = (stream, self.log) {
-            let name = if stream == crate::protocol::Stream::Stdout { "stdout" } else { "stderr" };
+            let name = if stream == Stream::Stdout { "stdout" } else { "stderr" };
             let param = LoggingMessageNotificationParam::new(
                 LoggingLevel::Info,
                 serde_json::json!({ "stream": name, "text": text }),
@@ -104,17 +132,31 @@ impl<'a> Notifier<'a> {
     }
 }
 
-/// Drives `work` while relaying its live lines to the client.
-pub(super) async fn relay<T>(
-    mut notifier: Notifier<'_>,
-    rx: &mut LiveRx,
-    work: impl std::future::Future<Output = T>,
-) -> T {
-    tokio::pin!(work);
-    loop {
+/// Drives `work` while relaying its live lines to the client. Forwarding is its own future,
+/// polled beside `work` rather than inside a select arm: a send blocked on a slow client then
+/// holds up only the lines behind it (later ones are dropped by try_send), never the work, its
+/// reading of the agent or its deadline. Lines still queued when the work ends go out before
+/// the result for up to `DRAIN`; after that the rest are dropped (the result has all output).
+pub(super) async fn relay<T>(mut notifier: Notifier<'_>, rx: &mut LiveRx, work: impl Future<Output = T>) -> T {
+    let out = {
+        // Dropped when the work ends, which may cut one send short: rmcp still writes a
+        // notification it had queued, and one not yet queued is a live line lost, as above.
+        let forward = forward(&mut notifier, rx);
+        tokio::pin!(work, forward);
         tokio::select! {
-            out = &mut work => return out,
-            Some((stream, text)) = rx.recv() => notifier.send(stream, text).await,
+            out = &mut work => out,
+            // Every sender is gone: nothing more can come, only the work is left.
+            () = &mut forward => work.await,
         }
+    };
+    rx.close();
+    let _ = tokio::time::timeout(DRAIN, forward(&mut notifier, rx)).await;
+    out
+}
+
+/// Sends lines until the channel is closed and empty.
+async fn forward(notifier: &mut Notifier<'_>, rx: &mut LiveRx) {
+    while let Some(line) = rx.recv().await {
+        notifier.send(line).await;
     }
 }

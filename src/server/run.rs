@@ -12,7 +12,7 @@ use rmcp::service::RequestContext;
 use rmcp::{RoleServer, tool, tool_router};
 
 use super::error::{Context as _, ToolError, ToolResult};
-use super::live::{live_channel, relay};
+use super::live::{LiveChannel, live_channel, relay};
 use super::render::{render_run, structured};
 use super::types::{InstallArgs, InstallOutput, ListPackagesArgs, PackageList, RunOutput, RunPythonArgs};
 use super::{Caller, SandboxServer, principal_of};
@@ -60,9 +60,9 @@ impl SandboxServer {
             return self.await_job(&job, wait, ctx, notices).await;
         }
         let notifier = self.notifier(ctx);
-        let (_, observer, mut rx) = live_channel(notifier.wants_output());
+        let mut live = live_channel(notifier.wants_output());
         let run = RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, cmd: &[], env: spec.env };
-        let mut outcome = relay(notifier, &mut rx, session.run(run, timeout, &ctx.ct, &observer))
+        let mut outcome = relay(notifier, &mut live.rx, session.run(run, timeout, &ctx.ct, &live.observer))
             .await
             .context("the run could not complete")?;
         outcome.notices.splice(0..0, notices);
@@ -78,7 +78,7 @@ impl SandboxServer {
         packages: &[String],
     ) -> Result<Opened, ToolError> {
         let who = principal_of(ctx);
-        let (progress, _, mut rx) = live_channel(false);
+        let LiveChannel { progress, mut rx, .. } = live_channel(false);
         let opened =
             relay(self.notifier(ctx), &mut rx, self.registry.open(&who, name, environment, packages, &progress));
         Ok(opened.await?)

@@ -1,7 +1,8 @@
 //! All sessions of a server: lookup by (principal, name), the session cap, the idle reaper,
 //! and cleanup at start and at shutdown (DESIGN.md D9).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -65,10 +66,11 @@ pub struct Registry {
     sessions: Mutex<HashMap<Key, Slot>>,
     index: IndexSettings,
     /// One lock per requirement set, so concurrent asks for one layer install it once.
+    /// Entries nobody holds are dropped (`shared`).
     installs: Mutex<HashMap<Vec<String>, Arc<tokio::sync::Mutex<()>>>>,
     /// Background runs.
     pub jobs: super::jobs::Jobs,
-    /// Run slots per principal.
+    /// Run slots per principal. Entries nobody holds are dropped (`shared`).
     runs: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// The warm pool: started containers of the default environment, each handed out once.
     pool: Mutex<Vec<super::Prepared>>,
@@ -130,14 +132,18 @@ impl Registry {
         let base = self.image(env, progress).await?;
         let lock = {
             let mut installs = self.installs.lock().unwrap_or_else(|e| e.into_inner());
-            installs.entry(requirements.to_vec()).or_default().clone()
+            shared(&mut installs, requirements.to_vec(), Default::default)
         };
         let _guard = lock.lock().await;
         let layer =
             layers::ensure(&self.docker, &self.cfg, &self.instance.owner, &base, requirements, &self.index, progress)
                 .await?;
         let state_dir = self.cfg.state_dir();
-        layers::touch(&state_dir, &layer.tag);
+        // A file read, write and rename: off the runtime's workers.
+        let (dir, tag) = (state_dir.clone(), layer.tag.clone());
+        if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &tag)).await {
+            tracing::debug!(error = %e, "cannot record layer use");
+        }
         if !layer.cached {
             match layers::prune(&self.docker, &state_dir, self.cfg.layer_cache_mb << 20).await {
                 Ok(removed) if !removed.is_empty() => tracing::info!(?removed, "layer cache over its size; pruned"),
@@ -381,7 +387,24 @@ impl Registry {
 
     /// Removes what dead instances on this host left behind.
     pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
-        let (c, v) = container::sweep(&self.docker, &|l| self.instance.is_leftover(l)).await?;
+        // The sweep asks a plain function of labels, and probing an instance's lock is file
+        // I/O. So a first pass only notes which other instances left resources, their locks
+        // are probed on a blocking thread, and a second pass removes what the dead ones left.
+        let seen = Mutex::new(HashSet::new());
+        container::sweep(&self.docker, &|l| {
+            if let Some(i) = self.instance.other_here(l) {
+                seen.lock().unwrap_or_else(|e| e.into_inner()).insert(i.to_owned());
+            }
+            false
+        })
+        .await?;
+        let seen = seen.into_inner().unwrap_or_else(|e| e.into_inner());
+        if seen.is_empty() {
+            return Ok(());
+        }
+        let dead = self.instance.dead(seen).await;
+        let (c, v) =
+            container::sweep(&self.docker, &|l| self.instance.other_here(l).is_some_and(|i| dead.contains(i))).await?;
         if c + v > 0 {
             tracing::info!(containers = c, volumes = v, "removed leftovers of dead instances");
         }
@@ -393,7 +416,7 @@ impl Registry {
         let max = self.cfg.max_runs_per_caller;
         let sem = {
             let mut runs = self.runs.lock().map_err(|_| "run slots unavailable".to_owned())?;
-            runs.entry(principal.to_owned()).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(max))).clone()
+            shared(&mut runs, principal.to_owned(), || tokio::sync::Semaphore::new(max))
         };
         sem.try_acquire_owned().map_err(|_| {
             format!(
@@ -457,5 +480,37 @@ impl Registry {
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }
+    }
+}
+
+/// The entry for `key` in a map of shared locks or semaphores, made by `make` if absent. First
+/// drops the entries nobody holds, so the map keeps only what is in use: every holder got its
+/// clone here, under the map's lock, so an entry whose only reference is the map's has no
+/// holder and no waiter, and a fresh one made later is the same.
+fn shared<K: Eq + Hash, V>(map: &mut HashMap<K, Arc<V>>, key: K, make: impl FnOnce() -> V) -> Arc<V> {
+    map.retain(|_, v| Arc::strong_count(v) > 1);
+    map.entry(key).or_insert_with(|| Arc::new(make())).clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::Semaphore;
+
+    #[test]
+    fn shared_entries_last_while_held_and_go_when_idle() {
+        let mut map = HashMap::new();
+        let a = shared(&mut map, "a", || Semaphore::new(1));
+        let permit = a.clone().try_acquire_owned().expect("a permit");
+        drop(a);
+        drop(shared(&mut map, "b", || Semaphore::new(1)));
+        assert_eq!(map.len(), 2, "pruned on the next call, not on release");
+        // "b" is idle and goes; "a" is held by its permit and stays, the same semaphore.
+        let again = shared(&mut map, "a", || Semaphore::new(1));
+        assert!(!map.contains_key("b"));
+        assert_eq!(again.available_permits(), 0, "the held semaphore, not a fresh one");
+        drop((again, permit));
+        drop(shared(&mut map, "c", || Semaphore::new(1)));
+        assert_eq!(map.keys().collect::<Vec<_>>(), [&"c"], "released, \"a\" went too");
     }
 }

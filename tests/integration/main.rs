@@ -27,3 +27,5 @@ mod hostile;
 mod faults;
 // Hardening seen from inside the sandbox.
 mod sandbox;
+// A client that reads slowly: live output never holds up the run.
+mod slow_client;
