@@ -149,6 +149,8 @@ fn main() -> std::process::ExitCode {
     let default_level = if matches!(cli.command, Command::Run(_)) { "error" } else { "info" };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal: logs in files and CI stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
@@ -239,6 +241,12 @@ async fn run(command: Command) -> anyhow::Result<()> {
 
 async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     cfg.validate()?;
+    if http.http.is_none() && std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+        eprintln!(
+            "pyberth serve speaks MCP on stdin and stdout, for an MCP client to start (see the README's \
+             client configuration); for a service, use --http 127.0.0.1:8080. Ctrl-D quits."
+        );
+    }
     let docker = docker::connect(cfg.docker_host.as_deref())
         .await
         .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
@@ -295,7 +303,18 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
 /// Serves the one client on stdin/stdout until it leaves or a signal comes.
 async fn serve_stdio(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> anyhow::Result<()> {
     let server = SandboxServer::new(registry, cfg);
-    let running = server.serve(rmcp::transport::stdio()).await.context("MCP initialisation failed")?;
+    let running = match server.serve(rmcp::transport::stdio()).await {
+        Ok(r) => r,
+        // Input ended before any client spoke: nothing went wrong, there was just no one.
+        Err(
+            rmcp::service::ServerInitializeError::ConnectionClosed(_)
+            | rmcp::service::ServerInitializeError::ExpectedInitializeRequest(None),
+        ) => {
+            tracing::info!("stdin closed before a client initialized; stopping");
+            return Ok(());
+        }
+        Err(e) => return Err(e).context("MCP initialisation failed"),
+    };
     let cancel = running.cancellation_token();
     tokio::select! {
         r = running.waiting() => {
