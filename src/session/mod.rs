@@ -97,7 +97,6 @@ struct Inner {
     container: Created,
     /// `None` once the agent is lost; the next call starts a new one.
     agent: Option<Agent>,
-    python: String,
 }
 
 /// One session.
@@ -129,6 +128,9 @@ pub struct Session {
     env: std::sync::Mutex<BTreeMap<String, String>>,
     /// Runs holding or waiting for the session.
     waiting: AtomicUsize,
+    /// Python version of the interpreter, set at each greeting. Outside [`Inner`] so that
+    /// listings can read it while a run holds the session.
+    python: std::sync::Mutex<String>,
 }
 
 /// Whose a new session is and what it is called.
@@ -145,6 +147,7 @@ pub struct Naming {
 /// A started container whose agent has greeted, not yet anyone's session (the warm pool).
 pub struct Prepared {
     inner: Inner,
+    python: String,
 }
 
 impl Prepared {
@@ -159,7 +162,7 @@ impl Prepared {
     ) -> Result<Self, Error> {
         let created = container::create(docker, cfg, image, owner, label, principal).await?;
         match greet(docker, &created.id, label).await {
-            Ok((agent, python)) => Ok(Self { inner: Inner { container: created, agent: Some(agent), python } }),
+            Ok((agent, python)) => Ok(Self { inner: Inner { container: created, agent: Some(agent) }, python }),
             Err(e) => {
                 container::destroy(docker, &created).await;
                 Err(e)
@@ -219,6 +222,7 @@ impl Session {
             packages: std::sync::Mutex::new(packages.into_iter().collect()),
             env: std::sync::Mutex::new(BTreeMap::new()),
             waiting: AtomicUsize::new(0),
+            python: std::sync::Mutex::new(prepared.python),
         })
     }
 
@@ -256,7 +260,7 @@ impl Session {
     /// Listing entry.
     pub fn info(&self) -> SessionInfo {
         let idle = self.idle();
-        let python = self.inner.try_lock().map(|i| i.python.clone()).unwrap_or_default();
+        let python = self.python.lock().map(|p| p.clone()).unwrap_or_default();
         SessionInfo {
             session: self.name.clone(),
             python,
@@ -271,7 +275,9 @@ impl Session {
     async fn start_agent(&self, inner: &mut Inner) -> Result<(), Error> {
         let (agent, python) = greet(&self.docker, &inner.container.id, &self.name).await?;
         inner.agent = Some(agent);
-        inner.python = python;
+        if let Ok(mut p) = self.python.lock() {
+            *p = python;
+        }
         Ok(())
     }
 
