@@ -177,8 +177,8 @@ impl SandboxServer {
         length: u64,
     ) -> Result<(Vec<u8>, u64), String> {
         match session.file(|id| Request::Read { id, path, offset, length }).await {
-            Ok(Ok(reply)) => Ok((reply.data, reply.size.unwrap_or(0))),
-            Ok(Err(e)) => Err(format!("cannot read {path}: {e}")),
+            Ok(reply) => Ok((reply.data, reply.size.unwrap_or(0))),
+            Err(crate::session::Error::Refused(e)) => Err(format!("cannot read {path}: {e}")),
             Err(e) => Err(format!("cannot read {path}: {e}")),
         }
     }
@@ -223,12 +223,12 @@ impl SandboxServer {
         drop(data);
         let path_ref = path.as_str();
         match session.file(|id| Request::Write { id, path: path_ref, b, append: args.append }).await {
-            Ok(Ok(reply)) => {
+            Ok(reply) => {
                 let out = WriteOutput { session: name, path: path.clone(), written, size: reply.size.unwrap_or(0) };
                 let text = format!("wrote {written} bytes to {path} (size now {} bytes)", out.size);
                 structured(&out, text)
             }
-            Ok(Err(e)) => tool_error(format!("cannot write {path}: {e}")),
+            Err(crate::session::Error::Refused(e)) => tool_error(format!("cannot write {path}: {e}")),
             Err(e) => tool_error(format!("cannot write {path}: {e}")),
         }
     }
@@ -312,8 +312,8 @@ impl SandboxServer {
         let reply =
             match session.file(|id| Request::List { id, path: path_ref, recursive: args.recursive, limit: 1000 }).await
             {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) | Err(crate::session::Error::Install(e)) => {
+                Ok(r) => r,
+                Err(crate::session::Error::Refused(e)) | Err(crate::session::Error::Install(e)) => {
                     return tool_error(format!("cannot list {path}: {e}"));
                 }
                 Err(e) => return tool_error(format!("cannot list {path}: {e}")),
@@ -362,8 +362,8 @@ impl SandboxServer {
         };
         let path_ref = path.as_str();
         match session.file(|id| Request::Delete { id, path: path_ref }).await {
-            Ok(Ok(_)) => CallToolResult::success(vec![ContentBlock::text(format!("deleted {path}"))]),
-            Ok(Err(e)) => tool_error(format!("cannot delete {path}: {e}")),
+            Ok(_) => CallToolResult::success(vec![ContentBlock::text(format!("deleted {path}"))]),
+            Err(crate::session::Error::Refused(e)) => tool_error(format!("cannot delete {path}: {e}")),
             Err(e) => tool_error(format!("cannot delete {path}: {e}")),
         }
     }

@@ -517,8 +517,10 @@ impl SandboxServer {
         if let Some(path) = &save_as {
             let data = base64::engine::general_purpose::STANDARD.encode(args.code.as_bytes());
             match session.file(|id| crate::protocol::Request::Write { id, path, b: data, append: false }).await {
-                Ok(Ok(_)) => notices.push(format!("code saved as {path}")),
-                Ok(Err(e)) => return tool_error(format!("cannot save the code as {path}: {e}")),
+                Ok(_) => notices.push(format!("code saved as {path}")),
+                Err(crate::session::Error::Refused(e)) => {
+                    return tool_error(format!("cannot save the code as {path}: {e}"));
+                }
                 Err(e) => return tool_error(format!("cannot save the code as {path}: {e}")),
             }
         }

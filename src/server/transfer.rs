@@ -161,8 +161,8 @@ impl SandboxServer {
                 let b = base64::engine::general_purpose::STANDARD.encode(chunk);
                 let written = session.file(|id| Request::Write { id, path, b, append: i > 0 }).await;
                 let failed = match written {
-                    Ok(Ok(_)) => None,
-                    Ok(Err(e)) => Some(e),
+                    Ok(_) => None,
+                    Err(crate::session::Error::Refused(e)) => Some(e),
                     Err(e) => Some(e.to_string()),
                 };
                 if let Some(e) = failed {

@@ -58,6 +58,10 @@ pub enum Error {
     /// The agent died while answering a query.
     #[error("the interpreter stopped while answering; it will be restarted on the next call")]
     AgentGone,
+    /// The agent refused a file request (no such file, a path leading outside the
+    /// workspace, ...); the message is the agent's.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// A file request's answer.
@@ -410,13 +414,13 @@ impl Session {
         self.env.lock().map(|e| e.clone()).unwrap_or_default()
     }
 
-    /// A workspace file request; `Ok(Err(message))` when the agent refused it (no such file,
+    /// A workspace file request; [`Error::Refused`] when the agent refused it (no such file,
     /// a path leading outside the workspace, ...).
-    pub async fn file<'r>(&self, make: impl FnOnce(u64) -> Request<'r>) -> Result<Result<FileReply, String>, Error> {
+    pub async fn file<'r>(&self, make: impl FnOnce(u64) -> Request<'r>) -> Result<FileReply, Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.ensure_agent(&mut inner).await?;
-        self.query(&mut inner, make, agent::file_answer).await
+        self.query(&mut inner, make, agent::file_answer).await?.map_err(Error::Refused)
     }
 
     /// Requirements of `wanted` this session does not have yet (by canonical string).
