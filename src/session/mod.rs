@@ -9,6 +9,8 @@
 //! [`registry`] the sessions of a server and [`jobs`] the runs that outlive their call.
 
 mod agent;
+#[cfg(test)]
+mod agent_tests;
 pub mod jobs;
 pub mod registry;
 mod run;
