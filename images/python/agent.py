@@ -38,7 +38,10 @@ AGENT_FILE = os.path.abspath(__file__)
 # Packages of the session's dependency layer, and those installed into the live session.
 LAYER_SITE = "/opt/pyberth/site"
 LIVE_SITE = "/opt/pyberth/live/site"
-WORKSPACE = "/workspace"
+# The code's working directory, /workspace in the sandbox. PYBERTH_WORKSPACE exists only so
+# that the server's protocol tests can run this file as a local process in a temporary
+# directory; the sandbox never sets it. Resolved, since workspace_path compares real paths.
+WORKSPACE = os.path.realpath(os.environ.get("PYBERTH_WORKSPACE", "/workspace"))
 MAX_IMAGES = 10  # figures returned per run
 MAX_IMAGE_BYTES = 4 << 20
 

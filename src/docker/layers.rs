@@ -1,8 +1,8 @@
-//! Dependency layers (DESIGN.md D6): a requirement set installed once, by a short-lived
+//! Dependency layers (docs/design.md D6): a requirement set installed once, by a short-lived
 //! installer container that alone has network access, and kept as an image built on our own
 //! sandbox image that adds only the installed tree under `/opt/pyberth/site`. Session
 //! containers are never committed: no container ever starts from a root filesystem that
-//! untrusted code shaped (security.md §4).
+//! untrusted code shaped (docs/threat-model.md §4).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};

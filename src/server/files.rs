@@ -170,7 +170,7 @@ pub(super) async fn agent_file<'r>(
     what: impl std::fmt::Display,
     make: impl FnOnce(u64) -> Request<'r>,
 ) -> Result<FileReply, ToolError> {
-    session.file(make).await.context(&what)?.context(what)
+    session.file(make).await.context(what)
 }
 
 impl SandboxServer {

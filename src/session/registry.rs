@@ -1,5 +1,5 @@
 //! All sessions of a server: lookup by (principal, name), the session cap, the idle reaper,
-//! and cleanup at start and at shutdown (DESIGN.md D9).
+//! and cleanup at start and at shutdown (docs/design.md D9).
 
 use std::collections::{HashMap, HashSet};
 use std::hash::Hash;

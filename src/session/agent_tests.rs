@@ -1,0 +1,502 @@
+//! The Rust↔Python protocol without Docker: `images/python/agent.py` runs as a local
+//! `python3` process whose pipes are wrapped into an [`Agent`], and the server side is the
+//! real [`Agent`] and [`drive`] code. A temporary directory stands in for /workspace
+//! (`PYBERTH_WORKSPACE`).
+//!
+//! Outside a container the agent behaves as inside: its forwarder is forked from it and
+//! holds the real stdout, so the stdout pipe ends only when both have gone, as the exec's
+//! stream does; its diagnostics go to the stderr pipe, read as Docker's stderr frames are.
+//!
+//! The tests keep the server's discipline: nothing before the hello, and the next request
+//! only once the last one is answered (interrupts excepted). The agent relies on it: output
+//! of a run that starts while the forwarder is still behind on an earlier message can be
+//! forwarded before the run's "begin", with no run id.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use bollard::container::LogOutput;
+use bytes::Bytes;
+use futures::{StreamExt, stream};
+use tokio::process::{Child, Command};
+use tokio_util::io::ReaderStream;
+use tokio_util::sync::CancellationToken;
+
+use super::agent::{Agent, Greeting, file_answer};
+use super::run::{Ending, Stop, drive};
+use super::{Error, FileReply, RunOutcome, RunSpec, RunStatus};
+use crate::output::Capture;
+use crate::protocol::{self, DoneStatus, Event, PROTOCOL_VERSION, Request};
+
+/// Longest any single step may take before the test fails instead of hanging.
+const STEP: Duration = Duration::from_secs(10);
+/// Time an interrupted run has to answer before it counts as ignoring the interrupt; ample
+/// on a loaded machine, where an interrupted run answers within milliseconds.
+const GRACE: Duration = Duration::from_secs(1);
+
+/// A directory removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("pyberth-agent-test-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&path).expect("create a temporary workspace");
+        Self(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// An agent running as a local process.
+struct Local {
+    agent: Agent,
+    child: Child,
+    workspace: TempDir,
+}
+
+fn agent_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("images/python/agent.py")
+}
+
+/// Starts the agent with the sandbox's interpreter flags (`exec::AGENT_CMD`). `strays` are
+/// fed to the server side right after the agent's first line (its hello), as if the agent
+/// had written them.
+fn spawn_with(strays: &[&str]) -> Local {
+    let workspace = TempDir::new();
+    let mut child = Command::new("python3")
+        .args(["-I", "-u", "-B"])
+        .arg(agent_script())
+        .current_dir(&workspace.0)
+        .env("PYBERTH_WORKSPACE", &workspace.0)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cannot start python3: the agent protocol tests need python3 on PATH");
+    let stdin = child.stdin.take().expect("piped stdin");
+    let mut strays =
+        (!strays.is_empty()).then(|| Bytes::from(strays.iter().map(|l| format!("{l}\n")).collect::<String>()));
+    let stdout = ReaderStream::new(child.stdout.take().expect("piped stdout"))
+        .map(move |read| {
+            let frames: Vec<std::io::Result<Bytes>> = match (read, strays.is_some()) {
+                (Ok(mut chunk), true) if chunk.contains(&b'\n') => {
+                    let end = chunk.iter().position(|&b| b == b'\n').expect("a newline") + 1;
+                    let rest = chunk.split_off(end);
+                    vec![Ok(chunk), Ok(strays.take().expect("strays")), Ok(rest)]
+                }
+                (read, _) => vec![read],
+            };
+            stream::iter(frames)
+        })
+        .flatten()
+        .map(|r| r.map(|message| LogOutput::StdOut { message }).map_err(bollard::errors::Error::from));
+    let stderr = ReaderStream::new(child.stderr.take().expect("piped stderr"))
+        .map(|r| r.map(|message| LogOutput::StdErr { message }).map_err(bollard::errors::Error::from));
+    let output = stream::select(stdout, stderr);
+    Local { agent: Agent::new(Box::pin(stdin), Box::pin(output)), child, workspace }
+}
+
+/// A started agent that has said hello.
+async fn spawn() -> Local {
+    let mut local = spawn_with(&[]);
+    match local.agent.hello(STEP).await {
+        Ok(Greeting::Ready { .. }) => local,
+        other => panic!("the agent did not greet: {other:?}"),
+    }
+}
+
+/// An agent over canned output, for what no real agent would say.
+fn canned(lines: &[&str]) -> Agent {
+    let frames: Vec<Result<LogOutput, bollard::errors::Error>> =
+        lines.iter().map(|l| Ok(LogOutput::StdOut { message: Bytes::from(format!("{l}\n")) })).collect();
+    Agent::new(Box::pin(tokio::io::sink()), Box::pin(stream::iter(frames)))
+}
+
+fn empty_outcome() -> RunOutcome {
+    RunOutcome {
+        status: RunStatus::Ok,
+        stdout: Capture::new(1 << 20),
+        stderr: Capture::new(1 << 20),
+        result: None,
+        error: None,
+        exit_code: None,
+        duration: Duration::ZERO,
+        cpu_ms: None,
+        state_lost: false,
+        notices: Vec::new(),
+        images: Vec::new(),
+        peak_memory_kb: None,
+    }
+}
+
+/// Drives `code` as [`Session::run`](super::Session::run) would, with the given stop.
+async fn run_code(
+    agent: &mut Agent,
+    code: &str,
+    timeout: Duration,
+    ct: &CancellationToken,
+    observer: &super::Observer<'_>,
+) -> (Ending, RunOutcome) {
+    let mut outcome = empty_outcome();
+    let id = agent.next_id();
+    let spec = RunSpec { code, ..Default::default() };
+    let stop = Stop { timeout, grace: GRACE, ct };
+    let ending = tokio::time::timeout(STEP + timeout, drive(agent, id, &spec, stop, &mut outcome, observer, "test"))
+        .await
+        .expect("the run neither ended nor was stopped");
+    (ending, outcome)
+}
+
+/// Runs `code` to its end, with no time limit that matters.
+async fn run(agent: &mut Agent, code: &str) -> (Ending, RunOutcome) {
+    run_code(agent, code, STEP, &CancellationToken::new(), &|_, _| {}).await
+}
+
+fn text(c: &Capture) -> String {
+    c.render().0
+}
+
+async fn next(agent: &mut Agent) -> Event {
+    match tokio::time::timeout(STEP, agent.next_event()).await.expect("an event in time") {
+        Ok(Some(ev)) => ev,
+        Ok(None) => panic!("the agent's output ended"),
+        Err(_) => panic!("unreadable agent output"),
+    }
+}
+
+#[tokio::test]
+async fn hello_states_the_protocol_version_the_interpreter_and_its_pid() {
+    let mut local = spawn_with(&[]);
+    let version = "import sys; print('%d.%d.%d' % sys.version_info[:3])";
+    let expected = std::process::Command::new("python3").args(["-c", version]).output().expect("python3 runs");
+    let expected = String::from_utf8_lossy(&expected.stdout).trim().to_owned();
+    match next(&mut local.agent).await {
+        Event::Hello { protocol, python, pid } => {
+            assert_eq!(protocol, PROTOCOL_VERSION);
+            assert_eq!(python, expected);
+            assert_eq!(Some(pid), local.child.id());
+        }
+        other => panic!("first event {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_hello_in_another_protocol_or_none_at_all_is_refused() {
+    let mut other = canned(&[r#"{"ev":"hello","protocol":99,"python":"3.12.0","pid":1}"#]);
+    match other.hello(STEP).await {
+        Err(Error::AgentStart(m)) => assert!(m.contains("agent protocol 99"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+    let mut early = canned(&[r#"{"ev":"vars","id":1,"vars":[]}"#]);
+    assert!(matches!(early.hello(STEP).await, Err(Error::AgentStart(_))));
+    let mut silent = canned(&[]);
+    assert!(matches!(silent.hello(STEP).await, Ok(Greeting::Exited)));
+}
+
+#[tokio::test]
+async fn a_run_returns_stdout_stderr_and_the_last_value() {
+    let mut local = spawn().await;
+    let (ending, out) = run(&mut local.agent, "import sys\nprint('out')\nprint('err', file=sys.stderr)\n6 * 7").await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.status, RunStatus::Ok);
+    assert_eq!(text(&out.stdout), "out\n");
+    assert_eq!(text(&out.stderr), "err\n");
+    assert_eq!(out.result.as_deref(), Some("42"));
+    assert!(out.cpu_ms.is_some());
+
+    let (ending, out) = run(&mut local.agent, "def f():\n    return 1 / 0\nf()").await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.status, RunStatus::Error);
+    let error = out.error.expect("the exception");
+    assert_eq!(error.kind, "ZeroDivisionError");
+    assert!(error.traceback.contains("<cell 2>"), "{}", error.traceback);
+    assert!(!error.traceback.contains("agent.py"), "agent frames leak: {}", error.traceback);
+}
+
+/// Python that stops the agent's forwarder (the agent's only child) as `f`, so that the
+/// forwarder later finds what the code wrote waiting together with what followed it.
+const STOP_FORWARDER: &str = "import os, signal, subprocess, threading\n\
+    def forwarder():\n\
+    \x20   for p in filter(str.isdigit, os.listdir('/proc')):\n\
+    \x20       try:\n\
+    \x20           if open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[1] == str(os.getpid()):\n\
+    \x20               return int(p)\n\
+    \x20       except OSError:\n\
+    \x20           pass\n\
+    f = forwarder()\n\
+    os.kill(f, signal.SIGSTOP)\n";
+
+/// Sends `code` as a run, without reading anything back; returns the run's id.
+async fn start(agent: &mut Agent, code: &str) -> u64 {
+    let id = agent.next_id();
+    let env = Default::default();
+    agent.send(&Request::Run { id, code, file: None, args: &[], cmd: &[], env: &env }).await.expect("send the run");
+    id
+}
+
+/// Sends `code` as a run and reads the raw events up to its done: the stdout bytes and
+/// the number of chunks they came in. Any other event fails the test.
+async fn stdout_until_done(agent: &mut Agent, code: &str) -> (Vec<u8>, usize) {
+    let id = start(agent, code).await;
+    let mut stdout = Vec::new();
+    let mut chunks = 0;
+    loop {
+        match next(agent).await {
+            Event::Out { id: got, s: protocol::Stream::Stdout, t, b } => {
+                assert_eq!(got, Some(id));
+                stdout.extend(Event::payload(t, b).expect("payload"));
+                chunks += 1;
+            }
+            Event::Done { id: got, status, error, .. } => {
+                assert_eq!(got, id);
+                assert_eq!(status, DoneStatus::Ok, "{error:?}");
+                return (stdout, chunks);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn all_output_of_a_run_arrives_before_its_done() {
+    let mut local = spawn().await;
+    // More than one 64 KiB chunk, from the interpreter and from a child process.
+    let code = "import subprocess, sys\nfor i in range(3000):\n    print('line %04d ' % i + 'x' * 90)\n\
+                subprocess.run([sys.executable, '-c', 'print(\"from a child\")'])";
+    let (stdout, chunks) = stdout_until_done(&mut local.agent, code).await;
+    let mut expected: String = (0..3000).map(|i| format!("line {i:04} {}\n", "x".repeat(90))).collect();
+    expected.push_str("from a child\n");
+    assert!(chunks > 1, "{chunks} chunks");
+    assert_eq!(stdout.len(), expected.len());
+    assert!(stdout == expected.as_bytes(), "output out of order");
+}
+
+#[tokio::test]
+async fn output_still_unread_when_the_run_ends_goes_out_before_done() {
+    let mut local = spawn().await;
+    // The forwarder resumes after the run: it finds the output and the done together.
+    let code = format!(
+        "{STOP_FORWARDER}threading.Timer(0.3, os.kill, (f, signal.SIGCONT)).start()\nos.write(1, b'last words\\n')"
+    );
+    let (stdout, _) = stdout_until_done(&mut local.agent, &code).await;
+    assert_eq!(String::from_utf8_lossy(&stdout), "last words\n");
+}
+
+#[tokio::test]
+async fn a_cancelled_run_is_interrupted_and_the_state_is_kept() {
+    let mut local = spawn().await;
+    let (_, out) = run(&mut local.agent, "x = 41").await;
+    assert_eq!(out.status, RunStatus::Ok);
+
+    // Cancel once the code is surely inside its sleep.
+    let ct = CancellationToken::new();
+    let trigger = ct.clone();
+    let observer = move |_: protocol::Stream, bytes: &[u8]| {
+        if bytes.windows(5).any(|w| w == b"ready") {
+            trigger.cancel();
+        }
+    };
+    let started = Instant::now();
+    // One write, so that the interrupt cannot land between the text and its newline.
+    let code = "import os, time\nos.write(1, b'ready\\n')\ntime.sleep(30)";
+    let (ending, out) = run_code(&mut local.agent, code, STEP, &ct, &observer).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.status, RunStatus::Cancelled);
+    assert_eq!(text(&out.stdout), "ready\n");
+    assert!(started.elapsed() < Duration::from_secs(5), "the interrupt took {:?}", started.elapsed());
+
+    // The time limit interrupts the same way (the run has long started when it passes).
+    let (ending, out) = run_code(
+        &mut local.agent,
+        "import time\ntime.sleep(30)",
+        Duration::from_millis(500),
+        &CancellationToken::new(),
+        &|_, _| {},
+    )
+    .await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.status, RunStatus::Timeout);
+
+    let (_, out) = run(&mut local.agent, "x + 1").await;
+    assert_eq!(out.status, RunStatus::Ok);
+    assert_eq!(out.result.as_deref(), Some("42"));
+}
+
+#[tokio::test]
+async fn code_that_ignores_the_interrupt_is_given_up_after_the_grace() {
+    let mut local = spawn().await;
+    let code = "import os, time\nwhile True:\n    try:\n        time.sleep(5)\n    except KeyboardInterrupt:\n        \
+                os.write(1, b'caught\\n')";
+    let started = Instant::now();
+    let (ending, out) =
+        run_code(&mut local.agent, code, Duration::from_millis(500), &CancellationToken::new(), &|_, _| {}).await;
+    assert!(matches!(ending, Ending::Killed(RunStatus::Timeout)), "{ending:?}");
+    // The interrupt did arrive; the code chose to ignore it.
+    assert_eq!(text(&out.stdout), "caught\n");
+    // The time limit plus the grace, not the code's own pace.
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn the_agent_ignores_an_interrupt_for_another_run() {
+    let mut local = spawn().await;
+    let (_, out) = run(&mut local.agent, "pass").await;
+    assert_eq!(out.status, RunStatus::Ok);
+    let id = start(&mut local.agent, "import os, time\nos.write(1, b'a\\n')\ntime.sleep(0.3)\nprint('b')").await;
+    match next(&mut local.agent).await {
+        Event::Out { id: Some(got), t: Some(t), .. } if got == id => assert_eq!(t, "a\n"),
+        other => panic!("unexpected {other:?}"),
+    }
+    // The run is in its sleep now: neither the previous run's id nor a made-up one may stop it.
+    local.agent.send(&Request::Interrupt { id: id - 1 }).await.expect("send");
+    local.agent.send(&Request::Interrupt { id: id + 100 }).await.expect("send");
+    let mut rest = String::new();
+    loop {
+        match next(&mut local.agent).await {
+            Event::Out { t: Some(t), .. } => rest.push_str(&t),
+            Event::Done { id: got, status, .. } => {
+                assert_eq!(got, id);
+                assert_eq!(status, DoneStatus::Ok);
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(rest, "b\n");
+}
+
+#[tokio::test]
+async fn a_run_ignores_events_of_other_ids_and_unreadable_lines() {
+    // What a confused agent or a leftover could put on the stream.
+    let mut local = spawn_with(&[
+        r#"{"ev":"out","id":1000,"s":"stdout","t":"stray\n"}"#,
+        r#"{"ev":"out","id":null,"s":"stdout","t":"background\n"}"#,
+        "not json at all",
+        r#"{"ev":"notice","id":1000,"text":"not ours"}"#,
+        r#"{"ev":"done","id":1000,"status":"ok","wall_ms":0,"cpu_ms":0}"#,
+    ]);
+    assert!(matches!(local.agent.hello(STEP).await, Ok(Greeting::Ready { .. })));
+    let (ending, out) = run(&mut local.agent, "print('mine')\n'done'").await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.status, RunStatus::Ok);
+    assert_eq!(text(&out.stdout), "mine\n");
+    assert_eq!(out.result.as_deref(), Some("'done'"));
+    assert!(out.notices.is_empty(), "{:?}", out.notices);
+}
+
+#[tokio::test]
+async fn os_exit_mid_run_ends_the_stream_after_the_output_before_it() {
+    let mut local = spawn().await;
+    // The forwarder resumes once the interpreter is gone (a process outlives it to resume
+    // it): it finds the last output and the end of the message pipe together.
+    let code = format!(
+        "{STOP_FORWARDER}subprocess.Popen(['sh', '-c', 'sleep 0.3; kill -CONT %d' % f])\n\
+         os.write(1, b'bye\\n')\nos._exit(3)"
+    );
+    let (ending, out) = run(&mut local.agent, &code).await;
+    assert!(matches!(ending, Ending::Died(None)), "{ending:?}");
+    assert_eq!(text(&out.stdout), "bye\n");
+    let status = tokio::time::timeout(STEP, local.child.wait()).await.expect("the agent exits").expect("wait");
+    assert_eq!(status.code(), Some(3));
+}
+
+#[tokio::test]
+async fn queries_are_answered_by_id() {
+    let mut local = spawn().await;
+    let (_, out) = run(&mut local.agent, "import math\na = [1, 2]\nb = 'x'\n_hidden = 1").await;
+    assert_eq!(out.status, RunStatus::Ok);
+
+    let vars = local
+        .agent
+        .request(
+            |id| Request::Vars { id },
+            |id, ev| match ev {
+                Event::Vars { id: i, vars } if i == id => Some(vars),
+                _ => None,
+            },
+            STEP,
+        )
+        .await
+        .expect("vars");
+    let listed: Vec<(&str, &str, &str)> =
+        vars.iter().map(|v| (v.name.as_str(), v.kind.as_str(), v.repr.as_str())).collect();
+    assert_eq!(listed, [("a", "list", "[1, 2]"), ("b", "str", "'x'")]);
+
+    let refreshed = |id, ev| matches!(ev, Event::Refreshed { id: i } if i == id).then_some(());
+    let answer = local.agent.request(|id| Request::Refresh { id }, refreshed, STEP).await;
+    assert!(answer.is_ok(), "{answer:?}");
+}
+
+/// A file request through the same answer-picking as [`Session::file`](super::Session::file).
+async fn file(agent: &mut Agent, make: impl FnOnce(u64) -> Request<'static>) -> Result<FileReply, String> {
+    agent.request(make, file_answer, STEP).await.expect("an answer")
+}
+
+#[tokio::test]
+async fn file_requests_write_read_list_and_refuse_paths_outside() {
+    let mut local = spawn().await;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+
+    let wrote =
+        file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: b64("hello"), append: false }).await;
+    assert_eq!(wrote.expect("write").size, Some(5));
+    let appended =
+        file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: b64(" world"), append: true }).await;
+    assert_eq!(appended.expect("append").size, Some(11));
+    let on_disk = std::fs::read(local.workspace.0.join("sub/f.txt")).expect("the file is in the workspace");
+    assert_eq!(on_disk, b"hello world");
+
+    let read = file(&mut local.agent, |id| Request::Read { id, path: "sub/f.txt", offset: 6, length: 100 })
+        .await
+        .expect("read");
+    assert_eq!(read.data, b"world");
+    assert_eq!(read.size, Some(11));
+
+    let listing =
+        file(&mut local.agent, |id| Request::List { id, path: "", recursive: true, limit: 1000 }).await.expect("list");
+    let entries: Vec<(&str, &str, u64)> =
+        listing.entries.iter().map(|e| (e.path.as_str(), e.kind.as_str(), e.size)).filter(|e| e.1 != "dir").collect();
+    assert_eq!(entries, [("sub/f.txt", "file", 11)]);
+    assert!(listing.entries.iter().any(|e| e.path == "sub" && e.kind == "dir"));
+    assert!(!listing.truncated);
+
+    let outside = file(&mut local.agent, |id| Request::Read { id, path: "../x", offset: 0, length: 10 }).await;
+    assert!(outside.as_ref().is_err_and(|m| m.contains("outside the workspace")), "{outside:?}");
+    let missing = file(&mut local.agent, |id| Request::Read { id, path: "nope.txt", offset: 0, length: 10 }).await;
+    assert!(missing.as_ref().is_err_and(|m| m.contains("does not exist")), "{missing:?}");
+
+    // Code sees the same workspace as its working directory.
+    let (_, out) = run(&mut local.agent, "open('sub/f.txt').read()").await;
+    assert_eq!(out.result.as_deref(), Some("'hello world'"));
+}
+
+#[tokio::test]
+async fn a_query_unanswered_in_time_or_cut_off_fails() {
+    let mut local = spawn().await;
+    start(&mut local.agent, "import time\ntime.sleep(2)").await;
+    // The agent serves one request at a time: the run holds it.
+    let busy = local
+        .agent
+        .request(
+            |id| Request::Vars { id },
+            |id, ev| matches!(ev, Event::Vars { id: i, .. } if i == id).then_some(()),
+            Duration::from_millis(200),
+        )
+        .await;
+    assert!(matches!(busy, Err(Error::AgentTimeout(_))), "{busy:?}");
+
+    let mut cut = canned(&[r#"{"ev":"out","id":1,"s":"stdout","t":"x"}"#]);
+    let gone =
+        cut.request(|id| Request::Vars { id }, |_, ev| matches!(ev, Event::Vars { .. }).then_some(()), STEP).await;
+    assert!(matches!(gone, Err(Error::AgentGone)), "{gone:?}");
+}

@@ -1,0 +1,321 @@
+//! One run: send it, read its events until it ends, stop it when its time is up or its
+//! caller gives up, and tell the caller what happened to the interpreter.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::agent::{Agent, ReadError};
+use super::{Error, Session};
+use crate::docker::{container, exec};
+use crate::output::Capture;
+use crate::protocol::{self, DoneStatus, Event, PyError, Request};
+
+/// How a run ended, as reported to the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    /// The code ran to the end.
+    Ok,
+    /// The code raised an exception (or called `sys.exit` with a non-zero status).
+    Error,
+    /// The time limit passed and the code was stopped.
+    Timeout,
+    /// The caller cancelled the call and the code was stopped.
+    Cancelled,
+    /// The interpreter died during the run (`os._exit`, a fatal signal) and was restarted;
+    /// variables are gone, workspace files are kept.
+    InterpreterRestarted,
+    /// The code ran out of memory and the interpreter was restarted.
+    Oom,
+    /// The run goes on in the background (a job).
+    Running,
+}
+
+/// Sees each chunk of output as it arrives, for live streaming.
+pub type Observer<'a> = dyn Fn(protocol::Stream, &[u8]) + Send + Sync + 'a;
+
+/// The outcome of one run.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// How it ended.
+    pub status: RunStatus,
+    /// Captured stdout.
+    pub stdout: Capture,
+    /// Captured stderr.
+    pub stderr: Capture,
+    /// repr of a final expression's value.
+    pub result: Option<String>,
+    /// The exception.
+    pub error: Option<PyError>,
+    /// Status passed to `sys.exit`.
+    pub exit_code: Option<i64>,
+    /// Wall time seen by the server.
+    pub duration: Duration,
+    /// CPU time of the run (user + system, children included), when the agent lived to say.
+    pub cpu_ms: Option<f64>,
+    /// True when the interpreter state from before the run is gone.
+    pub state_lost: bool,
+    /// What the caller should know beyond the status.
+    pub notices: Vec<String>,
+    /// Images the run produced: (MIME type, base64 bytes).
+    pub images: Vec<(String, String)>,
+    /// Peak resident memory during the run, KiB.
+    pub peak_memory_kb: Option<u64>,
+}
+
+/// What to run.
+#[derive(Debug, Default)]
+pub struct RunSpec<'a> {
+    /// Python source for the persistent interpreter.
+    pub code: &'a str,
+    /// A workspace script to run in a fresh interpreter process instead.
+    pub file: Option<&'a str>,
+    /// Its arguments.
+    pub args: &'a [String],
+    /// Or a command (argv) run in the workspace, as the code's user.
+    pub cmd: &'a [String],
+    /// Environment for this run, on top of the session's.
+    pub env: BTreeMap<String, String>,
+}
+
+/// Runs waiting for a busy session beyond the one running; more get a busy error.
+const MAX_QUEUED: usize = 4;
+
+struct WaitGuard<'a>(&'a AtomicUsize);
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What ends a run early: its time limit and its caller's cancellation, and how long the
+/// code then has to stop after the interrupt before it is killed.
+#[derive(Clone, Copy)]
+pub(super) struct Stop<'a> {
+    pub(super) timeout: Duration,
+    pub(super) grace: Duration,
+    pub(super) ct: &'a CancellationToken,
+}
+
+/// How [`drive`] ended.
+#[derive(Debug)]
+pub(super) enum Ending {
+    /// The agent answered with Done.
+    Done,
+    /// The agent's stream ended; with the reason we were stopping it, if we were.
+    Died(Option<RunStatus>),
+    /// The code ignored the interrupt; with the reason for stopping it.
+    Killed(RunStatus),
+    /// The stream failed.
+    Broken(String),
+}
+
+/// A child process of the run was killed for memory; the interpreter lives on.
+fn child_oom_notice(memory_mb: u64) -> String {
+    format!(
+        "out of memory: the program needed more than the session's {memory_mb} MiB and was killed; \
+         the session's interpreter and variables are unaffected"
+    )
+}
+
+/// The interpreter died during the run, with exit code `code` if Docker knows it.
+fn died_notice(code: Option<i64>, oom: bool, memory_mb: u64) -> String {
+    match code {
+        Some(137) if oom => format!(
+            "out of memory: the code needed more than the session's {memory_mb} MiB, and the interpreter was \
+             killed. A new interpreter was started: variables are gone, workspace files are kept"
+        ),
+        Some(137) => format!(
+            "the interpreter was killed (SIGKILL); running out of memory is the usual cause \
+             (limit {memory_mb} MiB). A new interpreter was started: variables are gone, workspace files are kept"
+        ),
+        Some(c) => format!(
+            "the interpreter exited with status {c} during the run; a new one was started: \
+             variables are gone, workspace files are kept"
+        ),
+        None => "the interpreter stopped during the run; a new one was started: variables are gone, \
+                 workspace files are kept"
+            .into(),
+    }
+}
+
+/// The code did not stop after an interrupt sent for `status` (timeout or cancellation).
+fn killed_notice(status: RunStatus) -> String {
+    let why = if status == RunStatus::Cancelled { "the call was cancelled" } else { "the time limit passed" };
+    format!(
+        "{why} and the code did not stop after an interrupt, so its processes were killed and a new \
+         interpreter was started: variables are gone, workspace files are kept"
+    )
+}
+
+const BROKEN_NOTICE: &str = "the connection to the interpreter broke; a new one was started: variables are gone, \
+                              workspace files are kept";
+
+impl Session {
+    /// Runs code in the persistent interpreter.
+    pub async fn run(
+        &self,
+        spec: RunSpec<'_>,
+        timeout: Duration,
+        ct: &CancellationToken,
+        observer: &Observer<'_>,
+    ) -> Result<RunOutcome, Error> {
+        let waiting = self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = WaitGuard(&self.waiting);
+        if waiting > MAX_QUEUED {
+            return Err(Error::Busy(MAX_QUEUED));
+        }
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        self.runs.fetch_add(1, Ordering::Relaxed);
+        let mut notices: Vec<String> = self.ensure_agent(&mut inner).await?.into_iter().collect();
+        let state_lost_before = !notices.is_empty();
+        let started = Instant::now();
+        let mut outcome = RunOutcome {
+            status: RunStatus::Ok,
+            stdout: Capture::new(self.cfg.output_cap),
+            stderr: Capture::new(self.cfg.output_cap),
+            result: None,
+            error: None,
+            exit_code: None,
+            duration: Duration::ZERO,
+            cpu_ms: None,
+            state_lost: state_lost_before,
+            notices: Vec::new(),
+            images: Vec::new(),
+            peak_memory_kb: None,
+        };
+        let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
+        env.extend(spec.env.clone());
+        let spec = RunSpec { env, ..spec };
+        let run_started = std::time::SystemTime::now();
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct };
+        let ending = match inner.agent.as_mut() {
+            Some(agent) => {
+                let id = agent.next_id();
+                drive(agent, id, &spec, stop, &mut outcome, observer, &self.name).await
+            }
+            None => Ending::Broken("no agent".into()),
+        };
+        match ending {
+            // A child process (run_file, a command, a subprocess) killed by the OOM killer
+            // leaves the interpreter alive; its status 137 plus the event tells.
+            Ending::Done
+                if outcome.status == RunStatus::Error
+                    && outcome.exit_code == Some(137)
+                    && container::oom_since(&self.docker, &inner.container.id, run_started).await =>
+            {
+                outcome.status = RunStatus::Oom;
+                notices.push(child_oom_notice(self.cfg.memory_mb));
+            }
+            Ending::Done => {}
+            Ending::Died(stopped) => {
+                let code = match inner.agent.as_ref().and_then(|a| a.exec_id()) {
+                    Some(exec_id) => exec::exit_code(&self.docker, exec_id).await,
+                    None => None,
+                };
+                let oom =
+                    code == Some(137) && container::oom_since(&self.docker, &inner.container.id, run_started).await;
+                outcome.status = match (oom, stopped) {
+                    (true, _) => RunStatus::Oom,
+                    (false, Some(s)) => s,
+                    (false, None) => RunStatus::InterpreterRestarted,
+                };
+                outcome.state_lost = true;
+                notices.push(died_notice(code, oom, self.cfg.memory_mb));
+                notices.extend(self.recover(&mut inner).await);
+            }
+            Ending::Killed(status) => {
+                outcome.status = status;
+                outcome.state_lost = true;
+                notices.push(killed_notice(status));
+                notices.extend(self.recover(&mut inner).await);
+            }
+            Ending::Broken(why) => {
+                tracing::warn!(session = %self.name, %why, "agent stream broken");
+                outcome.status = RunStatus::InterpreterRestarted;
+                outcome.state_lost = true;
+                notices.push(BROKEN_NOTICE.into());
+                notices.extend(self.recover(&mut inner).await);
+            }
+        }
+        outcome.duration = started.elapsed();
+        notices.append(&mut outcome.notices);
+        outcome.notices = notices;
+        self.touch();
+        Ok(outcome)
+    }
+}
+
+/// Sends the run `id` and reads its events into `outcome` until it ends one way or another.
+/// Events of other ids are ignored. `name` is the session's, for logs.
+pub(super) async fn drive(
+    agent: &mut Agent,
+    id: u64,
+    spec: &RunSpec<'_>,
+    stop: Stop<'_>,
+    outcome: &mut RunOutcome,
+    observer: &Observer<'_>,
+    name: &str,
+) -> Ending {
+    let Stop { timeout, grace, ct } = stop;
+    let req = Request::Run { id, code: spec.code, file: spec.file, args: spec.args, cmd: spec.cmd, env: &spec.env };
+    if let Err(e) = agent.send(&req).await {
+        return Ending::Broken(e.to_string());
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    // Set once we have asked the code to stop: why, and when to kill it if it has not.
+    let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
+    loop {
+        let kill_at = stopping.map(|s| s.1).unwrap_or(deadline);
+        tokio::select! {
+            ev = agent.next_event() => match ev {
+                Ok(Some(Event::Out { id: Some(i), s, t, b })) if i == id => match Event::payload(t, b) {
+                    Ok(bytes) => {
+                        observer(s, &bytes);
+                        match s {
+                            protocol::Stream::Stdout => outcome.stdout.push(&bytes),
+                            protocol::Stream::Stderr => outcome.stderr.push(&bytes),
+                        }
+                    }
+                    Err(e) => tracing::warn!(session = %name, error = %e, "bad output chunk"),
+                },
+                Ok(Some(Event::Done { id: i, status, result, error, exit_code, cpu_ms, peak_kb, .. })) if i == id => {
+                    outcome.peak_memory_kb = peak_kb;
+                    outcome.result = result;
+                    outcome.error = error;
+                    outcome.exit_code = exit_code;
+                    outcome.cpu_ms = Some(cpu_ms);
+                    outcome.status = match (status, stopping) {
+                        (DoneStatus::Interrupted, Some((why, _))) => why,
+                        (DoneStatus::Interrupted, None) => RunStatus::Error,
+                        (DoneStatus::Error, _) => RunStatus::Error,
+                        (DoneStatus::Ok, _) => RunStatus::Ok,
+                    };
+                    return Ending::Done;
+                }
+                Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.images.push((mime, b)),
+                Ok(Some(Event::Notice { id: Some(i), text })) if i == id => outcome.notices.push(text),
+                Ok(Some(other)) => tracing::debug!(session = %name, event = ?other, "event outside the run ignored"),
+                Ok(None) => return Ending::Died(stopping.map(|s| s.0)),
+                Err(ReadError::Skippable(e)) => tracing::warn!(session = %name, error = %e, "unreadable agent line skipped"),
+                Err(ReadError::Fatal(e)) => return Ending::Broken(e),
+            },
+            _ = tokio::time::sleep_until(deadline), if stopping.is_none() => {
+                stopping = Some((RunStatus::Timeout, tokio::time::Instant::now() + grace));
+                let _ = agent.send(&Request::Interrupt { id }).await;
+            }
+            _ = ct.cancelled(), if stopping.is_none() => {
+                stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + grace));
+                let _ = agent.send(&Request::Interrupt { id }).await;
+            }
+            _ = tokio::time::sleep_until(kill_at), if stopping.is_some() => {
+                return Ending::Killed(stopping.map(|s| s.0).unwrap_or(RunStatus::Timeout));
+            }
+        }
+    }
+}
