@@ -20,13 +20,14 @@ use rmcp::model::CallToolRequestParams;
 use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
-use crate::config::SandboxConfig;
-use crate::docker::{self, LABEL_INSTANCE, LABEL_MANAGED, image};
+use pyberth::config::SandboxConfig;
+use pyberth::docker::{self, LABEL_INSTANCE, LABEL_MANAGED, image};
 
 /// p50 and p95 of a set of durations, in milliseconds.
 fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
     samples.sort();
     let at = |q: f64| {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 <= q <= 1: an index in range
         let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
         samples.get(i).map(|d| d.as_secs_f64() * 1e3).unwrap_or(f64::NAN)
     };
@@ -75,7 +76,7 @@ impl Table {
 
 /// What to measure beyond the basics.
 #[derive(Debug, Clone, clap::Args)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     /// Warm runs to time.
     #[arg(long, default_value_t = 200)]
     pub runs: usize,
@@ -173,7 +174,7 @@ fn mib(kb: Option<u64>) -> String {
 }
 
 /// Runs the benchmark and prints its figures.
-pub async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
     cfg.validate()?;
     let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
     let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");

@@ -9,10 +9,10 @@ use crate::config::SandboxConfig;
 use crate::deps;
 
 /// The session used when a call names none.
-pub const DEFAULT_SESSION: &str = "default";
+pub(crate) const DEFAULT_SESSION: &str = "default";
 
 /// Validates a session name, defaulting to [`DEFAULT_SESSION`].
-pub fn session_name(arg: Option<&str>) -> Result<String, String> {
+pub(crate) fn session_name(arg: Option<&str>) -> Result<String, String> {
     let name = arg.unwrap_or(DEFAULT_SESSION);
     let ok = !name.is_empty()
         && name.len() <= 40
@@ -29,7 +29,7 @@ pub fn session_name(arg: Option<&str>) -> Result<String, String> {
 }
 
 /// Checks code before any container is touched.
-pub fn check_code(code: &str, cap: usize) -> Result<(), String> {
+pub(crate) fn check_code(code: &str, cap: usize) -> Result<(), String> {
     if code.trim().is_empty() {
         return Err("code is empty: pass the Python source to run".into());
     }
@@ -44,7 +44,7 @@ pub fn check_code(code: &str, cap: usize) -> Result<(), String> {
 
 /// Resolves a requested time limit against `cfg` (the server's, or a session's environment's
 /// settings): its default when none is asked for, an error past its maximum.
-pub fn check_timeout(timeout_s: Option<f64>, cfg: &SandboxConfig) -> Result<Duration, String> {
+pub(crate) fn check_timeout(timeout_s: Option<f64>, cfg: &SandboxConfig) -> Result<Duration, String> {
     match timeout_s {
         None => Ok(cfg.timeout()),
         Some(t) if t.is_finite() && t > 0.0 && t <= cfg.max_timeout_s as f64 => Ok(Duration::from_secs_f64(t)),
@@ -56,7 +56,11 @@ pub fn check_timeout(timeout_s: Option<f64>, cfg: &SandboxConfig) -> Result<Dura
 }
 
 /// How a run call waits: `None` to the end, or up to a limit before answering with a job handle.
-pub fn check_wait(wait_s: Option<f64>, background: bool, cfg: &SandboxConfig) -> Result<Option<Duration>, String> {
+pub(crate) fn check_wait(
+    wait_s: Option<f64>,
+    background: bool,
+    cfg: &SandboxConfig,
+) -> Result<Option<Duration>, String> {
     match (wait_s, background) {
         (Some(_), true) => Err("give wait_s or background, not both (background is wait_s 0)".into()),
         (None, true) => Ok(Some(Duration::ZERO)),
@@ -69,7 +73,11 @@ pub fn check_wait(wait_s: Option<f64>, background: bool, cfg: &SandboxConfig) ->
 }
 
 /// Validates requested packages plus those declared inline (PEP 723) in `code`.
-pub fn wanted_packages(packages: Option<&[String]>, code: Option<&str>, max: usize) -> Result<Vec<String>, String> {
+pub(crate) fn wanted_packages(
+    packages: Option<&[String]>,
+    code: Option<&str>,
+    max: usize,
+) -> Result<Vec<String>, String> {
     let mut wanted: Vec<String> = packages.map(|p| p.to_vec()).unwrap_or_default();
     if let Some(code) = code {
         wanted.extend(deps::inline_dependencies(code)?);
@@ -85,7 +93,7 @@ const MAX_NAME: usize = 255;
 /// Normalises a workspace-relative path: no absolute paths, no `..`, no NUL, backslashes or
 /// control characters, no overlong names. `.` and empty components are dropped. An empty
 /// result means the workspace itself, allowed only with `allow_root`.
-pub fn check_path(path: &str, allow_root: bool) -> Result<String, String> {
+pub(crate) fn check_path(path: &str, allow_root: bool) -> Result<String, String> {
     let shown: String = path.chars().take(80).collect();
     if path.len() > MAX_PATH {
         return Err(format!("path {shown:?}... is longer than {MAX_PATH} bytes"));
@@ -138,7 +146,7 @@ const DENIED: [&str; 18] = [
 ];
 
 /// Checks environment variables from a caller.
-pub fn check_env(vars: &BTreeMap<String, String>) -> Result<(), String> {
+pub(crate) fn check_env(vars: &BTreeMap<String, String>) -> Result<(), String> {
     if vars.len() > 100 {
         return Err(format!("{} environment variables given; at most 100", vars.len()));
     }
@@ -173,7 +181,7 @@ pub fn check_env(vars: &BTreeMap<String, String>) -> Result<(), String> {
 /// A value in double quotes may span lines and takes the escapes `\n`, `\t`, `\"` and `\\`;
 /// one in single quotes may span lines and is taken literally; an unquoted one ends at the
 /// line's end (or at ` #`, a comment).
-pub fn parse_dotenv(text: &str) -> Result<BTreeMap<String, String>, String> {
+pub(crate) fn parse_dotenv(text: &str) -> Result<BTreeMap<String, String>, String> {
     let mut vars = BTreeMap::new();
     let mut lines = text.lines().enumerate();
     while let Some((n, line)) = lines.next() {
@@ -230,7 +238,7 @@ pub fn parse_dotenv(text: &str) -> Result<BTreeMap<String, String>, String> {
 }
 
 /// URI of a workspace file as an MCP resource; the path percent-encoded but for its `/`.
-pub fn resource_uri(session: &str, path: &str) -> String {
+pub(crate) fn resource_uri(session: &str, path: &str) -> String {
     let mut uri = format!("pyberth://sessions/{session}/files/");
     for b in path.bytes() {
         if b.is_ascii_alphanumeric() || b"/-._~".contains(&b) {
@@ -243,7 +251,7 @@ pub fn resource_uri(session: &str, path: &str) -> String {
 }
 
 /// Splits a resource URI into (session, path).
-pub fn parse_resource_uri(uri: &str) -> Option<(String, String)> {
+pub(crate) fn parse_resource_uri(uri: &str) -> Option<(String, String)> {
     let rest = uri.strip_prefix("pyberth://sessions/")?;
     let (session, path) = rest.split_once("/files/")?;
     Some((session.to_owned(), percent_decode(path)?))

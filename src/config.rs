@@ -425,23 +425,22 @@ impl SandboxConfig {
 }
 
 /// Reads a TOML configuration file into a table, with errors that name the file.
-pub fn read_file(path: &std::path::Path) -> anyhow::Result<toml::Table> {
-    use anyhow::Context as _;
+pub fn read_file(path: &std::path::Path) -> Result<toml::Table, String> {
     let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read the config file {}", path.display()))?;
-    text.parse::<toml::Table>().with_context(|| format!("{} is not valid TOML", path.display()))
+        std::fs::read_to_string(path).map_err(|e| format!("cannot read the config file {}: {e}", path.display()))?;
+    text.parse::<toml::Table>().map_err(|e| format!("{} is not valid TOML: {e}", path.display()))
 }
 
 /// Fills the fields of `target` that clap took from a default with the file's values; keys set
 /// by a flag or an environment variable keep those. Returns the keys `target` knows, so the
 /// caller can refuse keys nothing knows. Each key is checked alone, so an error names it.
-pub fn apply_file<T>(target: &mut T, matches: &clap::ArgMatches, file: &toml::Table) -> anyhow::Result<Vec<String>>
+pub fn apply_file<T>(target: &mut T, matches: &clap::ArgMatches, file: &toml::Table) -> Result<Vec<String>, String>
 where
     T: serde::Serialize + serde::de::DeserializeOwned,
 {
     use clap::parser::ValueSource;
-    let mut current = serde_json::to_value(&*target)?;
-    let Some(fields) = current.as_object_mut() else { anyhow::bail!("settings are not a table") };
+    let mut current = serde_json::to_value(&*target).map_err(|e| e.to_string())?;
+    let Some(fields) = current.as_object_mut() else { return Err("settings are not a table".into()) };
     let mut known = Vec::new();
     for (key, value) in file {
         if !fields.contains_key(key) {
@@ -455,12 +454,12 @@ where
         if explicit {
             continue;
         }
-        fields.insert(key.clone(), serde_json::to_value(value)?);
+        fields.insert(key.clone(), serde_json::to_value(value).map_err(|e| format!("config key `{key}`: {e}"))?);
         if let Err(e) = serde_json::from_value::<T>(serde_json::Value::Object(fields.clone())) {
-            anyhow::bail!("config key `{key}`: {e}");
+            return Err(format!("config key `{key}`: {e}"));
         }
     }
-    *target = serde_json::from_value(current)?;
+    *target = serde_json::from_value(current).map_err(|e| e.to_string())?;
     Ok(known)
 }
 
@@ -475,10 +474,10 @@ mod file_tests {
         cfg: SandboxConfig,
     }
 
-    fn load(args: &[&str], file: &str) -> anyhow::Result<SandboxConfig> {
-        let matches = Cli::command().try_get_matches_from(args)?;
-        let mut cli = Cli::from_arg_matches(&matches)?;
-        let table: toml::Table = file.parse()?;
+    fn load(args: &[&str], file: &str) -> Result<SandboxConfig, String> {
+        let matches = Cli::command().try_get_matches_from(args).map_err(|e| e.to_string())?;
+        let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+        let table: toml::Table = file.parse().map_err(|e: toml::de::Error| e.to_string())?;
         apply_file(&mut cli.cfg, &matches, &table)?;
         Ok(cli.cfg)
     }

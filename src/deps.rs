@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 /// A refused requirement; the message names the entry and what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     /// Too many requirements.
     #[error("{count} packages requested, more than the limit of {max}: install them in several steps")]
     TooMany {
@@ -38,7 +38,7 @@ pub enum Error {
 
 /// One validated requirement.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Requirement {
+pub(crate) struct Requirement {
     /// Normalised name (PEP 503: lowercase, runs of `-_.` as `-`).
     pub name: String,
     /// Canonical text: normalised name, sorted extras, specifiers and marker without spaces.
@@ -51,7 +51,7 @@ fn refused(entry: &str, why: &'static str) -> Error {
 }
 
 /// PEP 503 normalisation.
-pub fn normalize_name(name: &str) -> String {
+pub(crate) fn normalize_name(name: &str) -> String {
     let mut out = String::with_capacity(name.len());
     let mut sep = false;
     for c in name.chars() {
@@ -156,7 +156,7 @@ fn check_marker(entry: &str, marker: &str) -> Result<String, Error> {
 }
 
 /// Validates one requirement string.
-pub fn parse(entry: &str) -> Result<Requirement, Error> {
+pub(crate) fn parse(entry: &str) -> Result<Requirement, Error> {
     if entry.len() > 300 {
         return Err(refused(entry, "longer than 300 characters"));
     }
@@ -222,7 +222,7 @@ pub fn parse(entry: &str) -> Result<Requirement, Error> {
 
 /// Validates a list: each entry, the count, and duplicates (identical ones merge; different
 /// constraints on one package are refused). Returns the canonical strings, sorted.
-pub fn parse_set(entries: &[String], max: usize) -> Result<Vec<String>, Error> {
+pub(crate) fn parse_set(entries: &[String], max: usize) -> Result<Vec<String>, Error> {
     if entries.len() > max {
         return Err(Error::TooMany { count: entries.len(), max });
     }
@@ -246,7 +246,7 @@ pub fn parse_set(entries: &[String], max: usize) -> Result<Vec<String>, Error> {
 
 /// Dependencies declared by PEP 723 inline script metadata (`# /// script` ... `# ///`), or
 /// an empty list when the code has none. Only the `dependencies` array is read.
-pub fn inline_dependencies(code: &str) -> Result<Vec<String>, String> {
+pub(crate) fn inline_dependencies(code: &str) -> Result<Vec<String>, String> {
     let mut lines = code.lines();
     let mut body = String::new();
     let mut found = false;

@@ -14,11 +14,11 @@
 //! 4. `server/render.rs` turns the outcome into text plus structured content, and `server/fit.rs`
 //!    keeps every result within one message a client accepts.
 //!
+//! `pyberth bench` (`src/bench.rs`) is part of the binary, not of this library.
+//!
 //! `docs/architecture.md` follows the same path in more detail; `docs/agent-protocol.md` is the
 //! wire format between the server and `images/python/agent.py`.
 
-/// `pyberth bench`: start, warm-run, install and load figures beside Docker floors.
-pub mod bench;
 /// Checks on caller input, before any Docker call, shared by the MCP tools and `pyberth run`.
 pub(crate) mod checks;
 /// Every setting: flags, environment variables and the TOML file, in one struct.
@@ -40,9 +40,12 @@ pub(crate) mod protocol;
 /// `pyberth run`: a script or command in a fresh sandbox for CI, exit code passed through.
 pub mod runner;
 /// The MCP tool table.
-pub mod server;
+pub(crate) mod server;
 /// Sessions (one container and one agent each), their registry and background jobs.
-pub mod session;
+pub(crate) mod session;
+
+pub use server::SandboxServer;
+pub use session::registry::{Error as RegistryError, Registry};
 
 /// Resolves on Ctrl-C or SIGTERM.
 pub async fn shutdown_signal() {

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+mod bench;
+
 use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use pyberth::config::{self, SandboxConfig};
@@ -10,8 +12,7 @@ use pyberth::docker::{self, image, layers};
 use pyberth::environment::Environments;
 use pyberth::http::HttpArgs;
 use pyberth::instance::Instance;
-use pyberth::server::SandboxServer;
-use pyberth::session::registry::Registry;
+use pyberth::{Registry, SandboxServer};
 use rmcp::ServiceExt as _;
 use tokio_util::sync::CancellationToken;
 
@@ -56,7 +57,7 @@ enum Command {
         #[command(flatten)]
         cfg: SandboxConfig,
         #[command(flatten)]
-        args: pyberth::bench::BenchArgs,
+        args: bench::BenchArgs,
     },
 }
 
@@ -105,7 +106,7 @@ fn parse() -> anyhow::Result<Cli> {
     let matches = Cli::command().get_matches();
     let mut cli = Cli::from_arg_matches(&matches)?;
     let Some(path) = cli.config.clone() else { return Ok(cli) };
-    let file = config::read_file(&path)?;
+    let file = config::read_file(&path).map_err(anyhow::Error::msg)?;
     // The settings live in the innermost subcommand (`image build`, `layers prune`).
     let mut sub = &matches;
     while let Some((_, m)) = sub.subcommand() {
@@ -120,7 +121,7 @@ fn parse() -> anyhow::Result<Cli> {
         Command::Run(args) => (Some(&mut args.cfg), None),
         Command::Image { action: ImageAction::Tag } => (None, None),
     };
-    let with_path = |e: anyhow::Error| e.context(format!("in {}", path.display()));
+    let with_path = |e: String| anyhow::anyhow!("in {}: {e}", path.display());
     if let Some(cfg) = cfg {
         known.extend(config::apply_file(cfg, sub, &file).map_err(with_path)?);
     }
@@ -213,7 +214,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Bench { cfg, args } => pyberth::bench::run(cfg, args).await,
+        Command::Bench { cfg, args } => bench::run(cfg, args).await,
         Command::Run(_) => Ok(()), // handled in main, for its exit code
         Command::Layers { action: LayersAction::List { cfg } } => {
             let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
@@ -250,7 +251,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     let docker = docker::connect(cfg.docker_host.as_deref())
         .await
         .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
-    docker::engine::check(&docker, &mut cfg, true).await?;
+    docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
     let cfg = Arc::new(cfg);
     let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
     let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
@@ -271,7 +272,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
         let env = warm.environments.get(None);
         let built = match &env {
             Ok(env) => warm.image(env, &|_| {}).await.map(|_| ()),
-            Err(e) => Err(pyberth::session::registry::Error::Environment(e.clone())),
+            Err(e) => Err(pyberth::RegistryError::Environment(e.clone())),
         };
         if let Err(e) = built {
             tracing::error!(error = %e, "sandbox image unavailable");

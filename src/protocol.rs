@@ -12,12 +12,12 @@ use bytes::{Buf, BytesMut};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol; the agent states its own in [`Event::Hello`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub(crate) const PROTOCOL_VERSION: u32 = 1;
 
 /// Longest event line accepted. The agent caps output chunks and texts at 64 KiB, images at
 /// 4 MiB and file reads at the server's read cap (8 MiB at most), all base64; a longer line
 /// means a broken agent.
-pub const MAX_LINE: usize = 16 << 20;
+pub(crate) const MAX_LINE: usize = 16 << 20;
 
 /// A request from the server to the agent.
 #[derive(Debug, Serialize)]
@@ -128,7 +128,7 @@ pub enum Stream {
 /// How a run ended, as the agent saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum DoneStatus {
+pub(crate) enum DoneStatus {
     /// The code ran to the end (or called `sys.exit(0)`).
     Ok,
     /// The code raised.
@@ -184,7 +184,7 @@ pub struct Package {
 /// An event from the agent.
 #[derive(Debug, Deserialize)]
 #[serde(tag = "ev", rename_all = "snake_case")]
-pub enum Event {
+pub(crate) enum Event {
     /// First line the agent writes.
     Hello {
         /// The agent's protocol version.
@@ -293,7 +293,7 @@ pub enum Event {
 
 impl Event {
     /// The raw bytes of an [`Event::Out`] payload.
-    pub fn payload(t: Option<String>, b: Option<String>) -> Result<Vec<u8>, Error> {
+    pub(crate) fn payload(t: Option<String>, b: Option<String>) -> Result<Vec<u8>, Error> {
         match (t, b) {
             (Some(t), _) => Ok(t.into_bytes()),
             (None, Some(b)) => base64::engine::general_purpose::STANDARD.decode(b).map_err(|_| Error::BadPayload),
@@ -304,7 +304,7 @@ impl Event {
 
 /// A protocol violation by the agent.
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     /// A line longer than [`MAX_LINE`].
     #[error("agent sent a line longer than {MAX_LINE} bytes")]
     LineTooLong,
@@ -318,7 +318,7 @@ pub enum Error {
 
 /// Reassembles newline-delimited events from arbitrarily split byte chunks.
 #[derive(Debug, Default)]
-pub struct LineDecoder {
+pub(crate) struct LineDecoder {
     buf: BytesMut,
     /// Bytes of `buf` already searched for a newline, so a long line is scanned once.
     scanned: usize,
@@ -326,12 +326,12 @@ pub struct LineDecoder {
 
 impl LineDecoder {
     /// Appends a chunk as it came off the stream.
-    pub fn push(&mut self, chunk: &[u8]) {
+    pub(crate) fn push(&mut self, chunk: &[u8]) {
         self.buf.extend_from_slice(chunk);
     }
 
     /// Next complete event, `Ok(None)` when more bytes are needed.
-    pub fn next_event(&mut self) -> Result<Option<Event>, Error> {
+    pub(crate) fn next_event(&mut self) -> Result<Option<Event>, Error> {
         let Some(pos) = self.buf[self.scanned..].iter().position(|&b| b == b'\n') else {
             self.scanned = self.buf.len();
             if self.buf.len() > MAX_LINE {

@@ -6,6 +6,7 @@
 //! lives in its own binary (cargo runs test binaries one after another, never beside the
 //! integration suite) and only runs when `PYBERTH_TEST_RESTART_DOCKERD=1` says the engine may
 //! be restarted: `.ci/run` sets it; on a workstation it is your choice.
+#![allow(unreachable_pub)] // a test crate: its helpers are shared between its modules
 
 #[allow(dead_code)] // the shared harness; this binary uses part of it
 #[path = "integration/common.rs"]

@@ -68,7 +68,7 @@ pub struct Created {
 
 /// The hardened host configuration of a session container.
 pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
-    let memory = (cfg.memory_mb << 20) as i64;
+    let memory = i64::try_from(cfg.memory_mb << 20).unwrap_or(i64::MAX);
     let ulimit = |name: &str, soft: i64, hard: i64| ResourcesUlimits {
         name: Some(name.into()),
         soft: Some(soft),
@@ -96,6 +96,8 @@ pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
         }]),
         memory: Some(memory),
         memory_swap: Some(memory),
+        // Validated to a small positive number of CPUs: the product fits.
+        #[allow(clippy::cast_possible_truncation)]
         nano_cpus: Some((cfg.cpus * 1e9) as i64),
         pids_limit: Some(cfg.pids),
         ulimits: Some(vec![ulimit("nofile", 1024, 1024), ulimit("fsize", 1 << 30, 1 << 30), ulimit("core", 0, 0)]),

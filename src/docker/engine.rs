@@ -403,8 +403,8 @@ pub fn assess(engine: &str, runc: Option<&str>) -> Vec<String> {
 /// Checks the engine, logs what is known to be wrong with it (as warnings when `announce`,
 /// else at debug level: `pyberth run` shares stderr with the program), refuses to go on under
 /// `--strict-engine`, and sets the seccomp profile sandboxes get.
-pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> anyhow::Result<EngineFacts> {
-    let version = docker.version().await?;
+pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> Result<EngineFacts, String> {
+    let version = docker.version().await.map_err(|e| format!("cannot read the engine's version: {e}"))?;
     let engine = version.version.clone().unwrap_or_default();
     let runc = version
         .components
@@ -421,10 +421,10 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
         }
     }
     if cfg.strict_engine && !warnings.is_empty() {
-        anyhow::bail!(
+        return Err(format!(
             "refusing to start under --strict-engine: {} (upgrade the engine, or drop --strict-engine)",
             warnings.join("; ")
-        );
+        ));
     }
     let ours = match cfg.seccomp {
         SeccompMode::Auto => older(&engine, &[25]),
@@ -433,14 +433,14 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
     };
     cfg.seccomp_profile = ours.then(profile);
     if let Some(runtime) = &cfg.runtime {
-        let info = docker.info().await?;
+        let info = docker.info().await.map_err(|e| format!("cannot read the engine's runtimes: {e}"))?;
         let known = info.runtimes.unwrap_or_default();
         if !known.contains_key(runtime) {
-            anyhow::bail!(
+            return Err(format!(
                 "the runtime {runtime:?} (--runtime) is not installed in this engine (it has: {}); \
                  for gVisor run `runsc install` and restart dockerd",
                 known.keys().cloned().collect::<Vec<_>>().join(", ")
-            );
+            ));
         }
     }
     Ok(EngineFacts { engine, runc, warnings })

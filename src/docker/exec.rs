@@ -74,3 +74,9 @@ pub async fn kill_code_processes(docker: &Docker, container: &str) -> Result<(),
 pub async fn exit_code(docker: &Docker, exec_id: &str) -> Option<i64> {
     docker.inspect_exec(exec_id).await.ok().and_then(|e| e.exit_code)
 }
+
+impl std::fmt::Debug for Attached {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attached").finish_non_exhaustive()
+    }
+}

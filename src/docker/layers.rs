@@ -699,7 +699,9 @@ fn read_uses(state_dir: &std::path::Path) -> HashMap<String, i64> {
 /// LRU order, so a plain write-and-rename is enough.
 pub fn touch(state_dir: &std::path::Path, tag: &str) {
     let mut used = read_uses(state_dir);
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
     used.insert(tag.to_owned(), now.unwrap_or(0));
     let tmp = state_dir.join(format!("layers-used.json.{}", std::process::id()));
     let written = serde_json::to_vec(&used)
@@ -723,7 +725,7 @@ pub async fn prune(docker: &Docker, state_dir: &std::path::Path, keep_bytes: u64
             let size = docker.inspect_image(&l.base).await.ok().and_then(|i| i.size).unwrap_or(0);
             base_sizes.insert(l.base.clone(), size);
         }
-        own.push((l.size - base_sizes[&l.base]).max(0) as u64);
+        own.push(u64::try_from(l.size - base_sizes[&l.base]).unwrap_or(0));
     }
     let mut total: u64 = own.iter().sum();
     let mut removed = Vec::new();
@@ -799,7 +801,7 @@ mod tests {
         h.set_mode(0o700);
         h.set_size(0);
         b.append_data(&mut h, "site/", &[][..]).expect("dir");
-        let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let data: Vec<u8> = (0..size).map(|i| u8::try_from(i % 251).unwrap_or(0)).collect();
         let mut h = tar::Header::new_gnu();
         h.set_mode(0o600);
         h.set_size(size as u64);

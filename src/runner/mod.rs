@@ -268,7 +268,7 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
         .await
         .map_err(|e| infra(format!("cannot reach the Docker engine (is it running? is DOCKER_HOST right?): {e}")))?;
     let mut cfg = cfg.clone();
-    docker::engine::check(&docker, &mut cfg, false).await.map_err(|e| infra(format!("{e:#}")))?;
+    docker::engine::check(&docker, &mut cfg, false).await.map_err(infra)?;
     let state_dir = cfg.secure_state_dir().map_err(usage)?;
     let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
         .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", state_dir.display())))?;
@@ -445,7 +445,7 @@ fn status_word(status: RunStatus) -> String {
 fn exit_code(o: &RunOutcome) -> u8 {
     match o.status {
         RunStatus::Ok => 0,
-        RunStatus::Error => o.exit_code.map(|c| c.clamp(1, 255) as u8).unwrap_or(1),
+        RunStatus::Error => o.exit_code.map(|c| u8::try_from(c.clamp(1, 255)).unwrap_or(1)).unwrap_or(1),
         RunStatus::Timeout => exit::TIMEOUT,
         RunStatus::Oom => exit::OOM,
         RunStatus::Cancelled => exit::INTERRUPTED,

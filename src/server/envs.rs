@@ -15,7 +15,7 @@ use crate::environment::{Environment, MountSpec};
 
 /// Limits of a session.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct Limits {
+pub(super) struct Limits {
     /// Memory, MiB (swap disabled).
     pub memory_mb: u64,
     /// CPU share.
@@ -51,7 +51,7 @@ impl Limits {
 
 /// A read-only mount, as the sandbox sees it.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct MountInfo {
+pub(super) struct MountInfo {
     /// Path inside the sandbox.
     pub path: String,
     /// Always true: mounts are read-only.
@@ -64,7 +64,7 @@ fn mounts(m: &[MountSpec]) -> Vec<MountInfo> {
 
 /// One environment.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct EnvironmentInfo {
+pub(super) struct EnvironmentInfo {
     /// Name to pass as `environment`.
     pub name: String,
     /// What it is for.
@@ -85,14 +85,14 @@ pub struct EnvironmentInfo {
 
 /// Structured result of `list_environments`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct EnvironmentList {
+pub(super) struct EnvironmentList {
     /// Every environment, by name.
     pub environments: Vec<EnvironmentInfo>,
 }
 
 /// Structured result of `get_environment`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct SessionEnvironment {
+pub(super) struct SessionEnvironment {
     /// Session.
     pub session: String,
     /// Its environment.

@@ -23,7 +23,7 @@ use crate::session::{FileReply, Session};
 /// How `content` is encoded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
-pub enum Encoding {
+pub(super) enum Encoding {
     /// UTF-8 text.
     #[default]
     Text,
@@ -34,7 +34,7 @@ pub enum Encoding {
 /// Arguments of `write_file`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct WriteFileArgs {
+pub(super) struct WriteFileArgs {
     /// Path relative to the workspace, e.g. "src/main.py". Parent directories are created.
     pub path: String,
     /// The content (text, or base64 with encoding "base64").
@@ -53,7 +53,7 @@ pub struct WriteFileArgs {
 /// Arguments of `read_file`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ReadFileArgs {
+pub(super) struct ReadFileArgs {
     /// Path relative to the workspace.
     pub path: String,
     /// First byte to read (default 0).
@@ -70,7 +70,7 @@ pub struct ReadFileArgs {
 /// Arguments of `list_files`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ListFilesArgs {
+pub(super) struct ListFilesArgs {
     /// Directory relative to the workspace (default: the workspace itself).
     #[serde(default)]
     pub path: Option<String>,
@@ -85,7 +85,7 @@ pub struct ListFilesArgs {
 /// Arguments of `delete_file`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct DeleteFileArgs {
+pub(super) struct DeleteFileArgs {
     /// File or directory relative to the workspace (directories are removed with their contents).
     pub path: String,
     /// Session name. Omit for the default session.
@@ -96,7 +96,7 @@ pub struct DeleteFileArgs {
 /// Arguments of `run_file`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct RunFileArgs {
+pub(super) struct RunFileArgs {
     /// Script path relative to the workspace.
     pub path: String,
     /// Command-line arguments (sys.argv[1:]).
@@ -121,7 +121,7 @@ pub struct RunFileArgs {
 
 /// Structured result of `write_file`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct WriteOutput {
+pub(super) struct WriteOutput {
     /// Session.
     pub session: String,
     /// Path written.
@@ -134,7 +134,7 @@ pub struct WriteOutput {
 
 /// Structured result of `read_file`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct ReadOutput {
+pub(super) struct ReadOutput {
     /// Session.
     pub session: String,
     /// Path read.
@@ -155,7 +155,7 @@ pub struct ReadOutput {
 
 /// Structured result of `list_files`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct ListOutput {
+pub(super) struct ListOutput {
     /// Session.
     pub session: String,
     /// Entries, paths relative to the workspace.

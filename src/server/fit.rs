@@ -10,11 +10,11 @@ use rmcp::model::{CallToolResult, ContentBlock};
 use serde_json::Value;
 
 /// The largest serialized result sent; below the 16 MiB line limit of common clients.
-pub const BUDGET: usize = 12 << 20;
+pub(super) const BUDGET: usize = 12 << 20;
 
 /// True when `text` as a JSON string stays within the budget (a control byte escapes to six
 /// bytes), for replies that do not pass through `fit` (resources).
-pub fn text_fits(text: &str) -> bool {
+pub(super) fn text_fits(text: &str) -> bool {
     text.len() + 5 * text.bytes().filter(|b| *b < 0x20 && *b != b'\n').count() <= BUDGET
 }
 
@@ -22,7 +22,7 @@ pub fn text_fits(text: &str) -> bool {
 const SMALL: usize = 16 << 10;
 
 /// Cuts the longest strings of a result until it serializes within `budget` bytes.
-pub fn fit(mut r: CallToolResult, budget: usize) -> CallToolResult {
+pub(super) fn fit(mut r: CallToolResult, budget: usize) -> CallToolResult {
     // Cheap bound first: a result whose strings, escaped at worst, fit, needs no work. Warm
     // runs with small output stop here.
     if 6 * raw_len(&r) + 4096 <= budget {
@@ -105,6 +105,7 @@ fn shorten(s: &mut String, keep: f64) -> bool {
     if s.len() <= SMALL {
         return false;
     }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 < keep < 1: within the string
     let mut at = ((s.len() as f64 * keep) as usize).max(SMALL / 2);
     while !s.is_char_boundary(at) {
         at -= 1;

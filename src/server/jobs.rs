@@ -24,7 +24,7 @@ const LIVE_POLL: Duration = Duration::from_millis(100);
 /// Arguments of `job_status`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct JobStatusArgs {
+pub(super) struct JobStatusArgs {
     /// Job handle from run_python (wait_s or background).
     pub job: String,
     /// Return stdout from this byte offset on (the stdout_offset of the previous answer).
@@ -41,7 +41,7 @@ pub struct JobStatusArgs {
 /// Arguments of `cancel_job`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct JobArgs {
+pub(super) struct JobArgs {
     /// Job handle.
     pub job: String,
 }
@@ -49,7 +49,7 @@ pub struct JobArgs {
 /// Which jobs `list_jobs` shows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
-pub enum JobFilter {
+pub(super) enum JobFilter {
     /// Still running.
     Running,
     /// Finished in any way.
@@ -59,7 +59,7 @@ pub enum JobFilter {
 /// Arguments of `list_jobs`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ListJobsArgs {
+pub(super) struct ListJobsArgs {
     /// Only "running" or only "finished" jobs.
     #[serde(default)]
     pub status: Option<JobFilter>,
@@ -67,7 +67,7 @@ pub struct ListJobsArgs {
 
 /// Structured result of `job_status` and `cancel_job`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct JobStatusOutput {
+pub(super) struct JobStatusOutput {
     /// Job handle.
     pub job: String,
     /// Session it runs in.
@@ -90,7 +90,7 @@ pub struct JobStatusOutput {
 
 /// One entry of `list_jobs`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct JobInfo {
+pub(super) struct JobInfo {
     /// Job handle.
     pub job: String,
     /// Session.
@@ -103,7 +103,7 @@ pub struct JobInfo {
 
 /// Structured result of `list_jobs`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct JobList {
+pub(super) struct JobList {
     /// Jobs, oldest first.
     pub jobs: Vec<JobInfo>,
 }

@@ -39,8 +39,7 @@ mod sessions;
 mod transfer;
 mod types;
 
-pub use checks::DEFAULT_SESSION;
-pub use types::*;
+pub(crate) use types::*;
 
 /// The MCP server.
 #[derive(Clone)]
@@ -70,16 +69,16 @@ impl SandboxServer {
 }
 
 /// The principal of a caller over stdio: the one local client.
-pub const LOCAL: &str = "local";
+pub(crate) const LOCAL: &str = "local";
 
 /// The principal an HTTP request was authenticated as, put in its extensions by the auth layer.
 #[derive(Debug, Clone)]
-pub struct Principal(pub Arc<str>);
+pub(crate) struct Principal(pub Arc<str>);
 
 /// Who is calling: the principal of the request's token over HTTP, the local client otherwise.
 /// Read per request (never per connection), so a session id can't carry one caller's rights
 /// to another.
-pub fn principal_of(ctx: &RequestContext<RoleServer>) -> Arc<str> {
+pub(crate) fn principal_of(ctx: &RequestContext<RoleServer>) -> Arc<str> {
     ctx.extensions
         .get::<axum::http::request::Parts>()
         .and_then(|p| p.extensions.get::<Principal>())
@@ -88,7 +87,8 @@ pub fn principal_of(ctx: &RequestContext<RoleServer>) -> Arc<str> {
 }
 
 /// Extractor form of [`principal_of`] for tools that need nothing else of the context.
-pub struct Caller(pub Arc<str>);
+#[derive(Debug)]
+pub(crate) struct Caller(pub Arc<str>);
 
 impl<C: rmcp::handler::server::common::AsRequestContext> rmcp::handler::server::common::FromContextPart<C> for Caller {
     fn from_context_part(context: &mut C) -> Result<Self, ErrorData> {
@@ -185,5 +185,11 @@ impl ServerHandler for SandboxServer {
                 .with_mime_type("application/octet-stream"),
         };
         Ok(ReadResourceResult::new(vec![contents]).into())
+    }
+}
+
+impl std::fmt::Debug for SandboxServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxServer").finish_non_exhaustive()
     }
 }

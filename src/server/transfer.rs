@@ -28,7 +28,7 @@ const MAX_FILES: u64 = 20_000;
 /// Arguments of `upload_archive`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct UploadArchiveArgs {
+pub(super) struct UploadArchiveArgs {
     /// A tar archive (not compressed), base64.
     pub archive: String,
     /// Directory of the workspace to unpack into (default: the workspace itself).
@@ -42,7 +42,7 @@ pub struct UploadArchiveArgs {
 /// Arguments of `download_archive`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct DownloadArchiveArgs {
+pub(super) struct DownloadArchiveArgs {
     /// File or directory of the workspace to pack (default: the whole workspace).
     #[serde(default)]
     pub path: Option<String>,
@@ -53,7 +53,7 @@ pub struct DownloadArchiveArgs {
 
 /// Structured result of `upload_archive`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct UploadOutput {
+pub(super) struct UploadOutput {
     /// Session.
     pub session: String,
     /// Regular files written.
@@ -66,7 +66,7 @@ pub struct UploadOutput {
 
 /// Structured result of `download_archive`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct DownloadOutput {
+pub(super) struct DownloadOutput {
     /// Session.
     pub session: String,
     /// The tar archive, base64; entries are named relative to the workspace.

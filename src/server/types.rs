@@ -11,7 +11,7 @@ use crate::session::{RunStatus, SessionInfo};
 /// Arguments of `run_python`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct RunPythonArgs {
+pub(crate) struct RunPythonArgs {
     /// Python source to run. Statements run in the session's persistent namespace; if the
     /// last statement is an expression, its repr is returned as `result`, as in a REPL.
     pub code: String,
@@ -59,7 +59,7 @@ pub struct RunPythonArgs {
 /// Arguments of `install_packages`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct InstallArgs {
+pub(crate) struct InstallArgs {
     /// Requirement strings: a name, optional [extras], optional version constraints and an
     /// optional marker ("pandas", "requests[socks]>=2.31,<3"). No URLs, paths or options.
     pub packages: Vec<String>,
@@ -75,7 +75,7 @@ pub struct InstallArgs {
 /// Arguments of `list_packages`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ListPackagesArgs {
+pub(crate) struct ListPackagesArgs {
     /// Session name. Omit for the default session; a new name creates the session.
     #[serde(default)]
     pub session: Option<String>,
@@ -86,7 +86,7 @@ pub struct ListPackagesArgs {
 
 /// Structured result of `install_packages`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct InstallOutput {
+pub(crate) struct InstallOutput {
     /// Session.
     pub session: String,
     /// Requirements newly installed.
@@ -101,7 +101,7 @@ pub struct InstallOutput {
 
 /// Structured result of `list_packages`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct PackageList {
+pub(crate) struct PackageList {
     /// Session.
     pub session: String,
     /// Installed distributions (all, or those of `names` that are installed).
@@ -115,7 +115,7 @@ pub struct PackageList {
 /// Arguments of the tools that act on one session.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct SessionArgs {
+pub(crate) struct SessionArgs {
     /// Session name. Omit for the default session.
     #[serde(default)]
     pub session: Option<String>,
@@ -124,11 +124,11 @@ pub struct SessionArgs {
 /// Arguments of `list_sessions`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
-pub struct NoArgs {}
+pub(crate) struct NoArgs {}
 
 /// Structured result of `run_python`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct RunOutput {
+pub(crate) struct RunOutput {
     /// Session the code ran in.
     pub session: String,
     /// ok, error, timeout, cancelled, interpreter_restarted, oom, or running (a job).
@@ -177,7 +177,7 @@ pub struct RunOutput {
 
 /// Structured result of `list_sessions`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct SessionList {
+pub(crate) struct SessionList {
     /// Open sessions of the caller.
     pub sessions: Vec<SessionInfo>,
     /// Most sessions open at once.
@@ -186,7 +186,7 @@ pub struct SessionList {
 
 /// Structured result of `list_variables`.
 #[derive(Debug, Serialize, schemars::JsonSchema)]
-pub struct VariableList {
+pub(crate) struct VariableList {
     /// Session.
     pub session: String,
     /// User variables (names not starting with '_', modules excluded).

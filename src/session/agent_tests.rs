@@ -145,7 +145,7 @@ async fn run_code(
     code: &str,
     timeout: Duration,
     ct: &CancellationToken,
-    observer: &super::Observer<'_>,
+    observer: &super::run::Observer<'_>,
 ) -> (Ending, RunOutcome) {
     let mut outcome = empty_outcome();
     let id = agent.next_id();

@@ -11,12 +11,12 @@
 mod agent;
 #[cfg(test)]
 mod agent_tests;
-pub mod jobs;
-pub mod registry;
+pub(crate) mod jobs;
+pub(crate) mod registry;
 mod run;
 mod transfer;
 
-pub use self::run::{Observer, RunOutcome, RunSpec, RunStatus};
+pub(crate) use self::run::{RunOutcome, RunSpec, RunStatus};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -476,5 +476,21 @@ impl Session {
             container::destroy(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
         }
+    }
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("name", &self.name)
+            .field("principal", &self.principal)
+            .field("environment", &self.environment)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared").finish_non_exhaustive()
     }
 }

@@ -197,11 +197,6 @@ impl Registry {
         &self.docker
     }
 
-    /// This instance's identity.
-    pub fn instance(&self) -> &Instance {
-        &self.instance
-    }
-
     /// An environment's image, found or built once per server (a build reports progress).
     pub async fn image(&self, env: &Environment, progress: Progress<'_>) -> Result<String, Error> {
         let cell = {
@@ -490,6 +485,18 @@ impl Registry {
 fn shared<K: Eq + Hash, V>(map: &mut HashMap<K, Arc<V>>, key: K, make: impl FnOnce() -> V) -> Arc<V> {
     map.retain(|_, v| Arc::strong_count(v) > 1);
     map.entry(key).or_insert_with(|| Arc::new(make())).clone()
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opened").field("session", &self.session.name).field("created", &self.created).finish()
+    }
 }
 
 #[cfg(test)]

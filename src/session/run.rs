@@ -35,7 +35,7 @@ pub enum RunStatus {
 }
 
 /// Sees each chunk of output as it arrives, for live streaming.
-pub type Observer<'a> = dyn Fn(protocol::Stream, &[u8]) + Send + Sync + 'a;
+pub(super) type Observer<'a> = dyn Fn(protocol::Stream, &[u8]) + Send + Sync + 'a;
 
 /// The outcome of one run.
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@ use serde_json::json;
 use crate::common::{Server, containers_of, docker, text};
 
 fn now() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| i64::try_from(d.as_secs()).unwrap_or(0)).unwrap_or(0)
 }
 
 /// Installer containers this instance created between two times.

@@ -1,5 +1,6 @@
 //! One integration test binary (as ripgrep does), every test against the real engine through
 //! the real binary and a real MCP client.
+#![allow(unreachable_pub)] // a test crate: its helpers are shared between its modules
 
 // The harness: spawn the server, call tools, check what is left in Docker.
 mod common;
