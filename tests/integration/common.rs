@@ -189,3 +189,87 @@ pub async fn assert_cleaned_up(instance: &str) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// A server spoken to line by line over stdio, with no MCP client in between: for malformed
+/// messages, and for a client that reads only when it chooses to.
+pub struct Raw {
+    pub child: Child,
+    pub stdin: tokio::process::ChildStdin,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    /// Progress notifications read so far.
+    pub progress: usize,
+}
+
+impl Raw {
+    /// Starts `pyberth serve` (no warm pool) for `instance`.
+    pub fn start(instance: &str) -> Raw {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pyberth"))
+            .arg("serve")
+            .env("PYBERTH_INSTANCE", instance)
+            .env("PYBERTH_STATE_DIR", state_dir())
+            .env("PYBERTH_POOL_SIZE", "0")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn pyberth");
+        let stdin = child.stdin.take().expect("stdin");
+        let lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+        Raw { child, stdin, lines, progress: 0 }
+    }
+
+    /// Sends one line as it is (with its newline).
+    pub async fn send_line(&mut self, line: &[u8]) {
+        use tokio::io::AsyncWriteExt as _;
+        self.stdin.write_all(line).await.expect("write to the server");
+        self.stdin.write_all(b"\n").await.expect("write to the server");
+        self.stdin.flush().await.expect("flush");
+    }
+
+    /// Sends one JSON-RPC message.
+    pub async fn send(&mut self, msg: Value) {
+        self.send_line(msg.to_string().as_bytes()).await;
+    }
+
+    /// Initializes the MCP connection.
+    pub async fn initialize(&mut self) {
+        self.send(json!({ "jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": { "name": "raw", "version": "0" } } }))
+            .await;
+        assert!(self.response(1).await["result"]["serverInfo"].is_object());
+        self.send(json!({ "jsonrpc": "2.0", "method": "notifications/initialized" })).await;
+    }
+
+    /// Reads up to the response carrying `id` within 60 s, counting progress notifications.
+    pub async fn response(&mut self, id: u64) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = tokio::time::timeout(left, self.lines.next_line())
+                .await
+                .unwrap_or_else(|_| panic!("no response to request {id} within 60 s"))
+                .expect("read from the server")
+                .unwrap_or_else(|| panic!("the server closed stdout before answering {id}"));
+            let v: Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("not JSON from the server: {e}: {}", excerpt(&line)));
+            if v["method"] == "notifications/progress" {
+                self.progress += 1;
+            }
+            if v["id"] == id {
+                return v;
+            }
+        }
+    }
+}
+
+/// At most 300 characters of `s`: a failing assertion prints an excerpt, not megabytes.
+pub fn excerpt(s: &str) -> String {
+    if s.chars().count() <= 300 {
+        return s.to_owned();
+    }
+    let head: String = s.chars().take(300).collect();
+    format!("{head}… ({} bytes in all)", s.len())
+}

@@ -3,14 +3,11 @@
 //! The daemon restart has its own test binary (`tests/restart.rs`): it stops every container
 //! on the engine, so it cannot share a process with these.
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::Command;
+use serde_json::json;
 
-use crate::common::{Server, assert_cleaned_up, containers_of, instance_name, state_dir, text};
+use crate::common::{Raw, Server, assert_cleaned_up, containers_of, instance_name, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_container_removed_mid_run_fails_fast_and_the_next_call_starts_fresh() {
@@ -84,85 +81,34 @@ async fn a_canary_stays_responsive_while_many_sessions_burn_cpu_and_flood_output
     assert_cleaned_up(&instance).await;
 }
 
-/// A server spoken to line by line, without an MCP client in between.
-struct Raw {
-    child: tokio::process::Child,
-    stdin: tokio::process::ChildStdin,
-    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-}
-
-impl Raw {
-    async fn send(&mut self, line: &[u8]) {
-        self.stdin.write_all(line).await.expect("write to the server");
-        self.stdin.write_all(b"\n").await.expect("write to the server");
-        self.stdin.flush().await.expect("flush");
-    }
-
-    /// The next response carrying `id` (notifications skipped), within 30 s.
-    async fn response(&mut self, id: u64) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = tokio::time::timeout(left, self.lines.next_line())
-                .await
-                .unwrap_or_else(|_| panic!("no response to request {id} within 30 s"))
-                .expect("read from the server")
-                .unwrap_or_else(|| panic!("the server closed stdout before answering {id}"));
-            let v: Value =
-                serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON from the server: {e}: {line}"));
-            if v["id"] == id {
-                return v;
-            }
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn malformed_and_oversized_mcp_messages_leave_the_server_serving_and_create_nothing() {
     let instance = instance_name("raw-stdio");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pyberth"))
-        .arg("serve")
-        .env("PYBERTH_INSTANCE", &instance)
-        .env("PYBERTH_STATE_DIR", state_dir())
-        .env("PYBERTH_POOL_SIZE", "0")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn pyberth");
-    let stdin = child.stdin.take().expect("stdin");
-    let lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut raw = Raw { child, stdin, lines };
-    let init = json!({ "jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": { "name": "raw", "version": "0" } } });
-    raw.send(init.to_string().as_bytes()).await;
-    assert!(raw.response(1).await["result"]["serverInfo"].is_object());
-    raw.send(json!({ "jsonrpc": "2.0", "method": "notifications/initialized" }).to_string().as_bytes()).await;
+    let mut raw = Raw::start(&instance);
+    raw.initialize().await;
 
     // Not JSON, a JSON-RPC shape that is wrong, control bytes, a 20 MiB line (over the 16 MiB
     // line limit of the transport), and a call whose code is over the code cap.
-    raw.send(b"\xff\xfe not json at all {{{").await;
-    raw.send(b"{\"jsonrpc\":\"2.0\",\"id\":2,\"method\":").await;
-    raw.send(
+    raw.send_line(b"\xff\xfe not json at all {{{").await;
+    raw.send_line(b"{\"jsonrpc\":\"2.0\",\"id\":2,\"method\":").await;
+    raw.send_line(
         json!({ "jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": "not an object" }).to_string().as_bytes(),
     )
     .await;
-    raw.send(json!({ "jsonrpc": "2.0", "id": 4, "method": "no/such/method" }).to_string().as_bytes()).await;
+    raw.send_line(json!({ "jsonrpc": "2.0", "id": 4, "method": "no/such/method" }).to_string().as_bytes()).await;
     let huge = json!({ "jsonrpc": "2.0", "id": 5, "method": "tools/call",
         "params": { "name": "run_python", "arguments": { "code": "x".repeat(20 << 20) } } });
-    raw.send(huge.to_string().as_bytes()).await;
+    raw.send_line(huge.to_string().as_bytes()).await;
     let over_cap = json!({ "jsonrpc": "2.0", "id": 6, "method": "tools/call",
         "params": { "name": "run_python", "arguments": { "code": format!("# {}", "x".repeat(2 << 20)) } } });
-    raw.send(over_cap.to_string().as_bytes()).await;
+    raw.send_line(over_cap.to_string().as_bytes()).await;
     let r = raw.response(6).await;
     assert_eq!(r["result"]["isError"], true, "over the code cap is a tool error: {r}");
     let msg = r["result"]["content"][0]["text"].as_str().unwrap_or_default().to_owned();
     assert!(msg.contains("over the limit"), "{msg}");
     let unknown_tool = json!({ "jsonrpc": "2.0", "id": 7, "method": "tools/call",
         "params": { "name": "no_such_tool", "arguments": {} } });
-    raw.send(unknown_tool.to_string().as_bytes()).await;
+    raw.send_line(unknown_tool.to_string().as_bytes()).await;
     let r = raw.response(7).await;
     assert!(r["error"].is_object() || r["result"]["isError"] == true, "an unknown tool is refused: {r}");
     assert!(containers_of(&instance).await.is_empty(), "bad messages created a container");
@@ -170,7 +116,7 @@ async fn malformed_and_oversized_mcp_messages_leave_the_server_serving_and_creat
     // Still serving: a good call runs.
     let good = json!({ "jsonrpc": "2.0", "id": 8, "method": "tools/call",
         "params": { "name": "run_python", "arguments": { "code": "6 * 7" } } });
-    raw.send(good.to_string().as_bytes()).await;
+    raw.send_line(good.to_string().as_bytes()).await;
     let r = raw.response(8).await;
     assert_eq!(r["result"]["isError"], false, "{r}");
     assert_eq!(r["result"]["structuredContent"]["result"], "42", "{r}");
