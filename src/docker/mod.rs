@@ -3,6 +3,7 @@
 
 pub mod archive;
 pub mod container;
+mod copyback;
 pub mod engine;
 pub mod exec;
 pub mod image;
