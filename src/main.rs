@@ -100,10 +100,31 @@ enum LayersAction {
     },
 }
 
+/// Settings of a server that `pyberth run` hides and refuses, with what to use instead.
+const SERVER_ONLY: &[(&str, &str)] = &[
+    ("timeout_s", "its time limit is --timeout"),
+    ("idle_ttl_s", "it is a server setting"),
+    ("max_sessions", "it is a server setting"),
+    ("max_sessions_total", "it is a server setting"),
+    ("pool_size", "it is a server setting"),
+    ("max_runs_per_caller", "it is a server setting"),
+];
+
 /// Parses the command line, then fills in from the config file what flags and environment
 /// left at their defaults.
 fn parse() -> anyhow::Result<Cli> {
-    let matches = Cli::command().get_matches();
+    // `pyberth run` makes one sandbox for one run: the settings of a server mean nothing there.
+    let command = Cli::command()
+        .mut_subcommand("run", |run| SERVER_ONLY.iter().fold(run, |run, (id, _)| run.mut_arg(*id, |a| a.hide(true))));
+    let matches = command.get_matches();
+    if let Some(("run", run)) = matches.subcommand() {
+        for (id, instead) in SERVER_ONLY {
+            if run.value_source(id) == Some(clap::parser::ValueSource::CommandLine) {
+                let flag = format!("--{}", id.replace('_', "-"));
+                anyhow::bail!("{flag} does not apply to `pyberth run`: {instead}");
+            }
+        }
+    }
     let mut cli = Cli::from_arg_matches(&matches)?;
     let Some(path) = cli.config.clone() else { return Ok(cli) };
     let file = config::read_file(&path).map_err(anyhow::Error::msg)?;

@@ -44,8 +44,6 @@ pub mod exit {
 /// Arguments of `pyberth run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    #[command(flatten)]
-    pub cfg: SandboxConfig,
     /// Python script to run (`-` reads it from stdin). Without it, the words after `--` are a
     /// command run in the workspace (e.g. `-- python -m pytest -q`).
     pub file: Option<PathBuf>,
@@ -93,6 +91,9 @@ pub struct RunArgs {
     /// Cap on the files uploaded by --project and copied back by --output.
     #[arg(long, value_name = "N", default_value_t = 20_000)]
     pub transfer_max_files: u64,
+    /// The sandbox: the same settings as `pyberth serve`'s (those of a server alone are hidden).
+    #[command(flatten, next_help_heading = "Sandbox")]
+    pub cfg: SandboxConfig,
 }
 
 /// The `--json` result.
@@ -252,6 +253,13 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
         return Err(usage(format!("--timeout must be above 0 and at most {} seconds", cfg.max_timeout_s)));
     }
     let env = parse_env(&args.env).map_err(usage)?;
+    for (flag, dir) in [("--project", &args.project)] {
+        if let Some(dir) = dir
+            && !dir.is_dir()
+        {
+            return Err(usage(format!("{flag} {}: no such directory", dir.display())));
+        }
+    }
     let target = target(args, cfg.code_cap)?;
     let script_text = match &target {
         Target::Script { data: Some(d), .. } => Some(String::from_utf8_lossy(d).into_owned()),
@@ -293,6 +301,8 @@ async fn in_session(
     env: BTreeMap<String, String>,
 ) -> Result<u8, Failure> {
     let progress = |l: &str| status.line(l);
+    // A bad name is a bad invocation, found before any container is made.
+    registry.environments.get(args.environment.as_deref()).map_err(usage)?;
     let (session, _) = registry
         .get_or_create("cli", "run", args.environment.as_deref(), packages, &progress)
         .await

@@ -91,6 +91,19 @@ async fn exit_codes_and_streams_are_the_programs() {
     assert!(crate::common::containers_of(&instance).await.is_empty(), "no container for a bad invocation");
     let (o, _) = pyberth_run("badenv", &dir, &["--env", "LD_PRELOAD=/x.so", "t.py"], None).await;
     assert_eq!(o.status.code(), Some(2), "{}", streams(&o).1);
+    // Bad invocations, all 2 and all before any container: a server's flag, a missing project,
+    // an unknown environment.
+    for (tag, args, says) in [
+        ("srvflag", &["--timeout-s", "1", "t.py"][..], "--timeout"),
+        ("noproj", &["--project", "/nonexistent", "t.py"][..], "no such directory"),
+        ("noenv", &["--environment", "nosuch", "t.py"][..], "nosuch"),
+    ] {
+        let (o, instance) = pyberth_run(tag, &dir, args, None).await;
+        let err = streams(&o).1;
+        assert_eq!(o.status.code(), Some(2), "{tag}: {err}");
+        assert!(err.contains(says), "{tag}: {err}");
+        assert!(crate::common::containers_of(&instance).await.is_empty(), "{tag}: no container");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
