@@ -55,6 +55,44 @@ pub struct Server {
     pub heard: Arc<Mutex<Vec<Heard>>>,
     pub child: Child,
     pub instance: String,
+    #[allow(dead_code)] // held for its Drop: the log is shown if the test fails
+    pub log: ServerLog,
+}
+
+/// A child server's stderr, kept in a file: libtest does not capture a child's output, so
+/// inherited logs would flood every run. The file's tail is printed only if the test fails.
+pub struct ServerLog(pub std::path::PathBuf);
+
+impl ServerLog {
+    /// A fresh log file for `instance`, and the handle to give the child as its stderr.
+    pub fn create(instance: &str) -> (ServerLog, Stdio) {
+        let dir = std::env::temp_dir().join("pyberth-test-logs");
+        std::fs::create_dir_all(&dir).expect("log dir");
+        let path = dir.join(format!("{instance}.log"));
+        let file = std::fs::File::create(&path).expect("log file");
+        (ServerLog(path), Stdio::from(file))
+    }
+
+    /// The log so far.
+    pub fn read(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.0).unwrap_or_default()).into_owned()
+    }
+}
+
+impl Drop for ServerLog {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = self.read();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!("--- last {} lines of the server's log ({}) ---", tail.len(), self.0.display());
+            for l in tail {
+                eprintln!("{}", excerpt(l));
+            }
+        } else {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
 }
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -79,6 +117,7 @@ impl Server {
     /// Starts a server with a given instance name.
     pub async fn start_as(instance: &str, env: &[(&str, &str)]) -> Server {
         let state_dir = state_dir();
+        let (log, stderr) = ServerLog::create(instance);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pyberth"));
         cmd.arg("serve")
             .env("PYBERTH_INSTANCE", instance)
@@ -88,7 +127,7 @@ impl Server {
             .env("PYBERTH_POOL_SIZE", "0")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);
@@ -99,7 +138,7 @@ impl Server {
         let recorder = Recorder::default();
         let heard = recorder.heard.clone();
         let client = recorder.serve((stdout, stdin)).await.expect("MCP initialise");
-        Server { client: Some(client), heard, child, instance: instance.to_owned() }
+        Server { client: Some(client), heard, child, instance: instance.to_owned(), log }
     }
 
     /// Notifications heard so far, and forgets them.
@@ -135,7 +174,7 @@ impl Server {
     /// Runs code that must succeed, returning its structured content.
     pub async fn ok(&self, session: &str, code: &str) -> Value {
         let (r, sc) = self.run(session, code).await;
-        assert_eq!(r.is_error, Some(false), "expected success for {code:?}: {}", text(&r));
+        assert_eq!(r.is_error, Some(false), "expected success for {}: {}", excerpt(code), excerpt(&text(&r)));
         sc
     }
 
@@ -194,6 +233,8 @@ pub async fn assert_cleaned_up(instance: &str) {
 /// messages, and for a client that reads only when it chooses to.
 pub struct Raw {
     pub child: Child,
+    #[allow(dead_code)] // held for its Drop: the log is shown if the test fails
+    pub log: ServerLog,
     pub stdin: tokio::process::ChildStdin,
     lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
     /// Progress notifications read so far.
@@ -204,6 +245,7 @@ impl Raw {
     /// Starts `pyberth serve` (no warm pool) for `instance`.
     pub fn start(instance: &str) -> Raw {
         use tokio::io::AsyncBufReadExt as _;
+        let (log, stderr) = ServerLog::create(instance);
         let mut child = Command::new(env!("CARGO_BIN_EXE_pyberth"))
             .arg("serve")
             .env("PYBERTH_INSTANCE", instance)
@@ -212,13 +254,13 @@ impl Raw {
             .env("RUST_LOG", "info")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .kill_on_drop(true)
             .spawn()
             .expect("spawn pyberth");
         let stdin = child.stdin.take().expect("stdin");
         let lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
-        Raw { child, stdin, lines, progress: 0 }
+        Raw { child, log, stdin, lines, progress: 0 }
     }
 
     /// Sends one line as it is (with its newline).
