@@ -5,14 +5,13 @@
 //! have tokens: anyone who can reach it could otherwise run code.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context as _, bail};
 use axum::Router;
 use axum::extract::Request;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use clap::Args;
@@ -23,13 +22,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
 use crate::docker::image;
-use crate::server::{Principal, SandboxServer};
+use crate::server::SandboxServer;
 use crate::session::registry::Registry;
 
-/// Principal of the single `PYBERTH_TOKEN`, and of callers of a token-less loopback server.
-pub const DEFAULT_PRINCIPAL: &str = "default";
-/// Shortest token accepted: shorter ones are guessable.
-const MIN_TOKEN_LEN: usize = 16;
+mod tokens;
+
+pub use tokens::{DEFAULT_PRINCIPAL, Tokens};
 
 /// Options of the HTTP service.
 #[derive(Debug, Clone, Default, Args, Serialize, Deserialize)]
@@ -63,110 +61,69 @@ fn default_max_request_mb() -> usize {
     16
 }
 
-/// The accepted tokens.
-#[derive(Debug, Default)]
-pub struct Tokens(Vec<(Arc<str>, Vec<u8>)>);
-
-impl Tokens {
-    /// Reads the tokens file and/or the single token.
-    pub fn load(args: &HttpArgs) -> anyhow::Result<Self> {
-        let mut tokens = Vec::new();
-        if let Some(path) = &args.tokens_file {
-            tokens = parse_tokens_file(path)?;
-        }
-        if let Some(t) = &args.token {
-            check_token(t).context("PYBERTH_TOKEN")?;
-            tokens.push((Arc::from(DEFAULT_PRINCIPAL), t.as_bytes().to_vec()));
-        }
-        Ok(Self(tokens))
-    }
-
-    /// Whether no tokens are configured.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The principal a presented token belongs to. Compares every token in full, in time
-    /// independent of where they differ.
-    fn principal(&self, presented: &[u8]) -> Option<Arc<str>> {
-        let mut found = None;
-        for (principal, token) in &self.0 {
-            let same = token.len() == presented.len()
-                && token.iter().zip(presented).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-            if same && found.is_none() {
-                found = Some(principal.clone());
-            }
-        }
-        found
-    }
+/// Why a token or a line of the tokens file is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenProblem {
+    /// Too short, or with spaces or control characters.
+    #[error("a token must be at least 16 characters without spaces (try: openssl rand -hex 24)")]
+    Weak,
+    /// A line without `principal:`.
+    #[error("write principal:token")]
+    NoColon,
+    /// A principal name with characters outside the allowed set.
+    #[error("the principal must be 1-64 letters, digits, '.', '_' or '-'")]
+    Principal,
+    /// The same token twice.
+    #[error("this token is already given to another principal")]
+    Duplicate,
 }
 
-fn check_token(t: &str) -> anyhow::Result<()> {
-    if t.len() < MIN_TOKEN_LEN || t.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        bail!("a token must be at least {MIN_TOKEN_LEN} characters without spaces (try: openssl rand -hex 24)");
-    }
-    Ok(())
-}
-
-fn parse_tokens_file(path: &Path) -> anyhow::Result<Vec<(Arc<str>, Vec<u8>)>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read the tokens file {}", path.display()))?;
-    let mut out: Vec<(Arc<str>, Vec<u8>)> = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let at = || format!("{} line {}", path.display(), n + 1);
-        let Some((principal, token)) = line.split_once(':') else {
-            bail!("{}: write principal:token", at());
-        };
-        let principal = principal.trim();
-        if principal.is_empty()
-            || principal.len() > 64
-            || !principal.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        {
-            bail!("{}: the principal must be 1-64 letters, digits, '.', '_' or '-'", at());
-        }
-        let token = token.trim();
-        check_token(token).with_context(at)?;
-        if out.iter().any(|(_, t)| t == token.as_bytes()) {
-            bail!("{}: this token is already given to another principal", at());
-        }
-        out.push((Arc::from(principal), token.as_bytes().to_vec()));
-    }
-    if out.is_empty() {
-        bail!("the tokens file {} has no tokens", path.display());
-    }
-    Ok(out)
-}
-
-/// Checks the bearer token and records the caller's principal for the tools.
-async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Next) -> Response {
-    if tokens.is_empty() {
-        // Loopback only (checked at start): the local user, as over stdio.
-        req.extensions_mut().insert(Principal(Arc::from(DEFAULT_PRINCIPAL)));
-        return next.run(req).await;
-    }
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
-    match presented.and_then(|t| tokens.principal(t.as_bytes())) {
-        Some(principal) => {
-            req.extensions_mut().insert(Principal(principal));
-            next.run(req).await
-        }
-        None => {
-            let why = if presented.is_some() { "the token is not valid" } else { "a bearer token is required" };
-            let body = serde_json::json!({ "error": format!("{why}: send Authorization: Bearer <token>") });
-            let mut resp = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
-            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            resp
-        }
-    }
+/// Why the HTTP service cannot start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The tokens file cannot be read.
+    #[error("cannot read the tokens file {}", path.display())]
+    ReadTokens {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line of the tokens file is refused.
+    #[error("{} line {line}: {problem}", path.display())]
+    TokensLine {
+        /// The file.
+        path: PathBuf,
+        /// Its line, from 1.
+        line: usize,
+        /// What is wrong with it.
+        problem: TokenProblem,
+    },
+    /// The tokens file has no token.
+    #[error("the tokens file {} has no tokens", .0.display())]
+    NoTokens(PathBuf),
+    /// `PYBERTH_TOKEN` is refused.
+    #[error("PYBERTH_TOKEN: {0}")]
+    Token(TokenProblem),
+    /// No tokens, on an address beyond loopback.
+    #[error(
+        "refusing to serve on {0} without tokens: anyone who can reach it could run code. \
+         Set PYBERTH_TOKEN or --tokens-file, or listen on 127.0.0.1"
+    )]
+    OpenWithoutTokens(SocketAddr),
+    /// The address cannot be listened on.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server stopped on an I/O error.
+    #[error("the HTTP server failed")]
+    Serve(#[source] std::io::Error),
 }
 
 /// `/healthz`: whether Docker answers and the sandbox image exists.
@@ -190,13 +147,10 @@ pub async fn serve(
     registry: Arc<Registry>,
     cfg: Arc<SandboxConfig>,
     shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let tokens = Arc::new(Tokens::load(args)?);
     if tokens.is_empty() && !addr.ip().is_loopback() {
-        bail!(
-            "refusing to serve on {addr} without tokens: anyone who can reach it could run code. \
-             Set PYBERTH_TOKEN or --tokens-file, or listen on 127.0.0.1"
-        );
+        return Err(Error::OpenWithoutTokens(addr));
     }
     let mut hosts: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
     hosts.extend(args.allowed_hosts.iter().cloned());
@@ -215,45 +169,15 @@ pub async fn serve(
     let auth_tokens = tokens.clone();
     let app = Router::new()
         .nest_service("/mcp", mcp)
-        .layer(middleware::from_fn(move |req: Request, next: Next| authenticate(auth_tokens.clone(), req, next)))
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            tokens::authenticate(auth_tokens.clone(), req, next)
+        }))
         .route("/healthz", axum::routing::get(move || healthz(registry.clone(), cfg.clone())));
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
     let bound = listener.local_addr().unwrap_or(addr);
-    tracing::info!(address = %bound, principals = tokens.0.len(), "serving MCP over HTTP at /mcp");
+    tracing::info!(address = %bound, principals = tokens.len(), "serving MCP over HTTP at /mcp");
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
-        .context("the HTTP server failed")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tokens_file_lines_are_checked_and_name_their_line() {
-        let dir = std::env::temp_dir().join(format!("pyberth-tokens-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let file = dir.join("tokens");
-        let write = |text: &str| std::fs::write(&file, text).expect("write");
-        write("# team\nalice:aaaaaaaaaaaaaaaaaaaa\n\nbob : bbbbbbbbbbbbbbbbbbbb\n");
-        let tokens = parse_tokens_file(&file).expect("valid");
-        let t = Tokens(tokens);
-        assert_eq!(t.principal(b"bbbbbbbbbbbbbbbbbbbb").as_deref(), Some("bob"));
-        assert_eq!(t.principal(b"aaaaaaaaaaaaaaaaaaaa").as_deref(), Some("alice"));
-        assert!(t.principal(b"aaaaaaaaaaaaaaaaaaab").is_none());
-        assert!(t.principal(b"").is_none());
-        for (bad, why) in [
-            ("alice\n", "line 1"),
-            ("alice:short\n", "line 1"),
-            ("a b:cccccccccccccccccccc\n", "line 1"),
-            ("x:dddddddddddddddddddd\ny:dddddddddddddddddddd\n", "line 2"),
-            ("# nothing\n", "no tokens"),
-        ] {
-            write(bad);
-            let e = format!("{:#}", parse_tokens_file(&file).expect_err(bad));
-            assert!(e.contains(why), "{bad:?}: {e}");
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-    }
+        .map_err(Error::Serve)
 }

@@ -274,7 +274,9 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
                 tracing::info!("signal received; shutting down");
                 stop.cancel();
             });
-            let served = pyberth::http::serve(&http, addr, registry.clone(), cfg.clone(), shutdown.clone()).await;
+            let served = pyberth::http::serve(&http, addr, registry.clone(), cfg.clone(), shutdown.clone())
+                .await
+                .map_err(anyhow::Error::from);
             signal.abort();
             served
         }
