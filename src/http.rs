@@ -25,6 +25,7 @@ use crate::docker::image;
 use crate::server::SandboxServer;
 use crate::session::registry::Registry;
 
+mod hosts;
 mod tokens;
 
 pub use tokens::{DEFAULT_PRINCIPAL, Tokens};
@@ -47,7 +48,8 @@ pub struct HttpArgs {
     pub token: Option<String>,
 
     /// Host names (or host:port) clients may use besides localhost, 127.0.0.1 and ::1; other
-    /// Host headers are refused, against DNS rebinding. Comma-separated in the environment.
+    /// Host headers are refused, against DNS rebinding, and so are browser requests whose Origin
+    /// is on another host. Comma-separated in the environment.
     #[arg(long = "allowed-host", env = "PYBERTH_ALLOWED_HOSTS", value_delimiter = ',', value_name = "HOST")]
     pub allowed_hosts: Vec<String>,
 
@@ -112,6 +114,9 @@ pub enum Error {
          Set PYBERTH_TOKEN or --tokens-file, or listen on 127.0.0.1"
     )]
     OpenWithoutTokens(SocketAddr),
+    /// An `--allowed-host` that is not `host[:port]`.
+    #[error("--allowed-host `{0}` is not a host name or address with an optional :port")]
+    AllowedHost(String),
     /// The address cannot be listened on.
     #[error("cannot listen on {addr}")]
     Listen {
@@ -152,6 +157,8 @@ pub async fn serve(
     if tokens.is_empty() && !addr.ip().is_loopback() {
         return Err(Error::OpenWithoutTokens(addr));
     }
+    let allowed = Arc::new(hosts::AllowedHosts::new(&args.allowed_hosts)?);
+    // rmcp's own Host check stays behind ours, with the same names.
     let mut hosts: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
     hosts.extend(args.allowed_hosts.iter().cloned());
     let config = StreamableHttpServerConfig::default()
@@ -172,6 +179,8 @@ pub async fn serve(
         .layer(middleware::from_fn(move |req: Request, next: Next| {
             tokens::authenticate(auth_tokens.clone(), req, next)
         }))
+        // Outermost: a request from elsewhere is refused before its token is looked at.
+        .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
         .route("/healthz", axum::routing::get(move || healthz(registry.clone(), cfg.clone())));
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
     let bound = listener.local_addr().unwrap_or(addr);
