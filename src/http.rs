@@ -15,7 +15,6 @@ use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use clap::Args;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -26,6 +25,7 @@ use crate::server::SandboxServer;
 use crate::session::registry::Registry;
 
 mod hosts;
+mod sessions;
 mod tokens;
 
 pub use tokens::{DEFAULT_PRINCIPAL, Tokens};
@@ -168,14 +168,20 @@ pub async fn serve(
         .with_cancellation_token(shutdown.child_token());
     let factory_registry = registry.clone();
     let factory_cfg = cfg.clone();
+    let owners = Arc::new(sessions::Owners::default());
+    let manager = Arc::new(sessions::Bound::new(owners.clone()));
     let mcp = StreamableHttpService::new(
         move || Ok(SandboxServer::new(factory_registry.clone(), factory_cfg.clone())),
-        LocalSessionManager::default().into(),
+        manager.clone(),
         config,
     );
     let auth_tokens = tokens.clone();
     let app = Router::new()
         .nest_service("/mcp", mcp)
+        // Innermost: needs the principal the token layer found.
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            sessions::bind(owners.clone(), manager.clone(), req, next)
+        }))
         .layer(middleware::from_fn(move |req: Request, next: Next| {
             tokens::authenticate(auth_tokens.clone(), req, next)
         }))

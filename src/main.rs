@@ -147,13 +147,17 @@ fn main() -> std::process::ExitCode {
     // `pyberth run` shares stderr with the program it runs: only errors of our own there (its
     // notices come as [pyberth] lines).
     let default_level = if matches!(cli.command, Command::Run(_)) { "error" } else { "info" };
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
-        .init();
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    // rmcp logs every new MCP session id at INFO ("create new session", and a span naming it),
+    // and over HTTP an id is a bearer secret: its session module logs warnings only, unless
+    // RUST_LOG names rmcp itself.
+    if !std::env::var("RUST_LOG").is_ok_and(|v| v.contains("rmcp"))
+        && let Ok(quiet) = "rmcp::transport::streamable_http_server::session=warn".parse()
+    {
+        filter = filter.add_directive(quiet);
+    }
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {

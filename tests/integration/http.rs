@@ -2,6 +2,7 @@
 //! client, /healthz, refusing to serve openly, graceful shutdown.
 
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rmcp::model::{CallToolRequestParams, CallToolResult};
@@ -10,6 +11,7 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{RoleClient, ServiceExt as _};
 use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::common::{Recorder, assert_cleaned_up, instance_name, state_dir, text};
@@ -21,6 +23,8 @@ pub(crate) struct HttpServer {
     child: Child,
     pub(crate) port: u16,
     instance: String,
+    /// Everything the server wrote to stderr so far (it is also copied to the test's stderr).
+    log: Arc<Mutex<String>>,
     _dir: TempDir,
 }
 
@@ -67,13 +71,25 @@ impl HttpServer {
             .env("RUST_LOG", "pyberth=debug,info")
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.spawn().expect("spawn pyberth serve --http");
-        let server = HttpServer { child, port, instance, _dir: TempDir(dir) };
+        let mut child = cmd.spawn().expect("spawn pyberth serve --http");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let sink = log.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                let mut log = sink.lock().expect("log lock");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let server = HttpServer { child, port, instance, log, _dir: TempDir(dir) };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(r) = reqwest::get(server.url("/healthz")).await
@@ -84,6 +100,11 @@ impl HttpServer {
             assert!(Instant::now() < deadline, "the HTTP server did not become healthy");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// What the server logged so far.
+    pub(crate) fn log(&self) -> String {
+        self.log.lock().expect("log lock").clone()
     }
 
     pub(crate) fn url(&self, path: &str) -> String {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::http::{ALICE, HttpServer};
+use crate::http::{ALICE, BOB, HttpServer};
 
 const ACCEPT: &str = "application/json, text/event-stream";
 
@@ -17,6 +17,11 @@ fn initialize_request() -> Value {
         "jsonrpc": "2.0", "id": 1, "method": "initialize",
         "params": { "protocolVersion": VERSION, "capabilities": {}, "clientInfo": { "name": "attack", "version": "0" } }
     })
+}
+
+/// POSTs one JSON-RPC message to /mcp with `token`, in `session` if given.
+async fn post(s: &HttpServer, token: &str, session: Option<&str>, body: &Value) -> reqwest::Response {
+    post_with(s, token, session, body, &[]).await
 }
 
 async fn post_with(
@@ -53,8 +58,112 @@ async fn body_within(mut r: reqwest::Response, limit: Duration) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Everything a client can learn from a response: status, content type, body.
+async fn seen(r: reqwest::Response) -> (u16, Option<String>, String) {
+    let status = r.status().as_u16();
+    let ctype = r.headers().get("content-type").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    (status, ctype, body_within(r, Duration::from_secs(8)).await)
+}
+
 fn session_header(r: &reqwest::Response) -> Option<String> {
     r.headers().get("mcp-session-id").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
+/// A raw initialize and the `initialized` notification; returns the MCP session id.
+async fn initialize(s: &HttpServer, token: &str) -> String {
+    let r = post(s, token, None, &initialize_request()).await;
+    assert_eq!(r.status().as_u16(), 200, "initialize");
+    let sid = session_header(&r).expect("initialize answers with an Mcp-Session-Id");
+    let body = body_within(r, Duration::from_secs(10)).await;
+    assert!(body.contains("\"result\""), "{body}");
+    let note = json!({ "jsonrpc": "2.0", "method": "notifications/initialized" });
+    let r = post(s, token, Some(&sid), &note).await;
+    assert_eq!(r.status().as_u16(), 202, "initialized");
+    sid
+}
+
+fn delete(s: &HttpServer, token: &str, sid: &str) -> reqwest::RequestBuilder {
+    reqwest::Client::new()
+        .delete(s.url("/mcp"))
+        .bearer_auth(token)
+        .header("mcp-session-id", sid)
+        .header("mcp-protocol-version", VERSION)
+}
+
+fn get(s: &HttpServer, token: &str, sid: &str) -> reqwest::RequestBuilder {
+    reqwest::Client::new()
+        .get(s.url("/mcp"))
+        .bearer_auth(token)
+        .header("accept", "text/event-stream")
+        .header("mcp-session-id", sid)
+        .header("mcp-protocol-version", VERSION)
+}
+
+async fn send(r: reqwest::RequestBuilder) -> reqwest::Response {
+    tokio::time::timeout(Duration::from_secs(30), r.send()).await.expect("answered in time").expect("request")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_mcp_session_belongs_to_the_principal_that_opened_it() {
+    let s = HttpServer::start("http-bind").await;
+    let alice = initialize(&s, ALICE).await;
+    let secret = format!("alice-secret-{}", std::process::id());
+    let code = format!("import time\ntime.sleep(2)\nprint('{secret}')");
+    let run = json!({
+        "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": { "name": "run_python", "arguments": { "code": code } }
+    });
+    let mut r = post(&s, ALICE, Some(&alice), &run).await;
+    assert_eq!(r.status().as_u16(), 200);
+    // The stream's first event (the priming one) names it for resumption.
+    let mut head = String::new();
+    let first_event = loop {
+        let chunk = tokio::time::timeout(Duration::from_secs(30), r.chunk()).await;
+        let chunk = chunk.expect("an event in time").expect("read").expect("an event before the end");
+        head.push_str(&String::from_utf8_lossy(&chunk));
+        if let Some(id) = head.lines().find_map(|l| l.strip_prefix("id:")) {
+            break id.trim().to_owned();
+        }
+    };
+    // While alice's code runs, bob asks to resume her stream from that event.
+    let (status, _, stolen) = seen(send(get(&s, BOB, &alice).header("last-event-id", &first_event)).await).await;
+    assert!(!stolen.contains(&secret), "bob resumed alice's stream and read her output ({status}): {stolen}");
+    let rest = body_within(r, Duration::from_secs(60)).await;
+    assert!(rest.contains(&secret), "alice's output reaches alice: {head}{rest}");
+
+    // Bob, with his own valid token, presents alice's session id on every method. What he
+    // gets must be exactly what an id nobody ever had gets: 404 and nothing more.
+    let unknown = "00000000-0000-4000-8000-000000000000";
+    let list = json!({ "jsonrpc": "2.0", "id": 3, "method": "tools/call",
+        "params": { "name": "list_sessions", "arguments": {} } });
+    for (what, sid) in [("alice's", alice.as_str()), ("unknown", unknown)] {
+        let resumed = seen(send(get(&s, BOB, sid).header("last-event-id", &first_event)).await).await;
+        let standalone = seen(send(get(&s, BOB, sid)).await).await;
+        let posted = seen(post(&s, BOB, Some(sid), &list).await).await;
+        let deleted = seen(send(delete(&s, BOB, sid)).await).await;
+        for (method, got) in [("GET resume", &resumed), ("GET", &standalone), ("POST", &posted), ("DELETE", &deleted)] {
+            assert_eq!(got.0, 404, "bob's {method} with {what} session id: {got:?}");
+            assert_eq!(
+                (got.1.as_deref(), got.2.as_str()),
+                (None, "Not Found: Session not found"),
+                "bob's {method} with {what} session id answers as for an unknown session"
+            );
+        }
+    }
+
+    // Bob's DELETE did not end alice's session.
+    let ping = json!({ "jsonrpc": "2.0", "id": 4, "method": "ping" });
+    let r = post(&s, ALICE, Some(&alice), &ping).await;
+    assert_eq!(r.status().as_u16(), 200, "alice's session survived bob's DELETE");
+    // Her own DELETE ends it, answered 200 (clients warn on 202), and the id is forgotten.
+    let r = send(delete(&s, ALICE, &alice)).await;
+    assert_eq!(r.status().as_u16(), 200, "DELETE of one's own session");
+    let r = post(&s, ALICE, Some(&alice), &ping).await;
+    assert_eq!(r.status().as_u16(), 404, "a deleted session is gone");
+
+    // Session ids are bearer secrets: the log must not carry them.
+    assert!(!s.log().contains(&alice), "the server logged alice's MCP session id");
+    s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
