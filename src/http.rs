@@ -57,9 +57,19 @@ pub struct HttpArgs {
     #[arg(long, env = "PYBERTH_MAX_REQUEST_MB", default_value_t = 16)]
     #[serde(default = "default_max_request_mb")]
     pub max_request_mb: usize,
+
+    /// MCP sessions (HTTP transport sessions, one per connected client) one token may have
+    /// open; past it an initialize gets an error naming this flag.
+    #[arg(long, env = "PYBERTH_MAX_MCP_SESSIONS_PER_CALLER", default_value_t = 16)]
+    #[serde(default = "default_max_mcp_sessions_per_caller")]
+    pub max_mcp_sessions_per_caller: usize,
 }
 
 fn default_max_request_mb() -> usize {
+    16
+}
+
+fn default_max_mcp_sessions_per_caller() -> usize {
     16
 }
 
@@ -117,6 +127,14 @@ pub enum Error {
     /// An `--allowed-host` that is not `host[:port]`.
     #[error("--allowed-host `{0}` is not a host name or address with an optional :port")]
     AllowedHost(String),
+    /// A limit out of its range.
+    #[error("--{flag} must be {rule}")]
+    Limit {
+        /// The flag, without its dashes.
+        flag: &'static str,
+        /// What it must be.
+        rule: &'static str,
+    },
     /// The address cannot be listened on.
     #[error("cannot listen on {addr}")]
     Listen {
@@ -157,18 +175,22 @@ pub async fn serve(
     if tokens.is_empty() && !addr.ip().is_loopback() {
         return Err(Error::OpenWithoutTokens(addr));
     }
+    if args.max_mcp_sessions_per_caller == 0 {
+        return Err(Error::Limit { flag: "max-mcp-sessions-per-caller", rule: "at least 1" });
+    }
+    let max_body = args.max_request_mb << 20;
     let allowed = Arc::new(hosts::AllowedHosts::new(&args.allowed_hosts)?);
     // rmcp's own Host check stays behind ours, with the same names.
     let mut hosts: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
     hosts.extend(args.allowed_hosts.iter().cloned());
     let config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(hosts)
-        .with_max_request_body_bytes(args.max_request_mb << 20)
+        .with_max_request_body_bytes(max_body)
         .with_sse_keep_alive(Some(Duration::from_secs(15)))
         .with_cancellation_token(shutdown.child_token());
     let factory_registry = registry.clone();
     let factory_cfg = cfg.clone();
-    let owners = Arc::new(sessions::Owners::default());
+    let owners = Arc::new(sessions::Owners::new(args.max_mcp_sessions_per_caller));
     let manager = Arc::new(sessions::Bound::new(owners.clone()));
     let mcp = StreamableHttpService::new(
         move || Ok(SandboxServer::new(factory_registry.clone(), factory_cfg.clone())),
@@ -180,7 +202,7 @@ pub async fn serve(
         .nest_service("/mcp", mcp)
         // Innermost: needs the principal the token layer found.
         .layer(middleware::from_fn(move |req: Request, next: Next| {
-            sessions::bind(owners.clone(), manager.clone(), req, next)
+            sessions::bind(owners.clone(), manager.clone(), max_body, req, next)
         }))
         .layer(middleware::from_fn(move |req: Request, next: Next| {
             tokens::authenticate(auth_tokens.clone(), req, next)

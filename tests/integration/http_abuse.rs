@@ -4,9 +4,13 @@
 
 use std::time::Duration;
 
+use rmcp::ServiceExt as _;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use serde_json::{Value, json};
 
-use crate::http::{ALICE, BOB, HttpServer};
+use crate::common::{Recorder, text};
+use crate::http::{ALICE, BOB, HttpServer, call};
 
 const ACCEPT: &str = "application/json, text/event-stream";
 
@@ -163,6 +167,36 @@ async fn an_mcp_session_belongs_to_the_principal_that_opened_it() {
 
     // Session ids are bearer secrets: the log must not carry them.
     assert!(!s.log().contains(&alice), "the server logged alice's MCP session id");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_sessions_per_principal_are_capped() {
+    let s = HttpServer::start_with("http-mcp-cap", &[("PYBERTH_MAX_MCP_SESSIONS_PER_CALLER", "2")], None).await;
+    let first = initialize(&s, ALICE).await;
+    let _second = initialize(&s, ALICE).await;
+
+    let r = post(&s, ALICE, None, &initialize_request()).await;
+    assert_eq!(session_header(&r), None, "a third MCP session was opened past the cap of 2");
+    let body = body_within(r, Duration::from_secs(5)).await;
+    assert!(body.contains("--max-mcp-sessions-per-caller") && body.contains('2'), "{body}");
+    assert!(!body.to_lowercase().contains("bob"), "{body}");
+    // A real client shows the reason.
+    let config = StreamableHttpClientTransportConfig::with_uri(s.url("/mcp")).auth_header(ALICE);
+    let refused = Recorder::default().serve(StreamableHttpClientTransport::from_config(config)).await;
+    let why = format!("{:#}", refused.err().expect("the client is refused"));
+    assert!(why.contains("MCP sessions"), "{why}");
+
+    // The cap is per principal: bob is not affected by alice's sessions.
+    let bob = s.client(BOB).await;
+    let (r, _) = call(&bob, "list_sessions", json!({})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = bob.cancel().await;
+
+    // Ending a session gives its place back.
+    let r = send(delete(&s, ALICE, &first)).await;
+    assert!(r.status().is_success(), "DELETE: {}", r.status());
+    let _third = initialize(&s, ALICE).await;
     s.stop().await;
 }
 
