@@ -24,11 +24,15 @@ use crate::docker::image;
 use crate::server::SandboxServer;
 use crate::session::registry::Registry;
 
+mod conn;
 mod hosts;
 mod sessions;
 mod tokens;
 
 pub use tokens::{DEFAULT_PRINCIPAL, Tokens};
+
+/// Longest wait between keep-alive events on an SSE stream.
+const SSE_KEEP_ALIVE: Duration = Duration::from_secs(15);
 
 /// Options of the HTTP service.
 #[derive(Debug, Clone, Default, Args, Serialize, Deserialize)]
@@ -63,6 +67,30 @@ pub struct HttpArgs {
     #[arg(long, env = "PYBERTH_MAX_MCP_SESSIONS_PER_CALLER", default_value_t = 16)]
     #[serde(default = "default_max_mcp_sessions_per_caller")]
     pub max_mcp_sessions_per_caller: usize,
+
+    /// Connections at once; more are closed as they come. Lowered at start if the open-files
+    /// limit would not leave room for the server's own files.
+    #[arg(long, env = "PYBERTH_MAX_CONNECTIONS", default_value_t = 256)]
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+
+    /// Connections at once from one client address (behind a proxy, every client is the
+    /// proxy: raise it there).
+    #[arg(long, env = "PYBERTH_MAX_CONNECTIONS_PER_CLIENT", default_value_t = 32)]
+    #[serde(default = "default_max_connections_per_client")]
+    pub max_connections_per_client: usize,
+
+    /// Seconds a client has to send a request's headers, from connecting or from the previous
+    /// response; then the connection is closed.
+    #[arg(long, env = "PYBERTH_HEADER_TIMEOUT", default_value_t = 10)]
+    #[serde(default = "default_header_timeout_s")]
+    pub header_timeout_s: u64,
+
+    /// Seconds without a byte moving on a connection before it is closed (streams stay busy
+    /// with keep-alive events).
+    #[arg(long, env = "PYBERTH_IDLE_TIMEOUT", default_value_t = 60)]
+    #[serde(default = "default_idle_timeout_s")]
+    pub idle_timeout_s: u64,
 }
 
 fn default_max_request_mb() -> usize {
@@ -71,6 +99,22 @@ fn default_max_request_mb() -> usize {
 
 fn default_max_mcp_sessions_per_caller() -> usize {
     16
+}
+
+fn default_max_connections() -> usize {
+    256
+}
+
+fn default_max_connections_per_client() -> usize {
+    32
+}
+
+fn default_header_timeout_s() -> u64 {
+    10
+}
+
+fn default_idle_timeout_s() -> u64 {
+    60
 }
 
 /// Why a token or a line of the tokens file is refused.
@@ -144,9 +188,6 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// The server stopped on an I/O error.
-    #[error("the HTTP server failed")]
-    Serve(#[source] std::io::Error),
 }
 
 /// `/healthz`: whether Docker answers and the sandbox image exists.
@@ -175,9 +216,18 @@ pub async fn serve(
     if tokens.is_empty() && !addr.ip().is_loopback() {
         return Err(Error::OpenWithoutTokens(addr));
     }
-    if args.max_mcp_sessions_per_caller == 0 {
-        return Err(Error::Limit { flag: "max-mcp-sessions-per-caller", rule: "at least 1" });
+    for (flag, value) in [
+        ("max-mcp-sessions-per-caller", args.max_mcp_sessions_per_caller as u64),
+        ("max-connections", args.max_connections as u64),
+        ("max-connections-per-client", args.max_connections_per_client as u64),
+        ("header-timeout-s", args.header_timeout_s),
+        ("idle-timeout-s", args.idle_timeout_s),
+    ] {
+        if value == 0 {
+            return Err(Error::Limit { flag, rule: "at least 1" });
+        }
     }
+    let idle_timeout = Duration::from_secs(args.idle_timeout_s);
     let max_body = args.max_request_mb << 20;
     let allowed = Arc::new(hosts::AllowedHosts::new(&args.allowed_hosts)?);
     // rmcp's own Host check stays behind ours, with the same names.
@@ -186,7 +236,8 @@ pub async fn serve(
     let config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(hosts)
         .with_max_request_body_bytes(max_body)
-        .with_sse_keep_alive(Some(Duration::from_secs(15)))
+        // Keep-alive events keep a quiet stream from looking idle.
+        .with_sse_keep_alive(Some(SSE_KEEP_ALIVE.min(idle_timeout / 3)))
         .with_cancellation_token(shutdown.child_token());
     let factory_registry = registry.clone();
     let factory_cfg = cfg.clone();
@@ -210,11 +261,25 @@ pub async fn serve(
         // Outermost: a request from elsewhere is refused before its token is looked at.
         .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
         .route("/healthz", axum::routing::get(move || healthz(registry.clone(), cfg.clone())));
+    let fds = conn::raise_fd_limit();
+    let max_connections = conn::connection_cap(args.max_connections, fds);
+    if max_connections < args.max_connections {
+        tracing::warn!(
+            open_files = ?fds,
+            "the open-files limit leaves room for {max_connections} connections, not --max-connections {}: \
+             raise the hard limit (ulimit -Hn, LimitNOFILE=)",
+            args.max_connections
+        );
+    }
+    let limits = conn::Limits {
+        max_connections,
+        per_client: args.max_connections_per_client,
+        header_timeout: Duration::from_secs(args.header_timeout_s),
+        idle_timeout,
+    };
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
     let bound = listener.local_addr().unwrap_or(addr);
-    tracing::info!(address = %bound, principals = tokens.len(), "serving MCP over HTTP at /mcp");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
-        .map_err(Error::Serve)
+    tracing::info!(address = %bound, principals = tokens.len(), ?limits, "serving MCP over HTTP at /mcp");
+    conn::serve(listener, app, limits, shutdown).await;
+    Ok(())
 }

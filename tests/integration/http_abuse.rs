@@ -2,18 +2,20 @@
 //! MCP sessions opened without end, Host and Origin tricks, and slow clients before
 //! authentication. Every attack is sent raw, to 127.0.0.1 only, in bounded numbers.
 
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 use rmcp::ServiceExt as _;
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpSocket, TcpStream};
 
 use crate::common::{Recorder, text};
 use crate::http::{ALICE, BOB, HttpServer, call};
 
 const ACCEPT: &str = "application/json, text/event-stream";
-
 const VERSION: &str = "2025-06-18";
 
 fn initialize_request() -> Value {
@@ -253,5 +255,94 @@ async fn host_and_origin_are_parsed_and_checked() {
         assert_eq!(r.status().as_u16(), 200, "Host {host:?}, Origin {origin:?}");
         assert!(session_header(&r).is_some());
     }
+    s.stop().await;
+}
+
+/// Whether the server closed the connection (EOF or reset) rather than leaving it open.
+fn closed_now(stream: &TcpStream) -> bool {
+    let mut buf = [0u8; 256];
+    match stream.try_read(&mut buf) {
+        Ok(_) => true, // EOF, or a response (a refusal) before closing
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
+
+async fn closed_within(stream: &mut TcpStream, limit: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_clients_cannot_starve_the_server() {
+    // As in the review: 256 file descriptors, and more half-open requests than that.
+    let env =
+        [("PYBERTH_HEADER_TIMEOUT", "2"), ("PYBERTH_IDLE_TIMEOUT", "5"), ("PYBERTH_MAX_CONNECTIONS_PER_CLIENT", "32")];
+    let s = HttpServer::start_with("http-slow", &env, Some(256)).await;
+    let target: SocketAddr = format!("127.0.0.1:{}", s.port).parse().expect("addr");
+
+    // 3 attacking addresses (all loopback) × 80 connections, each an unfinished request line.
+    let opened = Instant::now();
+    let mut attack: Vec<(u8, TcpStream)> = Vec::new();
+    for source in 2u8..=4 {
+        for _ in 0..80 {
+            let sock = TcpSocket::new_v4().expect("socket");
+            sock.bind(SocketAddr::from(([127, 0, 0, source], 0))).expect("bind a loopback source");
+            if let Ok(Ok(mut stream)) = tokio::time::timeout(Duration::from_secs(1), sock.connect(target)).await {
+                let _ = stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ").await;
+                attack.push((source, stream));
+            }
+        }
+    }
+    assert!(opened.elapsed() < Duration::from_secs(10), "opening took {:?}", opened.elapsed());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut open_per_source = [0usize; 5];
+    for (source, stream) in &attack {
+        if !closed_now(stream) {
+            open_per_source[usize::from(*source)] += 1;
+        }
+    }
+
+    // Meanwhile the server answers everyone else.
+    let health = tokio::time::timeout(Duration::from_secs(10), reqwest::get(s.url("/healthz"))).await;
+    let health = health.map(|r| r.map(|r| r.status().as_u16()));
+    assert!(matches!(health, Ok(Ok(200))), "/healthz under attack: {health:?}");
+    let alice = tokio::time::timeout(Duration::from_secs(20), s.client(ALICE)).await.expect("MCP initialize in time");
+    let (r, _) = call(&alice, "list_sessions", json!({})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+
+    // Past 32 connections from one address the server closed them at once.
+    for (source, open) in open_per_source.iter().enumerate().skip(2) {
+        assert!(*open <= 32, "127.0.0.{source} holds {open} connections open");
+    }
+    // The rest are closed once the 2 s header timeout passes.
+    let mut still_open = 0;
+    for (_, stream) in &mut attack {
+        if !closed_within(stream, Duration::from_secs(4)).await {
+            still_open += 1;
+        }
+    }
+    assert_eq!(still_open, 0, "half-open requests outlived the header timeout");
+
+    // A request whose body never comes is closed by the idle timeout (5 s).
+    let mut stalled = TcpStream::connect(target).await.expect("connect");
+    let head = format!(
+        "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ALICE}\r\nAccept: {ACCEPT}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+    );
+    stalled.write_all(head.as_bytes()).await.expect("write");
+    let since = Instant::now();
+    assert!(closed_within(&mut stalled, Duration::from_secs(12)).await, "a stalled body held its connection");
+    assert!(since.elapsed() >= Duration::from_secs(3), "closed before the idle timeout: {:?}", since.elapsed());
+
+    let health = tokio::time::timeout(Duration::from_secs(10), reqwest::get(s.url("/healthz"))).await;
+    assert!(matches!(health, Ok(Ok(ref r)) if r.status().is_success()), "/healthz after the attack");
     s.stop().await;
 }
