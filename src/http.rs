@@ -3,6 +3,11 @@
 //! Each token names a principal; the principal travels in the request's extensions to the
 //! tools, which scope every session and job by it. A server reachable beyond loopback must
 //! have tokens: anyone who can reach it could otherwise run code.
+//!
+//! A request to `/mcp` passes, in order: `conn` (a place among the connections, overall and
+//! per client address; header and idle timeouts), `hosts` (`Host` and `Origin`), `tokens`
+//! (the bearer token, to a principal), `sessions` (an MCP session id is honoured only from
+//! the principal that opened it; MCP sessions capped per principal), then rmcp.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
