@@ -290,8 +290,11 @@ async fn slow_clients_cannot_starve_the_server() {
     // 3 attacking addresses (all loopback) × 80 connections, each an unfinished request line.
     let opened = Instant::now();
     let mut attack: Vec<(u8, TcpStream)> = Vec::new();
-    for source in 2u8..=4 {
+    'open: for source in 2u8..=4 {
         for _ in 0..80 {
+            if opened.elapsed() >= Duration::from_secs(10) {
+                break 'open;
+            }
             let sock = TcpSocket::new_v4().expect("socket");
             sock.bind(SocketAddr::from(([127, 0, 0, source], 0))).expect("bind a loopback source");
             if let Ok(Ok(mut stream)) = tokio::time::timeout(Duration::from_secs(1), sock.connect(target)).await {
@@ -300,12 +303,20 @@ async fn slow_clients_cannot_starve_the_server() {
             }
         }
     }
-    assert!(opened.elapsed() < Duration::from_secs(10), "opening took {:?}", opened.elapsed());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(attack.len(), 240, "connections opened in {:?}", opened.elapsed());
+    // Those past the cap are closed as they are accepted: give a busy server a moment to get
+    // to them, less than the header timeout (which would close the rest too).
     let mut open_per_source = [0usize; 5];
-    for (source, stream) in &attack {
-        if !closed_now(stream) {
-            open_per_source[usize::from(*source)] += 1;
+    for _ in 0..15 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        open_per_source = [0; 5];
+        for (source, stream) in &attack {
+            if !closed_now(stream) {
+                open_per_source[usize::from(*source)] += 1;
+            }
+        }
+        if open_per_source.iter().all(|&n| n <= 32) {
+            break;
         }
     }
 
