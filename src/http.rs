@@ -3,33 +3,41 @@
 //! Each token names a principal; the principal travels in the request's extensions to the
 //! tools, which scope every session and job by it. A server reachable beyond loopback must
 //! have tokens: anyone who can reach it could otherwise run code.
+//!
+//! A request to `/mcp` passes, in order: `conn` (a place among the connections, overall and
+//! per client address; header and idle timeouts), `hosts` (`Host` and `Origin`), `tokens`
+//! (the bearer token, to a principal), `sessions` (an MCP session id is honoured only from
+//! the principal that opened it; MCP sessions capped per principal), then rmcp.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context as _, bail};
 use axum::Router;
 use axum::extract::Request;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use clap::Args;
-use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
 use crate::docker::image;
-use crate::server::{Principal, SandboxServer};
+use crate::server::SandboxServer;
 use crate::session::registry::Registry;
 
-/// Principal of the single `PYBERTH_TOKEN`, and of callers of a token-less loopback server.
-pub const DEFAULT_PRINCIPAL: &str = "default";
-/// Shortest token accepted: shorter ones are guessable.
-const MIN_TOKEN_LEN: usize = 16;
+mod conn;
+mod hosts;
+mod sessions;
+mod tokens;
+
+pub use tokens::{DEFAULT_PRINCIPAL, Tokens};
+
+/// Longest wait between keep-alive events on an SSE stream.
+const SSE_KEEP_ALIVE: Duration = Duration::from_secs(15);
 
 /// Options of the HTTP service.
 #[derive(Debug, Clone, Default, Args, Serialize, Deserialize)]
@@ -49,7 +57,8 @@ pub struct HttpArgs {
     pub token: Option<String>,
 
     /// Host names (or host:port) clients may use besides localhost, 127.0.0.1 and ::1; other
-    /// Host headers are refused, against DNS rebinding. Comma-separated in the environment.
+    /// Host headers are refused, against DNS rebinding, and so are browser requests whose Origin
+    /// is on another host. Comma-separated in the environment.
     #[arg(long = "allowed-host", env = "PYBERTH_ALLOWED_HOSTS", value_delimiter = ',', value_name = "HOST")]
     pub allowed_hosts: Vec<String>,
 
@@ -57,116 +66,133 @@ pub struct HttpArgs {
     #[arg(long, env = "PYBERTH_MAX_REQUEST_MB", default_value_t = 16)]
     #[serde(default = "default_max_request_mb")]
     pub max_request_mb: usize,
+
+    /// MCP sessions (HTTP transport sessions, one per connected client) one token may have
+    /// open; past it an initialize gets an error naming this flag.
+    #[arg(long, env = "PYBERTH_MAX_MCP_SESSIONS_PER_CALLER", default_value_t = 16)]
+    #[serde(default = "default_max_mcp_sessions_per_caller")]
+    pub max_mcp_sessions_per_caller: usize,
+
+    /// Connections at once; more are closed as they come. Lowered at start if the open-files
+    /// limit would not leave room for the server's own files.
+    #[arg(long, env = "PYBERTH_MAX_CONNECTIONS", default_value_t = 256)]
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+
+    /// Connections at once from one client address (behind a proxy, every client is the
+    /// proxy: raise it there).
+    #[arg(long, env = "PYBERTH_MAX_CONNECTIONS_PER_CLIENT", default_value_t = 32)]
+    #[serde(default = "default_max_connections_per_client")]
+    pub max_connections_per_client: usize,
+
+    /// Seconds a client has to send a request's headers, from connecting or from the previous
+    /// response; then the connection is closed.
+    #[arg(long, env = "PYBERTH_HEADER_TIMEOUT", default_value_t = 10)]
+    #[serde(default = "default_header_timeout_s")]
+    pub header_timeout_s: u64,
+
+    /// Seconds without a byte moving on a connection before it is closed (streams stay busy
+    /// with keep-alive events).
+    #[arg(long, env = "PYBERTH_IDLE_TIMEOUT", default_value_t = 60)]
+    #[serde(default = "default_idle_timeout_s")]
+    pub idle_timeout_s: u64,
 }
 
 fn default_max_request_mb() -> usize {
     16
 }
 
-/// The accepted tokens.
-#[derive(Debug, Default)]
-pub struct Tokens(Vec<(Arc<str>, Vec<u8>)>);
-
-impl Tokens {
-    /// Reads the tokens file and/or the single token.
-    pub fn load(args: &HttpArgs) -> anyhow::Result<Self> {
-        let mut tokens = Vec::new();
-        if let Some(path) = &args.tokens_file {
-            tokens = parse_tokens_file(path)?;
-        }
-        if let Some(t) = &args.token {
-            check_token(t).context("PYBERTH_TOKEN")?;
-            tokens.push((Arc::from(DEFAULT_PRINCIPAL), t.as_bytes().to_vec()));
-        }
-        Ok(Self(tokens))
-    }
-
-    /// Whether no tokens are configured.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The principal a presented token belongs to. Compares every token in full, in time
-    /// independent of where they differ.
-    fn principal(&self, presented: &[u8]) -> Option<Arc<str>> {
-        let mut found = None;
-        for (principal, token) in &self.0 {
-            let same = token.len() == presented.len()
-                && token.iter().zip(presented).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-            if same && found.is_none() {
-                found = Some(principal.clone());
-            }
-        }
-        found
-    }
+fn default_max_mcp_sessions_per_caller() -> usize {
+    16
 }
 
-fn check_token(t: &str) -> anyhow::Result<()> {
-    if t.len() < MIN_TOKEN_LEN || t.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        bail!("a token must be at least {MIN_TOKEN_LEN} characters without spaces (try: openssl rand -hex 24)");
-    }
-    Ok(())
+fn default_max_connections() -> usize {
+    256
 }
 
-fn parse_tokens_file(path: &Path) -> anyhow::Result<Vec<(Arc<str>, Vec<u8>)>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read the tokens file {}", path.display()))?;
-    let mut out: Vec<(Arc<str>, Vec<u8>)> = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let at = || format!("{} line {}", path.display(), n + 1);
-        let Some((principal, token)) = line.split_once(':') else {
-            bail!("{}: write principal:token", at());
-        };
-        let principal = principal.trim();
-        if principal.is_empty()
-            || principal.len() > 64
-            || !principal.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        {
-            bail!("{}: the principal must be 1-64 letters, digits, '.', '_' or '-'", at());
-        }
-        let token = token.trim();
-        check_token(token).with_context(at)?;
-        if out.iter().any(|(_, t)| t == token.as_bytes()) {
-            bail!("{}: this token is already given to another principal", at());
-        }
-        out.push((Arc::from(principal), token.as_bytes().to_vec()));
-    }
-    if out.is_empty() {
-        bail!("the tokens file {} has no tokens", path.display());
-    }
-    Ok(out)
+fn default_max_connections_per_client() -> usize {
+    32
 }
 
-/// Checks the bearer token and records the caller's principal for the tools.
-async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Next) -> Response {
-    if tokens.is_empty() {
-        // Loopback only (checked at start): the local user, as over stdio.
-        req.extensions_mut().insert(Principal(Arc::from(DEFAULT_PRINCIPAL)));
-        return next.run(req).await;
-    }
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
-    match presented.and_then(|t| tokens.principal(t.as_bytes())) {
-        Some(principal) => {
-            req.extensions_mut().insert(Principal(principal));
-            next.run(req).await
-        }
-        None => {
-            let why = if presented.is_some() { "the token is not valid" } else { "a bearer token is required" };
-            let body = serde_json::json!({ "error": format!("{why}: send Authorization: Bearer <token>") });
-            let mut resp = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
-            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            resp
-        }
-    }
+fn default_header_timeout_s() -> u64 {
+    10
+}
+
+fn default_idle_timeout_s() -> u64 {
+    60
+}
+
+/// Why a token or a line of the tokens file is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenProblem {
+    /// Too short, or with spaces or control characters.
+    #[error("a token must be at least 16 characters without spaces (try: openssl rand -hex 24)")]
+    Weak,
+    /// A line without `principal:`.
+    #[error("write principal:token")]
+    NoColon,
+    /// A principal name with characters outside the allowed set.
+    #[error("the principal must be 1-64 letters, digits, '.', '_' or '-'")]
+    Principal,
+    /// The same token twice.
+    #[error("this token is already given to another principal")]
+    Duplicate,
+}
+
+/// Why the HTTP service cannot start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The tokens file cannot be read.
+    #[error("cannot read the tokens file {}", path.display())]
+    ReadTokens {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line of the tokens file is refused.
+    #[error("{} line {line}: {problem}", path.display())]
+    TokensLine {
+        /// The file.
+        path: PathBuf,
+        /// Its line, from 1.
+        line: usize,
+        /// What is wrong with it.
+        problem: TokenProblem,
+    },
+    /// The tokens file has no token.
+    #[error("the tokens file {} has no tokens", .0.display())]
+    NoTokens(PathBuf),
+    /// `PYBERTH_TOKEN` is refused.
+    #[error("PYBERTH_TOKEN: {0}")]
+    Token(TokenProblem),
+    /// No tokens, on an address beyond loopback.
+    #[error(
+        "refusing to serve on {0} without tokens: anyone who can reach it could run code. \
+         Set PYBERTH_TOKEN or --tokens-file, or listen on 127.0.0.1"
+    )]
+    OpenWithoutTokens(SocketAddr),
+    /// An `--allowed-host` that is not `host[:port]`.
+    #[error("--allowed-host `{0}` is not a host name or address with an optional :port")]
+    AllowedHost(String),
+    /// A limit out of its range.
+    #[error("--{flag} must be {rule}")]
+    Limit {
+        /// The flag, without its dashes.
+        flag: &'static str,
+        /// What it must be.
+        rule: &'static str,
+    },
+    /// The address cannot be listened on.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// `/healthz`: whether Docker answers and the sandbox image exists.
@@ -190,70 +216,75 @@ pub async fn serve(
     registry: Arc<Registry>,
     cfg: Arc<SandboxConfig>,
     shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+) -> Result<(), Error> {
     let tokens = Arc::new(Tokens::load(args)?);
     if tokens.is_empty() && !addr.ip().is_loopback() {
-        bail!(
-            "refusing to serve on {addr} without tokens: anyone who can reach it could run code. \
-             Set PYBERTH_TOKEN or --tokens-file, or listen on 127.0.0.1"
-        );
+        return Err(Error::OpenWithoutTokens(addr));
     }
+    for (flag, value) in [
+        ("max-mcp-sessions-per-caller", args.max_mcp_sessions_per_caller as u64),
+        ("max-connections", args.max_connections as u64),
+        ("max-connections-per-client", args.max_connections_per_client as u64),
+        ("header-timeout-s", args.header_timeout_s),
+        ("idle-timeout-s", args.idle_timeout_s),
+    ] {
+        if value == 0 {
+            return Err(Error::Limit { flag, rule: "at least 1" });
+        }
+    }
+    let idle_timeout = Duration::from_secs(args.idle_timeout_s);
+    let max_body = args.max_request_mb << 20;
+    let allowed = Arc::new(hosts::AllowedHosts::new(&args.allowed_hosts)?);
+    // rmcp's own Host check stays behind ours, with the same names.
     let mut hosts: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
     hosts.extend(args.allowed_hosts.iter().cloned());
     let config = StreamableHttpServerConfig::default()
         .with_allowed_hosts(hosts)
-        .with_max_request_body_bytes(args.max_request_mb << 20)
-        .with_sse_keep_alive(Some(Duration::from_secs(15)))
+        .with_max_request_body_bytes(max_body)
+        // Keep-alive events keep a quiet stream from looking idle.
+        .with_sse_keep_alive(Some(SSE_KEEP_ALIVE.min(idle_timeout / 3)))
         .with_cancellation_token(shutdown.child_token());
     let factory_registry = registry.clone();
     let factory_cfg = cfg.clone();
+    let owners = Arc::new(sessions::Owners::new(args.max_mcp_sessions_per_caller));
+    let manager = Arc::new(sessions::Bound::new(owners.clone()));
     let mcp = StreamableHttpService::new(
         move || Ok(SandboxServer::new(factory_registry.clone(), factory_cfg.clone())),
-        LocalSessionManager::default().into(),
+        manager.clone(),
         config,
     );
     let auth_tokens = tokens.clone();
     let app = Router::new()
         .nest_service("/mcp", mcp)
-        .layer(middleware::from_fn(move |req: Request, next: Next| authenticate(auth_tokens.clone(), req, next)))
+        // Innermost: needs the principal the token layer found.
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            sessions::bind(owners.clone(), manager.clone(), max_body, req, next)
+        }))
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            tokens::authenticate(auth_tokens.clone(), req, next)
+        }))
+        // Outermost: a request from elsewhere is refused before its token is looked at.
+        .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
         .route("/healthz", axum::routing::get(move || healthz(registry.clone(), cfg.clone())));
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-    let bound = listener.local_addr().unwrap_or(addr);
-    tracing::info!(address = %bound, principals = tokens.0.len(), "serving MCP over HTTP at /mcp");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
-        .context("the HTTP server failed")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tokens_file_lines_are_checked_and_name_their_line() {
-        let dir = std::env::temp_dir().join(format!("pyberth-tokens-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let file = dir.join("tokens");
-        let write = |text: &str| std::fs::write(&file, text).expect("write");
-        write("# team\nalice:aaaaaaaaaaaaaaaaaaaa\n\nbob : bbbbbbbbbbbbbbbbbbbb\n");
-        let tokens = parse_tokens_file(&file).expect("valid");
-        let t = Tokens(tokens);
-        assert_eq!(t.principal(b"bbbbbbbbbbbbbbbbbbbb").as_deref(), Some("bob"));
-        assert_eq!(t.principal(b"aaaaaaaaaaaaaaaaaaaa").as_deref(), Some("alice"));
-        assert!(t.principal(b"aaaaaaaaaaaaaaaaaaab").is_none());
-        assert!(t.principal(b"").is_none());
-        for (bad, why) in [
-            ("alice\n", "line 1"),
-            ("alice:short\n", "line 1"),
-            ("a b:cccccccccccccccccccc\n", "line 1"),
-            ("x:dddddddddddddddddddd\ny:dddddddddddddddddddd\n", "line 2"),
-            ("# nothing\n", "no tokens"),
-        ] {
-            write(bad);
-            let e = format!("{:#}", parse_tokens_file(&file).expect_err(bad));
-            assert!(e.contains(why), "{bad:?}: {e}");
-        }
-        let _ = std::fs::remove_dir_all(&dir);
+    let fds = conn::raise_fd_limit();
+    let max_connections = conn::connection_cap(args.max_connections, fds);
+    if max_connections < args.max_connections {
+        tracing::warn!(
+            open_files = ?fds,
+            "the open-files limit leaves room for {max_connections} connections, not --max-connections {}: \
+             raise the hard limit (ulimit -Hn, LimitNOFILE=)",
+            args.max_connections
+        );
     }
+    let limits = conn::Limits {
+        max_connections,
+        per_client: args.max_connections_per_client,
+        header_timeout: Duration::from_secs(args.header_timeout_s),
+        idle_timeout,
+    };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
+    let bound = listener.local_addr().unwrap_or(addr);
+    tracing::info!(address = %bound, principals = tokens.len(), ?limits, "serving MCP over HTTP at /mcp");
+    conn::serve(listener, app, limits, shutdown).await;
+    Ok(())
 }

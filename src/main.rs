@@ -169,14 +169,21 @@ fn main() -> std::process::ExitCode {
     // `pyberth run` shares stderr with the program it runs: only errors of our own there (its
     // notices come as [pyberth] lines).
     let default_level = if matches!(cli.command, Command::Run(_)) { "error" } else { "info" };
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    // rmcp logs every new MCP session id at INFO ("create new session", and a span naming it),
+    // and over HTTP an id is a bearer secret: its session module logs warnings only, unless
+    // RUST_LOG names rmcp itself.
+    if !std::env::var("RUST_LOG").is_ok_and(|v| v.contains("rmcp"))
+        && let Ok(quiet) = "rmcp::transport::streamable_http_server::session=warn".parse()
+    {
+        filter = filter.add_directive(quiet);
+    }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         // Colour only for a person at a terminal: logs in files and CI stay plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
+        .with_env_filter(filter)
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
@@ -308,7 +315,9 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
                 tracing::info!("signal received; shutting down");
                 stop.cancel();
             });
-            let served = pyberth::http::serve(&http, addr, registry.clone(), cfg.clone(), shutdown.clone()).await;
+            let served = pyberth::http::serve(&http, addr, registry.clone(), cfg.clone(), shutdown.clone())
+                .await
+                .map_err(anyhow::Error::from);
             signal.abort();
             served
         }

@@ -2,6 +2,7 @@
 //! client, /healthz, refusing to serve openly, graceful shutdown.
 
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rmcp::model::{CallToolRequestParams, CallToolResult};
@@ -10,17 +11,20 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{RoleClient, ServiceExt as _};
 use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::common::{Recorder, assert_cleaned_up, instance_name, state_dir, text};
 
-const ALICE: &str = "alice-token-0123456789abcdef";
-const BOB: &str = "bob-token-0123456789abcdef0000";
+pub(crate) const ALICE: &str = "alice-token-0123456789abcdef";
+pub(crate) const BOB: &str = "bob-token-0123456789abcdef0000";
 
-struct HttpServer {
+pub(crate) struct HttpServer {
     child: Child,
-    port: u16,
+    pub(crate) port: u16,
     instance: String,
+    /// Everything the server wrote to stderr so far (it is also copied to the test's stderr).
+    log: Arc<Mutex<String>>,
     _dir: TempDir,
 }
 
@@ -39,26 +43,53 @@ fn free_port() -> u16 {
 
 impl HttpServer {
     /// Starts `pyberth serve --http` with alice's and bob's tokens and waits for /healthz.
-    async fn start(tag: &str) -> HttpServer {
+    pub(crate) async fn start(tag: &str) -> HttpServer {
+        Self::start_with(tag, &[], None).await
+    }
+
+    /// Like [`HttpServer::start`], with extra environment, and under `ulimit -n` if given
+    /// (soft and hard, so the server cannot raise it).
+    pub(crate) async fn start_with(tag: &str, env: &[(&str, &str)], nofile: Option<u32>) -> HttpServer {
         let instance = instance_name(tag);
         let dir = std::env::temp_dir().join(format!("pyberth-http-{instance}"));
         std::fs::create_dir_all(&dir).expect("dir");
         let tokens = dir.join("tokens");
         std::fs::write(&tokens, format!("alice:{ALICE}\nbob:{BOB}\n")).expect("tokens");
         let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_pyberth"))
-            .args(["serve", "--http", &format!("127.0.0.1:{port}"), "--tokens-file"])
+        let mut cmd = match nofile {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.args(["-c", &format!("ulimit -n {n} && exec \"$0\" \"$@\""), env!("CARGO_BIN_EXE_pyberth")]);
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_pyberth")),
+        };
+        cmd.args(["serve", "--http", &format!("127.0.0.1:{port}"), "--tokens-file"])
             .arg(&tokens)
             .env("PYBERTH_INSTANCE", &instance)
             .env("PYBERTH_STATE_DIR", state_dir())
             .env("RUST_LOG", "pyberth=debug,info")
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn pyberth serve --http");
-        let server = HttpServer { child, port, instance, _dir: TempDir(dir) };
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn pyberth serve --http");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let sink = log.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                let mut log = sink.lock().expect("log lock");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let server = HttpServer { child, port, instance, log, _dir: TempDir(dir) };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(r) = reqwest::get(server.url("/healthz")).await
@@ -71,18 +102,23 @@ impl HttpServer {
         }
     }
 
-    fn url(&self, path: &str) -> String {
+    /// What the server logged so far.
+    pub(crate) fn log(&self) -> String {
+        self.log.lock().expect("log lock").clone()
+    }
+
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
-    async fn client(&self, token: &str) -> RunningService<RoleClient, Recorder> {
+    pub(crate) async fn client(&self, token: &str) -> RunningService<RoleClient, Recorder> {
         let config = StreamableHttpClientTransportConfig::with_uri(self.url("/mcp")).auth_header(token);
         let transport = StreamableHttpClientTransport::from_config(config);
         Recorder::default().serve(transport).await.expect("MCP initialise over HTTP")
     }
 
     /// SIGTERM, then the server must exit and leave nothing behind.
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         let pid = self.child.id().expect("pid");
         let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
         let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
@@ -91,7 +127,7 @@ impl HttpServer {
     }
 }
 
-async fn call(
+pub(crate) async fn call(
     client: &RunningService<RoleClient, Recorder>,
     tool: &'static str,
     args: Value,

@@ -18,6 +18,7 @@ mod workspace;
 mod jobs;
 // The HTTP service: tokens, principals, streaming, healthz.
 mod http;
+mod http_abuse; // The HTTP service under attack: foreign MCP sessions, caps, Host/Origin, slow clients.
 // Environments: Python versions, operator environments, mounts.
 mod environments;
 // The CI runner, `pyberth run`.

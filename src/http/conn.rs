@@ -1,0 +1,317 @@
+//! The accept loop. `axum::serve` has no header-read or idle timeout and no cap on
+//! connections: a few hundred clients that open a request and never finish it took every file
+//! descriptor, and with them `/healthz` and the server's Docker calls. Here each connection
+//! needs a place (overall and per client address; refused by closing), must send a request
+//! head within the header timeout (between keep-alive requests too: hyper times the wait for
+//! each head), and is closed once no byte has moved either way for the idle timeout.
+
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// How long connections may take to finish once the server stops.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// File descriptors kept for everything but client connections (Docker, files, the runtime).
+const FD_RESERVE: u64 = 128;
+
+/// The bounds every connection lives within.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    /// Connections at once, overall.
+    pub(super) max_connections: usize,
+    /// Connections at once from one client address.
+    pub(super) per_client: usize,
+    /// Time to send a request head, from the connection's start or the previous response.
+    pub(super) header_timeout: Duration,
+    /// Time without a byte moving either way before a connection is closed.
+    pub(super) idle_timeout: Duration,
+}
+
+/// Raises the soft limit on open files to the hard one, and returns the soft limit in force
+/// (`None`: unlimited).
+pub(super) fn raise_fd_limit() -> Option<u64> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        let raised = Rlimit { current: limit.maximum, maximum: limit.maximum };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            tracing::warn!(error = %e, soft = ?limit.current, hard = ?limit.maximum, "cannot raise the open-files limit");
+        }
+    }
+    getrlimit(Resource::Nofile).current
+}
+
+/// `wanted` connections, or fewer if the open-files limit `fds` would not leave room for the
+/// server's own files beside them.
+pub(super) fn connection_cap(wanted: usize, fds: Option<u64>) -> usize {
+    let Some(fds) = fds else { return wanted };
+    let room = fds - FD_RESERVE.min(fds / 2);
+    usize::try_from(room).map_or(wanted, |room| wanted.min(room)).max(1)
+}
+
+/// Connections open now, overall and per client address.
+#[derive(Debug)]
+struct Admission {
+    limits: Limits,
+    open: Mutex<(usize, std::collections::HashMap<IpAddr, usize>)>,
+}
+
+impl Admission {
+    fn admit(self: &Arc<Self>, client: IpAddr) -> Result<Place, &'static str> {
+        let mut open = self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if open.0 >= self.limits.max_connections {
+            return Err("--max-connections");
+        }
+        let mine = open.1.entry(client).or_default();
+        if *mine >= self.limits.per_client {
+            return Err("--max-connections-per-client");
+        }
+        *mine += 1;
+        open.0 += 1;
+        Ok(Place { admission: self.clone(), client })
+    }
+}
+
+/// One admitted connection's place; given back when dropped.
+struct Place {
+    admission: Arc<Admission>,
+    client: IpAddr,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut open = self.admission.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        open.0 -= 1;
+        if let Some(n) = open.1.get_mut(&self.client) {
+            *n -= 1;
+            if *n == 0 {
+                open.1.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// Logs at most one warning a minute for a recurring condition (a flood must not flood the log).
+#[derive(Default)]
+struct Sometimes(Option<Instant>);
+
+impl Sometimes {
+    fn now(&mut self) -> bool {
+        let due = self.0.is_none_or(|last| last.elapsed() >= Duration::from_secs(60));
+        if due {
+            self.0 = Some(Instant::now());
+        }
+        due
+    }
+}
+
+/// Accepts and serves connections until `shutdown` fires, then gives open ones a few seconds
+/// to finish.
+pub(super) async fn serve(listener: TcpListener, app: Router, limits: Limits, shutdown: CancellationToken) {
+    let admission = Arc::new(Admission { limits, open: Mutex::default() });
+    let tasks = TaskTracker::new();
+    let (mut refusals, mut failures) = (Sometimes::default(), Sometimes::default());
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of file descriptors, most likely: wait instead of spinning.
+                if failures.now() {
+                    tracing::warn!(error = %e, "cannot accept connections");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let place = match admission.admit(peer.ip()) {
+            Ok(place) => place,
+            Err(flag) => {
+                if refusals.now() {
+                    tracing::warn!(client = %peer.ip(), "refusing connections past {flag}");
+                }
+                drop(stream);
+                continue;
+            }
+        };
+        tasks.spawn(connection(stream, peer, app.clone(), limits, shutdown.clone(), place));
+    }
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// Serves one connection within its timeouts.
+async fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    app: Router,
+    limits: Limits,
+    shutdown: CancellationToken,
+    _place: Place,
+) {
+    // Progress lines over SSE must not wait for Nagle.
+    let _ = stream.set_nodelay(true);
+    let activity = Arc::new(Activity::new());
+    let io = TokioIo::new(Watched { inner: stream, activity: activity.clone() });
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    let conn = builder.serve_connection(io, TowerToHyperService::new(app));
+    tokio::pin!(conn);
+    tokio::select! {
+        served = conn.as_mut() => {
+            if let Err(e) = served {
+                tracing::debug!(client = %peer, error = %e, "connection closed");
+            }
+        }
+        () = activity.quiet_for(limits.idle_timeout) => {
+            tracing::debug!(client = %peer, "closing an idle connection");
+        }
+        () = shutdown.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(SHUTDOWN_GRACE, conn).await;
+        }
+    }
+}
+
+/// When a byte last moved on a connection.
+struct Activity {
+    opened: tokio::time::Instant,
+    /// Milliseconds from `opened` to the last read or write of at least one byte.
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity { opened: tokio::time::Instant::now(), last_ms: AtomicU64::new(0) }
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Returns once nothing has moved for `limit`.
+    async fn quiet_for(&self, limit: Duration) {
+        loop {
+            let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+            let quiet = self.opened.elapsed().saturating_sub(last);
+            if quiet >= limit {
+                return;
+            }
+            tokio::time::sleep(limit - quiet).await;
+        }
+    }
+}
+
+/// A stream that records in [`Activity`] every read or write that moves bytes.
+struct Watched {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_cap_leaves_room_for_the_servers_own_files() {
+        assert_eq!(connection_cap(256, None), 256);
+        assert_eq!(connection_cap(256, Some(1_048_576)), 256);
+        assert_eq!(connection_cap(256, Some(1024)), 256);
+        assert_eq!(connection_cap(256, Some(256)), 128);
+        assert_eq!(connection_cap(256, Some(64)), 32);
+        assert_eq!(connection_cap(256, Some(1)), 1);
+    }
+
+    #[test]
+    fn places_are_capped_overall_and_per_client_and_given_back() {
+        let limits = Limits {
+            max_connections: 3,
+            per_client: 2,
+            header_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+        };
+        let admission = Arc::new(Admission { limits, open: Mutex::default() });
+        let (a, b, c): (IpAddr, IpAddr, IpAddr) =
+            ("127.0.0.2".parse().expect("ip"), "127.0.0.3".parse().expect("ip"), "::1".parse().expect("ip"));
+        let a1 = admission.admit(a).expect("a1");
+        let _a2 = admission.admit(a).expect("a2");
+        assert_eq!(admission.admit(a).err(), Some("--max-connections-per-client"));
+        let _b1 = admission.admit(b).expect("b1");
+        assert_eq!(admission.admit(c).err(), Some("--max-connections"));
+        drop(a1);
+        assert!(admission.admit(c).is_ok(), "a closed connection gives its place back");
+    }
+
+    #[tokio::test]
+    async fn quiet_for_waits_from_the_last_byte() {
+        let activity = Arc::new(Activity::new());
+        let started = tokio::time::Instant::now();
+        let toucher = activity.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            toucher.touch();
+        });
+        activity.quiet_for(Duration::from_millis(300)).await;
+        assert!(started.elapsed() >= Duration::from_millis(440), "{:?}", started.elapsed());
+    }
+}

@@ -1,0 +1,164 @@
+//! Bearer tokens: the tokens file, `PYBERTH_TOKEN`, and the layer that turns a request's token
+//! into its [`Principal`].
+
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use subtle::ConstantTimeEq as _;
+
+use super::{Error, HttpArgs, TokenProblem};
+use crate::server::Principal;
+
+/// Principal of the single `PYBERTH_TOKEN`, and of callers of a token-less loopback server.
+pub const DEFAULT_PRINCIPAL: &str = "default";
+/// Shortest token accepted: shorter ones are guessable.
+const MIN_TOKEN_LEN: usize = 16;
+
+/// One principal and its token.
+type Entry = (Arc<str>, Vec<u8>);
+
+/// The accepted tokens.
+#[derive(Debug, Default)]
+pub struct Tokens(Vec<Entry>);
+
+impl Tokens {
+    /// Reads the tokens file and/or the single token.
+    pub fn load(args: &HttpArgs) -> Result<Self, Error> {
+        let mut tokens = Vec::new();
+        if let Some(path) = &args.tokens_file {
+            tokens = parse_tokens_file(path)?;
+        }
+        if let Some(t) = &args.token {
+            check_token(t).map_err(Error::Token)?;
+            tokens.push((Arc::from(DEFAULT_PRINCIPAL), t.as_bytes().to_vec()));
+        }
+        Ok(Self(tokens))
+    }
+
+    /// Whether no tokens are configured.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// How many tokens there are.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// The principal a presented token belongs to. Every token is compared in full, each in
+    /// time independent of where it differs.
+    fn principal(&self, presented: &[u8]) -> Option<Arc<str>> {
+        let mut found = None;
+        for (principal, token) in &self.0 {
+            let same: bool = token.as_slice().ct_eq(presented).into();
+            if same && found.is_none() {
+                found = Some(principal.clone());
+            }
+        }
+        found
+    }
+}
+
+fn check_token(t: &str) -> Result<(), TokenProblem> {
+    if t.len() < MIN_TOKEN_LEN || t.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(TokenProblem::Weak);
+    }
+    Ok(())
+}
+
+fn parse_tokens_file(path: &Path) -> Result<Vec<Entry>, Error> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::ReadTokens { path: path.to_owned(), source })?;
+    let mut out: Vec<Entry> = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let at = |problem| Error::TokensLine { path: path.to_owned(), line: n + 1, problem };
+        let Some((principal, token)) = line.split_once(':') else {
+            return Err(at(TokenProblem::NoColon));
+        };
+        let principal = principal.trim();
+        if principal.is_empty()
+            || principal.len() > 64
+            || !principal.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        {
+            return Err(at(TokenProblem::Principal));
+        }
+        let token = token.trim();
+        check_token(token).map_err(at)?;
+        if out.iter().any(|(_, t)| t == token.as_bytes()) {
+            return Err(at(TokenProblem::Duplicate));
+        }
+        out.push((Arc::from(principal), token.as_bytes().to_vec()));
+    }
+    if out.is_empty() {
+        return Err(Error::NoTokens(path.to_owned()));
+    }
+    Ok(out)
+}
+
+/// Checks the bearer token and records the caller's principal for the layers and tools after.
+pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Next) -> Response {
+    if tokens.is_empty() {
+        // Loopback only (checked at start): the local user, as over stdio.
+        req.extensions_mut().insert(Principal(Arc::from(DEFAULT_PRINCIPAL)));
+        return next.run(req).await;
+    }
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim);
+    match presented.and_then(|t| tokens.principal(t.as_bytes())) {
+        Some(principal) => {
+            req.extensions_mut().insert(Principal(principal));
+            next.run(req).await
+        }
+        None => {
+            let why = if presented.is_some() { "the token is not valid" } else { "a bearer token is required" };
+            let body = serde_json::json!({ "error": format!("{why}: send Authorization: Bearer <token>") });
+            let mut resp = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            resp
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_file_lines_are_checked_and_name_their_line() {
+        let dir = std::env::temp_dir().join(format!("pyberth-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("tokens");
+        let write = |text: &str| std::fs::write(&file, text).expect("write");
+        write("# team\nalice:aaaaaaaaaaaaaaaaaaaa\n\nbob : bbbbbbbbbbbbbbbbbbbb\n");
+        let tokens = parse_tokens_file(&file).expect("valid");
+        let t = Tokens(tokens);
+        assert_eq!(t.principal(b"bbbbbbbbbbbbbbbbbbbb").as_deref(), Some("bob"));
+        assert_eq!(t.principal(b"aaaaaaaaaaaaaaaaaaaa").as_deref(), Some("alice"));
+        assert!(t.principal(b"aaaaaaaaaaaaaaaaaaab").is_none());
+        assert!(t.principal(b"aaaaaaaaaaaaaaaaaaaaa").is_none());
+        assert!(t.principal(b"").is_none());
+        for (bad, why) in [
+            ("alice\n", "line 1: write principal:token"),
+            ("alice:short\n", "line 1: a token must be"),
+            ("a b:cccccccccccccccccccc\n", "line 1: the principal"),
+            ("x:dddddddddddddddddddd\ny:dddddddddddddddddddd\n", "line 2: this token is already"),
+            ("# nothing\n", "no tokens"),
+        ] {
+            write(bad);
+            let e = parse_tokens_file(&file).expect_err(bad).to_string();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
