@@ -357,3 +357,30 @@ async fn slow_clients_cannot_starve_the_server() {
     assert!(matches!(health, Ok(Ok(ref r)) if r.status().is_success()), "/healthz after the attack");
     s.stop().await;
 }
+
+/// One tenant fills its share of sessions: another tenant still opens its own, and the first
+/// learns nothing of the second's use. The server-wide ceiling says nothing of who holds it.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_principal_cannot_use_up_the_sessions_of_another() {
+    let env = [("PYBERTH_MAX_SESSIONS", "2"), ("PYBERTH_MAX_SESSIONS_TOTAL", "3")];
+    let s = HttpServer::start_with("http-tenants", &env, None).await;
+    let alice = s.client(ALICE).await;
+    let bob = s.client(BOB).await;
+    for name in ["a1", "a2"] {
+        let (r, _) = call(&alice, "run_python", json!({ "session": name, "code": "1" })).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    }
+    let (r, _) = call(&alice, "run_python", json!({ "session": "a3", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("you have 2 sessions open"), "{}", text(&r));
+    let (r, _) = call(&bob, "run_python", json!({ "session": "b1", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(false), "alice's full share leaves bob his: {}", text(&r));
+    // The server is now full (3): bob's next is refused without a word about alice.
+    let (r, _) = call(&bob, "run_python", json!({ "session": "b2", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true));
+    let t = text(&r);
+    assert!(t.contains("no room for another session") && !t.contains("alice") && !t.contains('2'), "{t}");
+    drop(alice);
+    drop(bob);
+    s.stop().await;
+}
