@@ -115,7 +115,7 @@ pub struct SandboxConfig {
     pub extra_index_url: Option<String>,
 
     /// CA bundle the installer trusts, for TLS-intercepting proxies (fallbacks: SSL_CERT_FILE,
-    /// PIP_CERT, REQUESTS_CA_BUNDLE).
+    /// PIP_CERT, REQUESTS_CA_BUNDLE, then the host's system bundle).
     #[arg(long, env = "PYBERTH_CA_BUNDLE")]
     pub ca_bundle: Option<PathBuf>,
 
@@ -281,11 +281,14 @@ impl SandboxConfig {
         self.extra_index_url.clone().or_else(|| env_any(&["PIP_EXTRA_INDEX_URL", "UV_EXTRA_INDEX_URL"]))
     }
 
-    /// CA bundle, honouring the usual conventions.
+    /// CA bundle: the flag, the usual variables, else the host's system bundle. Desktop MCP
+    /// clients start servers with almost no environment, so `SSL_CERT_FILE` is often lost; the
+    /// system bundle carries the CAs the host trusts, a TLS-intercepting proxy's included.
     pub fn ca_bundle(&self) -> Option<PathBuf> {
         self.ca_bundle
             .clone()
             .or_else(|| env_any(&["SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE"]).map(PathBuf::from))
+            .or_else(|| SYSTEM_CA_BUNDLES.iter().map(PathBuf::from).find(|p| p.is_file()))
     }
 
     /// Install time limit.
@@ -315,6 +318,15 @@ impl SandboxConfig {
         Ok(dir)
     }
 }
+
+/// Where distributions keep the system's CA bundle: Debian and Ubuntu, Fedora and RHEL,
+/// openSUSE, Alpine and macOS.
+const SYSTEM_CA_BUNDLES: [&str; 4] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
 
 /// See [`SandboxConfig::secure_state_dir`].
 fn secure_dir(dir: &Path, uid: u32) -> Result<(), String> {

@@ -109,6 +109,11 @@ pub(super) struct SessionEnvironment {
     pub mounts: Vec<MountInfo>,
     /// Installed distributions (preinstalled, added, and the interpreter's own).
     pub packages_installed: usize,
+    /// The package index installs come from.
+    pub package_index: String,
+    /// The CA bundle the installer trusts, a path on the server's host (null: the installer's
+    /// own, which knows no TLS-intercepting proxy).
+    pub ca_bundle: Option<String>,
 }
 
 fn describe(env: &Environment, default: &str) -> EnvironmentInfo {
@@ -171,10 +176,12 @@ impl SandboxServer {
             network: "none".into(),
             mounts: mounts(&cfg.mounts),
             packages_installed: packages,
+            package_index: cfg.index_url().unwrap_or_else(|| "https://pypi.org/simple".into()),
+            ca_bundle: cfg.ca_bundle().map(|p| p.display().to_string()),
         };
         let text = format!(
             "session {}: environment {}, Python {}, image {}\nlimits: {} MiB memory, {} CPU, {} processes, {} s per run \
-             (at most {} s), {} bytes of output per stream\nnetwork: none\nread-only folders: {}\npackages installed: {}\n",
+             (at most {} s), {} bytes of output per stream\nnetwork: none\nread-only folders: {}\npackages installed: {}\npackage index: {} (CA bundle: {})\n",
             out.session,
             out.environment,
             out.python,
@@ -191,6 +198,8 @@ impl SandboxServer {
                 out.mounts.iter().map(|m| m.path.as_str()).collect::<Vec<_>>().join(", ")
             },
             out.packages_installed,
+            out.package_index,
+            out.ca_bundle.as_deref().unwrap_or("the installer's own"),
         );
         Ok(structured(&out, text))
     }

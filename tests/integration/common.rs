@@ -116,9 +116,27 @@ impl Server {
 
     /// Starts a server with a given instance name.
     pub async fn start_as(instance: &str, env: &[(&str, &str)]) -> Server {
+        Self::spawn(instance, env, false).await
+    }
+
+    /// Starts a server with the few variables the official MCP Python SDK passes to the
+    /// stdio servers it starts (HOME, LOGNAME, PATH, SHELL, TERM, USER), as a desktop client would.
+    pub async fn start_like_a_desktop_client(tag: &str, env: &[(&str, &str)]) -> Server {
+        Self::spawn(&instance_name(tag), env, true).await
+    }
+
+    async fn spawn(instance: &str, env: &[(&str, &str)], minimal: bool) -> Server {
         let state_dir = state_dir();
         let (log, stderr) = ServerLog::create(instance);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pyberth"));
+        if minimal {
+            cmd.env_clear();
+            for key in ["HOME", "LOGNAME", "PATH", "SHELL", "TERM", "USER", "DOCKER_HOST"] {
+                if let Ok(v) = std::env::var(key) {
+                    cmd.env(key, v);
+                }
+            }
+        }
         cmd.arg("serve")
             .env("PYBERTH_INSTANCE", instance)
             .env("PYBERTH_STATE_DIR", &state_dir)

@@ -145,3 +145,23 @@ async fn an_unreachable_index_is_said_plainly() {
     assert!(text(&r).contains("http://127.0.0.1:9/simple"), "names the index: {}", text(&r));
     s.stop().await;
 }
+
+/// A desktop client starts the server with almost no environment: no `SSL_CERT_FILE`, no
+/// `PIP_CERT`. Installs must still work behind a TLS-intercepting proxy, through the host's
+/// system CA bundle, and get_environment says which bundle is used.
+#[tokio::test(flavor = "multi_thread")]
+async fn installs_work_with_the_environment_a_desktop_client_passes() {
+    let s = Server::start_like_a_desktop_client("deps-minimal-env", &[]).await;
+    let r = s.call("get_environment", json!({})).await;
+    let sc = r.structured_content.clone().expect("structured");
+    let bundle = sc["ca_bundle"].as_str().unwrap_or_default().to_owned();
+    assert!(!bundle.is_empty() && std::path::Path::new(&bundle).is_file(), "a system bundle is used: {sc}");
+    assert!(text(&r).contains(&bundle), "and said: {}", text(&r));
+    // A set no other test asks for, its cached layer removed: the install really reaches the index.
+    forget_layers("iniconfig==2.0.0").await;
+    let r = s.call("install_packages", json!({ "packages": ["iniconfig==2.0.0"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = s.ok("default", "import iniconfig\niniconfig.__name__").await;
+    assert_eq!(sc["result"], "'iniconfig'");
+    s.stop().await;
+}
