@@ -71,9 +71,42 @@ pub(crate) fn one_line(text: &str) -> String {
         .collect()
 }
 
+/// A progress line as a person should read it: terminal escape sequences (colour, cursor
+/// moves, as `docker build` and pip emit) removed, other control characters dropped.
+pub(crate) fn plain_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI (`ESC [ … final`) and OSC (`ESC ] … BEL or ESC \\`); else the one next char.
+            match chars.next() {
+                Some('[') => while chars.next().is_some_and(|c| !('@'..='~').contains(&c)) {},
+                Some(']') => {
+                    while let Some(c) = chars.next() {
+                        if c == '\u{7}' || (c == '\u{1b}' && chars.next_if_eq(&'\\').is_some()) {
+                            break;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        } else if !c.is_control() || c == '\t' {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_lines_lose_their_escapes() {
+        assert_eq!(plain_line("\u{1b}[1;32mStep 1/9\u{1b}[0m : FROM x\r"), "Step 1/9 : FROM x");
+        assert_eq!(plain_line("a\u{1b}]0;title\u{7}b\u{1b}]8;;u\u{1b}\\c"), "abc");
+        assert_eq!(plain_line("tab\there"), "tab\there");
+    }
 
     #[test]
     fn under_the_cap_everything_is_kept() {

@@ -65,7 +65,7 @@ pub struct Registry {
     instance: Instance,
     /// The environments, and each one's image, found or built once.
     pub environments: Environments,
-    images: Mutex<HashMap<String, Arc<OnceCell<String>>>>,
+    images: Mutex<HashMap<String, Arc<ImageSlot>>>,
     sessions: Mutex<HashMap<Key, Slot>>,
     index: IndexSettings,
     /// One lock per requirement set, so concurrent asks for one layer install it once.
@@ -79,6 +79,19 @@ pub struct Registry {
     pool: Mutex<Vec<super::Prepared>>,
     /// Wakes the pool keeper when a container was taken.
     pool_wake: tokio::sync::Notify,
+}
+
+/// An environment's image, found or built once, and the latest line of its build.
+#[derive(Debug)]
+struct ImageSlot {
+    tag: OnceCell<String>,
+    lines: tokio::sync::watch::Sender<String>,
+}
+
+impl Default for ImageSlot {
+    fn default() -> Self {
+        Self { tag: OnceCell::new(), lines: tokio::sync::watch::channel(String::new()).0 }
+    }
 }
 
 /// A session opened for a call by [`Registry::open`].
@@ -202,20 +215,34 @@ impl Registry {
 
     /// An environment's image, found or built once per server (a build reports progress).
     pub async fn image(&self, env: &Environment, progress: Progress<'_>) -> Result<String, Error> {
-        let cell = {
+        let slot = {
             let mut images = self.images.lock().unwrap_or_else(|e| e.into_inner());
             images.entry(env.name.clone()).or_default().clone()
         };
-        cell.get_or_try_init(|| async {
+        if let Some(tag) = slot.tag.get() {
+            return Ok(tag.clone());
+        }
+        // Whoever builds, every caller waiting for the image hears its progress: the first
+        // call of a fresh server waits for the build its start-up began.
+        let mut lines = slot.lines.subscribe();
+        let build = slot.tag.get_or_try_init(|| async {
             let both = |line: &str| {
+                let line = crate::output::plain_line(line);
                 tracing::info!(target: "pyberth::image", environment = %env.name, "{line}");
-                progress(line);
+                slot.lines.send_replace(line);
             };
             image::ensure(&self.docker, &env.cfg, &both).await
-        })
-        .await
-        .cloned()
-        .map_err(Error::Image)
+        });
+        tokio::pin!(build);
+        loop {
+            tokio::select! {
+                built = &mut build => return built.cloned().map_err(Error::Image),
+                Ok(()) = lines.changed() => {
+                    let line = lines.borrow_and_update().clone();
+                    progress(&line);
+                }
+            }
+        }
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Slot>> {

@@ -177,3 +177,33 @@ async fn the_warm_pool_hands_each_container_to_one_session_and_refills() {
     s.stop().await;
     assert_cleaned_up(&instance).await;
 }
+
+/// A fresh server whose image does not exist yet starts building it at once; the first call
+/// waits for that build and must not be silent for its length: it hears the build's progress.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_first_call_hears_the_image_build_it_waits_for() {
+    use sha2::Digest as _;
+    // An environment of its own (the local offline base named as the base image): its tag is
+    // the sandbox tag plus a hash of base and release, as `image::tag_for` makes it.
+    let base = "pyberth-base:bookworm";
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pyberth")).args(["image", "tag"]).output().expect("tag");
+    let mut h = sha2::Sha256::new();
+    h.update(base.as_bytes());
+    h.update([0]);
+    h.update(b"bookworm");
+    let key: String = h.finalize().iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let tag = format!("{}-{key}", String::from_utf8_lossy(&out.stdout).trim());
+    let docker = crate::common::docker().await;
+    let force = bollard::query_parameters::RemoveImageOptionsBuilder::default().force(true).build();
+    let _ = docker.remove_image(&tag, Some(force.clone()), None).await;
+
+    let s = Server::start("first-build", &[("PYBERTH_BASE_IMAGE", base)]).await;
+    let sc = s.ok("default", "6 * 7").await;
+    assert_eq!(sc["result"], "42");
+    let heard = s.take_heard();
+    let build: Vec<_> = heard.iter().filter(|h| h.kind == "progress" && h.text.contains("Step")).collect();
+    assert!(!build.is_empty(), "the first call heard the build: {heard:?}");
+    assert!(heard.iter().all(|h| !h.text.contains('\u{1b}')), "no escape codes in progress lines");
+    s.stop().await;
+    let _ = docker.remove_image(&tag, Some(force), None).await;
+}
