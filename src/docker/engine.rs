@@ -400,6 +400,14 @@ pub fn assess(engine: &str, runc: Option<&str>) -> Vec<String> {
     w
 }
 
+/// True the first time `versions` is seen by this state dir (a marker file records it).
+fn first_time(state_dir: &std::path::Path, versions: &str) -> bool {
+    let key: String = versions.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' }).collect();
+    let marker = state_dir.join(format!("engine-warned-{key}"));
+    // create_new: an existing marker (or anything planted there) means "already said".
+    std::fs::OpenOptions::new().write(true).create_new(true).open(marker).is_ok()
+}
+
 /// Checks the engine, logs what is known to be wrong with it (as warnings when `announce`,
 /// else at debug level: `pyberth run` shares stderr with the program), refuses to go on under
 /// `--strict-engine`, and sets the seccomp profile sandboxes get.
@@ -414,11 +422,18 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
         .map(|c| c.version);
     let warnings = assess(&engine, runc.as_deref());
     for w in &warnings {
-        if announce {
-            tracing::warn!(target: "pyberth::engine", "{w}");
-        } else {
-            tracing::debug!(target: "pyberth::engine", "{w}");
-        }
+        tracing::debug!(target: "pyberth::engine", "{w}");
+    }
+    // Once per engine and runc version, in one line: the same four warnings at every start
+    // teach nothing and bury what follows.
+    let versions = format!("Docker {engine}, runc {}", runc.as_deref().unwrap_or("?"));
+    if announce && !warnings.is_empty() && first_time(&cfg.state_dir(), &versions) {
+        tracing::warn!(
+            target: "pyberth::engine",
+            "{versions}: {} known security issue(s) (RUST_LOG=pyberth::engine=debug lists them; \
+             --strict-engine refuses such engines); said once per engine version",
+            warnings.len()
+        );
     }
     if cfg.strict_engine && !warnings.is_empty() {
         return Err(format!(
