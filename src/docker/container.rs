@@ -251,6 +251,7 @@ pub async fn remove_container(docker: &Docker, id: &str) {
     match docker.remove_container(id, Some(opts)).await {
         Ok(()) => {}
         Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
+        Err(e) if removal_under_way(&e) => {}
         Err(e) => tracing::warn!(container = %short(id), error = %e, "cannot remove container"),
     }
 }
@@ -263,6 +264,13 @@ pub async fn remove_volume(docker: &Docker, name: &str) {
         Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
         Err(e) => tracing::warn!(volume = %name, error = %e, "cannot remove volume"),
     }
+}
+
+/// Docker's 409 for a container another of our own calls is already removing (a close and the
+/// final sweep of a shutdown meet): the container goes either way, nothing to warn about.
+pub(crate) fn removal_under_way(e: &bollard::errors::Error) -> bool {
+    matches!(e, bollard::errors::Error::DockerResponseServerError { status_code: 409, message }
+        if message.contains("already in progress"))
 }
 
 /// A short container id for logs.
