@@ -179,7 +179,7 @@ fn mib(kb: Option<u64>) -> String {
 /// Runs the benchmark and prints its figures.
 pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
     cfg.validate()?;
-    let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
+    let docker = docker::connect(cfg.docker_host.as_deref()).await?;
     let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
     let img = image::ensure(&docker, &cfg, &progress).await?;
     let mut table = Table(Vec::new(), Vec::new());

@@ -208,7 +208,16 @@ impl SandboxConfig {
             "must be 0 (on disk) or between 1 and --memory-mb (its pages count against the session's memory)",
         )?;
         check(self.timeout_s >= 1, "--timeout-s", "must be at least 1")?;
-        check(self.max_timeout_s >= self.timeout_s, "--max-timeout-s", "must be at least --timeout-s")?;
+        // Name the flag that is set past the other, with both values: raising a default is the
+        // more likely intent than lowering the maximum.
+        check(
+            self.timeout_s <= self.max_timeout_s,
+            "--timeout-s",
+            format!(
+                "{} is over --max-timeout-s ({}): give a smaller --timeout-s, or raise --max-timeout-s",
+                self.timeout_s, self.max_timeout_s
+            ),
+        )?;
         check(
             self.interrupt_grace_s > 0.0 && self.interrupt_grace_s <= 60.0,
             "--interrupt-grace-s",
@@ -224,9 +233,13 @@ impl SandboxConfig {
         )?;
         check(self.code_cap >= 1 && self.code_cap <= 16 << 20, "--code-cap", "must be between 1 and 16 MiB")?;
         check(
-            self.fallback_release.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()),
+            DEBIAN_SUITES.contains(&self.fallback_release.as_str()),
             "--fallback-release",
-            "must be a Debian suite name such as bookworm",
+            format!(
+                "{:?} is not a Debian suite pyberth knows: use one of {}",
+                self.fallback_release,
+                DEBIAN_SUITES.join(", ")
+            ),
         )?;
         check(self.file_cap >= 1024 && self.file_cap <= 8 << 20, "--file-cap", "must be between 1 KiB and 8 MiB")?;
         check(self.install_timeout_s >= 10, "--install-timeout-s", "must be at least 10")?;
@@ -318,6 +331,10 @@ impl SandboxConfig {
         Ok(dir)
     }
 }
+
+/// Debian suites debootstrap can make a base of (codenames and their aliases).
+const DEBIAN_SUITES: [&str; 10] =
+    ["buster", "bullseye", "bookworm", "trixie", "forky", "sid", "oldstable", "stable", "testing", "unstable"];
 
 /// Where distributions keep the system's CA bundle: Debian and Ubuntu, Fedora and RHEL,
 /// openSUSE, Alpine and macOS.

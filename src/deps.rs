@@ -24,7 +24,7 @@ pub(crate) enum Error {
         /// The entry as given (shortened).
         entry: String,
         /// Why.
-        why: &'static str,
+        why: String,
     },
     /// Two entries for one package with different constraints.
     #[error("packages {first:?} and {second:?} name the same package with different constraints: keep one")]
@@ -45,9 +45,9 @@ pub(crate) struct Requirement {
     pub canonical: String,
 }
 
-fn refused(entry: &str, why: &'static str) -> Error {
+fn refused(entry: &str, why: impl Into<String>) -> Error {
     let entry: String = entry.chars().take(80).collect();
-    Error::Refused { entry, why }
+    Error::Refused { entry, why: why.into() }
 }
 
 /// PEP 503 normalisation.
@@ -207,6 +207,17 @@ pub(crate) fn parse(entry: &str) -> Result<Requirement, Error> {
     } else {
         (Vec::new(), rest)
     };
+    if !spec.is_empty() && !spec.starts_with(['=', '!', '<', '>', '~', '(']) {
+        // Say what broke the name, not what a constraint would have needed.
+        let bad = match req[name_end..].chars().next() {
+            Some(' ') | None => "a space".to_owned(),
+            Some(c) => format!("{c:?}"),
+        };
+        return Err(refused(
+            entry,
+            format!("{bad} after the name {name:?}: a name has only letters, digits, '-', '_' and '.'"),
+        ));
+    }
     let spec = if spec.is_empty() { String::new() } else { canonical_specifiers(entry, spec)? };
     let name = normalize_name(name);
     let mut canonical = name.clone();
@@ -349,6 +360,10 @@ mod tests {
         }
         let e = parse("-e .").expect_err("option");
         assert!(e.to_string().contains("\"-e .\""), "names the entry: {e}");
+        let e = parse("bad name!").expect_err("space").to_string();
+        assert!(e.contains("a space after the name \"bad\""), "names what broke the name: {e}");
+        let e = parse("pandas!").expect_err("bang").to_string();
+        assert!(e.contains("'!' after the name \"pandas\""), "{e}");
     }
 
     #[test]

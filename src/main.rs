@@ -224,7 +224,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             cfg.validate()?;
             cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
             let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
-            let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
+            let docker = docker::connect(cfg.docker_host.as_deref()).await?;
             let progress = |line: &str| eprintln!("{line}");
             let targets: Vec<_> = if all {
                 envs.all().cloned().collect()
@@ -245,7 +245,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Bench { cfg, args } => bench::run(cfg, args).await,
         Command::Run(_) => Ok(()), // handled in main, for its exit code
         Command::Layers { action: LayersAction::List { cfg } } => {
-            let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
+            let docker = docker::connect(cfg.docker_host.as_deref()).await?;
             let mut out = String::new();
             let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
             for l in layers::list_by_use(&docker, &state_dir).await? {
@@ -258,7 +258,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Layers { action: LayersAction::Prune { cfg, keep_mb } } => {
-            let docker = docker::connect(cfg.docker_host.as_deref()).await.context("cannot reach the Docker engine")?;
+            let docker = docker::connect(cfg.docker_host.as_deref()).await?;
             let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
             for tag in layers::prune(&docker, &state_dir, keep_mb << 20).await? {
                 eprintln!("removed {tag}");
@@ -276,9 +276,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
              client configuration); for a service, use --http 127.0.0.1:8080. Ctrl-D quits."
         );
     }
-    let docker = docker::connect(cfg.docker_host.as_deref())
-        .await
-        .context("cannot reach the Docker engine (is it running? is DOCKER_HOST right?)")?;
+    let docker = docker::connect(cfg.docker_host.as_deref()).await?;
     let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
     docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
     let cfg = Arc::new(cfg);

@@ -72,9 +72,7 @@ pub async fn ensure(docker: &Docker, cfg: &SandboxConfig, progress: Progress<'_>
         if exists(docker, image).await? {
             return Ok(image.clone());
         }
-        return Err(Error::Build(format!(
-            "image {image} (from --image/PYBERTH_IMAGE) does not exist; build or load it, or unset the setting"
-        )));
+        return Err(Error::MissingImage(image.clone()));
     }
     let tag = tag_for(cfg);
     if exists(docker, &tag).await? {

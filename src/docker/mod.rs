@@ -34,6 +34,14 @@ pub enum Error {
     /// The engine answered with an error or could not be reached.
     #[error("{}", describe(.0))]
     Engine(#[from] bollard::errors::Error),
+    /// No engine answered at connect time.
+    #[error("no Docker engine answers at {at} ({cause}): is it running? is DOCKER_HOST right?")]
+    Unreachable {
+        /// Where we asked (`DOCKER_HOST`, or the local socket).
+        at: String,
+        /// The engine's or the transport's word.
+        cause: bollard::errors::Error,
+    },
     /// `DOCKER_HOST` names a transport this build does not speak.
     #[error("unsupported DOCKER_HOST {0:?}: use unix:///path/to/docker.sock or tcp://host:port")]
     UnsupportedHost(String),
@@ -43,6 +51,9 @@ pub enum Error {
     /// The image build failed.
     #[error("image build failed: {0}")]
     Build(String),
+    /// The image the operator named (`--image`) is not on the engine; nothing was built.
+    #[error("image {0} (from --image/PYBERTH_IMAGE) does not exist: build or load it, or unset the setting")]
+    MissingImage(String),
     /// Docker gave an exec a detached stream although we asked to attach.
     #[error("docker did not attach to the exec")]
     NotAttached,
@@ -92,7 +103,9 @@ pub async fn connect(host: Option<&str>) -> Result<Docker, Error> {
     };
     // bollard 0.21.1 sends unversioned requests; negotiating pins the engine's own version so
     // that later bollard releases keep working against older engines (docs/api-facts.md §3).
-    let docker = docker.negotiate_version().await?;
-    docker.ping().await?;
+    let at = host.filter(|h| !h.is_empty()).unwrap_or("the local socket").to_owned();
+    let unreachable = |cause| Error::Unreachable { at: at.clone(), cause };
+    let docker = docker.negotiate_version().await.map_err(unreachable)?;
+    docker.ping().await.map_err(unreachable)?;
     Ok(docker)
 }

@@ -272,9 +272,7 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
     let packages =
         crate::checks::wanted_packages(Some(&args.with), script_text.as_deref(), cfg.max_packages).map_err(usage)?;
 
-    let docker = docker::connect(cfg.docker_host.as_deref())
-        .await
-        .map_err(|e| infra(format!("cannot reach the Docker engine (is it running? is DOCKER_HOST right?): {e}")))?;
+    let docker = docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| infra(e.to_string()))?;
     let mut cfg = cfg.clone();
     docker::engine::check(&docker, &mut cfg, false).await.map_err(infra)?;
     let state_dir = cfg.secure_state_dir().map_err(usage)?;
@@ -386,11 +384,7 @@ async fn in_session(
         }
         // Always the last line, and one the program cannot forge: its own lines that start with
         // `[pyberth]` were defused (unless --raw-output).
-        eprintln!(
-            "[pyberth] exit {code} ({}) after {:.1} s",
-            status_word(outcome.status),
-            outcome.duration.as_secs_f64()
-        );
+        eprintln!("[pyberth] exit {code} ({}) after {:.1} s", outcome.status, outcome.duration.as_secs_f64());
     }
     Ok(code)
 }
@@ -444,11 +438,6 @@ fn emit(stream: Stream, bytes: &[u8]) {
         Stream::Stdout => std::io::stdout().lock().write_all(bytes).and_then(|()| std::io::stdout().flush()),
         Stream::Stderr => std::io::stderr().lock().write_all(bytes),
     };
-}
-
-/// How a run ended, in the word the JSON result uses.
-fn status_word(status: RunStatus) -> String {
-    serde_json::to_value(status).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
 }
 
 /// The process exit code for an outcome.

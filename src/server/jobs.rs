@@ -188,7 +188,7 @@ impl SandboxServer {
                 job.id, out.elapsed_s
             )),
             Some(Finished::Failed(e)) => text.push_str(&format!("[status] the run could not complete: {e}\n")),
-            Some(Finished::Outcome(_)) => text.push_str(&format!("[status] {:?}; full result in result\n", out.status)),
+            Some(Finished::Outcome(_)) => text.push_str(&format!("[status] {}; full result in result\n", out.status)),
         }
         let mut result = structured(&out, text);
         if let Some(r) = rendered {
@@ -245,7 +245,7 @@ impl SandboxServer {
             })
             .collect();
         let mut text: String =
-            jobs.iter().map(|j| format!("{}\t{}\t{:?}\t{:.1} s\n", j.job, j.session, j.status, j.elapsed_s)).collect();
+            jobs.iter().map(|j| format!("{}\t{}\t{}\t{:.1} s\n", j.job, j.session, j.status, j.elapsed_s)).collect();
         if jobs.is_empty() {
             text.push_str("no jobs\n");
         }

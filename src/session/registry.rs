@@ -274,11 +274,15 @@ impl Registry {
     ) -> Result<(Arc<Session>, bool), Error> {
         if let Some(s) = self.find(principal, name) {
             return match environment {
-                Some(e) if e != s.environment => Err(Error::OtherEnvironment {
-                    session: name.to_owned(),
-                    has: s.environment.clone(),
-                    asked: e.to_owned(),
-                }),
+                // A name that does not exist is that, before it is another environment.
+                Some(e) if e != s.environment => match self.environments.get(Some(e)) {
+                    Err(missing) => Err(Error::Environment(missing)),
+                    Ok(_) => Err(Error::OtherEnvironment {
+                        session: name.to_owned(),
+                        has: s.environment.clone(),
+                        asked: e.to_owned(),
+                    }),
+                },
                 _ => Ok((s, false)),
             };
         }
@@ -456,6 +460,9 @@ impl Registry {
     pub async fn pool_keeper(self: Arc<Self>, shutdown: CancellationToken) {
         let size = self.cfg.pool_size;
         let mut serial = 0u64;
+        // Doubles after each failure (a missing image is a whole bootstrap each try), back to
+        // the start after a success.
+        let mut backoff = Duration::from_secs(10);
         while size > 0 && !shutdown.is_cancelled() {
             let missing = size.saturating_sub(self.pool.lock().unwrap_or_else(|e| e.into_inner()).len());
             if missing == 0 {
@@ -478,13 +485,17 @@ impl Registry {
                 m = made => m,
             };
             match made {
-                Ok(p) => self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p),
+                Ok(p) => {
+                    self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                    backoff = Duration::from_secs(10);
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot fill the warm pool; retrying in 10 s");
+                    tracing::warn!(error = %e, "cannot fill the warm pool; retrying in {} s", backoff.as_secs());
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+                        _ = tokio::time::sleep(backoff) => {}
                     }
+                    backoff = (backoff * 2).min(Duration::from_secs(600));
                 }
             }
         }

@@ -34,6 +34,22 @@ pub enum RunStatus {
     Running,
 }
 
+impl std::fmt::Display for RunStatus {
+    /// The word the structured results use (`ok`, `interpreter_restarted`), so text and fields
+    /// agree.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Ok => "ok",
+            Self::Error => "error",
+            Self::Timeout => "timeout",
+            Self::Cancelled => "cancelled",
+            Self::InterpreterRestarted => "interpreter_restarted",
+            Self::Oom => "oom",
+            Self::Running => "running",
+        })
+    }
+}
+
 /// Sees each chunk of output as it arrives, for live streaming.
 pub(super) type Observer<'a> = dyn Fn(protocol::Stream, &[u8]) + Send + Sync + 'a;
 

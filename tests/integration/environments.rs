@@ -33,6 +33,10 @@ async fn two_python_versions_run_side_by_side() {
     // Naming the environment it has is fine.
     let (r, _) = s.run_with(json!({ "session": "new", "environment": "python3.13", "code": "1" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    // An unknown name on an existing session says it does not exist, not that sessions keep theirs.
+    let (r, _) = s.run_with(json!({ "session": "new", "environment": "cobol", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("cobol") && !text(&r).contains("keeps its environment"), "{}", text(&r));
     let (r, _) = s.run_with(json!({ "session": "other", "environment": "cobol", "code": "1" })).await;
     assert_eq!(r.is_error, Some(true));
     assert!(text(&r).contains("python3.13") && text(&r).contains("list_environments"), "{}", text(&r));
