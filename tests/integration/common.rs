@@ -78,6 +78,16 @@ impl Server {
 
     /// Starts a server with a given instance name.
     pub async fn start_as(instance: &str, env: &[(&str, &str)]) -> Server {
+        Self::spawn(instance, env, Stdio::inherit()).await
+    }
+
+    /// Starts a server whose log (its stderr) goes to `log` instead of the test's stderr, for
+    /// tests that read what the server logged.
+    pub async fn start_logging_to(tag: &str, env: &[(&str, &str)], log: std::fs::File) -> Server {
+        Self::spawn(&instance_name(tag), env, Stdio::from(log)).await
+    }
+
+    async fn spawn(instance: &str, env: &[(&str, &str)], stderr: Stdio) -> Server {
         let state_dir = state_dir();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pyberth"));
         cmd.arg("serve")
@@ -88,7 +98,7 @@ impl Server {
             .env("PYBERTH_POOL_SIZE", "0")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .kill_on_drop(true);
         for (k, v) in env {
             cmd.env(k, v);
@@ -137,6 +147,21 @@ impl Server {
         let (r, sc) = self.run(session, code).await;
         assert_eq!(r.is_error, Some(false), "expected success for {code:?}: {}", text(&r));
         sc
+    }
+
+    /// Peak and current resident memory of the server process, KiB (`VmHWM`, `VmRSS`).
+    pub fn memory_kb(&self) -> (u64, u64) {
+        let pid = self.child.id().expect("the server is running");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the server's /proc status");
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+        };
+        (field("VmHWM:"), field("VmRSS:"))
     }
 
     /// Closes the client (stdin EOF) and waits for the server to exit.
