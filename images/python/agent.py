@@ -44,6 +44,7 @@ LIVE_SITE = "/opt/pyberth/live/site"
 WORKSPACE = os.path.realpath(os.environ.get("PYBERTH_WORKSPACE", "/workspace"))
 MAX_IMAGES = 10  # figures returned per run
 MAX_IMAGE_BYTES = 4 << 20
+MAX_RUN_IMAGES = 16  # images of any kind per run: the server keeps no more (session/extras.rs)
 
 
 class PathError(Exception):
@@ -462,6 +463,14 @@ class Agent:
             self.send_notice(run_id, "figures could not be rendered: %s" % clean(repr(exc), 300))
 
     def send_image(self, run_id, png):
+        count = getattr(self, "image_count", None)
+        sent = count[1] if count and count[0] == run_id else 0
+        if sent >= MAX_RUN_IMAGES:
+            if sent == MAX_RUN_IMAGES:
+                self.send_notice(run_id, "more than %d images in one run: the rest are not returned" % MAX_RUN_IMAGES)
+                self.image_count = (run_id, sent + 1)
+            return
+        self.image_count = (run_id, sent + 1)
         if len(png) > MAX_IMAGE_BYTES:
             self.send_notice(run_id, "an image of %d bytes was not returned (limit %d)" % (len(png), MAX_IMAGE_BYTES))
             return

@@ -136,6 +136,7 @@ fn empty_outcome() -> RunOutcome {
         notices: Vec::new(),
         images: Vec::new(),
         peak_memory_kb: None,
+        extras: Default::default(),
     }
 }
 
@@ -499,4 +500,23 @@ async fn a_query_unanswered_in_time_or_cut_off_fails() {
     let gone =
         cut.request(|id| Request::Vars { id }, |_, ev| matches!(ev, Event::Vars { .. }).then_some(()), STEP).await;
     assert!(matches!(gone, Err(Error::AgentGone)), "{gone:?}");
+}
+
+#[tokio::test]
+async fn images_and_notices_forged_through_the_agent_are_bounded_by_the_server() {
+    let mut local = spawn().await;
+    let code = "a = display.__self__\nfor i in range(100):\n    a.channel.send({'ev': 'image', 'id': a.current, \
+                'mime': 'image/png', 'b': 'QUJD' * 1000})\nfor i in range(100):\n    a.send_notice(a.current, 'n%d\\n' % i)\n\
+                class P:\n    def _repr_png_(self):\n        return b'png'\nfor i in range(40):\n    display(P())";
+    let (ending, out) = run(&mut local.agent, code).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    assert_eq!(out.images.len(), super::extras::MAX_IMAGES);
+    assert_eq!(out.notices.len(), super::extras::MAX_NOTICES + 1, "{:?}", out.notices);
+    assert_eq!(out.notices[1], "n0\\n", "one line each");
+    // The agent itself sends 16 of the 40 displayed images; the server keeps 16 of the 116
+    // it receives, and 16 of the 101 notices (100 forged, one of the agent's own).
+    let ours = &out.notices[0];
+    assert!(ours.contains("100 images (336064 bytes) were dropped"), "{ours}");
+    assert!(ours.contains("85 notices were dropped"), "{ours}");
 }

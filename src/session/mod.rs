@@ -11,6 +11,7 @@
 mod agent;
 #[cfg(test)]
 mod agent_tests;
+mod extras;
 pub(crate) mod jobs;
 pub(crate) mod registry;
 mod run;
