@@ -520,3 +520,27 @@ async fn images_and_notices_forged_through_the_agent_are_bounded_by_the_server()
     assert!(ours.contains("100 images (336064 bytes) were dropped"), "{ours}");
     assert!(ours.contains("85 notices were dropped"), "{ours}");
 }
+
+#[test]
+fn the_agent_s_stderr_is_escaped_budgeted_and_counted() {
+    use super::agent::StderrGate;
+    let mut gate = StderrGate::default();
+    let forged = b"ok\n2026-01-01T00:00:00Z  INFO pyberth: forged\r\x1b[31mred\xff\n";
+    assert_eq!(
+        gate.admit(forged).as_deref(),
+        Some("ok\\n2026-01-01T00:00:00Z  INFO pyberth: forged\\r\\u{1b}[31mred\\xff")
+    );
+    let mut logged = 0;
+    for _ in 0..1000 {
+        logged += gate.admit(&[b'\x1b'; 4096]).map_or(0, |t| t.len());
+    }
+    assert!(logged <= 64 << 10, "{logged}");
+    let more = gate.admit(b"more than the few bytes an escape left over");
+    assert!(more.as_ref().is_none_or(|t| t.len() < 6), "the request's budget is spent: {more:?}");
+    let dropped = gate.next_request().expect("a count");
+    assert!(dropped > 4_000_000, "{dropped}");
+    assert_eq!(gate.next_request(), None, "counted once");
+    // A new request has a new budget, but after a burst the rate (4 KiB/s) holds.
+    let after = gate.admit(&[b'a'; 60_000]).map_or(0, |t| t.len());
+    assert!(after < 32 << 10, "{after}");
+}
