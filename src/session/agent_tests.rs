@@ -502,6 +502,75 @@ async fn a_query_unanswered_in_time_or_cut_off_fails() {
     assert!(matches!(gone, Err(Error::AgentGone)), "{gone:?}");
 }
 
+/// A request for a fresh id.
+type MakeRequest = Box<dyn FnOnce(u64) -> Request<'static>>;
+
+#[tokio::test]
+async fn a_fifo_or_other_special_file_is_refused_at_once() {
+    let mut local = spawn().await;
+    let made = "import os\nos.mkfifo('pipe')\nos.symlink('pipe', 'link')\nos.mkdir('d')\n\
+                os.makedirs('x-1.0.dist-info')\nos.mkfifo('x-1.0.dist-info/METADATA')\nkept = 1";
+    let (_, out) = run(&mut local.agent, made).await;
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let requests: [(&str, MakeRequest); 5] = [
+        ("read", Box::new(|id| Request::Read { id, path: "pipe", offset: 0, length: 10 })),
+        ("read through a link", Box::new(|id| Request::Read { id, path: "link", offset: 0, length: 10 })),
+        ("read a directory", Box::new(|id| Request::Read { id, path: "d", offset: 0, length: 10 })),
+        ("write", Box::new(move |id| Request::Write { id, path: "pipe", b: b64("x"), append: false })),
+        ("append", Box::new(move |id| Request::Write { id, path: "pipe", b: b64("x"), append: true })),
+    ];
+    for (what, make) in requests {
+        let t = Instant::now();
+        let answer = local.agent.request(make, file_answer, STEP).await;
+        assert!(t.elapsed() < Duration::from_secs(2), "{what} took {:?}", t.elapsed());
+        match answer {
+            Ok(Err(m)) => assert!(m.contains("is not a regular file"), "{what}: {m}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    // Metadata-like names in the workspace are not installed packages, nor a way to hang.
+    let listed = |id, ev| match ev {
+        Event::Packages { id: i, packages } if i == id => Some(packages),
+        _ => None,
+    };
+    let packages = local.agent.request(|id| Request::Packages { id }, listed, STEP).await.expect("packages");
+    assert!(packages.iter().all(|p| p.name != "x"), "{packages:?}");
+    let (_, out) = run(&mut local.agent, "kept").await;
+    assert_eq!(out.result.as_deref(), Some("1"), "the agent lives on with its state");
+}
+
+#[tokio::test]
+async fn a_slow_repr_is_shown_unavailable_and_the_listing_answers() {
+    let mut local = spawn().await;
+    let code = "import time\nclass Slow:\n    def __repr__(self):\n        time.sleep(60)\n        return 'slow'\n\
+                class Picky:\n    def __repr__(self):\n        try:\n            time.sleep(60)\n        except Exception:\n            \
+                return 'caught'\nslow = Slow()\npicky = Picky()\nbig = list(range(10 ** 6))\nglobals()[1] = 'odd key'\nkeep = 7";
+    let (_, out) = run(&mut local.agent, code).await;
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    let t = Instant::now();
+    let vars = local
+        .agent
+        .request(
+            |id| Request::Vars { id },
+            |id, ev| match ev {
+                Event::Vars { id: i, vars } if i == id => Some(vars),
+                _ => None,
+            },
+            STEP,
+        )
+        .await
+        .expect("vars");
+    assert!(t.elapsed() < Duration::from_secs(4), "the listing took {:?}", t.elapsed());
+    let repr = |name: &str| vars.iter().find(|v| v.name == name).map(|v| v.repr.clone());
+    assert_eq!(repr("slow").as_deref(), Some("<unavailable: its repr took over 0.5 s>"));
+    assert_eq!(repr("picky").as_deref(), Some("<unavailable: its repr took over 0.5 s>"), "not an Exception");
+    assert!(repr("big").is_some_and(|r| r.starts_with("[0, 1, 2") && r.len() < 100), "{:?}", repr("big"));
+    assert_eq!(repr("keep").as_deref(), Some("7"));
+    let (_, out) = run(&mut local.agent, "keep + 1").await;
+    assert_eq!(out.result.as_deref(), Some("8"), "the state is kept");
+}
+
 #[tokio::test]
 async fn images_and_notices_forged_through_the_agent_are_bounded_by_the_server() {
     let mut local = spawn().await;
