@@ -13,6 +13,7 @@ Standard library only: the same file runs on every base image.
 import ast
 import base64
 import builtins
+import errno
 import gc
 import importlib
 import json
@@ -44,10 +45,44 @@ LIVE_SITE = "/opt/pyberth/live/site"
 WORKSPACE = os.path.realpath(os.environ.get("PYBERTH_WORKSPACE", "/workspace"))
 MAX_IMAGES = 10  # figures returned per run
 MAX_IMAGE_BYTES = 4 << 20
+MAX_RUN_IMAGES = 16  # images of any kind per run: the server keeps no more (session/extras.rs)
+REPR_SECONDS = 0.5  # time one variable's repr may take in a listing
+VARS_SECONDS = 3.0  # time a whole listing may spend on reprs, far below the server's 20 s
 
 
 class PathError(Exception):
     """A workspace path the caller may not use."""
+
+
+class ReprTimeout(BaseException):
+    """A repr in a variable listing took too long. A BaseException, so that a repr's own
+    `except Exception` does not swallow it."""
+
+
+def open_regular(full, rel, flags, mode=0o644):
+    """Opens a workspace file only if it is a regular file. Never blocks on what the code
+    made: a FIFO, a socket or a device is refused before anything waits on it (O_NONBLOCK
+    makes the open itself return at once; a FIFO without a reader fails it with ENXIO)."""
+    try:
+        st = os.lstat(full)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise PathError("%s is not a regular file" % rel)
+    try:
+        fd = os.open(full, flags | os.O_NONBLOCK | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.ELOOP, errno.EISDIR):
+            raise PathError("%s is not a regular file" % rel)
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PathError("%s is not a regular file" % rel)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def workspace_path(rel, must_exist=True):
@@ -94,7 +129,10 @@ def stdlib(name):
 def distributions():
     """Installed distributions visible to the code, first on the path wins."""
     seen = {}
-    for dist in stdlib("importlib.metadata").distributions():
+    # Not the workspace (sys.path[0]): what the code put there is no installed package, and a
+    # FIFO named like metadata would hang the listing.
+    path = [p for p in sys.path if p not in ("", ".", WORKSPACE)]
+    for dist in stdlib("importlib.metadata").distributions(path=path):
         name = dist.metadata["Name"] or ""
         key = name.lower().replace("_", "-").replace(".", "-")
         if key and key not in seen:
@@ -462,6 +500,14 @@ class Agent:
             self.send_notice(run_id, "figures could not be rendered: %s" % clean(repr(exc), 300))
 
     def send_image(self, run_id, png):
+        count = getattr(self, "image_count", None)
+        sent = count[1] if count and count[0] == run_id else 0
+        if sent >= MAX_RUN_IMAGES:
+            if sent == MAX_RUN_IMAGES:
+                self.send_notice(run_id, "more than %d images in one run: the rest are not returned" % MAX_RUN_IMAGES)
+                self.image_count = (run_id, sent + 1)
+            return
+        self.image_count = (run_id, sent + 1)
         if len(png) > MAX_IMAGE_BYTES:
             self.send_notice(run_id, "an image of %d bytes was not returned (limit %d)" % (len(png), MAX_IMAGE_BYTES))
             return
@@ -493,9 +539,9 @@ class Agent:
         os.makedirs(parent, exist_ok=True)
         workspace_path(os.path.dirname(rel) or ".")  # the parent, once made, is still inside
         full = os.path.join(parent, os.path.basename(rel))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if msg.get("append") else os.O_TRUNC)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if msg.get("append") else os.O_TRUNC)
         data = base64.b64decode(msg.get("b", ""))
-        fd = os.open(full, flags, 0o644)
+        fd = open_regular(full, rel, flags)
         try:
             write_all(fd, data)
             size = os.fstat(fd).st_size
@@ -505,11 +551,9 @@ class Agent:
 
     def file_read(self, msg):
         full = workspace_path(msg["path"])
-        fd = os.open(full, os.O_RDONLY)
+        fd = open_regular(full, msg["path"], os.O_RDONLY)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise PathError("%s is not a regular file" % msg["path"])
             offset = max(0, int(msg.get("offset") or 0))
             os.lseek(fd, offset, os.SEEK_SET)
             want = int(msg.get("length"))
@@ -601,15 +645,50 @@ class Agent:
         return {"status": "ok", "result": result, "error": None}
 
     def variables(self):
+        """The user's variables, each repr bounded in size (reprlib) and in time: a repr that
+        takes over REPR_SECONDS is interrupted by SIGALRM and shown as unavailable, and once
+        the listing has spent VARS_SECONDS the rest are not asked. Everything the code
+        defined (names, types, reprs) is touched only while the timer runs."""
         listing = []
-        for name, value in list(self.namespace.items()):
-            if name.startswith("_") or isinstance(value, types.ModuleType):
-                continue
-            try:
-                text = repr(value)
-            except BaseException:
-                text = "<repr failed>"
-            listing.append({"name": name, "type": type(value).__name__, "repr": clean(text, 200)})
+        deadline = time.monotonic() + VARS_SECONDS
+        shorten = stdlib("reprlib").Repr()
+        shorten.maxstring = shorten.maxother = 200
+        armed = [False]
+
+        def alarm(signum, frame):
+            if armed[0]:
+                raise ReprTimeout()
+
+        previous = signal.signal(signal.SIGALRM, alarm)
+        try:
+            for name, value in list(self.namespace.items()):
+                if type(name) is not str or name.startswith("_"):
+                    continue
+                entry = {"name": clean(name, 200), "type": "?", "repr": "<repr failed>"}
+                left = deadline - time.monotonic()
+                try:
+                    armed[0] = True
+                    # Again every 50 ms after the first, for a repr that catches it.
+                    signal.setitimer(signal.ITIMER_REAL, max(0.01, min(REPR_SECONDS, left)), 0.05)
+                    try:
+                        if isinstance(value, types.ModuleType):
+                            continue
+                        entry["type"] = clean(type(value).__name__, 200)
+                        if left > 0:
+                            entry["repr"] = clean(shorten.repr(value), 200)
+                        else:
+                            entry["repr"] = "<unavailable: the listing ran out of time>"
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                        armed[0] = False
+                except ReprTimeout:
+                    entry["repr"] = "<unavailable: its repr took over %.1f s>" % REPR_SECONDS
+                except BaseException:
+                    pass  # a broken repr (or type name) is the code's, not ours
+                listing.append(entry)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
         return listing
 
 

@@ -18,43 +18,115 @@ pub(super) fn text_fits(text: &str) -> bool {
     text.len() + 5 * text.bytes().filter(|b| *b < 0x20 && *b != b'\n').count() <= BUDGET
 }
 
-/// Strings shorter than this are never cut: the cut goes where the bytes are.
+/// Strings shorter than this are not cut while longer ones can be: the cut goes where the
+/// bytes are.
 const SMALL: usize = 16 << 10;
+/// When cutting the long items is not enough (many small images, notices or list entries add
+/// up as surely as one long string), strings are cut down to about this, every image goes,
+/// and lists lose their tail.
+const TINY: usize = 256;
 
-/// Cuts the longest strings of a result until it serializes within `budget` bytes.
+/// Cuts a result until it serializes within `budget` bytes: the longest strings and images
+/// first, then, if that is not enough, small items too. The text says what was cut.
 pub(super) fn fit(mut r: CallToolResult, budget: usize) -> CallToolResult {
     // Cheap bound first: a result whose strings, escaped at worst, fit, needs no work. Warm
     // runs with small output stop here.
     if 6 * raw_len(&r) + 4096 <= budget {
         return r;
     }
-    for _ in 0..8 {
-        let size = serde_json::to_vec(&r).map(|v| v.len()).unwrap_or(usize::MAX);
-        if size <= budget {
-            return r;
-        }
-        let keep = (budget as f64 * 0.9 / size as f64).min(0.9);
-        let mut cut = false;
-        for block in &mut r.content {
-            match block {
-                ContentBlock::Text(t) => cut |= shorten(&mut t.text, keep),
-                // A picture cannot be cut in part: it goes, and the text says so.
-                ContentBlock::Image(i) if i.data.len() > SMALL => {
-                    let note = format!("[image of {} bytes left out to fit one MCP message]", i.data.len());
-                    *block = ContentBlock::text(note);
-                    cut = true;
-                }
-                _ => {}
-            }
-        }
-        if let Some(v) = r.structured_content.as_mut() {
-            cut |= shorten_value(v, keep);
-        }
-        if !cut {
+    let mut floor = SMALL;
+    let mut dropped = Dropped::default();
+    for _ in 0..24 {
+        if size_of(&r) <= budget {
             break;
         }
+        #[allow(clippy::cast_precision_loss)] // sizes far below 2^52
+        let keep = (budget as f64 * 0.9 / size_of(&r) as f64).min(0.9);
+        let mut cut = cut_content(&mut r.content, keep, floor, &mut dropped);
+        if let Some(v) = r.structured_content.as_mut() {
+            cut |= shorten_value(v, keep, floor, &mut dropped.items);
+        }
+        if !cut {
+            if floor == TINY {
+                break;
+            }
+            floor = TINY;
+        }
     }
-    r
+    dropped.say(&mut r);
+    let size = size_of(&r);
+    if size <= budget {
+        return r;
+    }
+    // Nothing more can be cut (a structure of many tiny parts): better a short error than a
+    // message the client drops, after which it would wait for its answer forever.
+    tracing::warn!(size, budget, "a result could not be cut to fit one MCP message");
+    let mut failed = CallToolResult::error(vec![ContentBlock::text(format!(
+        "[the result of {size} bytes could not be cut to fit one MCP message of {budget} bytes]"
+    ))]);
+    failed.structured_content = None;
+    failed
+}
+
+fn size_of(r: &CallToolResult) -> usize {
+    serde_json::to_vec(r).map(|v| v.len()).unwrap_or(usize::MAX)
+}
+
+/// What the small cuts left out, said once in the text.
+#[derive(Default)]
+struct Dropped {
+    images: usize,
+    image_bytes: usize,
+    items: usize,
+}
+
+impl Dropped {
+    fn say(&self, r: &mut CallToolResult) {
+        let mut notes = Vec::new();
+        if self.images > 0 {
+            notes.push(format!("{} images ({} bytes)", self.images, self.image_bytes));
+        }
+        if self.items > 0 {
+            notes.push(format!("the last {} entries of lists in the structured content", self.items));
+        }
+        if notes.is_empty() {
+            return;
+        }
+        let note = format!("\n[left out to fit one MCP message: {}]\n", notes.join(" and "));
+        match r.content.iter_mut().find_map(|c| match c {
+            ContentBlock::Text(t) => Some(t),
+            _ => None,
+        }) {
+            Some(t) => t.text.push_str(&note),
+            None => r.content.insert(0, ContentBlock::text(note)),
+        }
+    }
+}
+
+fn cut_content(content: &mut Vec<ContentBlock>, keep: f64, floor: usize, dropped: &mut Dropped) -> bool {
+    let mut cut = false;
+    content.retain_mut(|block| match block {
+        ContentBlock::Text(t) => {
+            cut |= shorten(&mut t.text, keep, floor);
+            true
+        }
+        // A picture cannot be cut in part: a large one goes and the text says so; once small
+        // items are cut too, every one goes, counted in one note.
+        ContentBlock::Image(i) if floor == TINY => {
+            dropped.images += 1;
+            dropped.image_bytes += i.data.len();
+            cut = true;
+            false
+        }
+        ContentBlock::Image(i) if i.data.len() > floor => {
+            let note = format!("[image of {} bytes left out to fit one MCP message]", i.data.len());
+            *block = ContentBlock::text(note);
+            cut = true;
+            true
+        }
+        _ => true,
+    });
+    cut
 }
 
 fn raw_len(r: &CallToolResult) -> usize {
@@ -79,42 +151,61 @@ fn value_len(v: &Value) -> usize {
     }
 }
 
-fn shorten_value(v: &mut Value, keep: f64) -> bool {
+/// Cuts the strings of `v` longer than `floor`; at the smallest floor, lists lose their tail
+/// too (counted in `items`): the entries kept are whole, and of the type the schema says.
+fn shorten_value(v: &mut Value, keep: f64, floor: usize, items: &mut usize) -> bool {
     match v {
         Value::Object(o) => {
             let mut cut = false;
             for (key, value) in o.iter_mut() {
                 // Exact bytes as base64 cannot be cut in part: dropped, the text stays.
-                if key.ends_with("_base64") && value.as_str().is_some_and(|s| s.len() > SMALL) {
+                if key.ends_with("_base64") && value.as_str().is_some_and(|s| s.len() > floor) {
                     *value = Value::Null;
                     cut = true;
                 } else {
-                    cut |= shorten_value(value, keep);
+                    cut |= shorten_value(value, keep, floor, items);
                 }
             }
             cut
         }
-        Value::Array(a) => a.iter_mut().fold(false, |cut, v| shorten_value(v, keep) | cut),
-        Value::String(s) => shorten(s, keep),
+        Value::Array(a) => {
+            let mut cut = false;
+            if floor == TINY && a.len() > 1 {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+                let kept = ((a.len() as f64 * keep) as usize).max(1);
+                *items += a.len() - kept;
+                a.truncate(kept);
+                cut = true;
+            }
+            a.iter_mut().fold(cut, |cut, v| shorten_value(v, keep, floor, items) | cut)
+        }
+        Value::String(s) => shorten(s, keep, floor),
         _ => false,
     }
 }
 
-/// Keeps the first `keep` share of a long string (at a character boundary) and says so.
-fn shorten(s: &mut String, keep: f64) -> bool {
-    if s.len() <= SMALL {
+/// Keeps the first `keep` share of a string longer than `floor` (at a character boundary,
+/// and at least half the floor) and says so.
+fn shorten(s: &mut String, keep: f64, floor: usize) -> bool {
+    if s.len() <= floor {
         return false;
     }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 < keep < 1: within the string
-    let mut at = ((s.len() as f64 * keep) as usize).max(SMALL / 2);
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    // 0 < keep < 1: within the string
+    let mut at = ((s.len() as f64 * keep) as usize).max(floor / 2);
     while !s.is_char_boundary(at) {
         at -= 1;
     }
     let dropped = s.len() - at;
     s.truncate(at);
-    s.push_str(&format!(
-        "\n[cut to fit one MCP message: {dropped} more bytes not shown; write large output to a file and read it in parts]\n"
-    ));
+    if floor == TINY {
+        s.push_str(&format!(" [cut: {dropped} more bytes]"));
+    } else {
+        s.push_str(&format!(
+            "\n[cut to fit one MCP message: {dropped} more bytes not shown; write large output to a file and read it \
+             in parts]\n"
+        ));
+    }
     true
 }
 
@@ -154,9 +245,38 @@ mod tests {
     }
 
     #[test]
+    fn many_small_items_are_cut_too_and_said() {
+        // 3000 notices of 8000 characters (text and structured), 2000 small images, and a
+        // list of 100 000 tiny entries: no single item is long, together they are 60 MiB.
+        let notices: Vec<String> = (0..3000).map(|i| format!("notice {i}: {}", "n".repeat(8000))).collect();
+        let entries: Vec<Value> = (0..100_000).map(|i| json!({ "path": format!("f{i}"), "size": i })).collect();
+        let mut r = result(
+            &notices.join("\n"),
+            json!({ "status": "ok", "notices": notices, "entries": entries, "stdout": "x".repeat(10 << 10) }),
+        );
+        let small = "QUJD".repeat(1 << 10);
+        r.content.extend((0..2000).map(|_| ContentBlock::image(small.clone(), "image/png")));
+        let fitted = fit(r, BUDGET);
+        let size = serde_json::to_vec(&fitted).expect("json").len();
+        assert!(size <= BUDGET, "{size}");
+        assert!(size > BUDGET / 4, "not cut more than needed: {size}");
+        let text = fitted.content[0].as_text().expect("text").text.clone();
+        assert!(
+            text.contains("[left out to fit one MCP message: 2000 images (8192000 bytes)"),
+            "{}",
+            &text[text.len() - 300..]
+        );
+        assert!(fitted.content.iter().all(|c| c.as_image().is_none()));
+        let sc = fitted.structured_content.expect("structured");
+        assert_eq!(sc["status"], "ok");
+        assert!(sc["entries"].as_array().is_some_and(|e| !e.is_empty() && e.len() < 100_000));
+        assert!(sc["entries"][0]["path"] == "f0", "entries are cut from the end, whole");
+    }
+
+    #[test]
     fn a_cut_never_splits_a_character() {
         let mut s = "é".repeat(40_000);
-        assert!(shorten(&mut s, 0.5001));
+        assert!(shorten(&mut s, 0.5001, SMALL));
         assert!(s.starts_with('é'));
     }
 }

@@ -150,6 +150,7 @@ mod tests {
             notices: vec![],
             images: vec![],
             peak_memory_kb: Some(2048),
+            extras: Default::default(),
         }
     }
 

@@ -4,7 +4,7 @@
 //! [`Agent`] knows nothing of Docker beyond the frame type: it is built from any writer and
 //! any stream of output frames, so the protocol tests run the agent as a local process.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bollard::Docker;
 use bollard::container::LogOutput;
@@ -17,6 +17,11 @@ use crate::protocol::{self, Event, LineDecoder, PROTOCOL_VERSION, Request};
 
 /// How long a fresh agent may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of the agent's stderr logged per request (a run or a query), escaped; the rest is
+/// counted.
+const STDERR_PER_REQUEST: usize = 64 << 10;
+/// Bytes of the agent's stderr logged per second, over a burst of [`STDERR_PER_REQUEST`].
+const STDERR_RATE: f64 = 4096.0;
 
 /// One live agent connection.
 pub(super) struct Agent {
@@ -28,6 +33,87 @@ pub(super) struct Agent {
     /// Last request id used. Ids only need to be unique per connection: a new agent has a
     /// new stream, so nothing from an old one can arrive on it.
     last_id: u64,
+    /// How much of its stderr is still logged.
+    stderr: StderrGate,
+}
+
+/// The agent's stderr as the server logs it. Before the hello it carries the agent's own
+/// start-up diagnostics; after it, user code can write there (it runs in the agent's
+/// process, docs/threat-model.md §1). Either way it is never parsed and never printed as a
+/// line of our own: control characters escaped, in one labelled field, within a budget per
+/// request and a rate, the rest counted.
+#[derive(Debug)]
+pub(super) struct StderrGate {
+    /// Set at the hello: from then on the stream is the code's.
+    untrusted: bool,
+    /// Escaped bytes still logged for the current request.
+    left: usize,
+    /// Escaped bytes the rate allows now, up to [`STDERR_PER_REQUEST`].
+    tokens: f64,
+    refilled: Instant,
+    /// Bytes not logged since the current request began.
+    dropped: u64,
+}
+
+impl Default for StderrGate {
+    fn default() -> Self {
+        #[allow(clippy::cast_precision_loss)] // 64 KiB
+        let tokens = STDERR_PER_REQUEST as f64;
+        Self { untrusted: false, left: STDERR_PER_REQUEST, tokens, refilled: Instant::now(), dropped: 0 }
+    }
+}
+
+impl StderrGate {
+    /// What of `frame` may be logged: escaped and cut to the budget; `None` when nothing may.
+    pub(super) fn admit(&mut self, frame: &[u8]) -> Option<String> {
+        #[allow(clippy::cast_precision_loss)] // 64 KiB
+        let burst = STDERR_PER_REQUEST as f64;
+        self.tokens = (self.tokens + self.refilled.elapsed().as_secs_f64() * STDERR_RATE).min(burst);
+        self.refilled = Instant::now();
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 <= tokens <= 64 KiB
+        let room = self.left.min(self.tokens as usize);
+        // Trailing line ends say nothing; every other control character is escaped.
+        let frame = frame.trim_ascii_end();
+        let mut logged = String::new();
+        let mut used = 0;
+        'chunks: for chunk in frame[..frame.len().min(room)].utf8_chunks() {
+            for c in chunk.valid().chars() {
+                let escaped = crate::output::one_line(c.encode_utf8(&mut [0; 4]));
+                if logged.len() + escaped.len() > room {
+                    break 'chunks;
+                }
+                logged.push_str(&escaped);
+                used += c.len_utf8();
+            }
+            for b in chunk.invalid() {
+                if logged.len() + 4 > room {
+                    break 'chunks;
+                }
+                logged.push_str(&format!("\\x{b:02x}"));
+                used += 1;
+            }
+        }
+        self.dropped += (frame.len() - used) as u64;
+        self.left -= logged.len();
+        #[allow(clippy::cast_precision_loss)] // at most 64 KiB
+        let spent = logged.len() as f64;
+        self.tokens -= spent;
+        (!logged.is_empty()).then_some(logged)
+    }
+
+    /// A new request: a fresh budget, and a count of what the last one dropped, if anything.
+    pub(super) fn next_request(&mut self) -> Option<u64> {
+        self.left = STDERR_PER_REQUEST;
+        (self.dropped > 0).then(|| std::mem::take(&mut self.dropped))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(dropped) = self.stderr.next_request() {
+            tracing::debug!(agent_stderr_dropped = dropped, "sandbox stderr over its budget: counted, not logged");
+        }
+    }
 }
 
 /// Why reading the agent failed.
@@ -57,11 +143,20 @@ impl Agent {
     /// frames; stderr carries the agent's own diagnostics). Any writer and stream will do:
     /// the protocol tests pass a local process's pipes.
     pub(super) fn new(input: exec::Input, output: exec::Output) -> Self {
-        Self { exec_id: None, input, output, decoder: LineDecoder::default(), last_id: 0 }
+        Self {
+            exec_id: None,
+            input,
+            output,
+            decoder: LineDecoder::default(),
+            last_id: 0,
+            stderr: StderrGate::default(),
+        }
     }
 
     fn from_exec(attached: exec::Attached) -> Self {
-        Self { exec_id: Some(attached.id), ..Self::new(attached.input, attached.output) }
+        let mut agent = Self::new(attached.input, attached.output);
+        agent.exec_id = Some(attached.id);
+        agent
     }
 
     /// The Docker exec running this agent, if it is one.
@@ -69,8 +164,11 @@ impl Agent {
         self.exec_id.as_deref()
     }
 
-    /// A fresh request id.
+    /// A fresh request id. Each request gets a fresh budget for the agent's stderr.
     pub(super) fn next_id(&mut self) -> u64 {
+        if let Some(dropped) = self.stderr.next_request() {
+            tracing::debug!(agent_stderr_dropped = dropped, "sandbox stderr over its budget: counted, not logged");
+        }
         self.last_id += 1;
         self.last_id
     }
@@ -94,9 +192,13 @@ impl Agent {
             }
             match self.output.next().await {
                 Some(Ok(LogOutput::StdOut { message })) => self.decoder.push(&message),
-                Some(Ok(LogOutput::StdErr { message })) => {
-                    tracing::warn!(agent_stderr = %String::from_utf8_lossy(&message).trim_end(), "agent diagnostics");
-                }
+                Some(Ok(LogOutput::StdErr { message })) => match self.stderr.admit(&message) {
+                    Some(text) if self.stderr.untrusted => {
+                        tracing::debug!(agent_stderr = %text, "sandbox stderr (untrusted, escaped)");
+                    }
+                    Some(text) => tracing::warn!(agent_stderr = %text, "agent diagnostics before its hello"),
+                    None => {}
+                },
                 Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(ReadError::Fatal(e.to_string())),
                 None => return Ok(None),
@@ -110,6 +212,7 @@ impl Agent {
         let first = tokio::time::timeout(timeout, self.next_event()).await.map_err(|_| Error::AgentTimeout(timeout))?;
         match first {
             Ok(Some(Event::Hello { protocol, python, pid })) if protocol == PROTOCOL_VERSION => {
+                self.stderr.untrusted = true;
                 Ok(Greeting::Ready { python, pid })
             }
             Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(

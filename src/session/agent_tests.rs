@@ -136,6 +136,7 @@ fn empty_outcome() -> RunOutcome {
         notices: Vec::new(),
         images: Vec::new(),
         peak_memory_kb: None,
+        extras: Default::default(),
     }
 }
 
@@ -499,4 +500,116 @@ async fn a_query_unanswered_in_time_or_cut_off_fails() {
     let gone =
         cut.request(|id| Request::Vars { id }, |_, ev| matches!(ev, Event::Vars { .. }).then_some(()), STEP).await;
     assert!(matches!(gone, Err(Error::AgentGone)), "{gone:?}");
+}
+
+/// A request for a fresh id.
+type MakeRequest = Box<dyn FnOnce(u64) -> Request<'static>>;
+
+#[tokio::test]
+async fn a_fifo_or_other_special_file_is_refused_at_once() {
+    let mut local = spawn().await;
+    let made = "import os\nos.mkfifo('pipe')\nos.symlink('pipe', 'link')\nos.mkdir('d')\n\
+                os.makedirs('x-1.0.dist-info')\nos.mkfifo('x-1.0.dist-info/METADATA')\nkept = 1";
+    let (_, out) = run(&mut local.agent, made).await;
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let requests: [(&str, MakeRequest); 5] = [
+        ("read", Box::new(|id| Request::Read { id, path: "pipe", offset: 0, length: 10 })),
+        ("read through a link", Box::new(|id| Request::Read { id, path: "link", offset: 0, length: 10 })),
+        ("read a directory", Box::new(|id| Request::Read { id, path: "d", offset: 0, length: 10 })),
+        ("write", Box::new(move |id| Request::Write { id, path: "pipe", b: b64("x"), append: false })),
+        ("append", Box::new(move |id| Request::Write { id, path: "pipe", b: b64("x"), append: true })),
+    ];
+    for (what, make) in requests {
+        let t = Instant::now();
+        let answer = local.agent.request(make, file_answer, STEP).await;
+        assert!(t.elapsed() < Duration::from_secs(2), "{what} took {:?}", t.elapsed());
+        match answer {
+            Ok(Err(m)) => assert!(m.contains("is not a regular file"), "{what}: {m}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    // Metadata-like names in the workspace are not installed packages, nor a way to hang.
+    let listed = |id, ev| match ev {
+        Event::Packages { id: i, packages } if i == id => Some(packages),
+        _ => None,
+    };
+    let packages = local.agent.request(|id| Request::Packages { id }, listed, STEP).await.expect("packages");
+    assert!(packages.iter().all(|p| p.name != "x"), "{packages:?}");
+    let (_, out) = run(&mut local.agent, "kept").await;
+    assert_eq!(out.result.as_deref(), Some("1"), "the agent lives on with its state");
+}
+
+#[tokio::test]
+async fn a_slow_repr_is_shown_unavailable_and_the_listing_answers() {
+    let mut local = spawn().await;
+    let code = "import time\nclass Slow:\n    def __repr__(self):\n        time.sleep(60)\n        return 'slow'\n\
+                class Picky:\n    def __repr__(self):\n        try:\n            time.sleep(60)\n        except Exception:\n            \
+                return 'caught'\nslow = Slow()\npicky = Picky()\nbig = list(range(10 ** 6))\nglobals()[1] = 'odd key'\nkeep = 7";
+    let (_, out) = run(&mut local.agent, code).await;
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    let t = Instant::now();
+    let vars = local
+        .agent
+        .request(
+            |id| Request::Vars { id },
+            |id, ev| match ev {
+                Event::Vars { id: i, vars } if i == id => Some(vars),
+                _ => None,
+            },
+            STEP,
+        )
+        .await
+        .expect("vars");
+    assert!(t.elapsed() < Duration::from_secs(4), "the listing took {:?}", t.elapsed());
+    let repr = |name: &str| vars.iter().find(|v| v.name == name).map(|v| v.repr.clone());
+    assert_eq!(repr("slow").as_deref(), Some("<unavailable: its repr took over 0.5 s>"));
+    assert_eq!(repr("picky").as_deref(), Some("<unavailable: its repr took over 0.5 s>"), "not an Exception");
+    assert!(repr("big").is_some_and(|r| r.starts_with("[0, 1, 2") && r.len() < 100), "{:?}", repr("big"));
+    assert_eq!(repr("keep").as_deref(), Some("7"));
+    let (_, out) = run(&mut local.agent, "keep + 1").await;
+    assert_eq!(out.result.as_deref(), Some("8"), "the state is kept");
+}
+
+#[tokio::test]
+async fn images_and_notices_forged_through_the_agent_are_bounded_by_the_server() {
+    let mut local = spawn().await;
+    let code = "a = display.__self__\nfor i in range(100):\n    a.channel.send({'ev': 'image', 'id': a.current, \
+                'mime': 'image/png', 'b': 'QUJD' * 1000})\nfor i in range(100):\n    a.send_notice(a.current, 'n%d\\n' % i)\n\
+                class P:\n    def _repr_png_(self):\n        return b'png'\nfor i in range(40):\n    display(P())";
+    let (ending, out) = run(&mut local.agent, code).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    assert_eq!(out.images.len(), super::extras::MAX_IMAGES);
+    assert_eq!(out.notices.len(), super::extras::MAX_NOTICES + 1, "{:?}", out.notices);
+    assert_eq!(out.notices[1], "n0\\n", "one line each");
+    // The agent itself sends 16 of the 40 displayed images; the server keeps 16 of the 116
+    // it receives, and 16 of the 101 notices (100 forged, one of the agent's own).
+    let ours = &out.notices[0];
+    assert!(ours.contains("100 images (336064 bytes) were dropped"), "{ours}");
+    assert!(ours.contains("85 notices were dropped"), "{ours}");
+}
+
+#[test]
+fn the_agent_s_stderr_is_escaped_budgeted_and_counted() {
+    use super::agent::StderrGate;
+    let mut gate = StderrGate::default();
+    let forged = b"ok\n2026-01-01T00:00:00Z  INFO pyberth: forged\r\x1b[31mred\xff\n";
+    assert_eq!(
+        gate.admit(forged).as_deref(),
+        Some("ok\\n2026-01-01T00:00:00Z  INFO pyberth: forged\\r\\u{1b}[31mred\\xff")
+    );
+    let mut logged = 0;
+    for _ in 0..1000 {
+        logged += gate.admit(&[b'\x1b'; 4096]).map_or(0, |t| t.len());
+    }
+    assert!(logged <= 64 << 10, "{logged}");
+    let more = gate.admit(b"more than the few bytes an escape left over");
+    assert!(more.as_ref().is_none_or(|t| t.len() < 6), "the request's budget is spent: {more:?}");
+    let dropped = gate.next_request().expect("a count");
+    assert!(dropped > 4_000_000, "{dropped}");
+    assert_eq!(gate.next_request(), None, "counted once");
+    // A new request has a new budget, but after a burst the rate (4 KiB/s) holds.
+    let after = gate.admit(&[b'a'; 60_000]).map_or(0, |t| t.len());
+    assert!(after < 32 << 10, "{after}");
 }

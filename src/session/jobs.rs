@@ -20,6 +20,10 @@ use crate::protocol::Stream;
 const KEEP_FINISHED: Duration = Duration::from_secs(3600);
 /// Finished jobs kept at most this many per principal.
 const MAX_FINISHED: usize = 200;
+/// Bytes of images (base64) kept in finished jobs per principal. Each run's images are
+/// already bounded as they arrive (`extras.rs`); across 200 kept jobs they would still add
+/// up, so older jobs lose theirs first.
+const KEPT_IMAGE_BYTES: usize = 32 << 20;
 
 /// What a job runs (owned, since the job outlives the request).
 #[derive(Debug, Clone, Default)]
@@ -115,6 +119,28 @@ impl Job {
             let room = self.cap.saturating_sub(buf.len());
             buf.extend_from_slice(&bytes[..room.min(bytes.len())]);
         }
+    }
+
+    /// Drops the images of a finished job's result unless they fit in `room` bytes, saying so
+    /// in its notices. Returns the bytes of images it keeps.
+    fn drop_images_past(&self, room: usize) -> usize {
+        let Ok(mut finished) = self.finished.lock() else { return 0 };
+        let Some((_, result)) = finished.as_mut() else { return 0 };
+        let Finished::Outcome(outcome) = result.as_ref() else { return 0 };
+        let bytes: usize = outcome.images.iter().map(|(_, b)| b.len()).sum();
+        if bytes <= room {
+            return bytes;
+        }
+        let mut lighter = outcome.as_ref().clone();
+        lighter.notices.push(format!(
+            "its {} images were dropped from the kept result: the server keeps at most {} MiB of images of \
+             finished jobs per caller, newest first",
+            lighter.images.len(),
+            KEPT_IMAGE_BYTES >> 20
+        ));
+        lighter.images = Vec::new();
+        *result = Arc::new(Finished::Outcome(Box::new(lighter)));
+        0
     }
 
     fn finish(&self, result: Finished) {
@@ -225,6 +251,17 @@ impl Jobs {
         for id in evict {
             jobs.remove(&id);
         }
+        let mut by_principal: HashMap<&str, Vec<&Job>> = HashMap::new();
+        for j in jobs.values() {
+            by_principal.entry(j.principal.as_str()).or_default().push(j);
+        }
+        for mut list in by_principal.into_values() {
+            list.sort_by_key(|j| std::cmp::Reverse(finished_at(j)));
+            let mut kept = 0;
+            for j in list {
+                kept += j.drop_images_past(KEPT_IMAGE_BYTES.saturating_sub(kept));
+            }
+        }
     }
 
     /// Cancels every job and waits for them to stop.
@@ -270,6 +307,57 @@ mod tests {
         };
         job.finish(Finished::Failed("x".into()));
         Arc::new(job)
+    }
+
+    fn with_images(id: &str, principal: &str, images: usize) -> Arc<Job> {
+        let job = finished(id, principal);
+        let mut outcome = RunOutcome {
+            status: RunStatus::Ok,
+            stdout: crate::output::Capture::new(0),
+            stderr: crate::output::Capture::new(0),
+            result: None,
+            error: None,
+            exit_code: None,
+            duration: Duration::ZERO,
+            cpu_ms: None,
+            state_lost: false,
+            notices: Vec::new(),
+            images: Vec::new(),
+            peak_memory_kb: None,
+            extras: Default::default(),
+        };
+        outcome.images = (0..images).map(|_| ("image/png".to_owned(), "QUJD".repeat(1 << 18))).collect();
+        job.finish(Finished::Outcome(Box::new(outcome)));
+        job
+    }
+
+    fn images_of(job: &Job) -> usize {
+        match job.result().as_deref() {
+            Some(Finished::Outcome(o)) => o.images.len(),
+            _ => 0,
+        }
+    }
+
+    #[test]
+    fn finished_jobs_keep_images_within_a_budget_per_principal_newest_first() {
+        let jobs = Jobs::default();
+        {
+            let mut map = jobs.jobs.lock().expect("jobs");
+            map.insert("alice-1".into(), with_images("alice-1", "alice", 8));
+            for i in 0..10 {
+                let id = format!("mallory-{i}");
+                map.insert(id.clone(), with_images(&id, "mallory", 8)); // 8 MiB each
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        jobs.prune();
+        assert_eq!(images_of(&jobs.get("alice", "alice-1").expect("alice's job")), 8, "another caller's flood");
+        let kept: Vec<usize> =
+            (0..10).map(|i| images_of(&jobs.get("mallory", &format!("mallory-{i}")).expect("job"))).collect();
+        assert_eq!(kept, [0, 0, 0, 0, 0, 0, 8, 8, 8, 8], "the newest 32 MiB");
+        let result = jobs.get("mallory", "mallory-0").and_then(|j| j.result());
+        let Some(Finished::Outcome(o)) = result.as_deref() else { panic!("an outcome") };
+        assert!(o.notices.iter().any(|n| n.contains("8 images were dropped from the kept result")), "{:?}", o.notices);
     }
 
     #[test]

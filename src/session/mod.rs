@@ -11,6 +11,7 @@
 mod agent;
 #[cfg(test)]
 mod agent_tests;
+mod extras;
 pub(crate) mod jobs;
 pub(crate) mod registry;
 mod run;
@@ -59,8 +60,14 @@ pub enum Error {
     #[error("the session was closed")]
     Closed,
     /// The agent died while answering a query.
-    #[error("the interpreter stopped while answering; it will be restarted on the next call")]
+    #[error(
+        "the interpreter stopped while answering: variables are gone, workspace files are kept; a new one starts on \
+         the next call"
+    )]
     AgentGone,
+    /// A query went unanswered and the agent was killed for it: what happened, said in full.
+    #[error("{0}")]
+    Restarted(String),
     /// The agent refused a file request (no such file, a path leading outside the
     /// workspace, ...); the message is the agent's.
     #[error("{0}")]
@@ -350,7 +357,8 @@ impl Session {
 
     /// Sends the request `make(id)` and waits for the answer `pick` recognises. An agent
     /// that stopped is dropped, to be restarted by the next call; one that does not answer
-    /// in time is restarted now.
+    /// in time is restarted now, and the error says the state went with it
+    /// ([`Error::Restarted`]): a read-only call never wipes a session silently.
     async fn query<'r, T>(
         &self,
         inner: &mut Inner,
@@ -364,8 +372,16 @@ impl Session {
                 Err(Error::AgentGone)
             }
             Err(Error::AgentTimeout(t)) => {
-                self.restart_agent(inner).await?;
-                Err(Error::AgentTimeout(t))
+                let why = format!("the interpreter did not answer within {} s", t.as_secs());
+                tracing::warn!(session = %self.name, "{why}; restarting it");
+                Err(Error::Restarted(match self.restart_agent(inner).await {
+                    Ok(None) => format!("{why}, so it was restarted: variables are gone, workspace files are kept"),
+                    Ok(Some(notice)) => format!("{why}, so it was restarted; {notice}"),
+                    Err(e) => format!(
+                        "{why}, so it was stopped: variables are gone; no new one could be started yet ({e}), \
+                         the next call tries again"
+                    ),
+                }))
             }
             answer => answer,
         }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::agent::{Agent, ReadError};
+use super::extras::Extras;
 use super::{Error, Session};
 use crate::docker::{container, exec};
 use crate::output::Capture;
@@ -80,6 +81,8 @@ pub struct RunOutcome {
     pub images: Vec<(String, String)>,
     /// Peak resident memory during the run, KiB.
     pub peak_memory_kb: Option<u64>,
+    /// What the run's limits on images and notices kept and dropped (`extras.rs`).
+    pub(crate) extras: Extras,
 }
 
 /// What to run.
@@ -204,6 +207,7 @@ impl Session {
             notices: Vec::new(),
             images: Vec::new(),
             peak_memory_kb: None,
+            extras: Extras::default(),
         };
         let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
         env.extend(spec.env.clone());
@@ -314,8 +318,8 @@ pub(super) async fn drive(
                     };
                     return Ending::Done;
                 }
-                Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.images.push((mime, b)),
-                Ok(Some(Event::Notice { id: Some(i), text })) if i == id => outcome.notices.push(text),
+                Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.add_image(mime, b),
+                Ok(Some(Event::Notice { id: Some(i), text })) if i == id => outcome.add_notice(text),
                 Ok(Some(other)) => tracing::debug!(session = %name, event = ?other, "event outside the run ignored"),
                 Ok(None) => return Ending::Died(stopping.map(|s| s.0)),
                 Err(ReadError::Skippable(e)) => tracing::warn!(session = %name, error = %e, "unreadable agent line skipped"),

@@ -196,13 +196,29 @@ impl Server {
         sc
     }
 
-    /// Closes the client (stdin EOF) and waits for the server to exit.
-    pub async fn stop(mut self) {
+    /// Peak and current resident memory of the server process, KiB (`VmHWM`, `VmRSS`).
+    pub fn memory_kb(&self) -> (u64, u64) {
+        let pid = self.child.id().expect("the server is running");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the server's /proc status");
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+        };
+        (field("VmHWM:"), field("VmRSS:"))
+    }
+
+    /// Closes the client (stdin EOF), waits for the server to exit, and returns its whole log.
+    pub async fn stop(mut self) -> String {
         if let Some(c) = self.client.take() {
             let _ = c.cancel().await;
         }
         let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
         assert!(status.is_ok(), "server did not exit within 30 s of its stdin closing");
+        self.log.read()
     }
 }
 

@@ -25,6 +25,8 @@ mod environments;
 mod cli;
 // Hostile code: exhaustion, protocol abuse, isolation probes, with the four checks.
 mod hostile;
+// Code that speaks as the agent: forged images and notices, its stderr, FIFOs, slow reprs.
+mod hostile_agent;
 // Faults outside the code: containers removed mid-run, load beside a canary, bad MCP lines.
 mod faults;
 // Hardening seen from inside the sandbox.

@@ -1,0 +1,199 @@
+//! Code that speaks as the agent. User code runs inside the agent's process, so it can call the
+//! agent's own functions (`display.__self__`), write events into its channel and write to its
+//! diagnostic stream: whatever arrives that way is as hostile as the code
+//! (docs/threat-model.md §1), and the server bounds it as it arrives.
+
+use std::time::{Duration, Instant};
+
+use rmcp::model::{CallToolResult, ReadResourceRequestParams};
+use serde_json::{Value, json};
+
+use crate::common::{Server, text};
+
+/// The largest result the server may send (`server/fit.rs`).
+const BUDGET: usize = 12 << 20;
+
+/// Longest a call of these tests may take before it counts as hung.
+const CALL: Duration = Duration::from_secs(180);
+
+async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(CALL, f).await.unwrap_or_else(|_| panic!("{what} did not answer within {CALL:?}"))
+}
+
+fn size_of(r: &CallToolResult) -> usize {
+    serde_json::to_vec(r).expect("json").len()
+}
+
+/// Forges, through the agent object, 300 image events of 1 MiB of base64, 1000 small ones,
+/// and 3000 notices of 8000 characters, all tagged with the current run's id.
+const FORGE: &str = r#"import base64, os
+agent = display.__self__
+run = agent.current
+big = base64.b64encode(os.urandom(768 << 10)).decode('ascii')
+small = base64.b64encode(os.urandom(3 << 10)).decode('ascii')
+for _ in range(300):
+    agent.channel.send({"ev": "image", "id": run, "mime": "image/png", "b": big})
+for _ in range(1000):
+    agent.channel.send({"ev": "image", "id": run, "mime": "image/png", "b": small})
+for i in range(3000):
+    agent.send_notice(run, "notice %d: " % i + "n" * 8000)
+'sent'"#;
+
+fn notices(sc: &Value) -> Vec<String> {
+    sc["notices"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|n| n.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forged_images_and_notices_are_bounded_as_they_arrive() {
+    let s = Server::start("forged-images", &[]).await;
+    s.ok("x", "print(1)").await;
+    let (before, _) = s.memory_kb();
+
+    let (r, sc) =
+        within("the forging run", s.run_with(json!({ "session": "x", "code": FORGE, "timeout_s": 120 }))).await;
+    let (peak, now) = s.memory_kb();
+    eprintln!("server memory: peak {before} KiB before, peak {peak} KiB and current {now} KiB after");
+    let size = size_of(&r);
+    eprintln!("result: {size} bytes, {} content blocks", r.content.len());
+    assert!(size <= BUDGET, "the result is {size} bytes, over the {BUDGET} byte budget");
+    assert_eq!(sc["result"], "'sent'", "{}", text(&r));
+    assert!(sc["images"].as_u64().is_some_and(|n| n <= 16), "images kept: {}", sc["images"]);
+    let said = notices(&sc);
+    assert!(
+        said.iter().any(|n| n.contains("images") && n.contains("dropped")),
+        "the result says images were dropped: {said:?}"
+    );
+    assert!(said.len() <= 20, "{} notices", said.len());
+    assert!(said.iter().all(|n| n.len() <= 2048), "notices are bounded in length");
+    assert!(peak < before + (192 << 10), "the server's peak memory grew from {before} KiB to {peak} KiB");
+
+    // The same as a job: its kept result is bounded too.
+    let (_, started) =
+        within("the job start", s.run_with(json!({ "session": "x", "code": FORGE, "background": true }))).await;
+    let job = started["job"].as_str().expect("a job handle").to_owned();
+    let r = within("job_status", s.call("job_status", json!({ "job": job, "wait_s": 150 }))).await;
+    let size = size_of(&r);
+    assert!(size <= BUDGET, "the job's result is {size} bytes");
+    let result = &r.structured_content.as_ref().expect("structured")["result"];
+    assert_eq!(result["result"], "'sent'", "{}", text(&r));
+    assert!(notices(result).iter().any(|n| n.contains("images") && n.contains("dropped")), "{result}");
+    let (peak_job, _) = s.memory_kb();
+    eprintln!("server memory: peak {peak_job} KiB after the job");
+    assert!(peak_job < before + (192 << 10), "the server's peak memory grew from {before} KiB to {peak_job} KiB");
+
+    assert_eq!(s.ok("x", "21 * 2").await["result"], "42");
+    s.stop().await;
+}
+
+/// Writes 50 MiB to the agent's diagnostic stream (the exec's stderr): lines forged to look
+/// like the server's own log, ANSI escapes and carriage returns.
+const STDERR_FLOOD: &str = r#"import os
+fd = display.__self__.diag.fileno()
+forged = (b'1999-01-01T00:00:00.000000Z  INFO pyberth: FORGED session created session=x\n'
+          b'\x1b[2J\x1b[31mFORGED red\x1b[0m\r\n'
+          b'1999-01-01T00:00:00.000000Z ERROR pyberth::session: FORGED agent stream broken\n')
+chunk = forged * ((1 << 20) // len(forged))
+for _ in range(50):
+    view = memoryview(chunk)
+    while view:
+        view = view[os.write(fd, view):]
+'written'"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_s_stderr_is_untrusted_output_in_the_server_log() {
+    let s = Server::start("agent-stderr", &[]).await;
+    s.ok("x", "print(1)").await;
+    let start = s.log.read().len() as u64;
+
+    let (r, sc) =
+        within("the stderr flood", s.run_with(json!({ "session": "x", "code": STDERR_FLOOD, "timeout_s": 120 }))).await;
+    assert_eq!(sc["result"], "'written'", "{}", text(&r));
+    assert_eq!(s.ok("x", "print('after')").await["stdout"], "after\n");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let logged = s.stop().await.into_bytes();
+    let grown = logged.len() as u64 - start;
+    eprintln!("the server's log grew by {grown} bytes");
+    assert!(grown < 1 << 20, "the server's log grew by {grown} bytes for 50 MiB of agent stderr");
+    assert!(!logged.contains(&0x1b), "a raw ESC byte reached the server's log");
+    let logged = String::from_utf8_lossy(&logged);
+    let mut shown = 0;
+    for line in logged.lines() {
+        assert!(!line.starts_with("1999-"), "a forged line passes for the server's own: {line:?}");
+        if let Some(at) = line.find("FORGED") {
+            let field = line.find("agent_stderr=").unwrap_or_else(|| panic!("unlabelled agent text: {line:?}"));
+            assert!(field < at, "agent text outside its field: {line:?}");
+            assert!(!line.contains('\r'), "a raw carriage return: {line:?}");
+            if shown == 0 {
+                eprintln!("logged: {}", line.chars().take(400).collect::<String>());
+            }
+            shown += 1;
+        }
+    }
+    assert!(shown > 0, "the agent's stderr is still logged, labelled");
+    assert!(logged.contains("agent_stderr_dropped="), "what was dropped is counted");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fifo_never_hangs_a_file_call_nor_costs_the_session_its_state() {
+    let s = Server::start("fifo", &[]).await;
+    s.ok("f", "import os\nos.mkfifo('pipe')\nx = 42").await;
+    for (tool, args) in [
+        ("read_file", json!({ "session": "f", "path": "pipe" })),
+        ("write_file", json!({ "session": "f", "path": "pipe", "content": "hello" })),
+        ("write_file", json!({ "session": "f", "path": "pipe", "content": "hello", "append": true })),
+    ] {
+        let t = Instant::now();
+        let r = within(tool, s.call(tool, args)).await;
+        assert!(t.elapsed() < Duration::from_secs(5), "{tool} on a FIFO took {:?}", t.elapsed());
+        assert_eq!(r.is_error, Some(true), "{tool}: {}", text(&r));
+        assert!(text(&r).contains("not a regular file"), "{tool}: {}", text(&r));
+    }
+    let t = Instant::now();
+    let read = within(
+        "resources/read",
+        s.client().read_resource(ReadResourceRequestParams::new("pyberth://sessions/f/files/pipe")),
+    )
+    .await;
+    assert!(t.elapsed() < Duration::from_secs(5), "resources/read on a FIFO took {:?}", t.elapsed());
+    let e = read.expect_err("a FIFO is no resource");
+    assert!(e.to_string().contains("not a regular file"), "{e}");
+    let sc = s.ok("f", "x").await;
+    assert_eq!(sc["result"], "42", "the session's variables survive: {sc}");
+    assert_eq!(sc["state_lost"], false);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_repr_never_costs_the_session_its_variables() {
+    let s = Server::start("slow-repr", &[]).await;
+    let slow = "import time\nclass Slow:\n    def __repr__(self):\n        time.sleep(60)\n        return 'slow'\n\
+                slow = Slow()\nkeep = 7";
+    s.ok("v", slow).await;
+    let t = Instant::now();
+    let r = within("list_variables", s.call("list_variables", json!({ "session": "v" }))).await;
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(5), "list_variables took {took:?}");
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = r.structured_content.expect("structured");
+    let vars = sc["variables"].as_array().expect("variables");
+    let repr =
+        |name: &str| vars.iter().find(|v| v["name"] == name).map(|v| v["repr"].as_str().unwrap_or("").to_owned());
+    assert!(repr("slow").is_some_and(|r| r.contains("unavailable")), "{vars:?}");
+    assert_eq!(repr("keep").as_deref(), Some("7"));
+    let sc = s.ok("v", "keep").await;
+    assert_eq!(sc["result"], "7", "state kept: {sc}");
+
+    // A repr that swallows every interruption can only be stopped by a restart: the call says so.
+    let stubborn = "import time\nclass Stubborn:\n    def __repr__(self):\n        while True:\n            try:\n                \
+                    time.sleep(60)\n            except BaseException:\n                pass\nstubborn = Stubborn()";
+    s.ok("v", stubborn).await;
+    let r = within("list_variables", s.call("list_variables", json!({ "session": "v" }))).await;
+    let said = text(&r);
+    assert!(said.contains("restarted") && said.contains("variables are gone"), "the restart is said: {said}");
+    let sc = s.ok("v", "'keep' in globals()").await;
+    assert_eq!(sc["result"], "False", "{sc}");
+    s.stop().await;
+}
