@@ -5,6 +5,7 @@ pub mod archive;
 pub mod container;
 pub mod engine;
 pub mod exec;
+pub mod heartbeat;
 pub mod image;
 pub mod layers;
 

@@ -1,7 +1,7 @@
 //! All sessions of a server: lookup by (principal, name), the session cap, the idle reaper,
 //! and cleanup at start and at shutdown (docs/design.md D9).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,7 +16,7 @@ use crate::docker::image::Progress;
 use crate::docker::layers::{self, IndexSettings, Layer};
 use crate::docker::{self, container, image};
 use crate::environment::{Environment, Environments};
-use crate::instance::Instance;
+use crate::instance::{Instance, Keeper};
 
 type Key = (String, String);
 type Slot = Arc<OnceCell<Arc<Session>>>;
@@ -76,6 +76,8 @@ pub struct Registry {
     pool: Mutex<Vec<super::Prepared>>,
     /// Wakes the pool keeper when a container was taken.
     pool_wake: tokio::sync::Notify,
+    /// This instance's heartbeat, and sweeps waiting out a grace (docs/design.md D9).
+    keeper: Keeper,
 }
 
 /// A session opened for a call by [`Registry::open`].
@@ -118,6 +120,7 @@ impl Registry {
             runs: Mutex::new(HashMap::new()),
             pool: Mutex::new(Vec::new()),
             pool_wake: tokio::sync::Notify::new(),
+            keeper: Keeper::default(),
         })
     }
 
@@ -380,28 +383,19 @@ impl Registry {
         }
     }
 
-    /// Removes what dead instances on this host left behind.
+    /// At start: keeps this instance's heartbeat from now on, and removes what dead instances
+    /// left behind (docs/design.md D9). When some instance's heartbeat stopped too recently
+    /// to call it dead, a sweep runs again once the grace is over.
     pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
-        // The sweep asks a plain function of labels, and probing an instance's lock is file
-        // I/O. So a first pass only notes which other instances left resources, their locks
-        // are probed on a blocking thread, and a second pass removes what the dead ones left.
-        let seen = Mutex::new(HashSet::new());
-        container::sweep(&self.docker, &|l| {
-            if let Some(i) = self.instance.other_here(l) {
-                seen.lock().unwrap_or_else(|e| e.into_inner()).insert(i.to_owned());
-            }
-            false
-        })
-        .await?;
-        let seen = seen.into_inner().unwrap_or_else(|e| e.into_inner());
-        if seen.is_empty() {
-            return Ok(());
+        match self.environments.get(None) {
+            Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
+            Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
         }
-        let dead = self.instance.dead(seen).await;
-        let (c, v) =
-            container::sweep(&self.docker, &|l| self.instance.other_here(l).is_some_and(|i| dead.contains(i))).await?;
-        if c + v > 0 {
-            tracing::info!(containers = c, volumes = v, "removed leftovers of dead instances");
+        let sweeper = self.instance.sweeper(self.cfg.leftover_grace());
+        let swept = sweeper.sweep(&self.docker).await?;
+        if let Some(after) = swept.recheck {
+            tracing::debug!(after_s = after.as_secs(), "a heartbeat stopped recently; sweeping again after the grace");
+            self.keeper.recheck(self.docker.clone(), sweeper, after);
         }
         Ok(())
     }
@@ -475,6 +469,8 @@ impl Registry {
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }
+        // Last: until everything else of ours is gone, others see this instance alive.
+        self.keeper.stop(&self.docker, &self.instance.owner).await;
     }
 }
 
