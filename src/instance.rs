@@ -59,7 +59,7 @@ impl Instance {
             None => random_id()?,
         };
         let lock_path = dir.join(format!("{instance}.lock"));
-        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path)?;
+        let lock = crate::state_dir::open_lock(&lock_path)?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
@@ -277,7 +277,7 @@ fn probe_lock(dir: &Path, instance: &str) -> Lock {
         return Lock::Unseen;
     }
     let path = dir.join(format!("{instance}.lock"));
-    let Ok(file) = OpenOptions::new().write(true).custom_flags(no_follow()).open(&path) else {
+    let Ok(file) = OpenOptions::new().write(true).custom_flags(crate::state_dir::no_follow()).open(&path) else {
         return Lock::Unseen;
     };
     match file.try_lock() {
@@ -288,11 +288,6 @@ fn probe_lock(dir: &Path, instance: &str) -> Lock {
         Err(TryLockError::WouldBlock) => Lock::Held,
         Err(TryLockError::Error(_)) => Lock::Unseen,
     }
-}
-
-/// `O_NOFOLLOW`, for opening files in the state dir: a planted symlink is refused, not followed.
-pub(crate) fn no_follow() -> i32 {
-    i32::try_from(rustix::fs::OFlags::NOFOLLOW.bits()).unwrap_or(0)
 }
 
 /// This instance's heartbeat, and the sweeps that wait out a grace, until [`Keeper::stop`].
@@ -388,7 +383,8 @@ async fn keep_beating(docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner, sto
     }
 }
 
-fn random_id() -> std::io::Result<String> {
+/// Twelve random hex digits.
+pub(crate) fn random_id() -> std::io::Result<String> {
     let mut bytes = [0u8; 6];
     File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())

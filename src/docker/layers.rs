@@ -691,23 +691,28 @@ fn uses_path(state_dir: &std::path::Path) -> std::path::PathBuf {
     state_dir.join("layers-used.json")
 }
 
+/// Largest use record read: tens of thousands of layers.
+const MAX_USES: u64 = 4 << 20;
+
 fn read_uses(state_dir: &std::path::Path) -> HashMap<String, i64> {
-    std::fs::read(uses_path(state_dir)).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
+    crate::state_dir::read(&uses_path(state_dir), MAX_USES)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
 }
 
 /// Records that a layer was used now. A lost update between two servers only blurs the
-/// LRU order, so a plain write-and-rename is enough.
+/// LRU order, so a write to a fresh temp file and a rename is enough; never through a
+/// symlink planted in the state dir (`state_dir::replace`).
 pub fn touch(state_dir: &std::path::Path, tag: &str) {
     let mut used = read_uses(state_dir);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
     used.insert(tag.to_owned(), now.unwrap_or(0));
-    let tmp = state_dir.join(format!("layers-used.json.{}", std::process::id()));
     let written = serde_json::to_vec(&used)
         .map_err(std::io::Error::other)
-        .and_then(|b| std::fs::write(&tmp, b))
-        .and_then(|()| std::fs::rename(&tmp, uses_path(state_dir)));
+        .and_then(|b| crate::state_dir::replace(&uses_path(state_dir), &b));
     if let Err(e) = written {
         tracing::debug!(error = %e, "cannot record layer use");
     }
@@ -778,6 +783,25 @@ mod tests {
                 (e.path().expect("path").display().to_string(), e.header().mode().expect("mode"))
             })
             .collect()
+    }
+
+    #[test]
+    fn the_use_record_never_writes_through_a_planted_symlink() {
+        let dir = std::env::temp_dir().join(format!("pyberth-touch-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"precious").expect("victim");
+        // The old temp name, and the record itself, both planted as links to the victim.
+        for name in [format!("layers-used.json.{}", std::process::id()), "layers-used.json".to_owned()] {
+            std::os::unix::fs::symlink(&victim, dir.join(name)).expect("symlink");
+        }
+        touch(&dir, "pyberth-layer:abc");
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious", "written through a symlink");
+        let record = std::fs::symlink_metadata(uses_path(&dir)).expect("record");
+        assert!(record.is_file(), "the record is a file of ours, not the planted link");
+        assert!(read_uses(&dir).contains_key("pyberth-layer:abc"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
