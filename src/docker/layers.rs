@@ -279,6 +279,95 @@ async fn install(
     result
 }
 
+/// Evaluates each marker with pip's own `packaging` (the standalone one when pip has none).
+/// Prints one JSON array: true, false, or null where a marker could not be evaluated.
+const MARKERS_PY: &str = r#"import json, sys
+try:
+    from pip._vendor.packaging.markers import Marker
+except ImportError:
+    from packaging.markers import Marker
+out = []
+for m in sys.argv[1:]:
+    try:
+        out.append(bool(Marker(m).evaluate()))
+    except Exception:
+        out.append(None)
+print(json.dumps(out))
+"#;
+
+/// Evaluates PEP 508 environment markers (`python_version < '3'`) with the interpreter of
+/// `image`, exactly as pip will when it installs on that image: in one short-lived container
+/// with the sandbox's hardening, no network and no volume. `Some(false)` is a marker pip
+/// would skip its requirement for; `None`, one it could not evaluate (pip then decides).
+pub async fn evaluate_markers(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    owner: &Owner,
+    image: &str,
+    markers: &[String],
+) -> Result<Vec<Option<bool>>, Error> {
+    let name = format!("pyberth-{}-markers-{}", owner.instance, next_serial());
+    let labels = HashMap::from([
+        (LABEL_MANAGED.to_owned(), "1".to_owned()),
+        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
+        (super::LABEL_HOST.to_owned(), owner.host.clone()),
+    ]);
+    let mut hc = container::host_config(cfg, &name);
+    hc.mounts = None;
+    let cmd = ["python3", "-I", "-c", MARKERS_PY].iter().map(|s| (*s).to_owned()).chain(markers.iter().cloned());
+    let body = ContainerCreateBody {
+        image: Some(image.into()),
+        cmd: Some(cmd.collect()),
+        user: Some(CODE_USER.into()),
+        working_dir: Some("/tmp".into()),
+        env: Some(vec![
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            "LANG=C.UTF-8".into(),
+        ]),
+        labels: Some(labels),
+        network_disabled: Some(true),
+        host_config: Some(hc),
+        ..Default::default()
+    };
+    let created =
+        docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
+    let id = created.id;
+    let run = async {
+        let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
+        let mut output = docker.attach_container(&id, Some(attach)).await?.output;
+        docker.start_container(&id, None).await?;
+        let mut stdout = Vec::new();
+        let mut stderr = Vec::new();
+        let read = async {
+            while let Some(frame) = output.next().await {
+                match frame? {
+                    LogOutput::StdOut { message } if stdout.len() < 64 << 10 => stdout.extend_from_slice(&message),
+                    LogOutput::StdErr { message } if stderr.len() < 4 << 10 => stderr.extend_from_slice(&message),
+                    _ => {}
+                }
+            }
+            Ok::<_, Error>(())
+        };
+        match tokio::time::timeout(std::time::Duration::from_secs(60), read).await {
+            Ok(r) => r?,
+            Err(_) => return Err(Error::Failed("the marker check did not finish within 60 s".into())),
+        }
+        let code = wait_exit(docker, &id).await?;
+        let line = String::from_utf8_lossy(&stdout);
+        let verdicts: Option<Vec<Option<bool>>> = serde_json::from_str(line.trim()).ok();
+        match verdicts {
+            Some(v) if code == 0 && v.len() == markers.len() => Ok(v),
+            _ => Err(Error::Failed(format!(
+                "the marker check failed (exit {code}): {}",
+                String::from_utf8_lossy(&stderr).trim()
+            ))),
+        }
+    };
+    let result = run.await;
+    container::remove_container(docker, &id).await;
+    result
+}
+
 fn next_serial() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SERIAL: AtomicU64 = AtomicU64::new(0);

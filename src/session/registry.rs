@@ -76,6 +76,8 @@ pub struct Registry {
     pool: Mutex<Vec<super::Prepared>>,
     /// Wakes the pool keeper when a container was taken.
     pool_wake: tokio::sync::Notify,
+    /// Environment markers evaluated, by (image, marker): true when they hold there.
+    markers: Mutex<HashMap<(String, String), bool>>,
     /// This instance's heartbeat, and sweeps waiting out a grace (docs/design.md D9).
     keeper: Keeper,
 }
@@ -99,6 +101,9 @@ pub struct Installed {
     pub present: Vec<String>,
     /// The layer used, and whether it came from the cache.
     pub layer: Option<Layer>,
+    /// Requirements whose environment marker is false in the session's environment: pip
+    /// would ignore them, so they are neither installed nor recorded.
+    pub skipped: Vec<String>,
 }
 
 impl Registry {
@@ -120,6 +125,7 @@ impl Registry {
             runs: Mutex::new(HashMap::new()),
             pool: Mutex::new(Vec::new()),
             pool_wake: tokio::sync::Notify::new(),
+            markers: Mutex::new(HashMap::new()),
             keeper: Keeper::default(),
         })
     }
@@ -167,12 +173,69 @@ impl Registry {
         let added = session.missing(requirements);
         let present: Vec<String> = requirements.iter().filter(|r| !added.contains(r)).cloned().collect();
         if added.is_empty() {
-            return Ok(Installed { added, present, layer: None });
+            return Ok(Installed { added, present, layer: None, skipped: Vec::new() });
         }
         let env = self.environments.get(Some(&session.environment)).map_err(Error::Environment)?;
         let layer = self.layer(&env, &added, progress).await?;
         session.add_layer(&layer.tag, &added).await?;
-        Ok(Installed { added, present, layer: Some(layer) })
+        Ok(Installed { added, present, layer: Some(layer), skipped: Vec::new() })
+    }
+
+    /// Splits `packages` into those to install and those whose environment marker is false
+    /// where the session `name` runs (or will run): pip ignores those, so installing them
+    /// would install nothing while saying it did. Markers are evaluated by the environment's
+    /// own interpreter, once per image and marker. When they cannot be evaluated, nothing is
+    /// skipped (pip still decides, as before).
+    async fn without_false_markers(
+        &self,
+        principal: &str,
+        name: &str,
+        environment: Option<&str>,
+        packages: &[String],
+        progress: Progress<'_>,
+    ) -> (Vec<String>, Vec<String>) {
+        let unchanged = || (packages.to_vec(), Vec::new());
+        if !packages.iter().any(|p| crate::deps::marker_of(p).is_some()) {
+            return unchanged();
+        }
+        let env_name = self.find(principal, name).map(|s| s.environment.clone());
+        let Ok(env) = self.environments.get(env_name.as_deref().or(environment)) else { return unchanged() };
+        let Ok(image) = self.image(&env, progress).await else { return unchanged() };
+        let known = |m: &str| {
+            let cache = self.markers.lock().unwrap_or_else(|e| e.into_inner());
+            cache.get(&(image.clone(), m.to_owned())).copied()
+        };
+        let mut unknown: Vec<String> = packages
+            .iter()
+            .filter_map(|p| crate::deps::marker_of(p))
+            .filter(|m| known(m).is_none())
+            .map(str::to_owned)
+            .collect();
+        unknown.sort();
+        unknown.dedup();
+        if !unknown.is_empty() {
+            match layers::evaluate_markers(&self.docker, &env.cfg, &self.instance.owner, &image, &unknown).await {
+                Ok(verdicts) => {
+                    let mut cache = self.markers.lock().unwrap_or_else(|e| e.into_inner());
+                    for (m, v) in unknown.into_iter().zip(verdicts) {
+                        if let Some(v) = v {
+                            cache.insert((image.clone(), m), v);
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot evaluate environment markers; pip decides"),
+            }
+        }
+        let (mut keep, mut skipped) = (Vec::new(), Vec::new());
+        for p in packages {
+            if crate::deps::marker_of(p).is_some_and(|m| known(m) == Some(false)) {
+                progress(&format!("{p}: skipped, marker false in this environment"));
+                skipped.push(p.clone());
+            } else {
+                keep.push(p.clone());
+            }
+        }
+        (keep, skipped)
     }
 
     /// The session `name` of `principal`, created if new, holding `packages`: the one way a
@@ -185,13 +248,15 @@ impl Registry {
         packages: &[String],
         progress: Progress<'_>,
     ) -> Result<Opened, Error> {
-        let (session, created) = self.get_or_create(principal, name, environment, packages, progress).await?;
-        let installed = if created {
+        let (packages, skipped) = self.without_false_markers(principal, name, environment, packages, progress).await;
+        let (session, created) = self.get_or_create(principal, name, environment, &packages, progress).await?;
+        let mut installed = if created {
             // A new session starts from the layer holding them all.
-            Installed { added: packages.to_vec(), present: Vec::new(), layer: None }
+            Installed { added: packages, present: Vec::new(), layer: None, skipped: Vec::new() }
         } else {
-            self.install(&session, packages, progress).await?
+            self.install(&session, &packages, progress).await?
         };
+        installed.skipped = skipped;
         Ok(Opened { session, created, installed })
     }
 
