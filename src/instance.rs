@@ -370,7 +370,8 @@ async fn keep_beating(docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner, sto
                 );
                 container::remove_container(&docker, &live.id).await;
             }
-            Ok(None) => {}
+            // The image is not there yet (the server is building it): look again, less often.
+            Ok(None) => pause = (pause * 2).min(Duration::from_secs(10)),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start the heartbeat (until it runs, servers using another state dir cannot tell this one is alive, and leave it alone); retrying");
                 pause = (pause * 2).min(Duration::from_secs(30));
