@@ -178,6 +178,12 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
 
+    /// How long another server's heartbeat must have been stopped before its sessions count as
+    /// leftovers and are removed, seconds (docs/design.md D9). Covers a server whose connection
+    /// to a remote engine broke for a while: it starts a new heartbeat when it is back.
+    #[arg(long, env = "PYBERTH_LEFTOVER_GRACE_S", default_value_t = 300)]
+    pub leftover_grace_s: u64,
+
     /// Name of this server instance in container labels (default: random). For tests.
     #[arg(long, env = "PYBERTH_INSTANCE", hide = true)]
     pub instance: Option<String>,
@@ -224,6 +230,7 @@ impl SandboxConfig {
             "must be between 0 and 60",
         )?;
         check(self.idle_ttl_s >= 1, "--idle-ttl-s", "must be at least 1")?;
+        check(self.leftover_grace_s >= 1, "--leftover-grace-s", "must be at least 1")?;
         check(self.max_sessions >= 1, "--max-sessions", "must be at least 1")?;
         check(self.max_sessions_total >= 1, "--max-sessions-total", "must be at least 1")?;
         check(
@@ -282,6 +289,11 @@ impl SandboxConfig {
     /// Idle TTL.
     pub fn idle_ttl(&self) -> Duration {
         Duration::from_secs(self.idle_ttl_s)
+    }
+
+    /// How long a stopped heartbeat waits before its instance counts as dead.
+    pub fn leftover_grace(&self) -> Duration {
+        Duration::from_secs(self.leftover_grace_s)
     }
 
     /// Index URL, honouring the pip and uv conventions.

@@ -231,6 +231,11 @@ pub(crate) fn parse(entry: &str) -> Result<Requirement, Error> {
     Ok(Requirement { name, canonical })
 }
 
+/// The environment marker of a canonical requirement (`six; python_version < '3'`), if any.
+pub(crate) fn marker_of(canonical: &str) -> Option<&str> {
+    canonical.split_once(';').map(|(_, m)| m.trim()).filter(|m| !m.is_empty())
+}
+
 /// Validates a list: each entry, the count, and duplicates (identical ones merge; different
 /// constraints on one package are refused). Returns the canonical strings, sorted.
 pub(crate) fn parse_set(entries: &[String], max: usize) -> Result<Vec<String>, Error> {
@@ -332,6 +337,8 @@ mod tests {
         assert_eq!(c("pywin32 ; sys_platform == 'win32'"), "pywin32; sys_platform == 'win32'");
         assert_eq!(c("attrs (>=22)"), "attrs>=22");
         assert_eq!(c("zope.interface~=6.0"), "zope-interface~=6.0");
+        assert_eq!(marker_of(&c("six ; python_version < '3'")), Some("python_version < '3'"));
+        assert_eq!(marker_of(&c("six>=1")), None);
     }
 
     #[test]

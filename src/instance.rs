@@ -1,19 +1,43 @@
-//! Identity and liveness of a server instance.
+//! Identity and liveness of a server instance (docs/design.md D9).
 //!
-//! Several servers may share one engine (two desktop clients each start `pyberth serve`), so
-//! the start-up sweep must tell a dead server's leftovers from a live server's sessions. Each
-//! instance holds an exclusive lock on `<state dir>/<instance>.lock` for its whole life; the
-//! kernel drops the lock when the process dies, even by SIGKILL. A labelled container or
-//! volume from this host whose instance lock can be taken (or is missing) is a leftover.
-//! Resources from other hosts are left alone: their liveness cannot be checked from here.
+//! Several servers may share one engine (two desktop clients each start `pyberth serve`, a CI
+//! job beside a workstation, servers on other hosts driving one remote engine), so the start-up
+//! sweep must tell a dead server's leftovers from a live server's sessions. Two kinds of
+//! evidence exist, and only evidence makes an instance dead:
+//!
+//! - **Its lock.** Each instance holds an exclusive lock on `<state dir>/<instance>.lock` for
+//!   its whole life; the kernel drops it when the process dies, even by SIGKILL. A lock file
+//!   in *our* state dir, of an instance of this host and boot, that we can take proves that
+//!   instance dead; one we cannot take proves it alive. A missing lock file proves nothing:
+//!   that instance may use another state dir (`--state-dir`, `TMPDIR`, systemd's
+//!   `PrivateTmp`, a CI job's own temp dir).
+//! - **Its heartbeat** ([`crate::docker::heartbeat`]): a tiny container that runs exactly as
+//!   long as its server holds an attach connection to it, readable by every instance through
+//!   the engine. A running heartbeat proves its instance alive. One stopped for longer than a
+//!   grace (`--leftover-grace-s`, measured on the engine's clock) proves it dead; one stopped
+//!   for less makes the sweep look again once the grace is over, since a server whose
+//!   connection to a remote engine broke makes itself a new heartbeat when it is back.
+//!
+//! An instance with neither kind of evidence (no lock we can see, no heartbeat: an older
+//! pyberth, or a server that never got to start its heartbeat) is of unknown liveness, and
+//! unknown is never dead: its resources are left alone.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
-use crate::docker::container::Owner;
-use crate::docker::{LABEL_HOST, LABEL_INSTANCE};
+use bollard::Docker;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::SandboxConfig;
+use crate::docker::container::{self, Found, Owner};
+use crate::docker::heartbeat::{self, LABEL_HEARTBEAT};
+use crate::docker::{self as engine, LABEL_HOST, LABEL_INSTANCE, image};
 
 /// This process's identity, and the lock that proves it is alive.
 #[derive(Debug)]
@@ -35,7 +59,7 @@ impl Instance {
             None => random_id()?,
         };
         let lock_path = dir.join(format!("{instance}.lock"));
-        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path)?;
+        let lock = crate::state_dir::open_lock(&lock_path)?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
@@ -46,35 +70,14 @@ impl Instance {
         Ok(Self { owner: Owner { instance, host: host_id() }, dir: dir.to_owned(), lock_path, _lock: lock })
     }
 
-    /// The instance a resource with these labels belongs to, when it is another instance on
-    /// this host whose liveness `dead` can probe (a name that is safe in a path).
-    pub fn other_here<'a>(&self, labels: &'a HashMap<String, String>) -> Option<&'a str> {
-        let (Some(instance), Some(host)) = (labels.get(LABEL_INSTANCE), labels.get(LABEL_HOST)) else {
-            return None;
-        };
-        if *instance == self.owner.instance || *host != self.owner.host {
-            return None;
-        }
-        if instance.is_empty() || !instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
-            return None;
-        }
-        Some(instance)
-    }
-
-    /// Which of `instances` (from `other_here`) are dead; a dead one's lock file is removed.
-    /// The flock probes are file I/O, so they run on a blocking thread.
-    pub async fn dead(&self, instances: HashSet<String>) -> HashSet<String> {
-        let dir = self.dir.clone();
-        let probe = move || instances.into_iter().filter(|i| lock_is_free(&dir, i)).collect();
-        tokio::task::spawn_blocking(probe).await.unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "cannot probe instance locks; nothing is swept");
-            HashSet::new()
-        })
-    }
-
     /// Whether a resource with these labels is this instance's own.
     pub fn is_own(&self, labels: &HashMap<String, String>) -> bool {
         labels.get(LABEL_INSTANCE) == Some(&self.owner.instance) && labels.get(LABEL_HOST) == Some(&self.owner.host)
+    }
+
+    /// A sweeper of other instances' leftovers, judging stopped heartbeats with `grace`.
+    pub fn sweeper(&self, grace: Duration) -> Sweeper {
+        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace }
     }
 }
 
@@ -84,23 +87,305 @@ impl Drop for Instance {
     }
 }
 
-/// Whether `instance`'s lock in `dir` is free: no lock file (its owner never lived here or the
-/// state dir was wiped at a reboot), or one nobody holds, which is then removed.
-fn lock_is_free(dir: &Path, instance: &str) -> bool {
+/// What our state dir says of an instance of this host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lock {
+    /// Its lock file is here and nobody holds it: it is dead.
+    Free,
+    /// Its lock file is here and held: it is alive.
+    Held,
+    /// No lock file here, another host, or a name we never put in a path: says nothing.
+    Unseen,
+}
+
+/// What the engine's heartbeats say of an instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Beat {
+    /// A heartbeat runs (or one's state could not be read: not provably stopped).
+    Running,
+    /// Every heartbeat stopped; the latest this long ago.
+    StoppedFor(Duration),
+    /// No heartbeat.
+    Absent,
+}
+
+/// What the sweep does with an instance's resources.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Alive,
+    Dead,
+    /// Its heartbeat stopped, within the grace: look again after this long.
+    Dying(Duration),
+    /// No evidence either way: left alone.
+    Unknown,
+}
+
+/// The rule of the module doc: a lock we can see is the kernel's word; otherwise the heartbeat
+/// decides; without either, nothing is known and nothing is removed.
+fn judge(lock: Lock, beat: Beat, grace: Duration) -> Verdict {
+    match (lock, beat) {
+        (Lock::Free, _) => Verdict::Dead,
+        (Lock::Held, _) | (Lock::Unseen, Beat::Running) => Verdict::Alive,
+        (Lock::Unseen, Beat::StoppedFor(d)) if d >= grace => Verdict::Dead,
+        (Lock::Unseen, Beat::StoppedFor(d)) => Verdict::Dying(grace - d),
+        (Lock::Unseen, Beat::Absent) => Verdict::Unknown,
+    }
+}
+
+/// An instance as labels name it: (instance, host).
+type Key = (String, String);
+
+/// Removes what dead instances left behind (see the module doc).
+#[derive(Debug, Clone)]
+pub struct Sweeper {
+    owner: Owner,
+    dir: PathBuf,
+    grace: Duration,
+}
+
+/// What one sweep did.
+#[derive(Debug, Default)]
+pub struct Swept {
+    /// Containers removed (heartbeats included).
+    pub containers: usize,
+    /// Volumes removed.
+    pub volumes: usize,
+    /// When to look again, for instances whose heartbeat stopped within the grace.
+    pub recheck: Option<Duration>,
+}
+
+impl Sweeper {
+    /// The owner of a resource with these labels, unless it is ours or unlabelled.
+    fn key(&self, labels: &HashMap<String, String>) -> Option<Key> {
+        let instance = labels.get(LABEL_INSTANCE).or_else(|| labels.get(LABEL_HEARTBEAT))?;
+        let host = labels.get(LABEL_HOST)?;
+        let own = *instance == self.owner.instance && *host == self.owner.host;
+        (!own && !instance.is_empty()).then(|| (instance.clone(), host.clone()))
+    }
+
+    /// One sweep: lists our labelled containers and volumes once, reads the heartbeats of the
+    /// instances found (an inspect per stopped one), probes the locks we can see, and removes
+    /// what the dead instances left.
+    pub async fn sweep(&self, docker: &Docker) -> Result<Swept, engine::Error> {
+        let found = container::inventory(docker).await?;
+        let owners: HashSet<Key> = found
+            .containers
+            .iter()
+            .map(|c| &c.labels)
+            .chain(found.volumes.iter().map(|(_, l)| l))
+            .filter_map(|l| self.key(l))
+            .collect();
+        if owners.is_empty() {
+            return Ok(Swept::default());
+        }
+        let beats = self.beats(docker, &found.containers).await;
+        let locks = self.locks(owners.iter().filter(|(_, host)| *host == self.owner.host).cloned().collect()).await;
+        let mut dead = HashSet::new();
+        let mut recheck: Option<Duration> = None;
+        let mut unknown = Vec::new();
+        for key in &owners {
+            let lock = locks.get(key).copied().unwrap_or(Lock::Unseen);
+            let beat = beats.get(key).copied().unwrap_or(Beat::Absent);
+            match judge(lock, beat, self.grace) {
+                Verdict::Dead => {
+                    dead.insert(key.clone());
+                }
+                Verdict::Dying(left) => recheck = Some(recheck.map_or(left, |r| r.min(left))),
+                Verdict::Unknown => unknown.push(key.0.as_str()),
+                Verdict::Alive => {}
+            }
+        }
+        if !unknown.is_empty() {
+            tracing::debug!(instances = ?unknown, "resources of instances of unknown liveness left alone");
+        }
+        let mut swept = Swept { recheck: recheck.map(|r| r + Duration::from_secs(1)), ..Swept::default() };
+        if dead.is_empty() {
+            return Ok(swept);
+        }
+        let of_dead = |l: &HashMap<String, String>| self.key(l).is_some_and(|k| dead.contains(&k));
+        for c in found.containers.iter().filter(|c| of_dead(&c.labels)) {
+            swept.containers += usize::from(container::remove_leftover_container(docker, &c.id).await);
+        }
+        for (name, _) in found.volumes.iter().filter(|(_, l)| of_dead(l)) {
+            swept.volumes += usize::from(container::remove_leftover_volume(docker, name).await);
+        }
+        let names: Vec<&str> = dead.iter().map(|(i, _)| i.as_str()).collect();
+        tracing::info!(
+            instances = ?names,
+            containers = swept.containers,
+            volumes = swept.volumes,
+            "removed leftovers of dead instances"
+        );
+        Ok(swept)
+    }
+
+    /// The heartbeat evidence of every instance that has heartbeats.
+    async fn beats(&self, docker: &Docker, containers: &[Found]) -> HashMap<Key, Beat> {
+        let mut beats: HashMap<Key, Beat> = HashMap::new();
+        let mut now: Option<Duration> = None;
+        for c in containers.iter().filter(|c| c.labels.contains_key(LABEL_HEARTBEAT)) {
+            let Some(key) = self.key(&c.labels) else { continue };
+            if matches!(beats.get(&key), Some(Beat::Running)) {
+                continue;
+            }
+            let beat = if c.running {
+                Beat::Running
+            } else {
+                if now.is_none() {
+                    now = Some(engine_clock(docker).await);
+                }
+                match heartbeat::stopped_at(docker, &c.id, c.created).await {
+                    Ok(Some(at)) => Beat::StoppedFor(now.unwrap_or_default().saturating_sub(at)),
+                    Err(e) if e.is_gone() => continue,
+                    Ok(None) | Err(_) => Beat::Running,
+                }
+            };
+            let merged = match (beats.get(&key), beat) {
+                (_, Beat::Running) | (Some(Beat::Running), _) => Beat::Running,
+                // The latest stop counts: the owner may have replaced a heartbeat before.
+                (Some(Beat::StoppedFor(a)), Beat::StoppedFor(b)) => Beat::StoppedFor((*a).min(b)),
+                (_, b) => b,
+            };
+            beats.insert(key, merged);
+        }
+        beats
+    }
+
+    /// The lock evidence of instances of this host, probed on a blocking thread (file I/O).
+    async fn locks(&self, keys: Vec<Key>) -> HashMap<Key, Lock> {
+        let dir = self.dir.clone();
+        let probe = move || keys.into_iter().map(|k| (probe_lock(&dir, &k.0), k)).map(|(l, k)| (k, l)).collect();
+        tokio::task::spawn_blocking(probe).await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "cannot probe instance locks; going by heartbeats alone");
+            HashMap::new()
+        })
+    }
+}
+
+/// The engine's clock, or ours when the engine does not say.
+async fn engine_clock(docker: &Docker) -> Duration {
+    match heartbeat::engine_now(docker).await {
+        Ok(Some(t)) => t,
+        _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default(),
+    }
+}
+
+/// What `dir` says of `instance`'s lock; a free one is removed.
+fn probe_lock(dir: &Path, instance: &str) -> Lock {
+    // Only names we could have written ourselves ever reach a path.
+    if instance.is_empty() || !instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+        return Lock::Unseen;
+    }
     let path = dir.join(format!("{instance}.lock"));
-    let Ok(file) = OpenOptions::new().write(true).open(&path) else {
-        return true;
+    let Ok(file) = OpenOptions::new().write(true).custom_flags(crate::state_dir::no_follow()).open(&path) else {
+        return Lock::Unseen;
     };
     match file.try_lock() {
         Ok(()) => {
             let _ = std::fs::remove_file(&path);
-            true
+            Lock::Free
         }
-        Err(_) => false,
+        Err(TryLockError::WouldBlock) => Lock::Held,
+        Err(TryLockError::Error(_)) => Lock::Unseen,
     }
 }
 
-fn random_id() -> std::io::Result<String> {
+/// This instance's heartbeat, and the sweeps that wait out a grace, until [`Keeper::stop`].
+#[derive(Debug, Default)]
+pub struct Keeper {
+    stop: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl Keeper {
+    /// Keeps a heartbeat of `owner` running on the image of `cfg` (once that image exists),
+    /// making a new one whenever it stops while this server runs.
+    pub fn beat(&self, docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner) {
+        self.tasks.spawn(keep_beating(docker, cfg, owner, self.stop.clone()));
+    }
+
+    /// Sweeps again after `after`, and again while some heartbeat is within its grace.
+    pub fn recheck(&self, docker: Docker, sweeper: Sweeper, after: Duration) {
+        let stop = self.stop.clone();
+        self.tasks.spawn(async move {
+            let mut after = after;
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(after) => {}
+                }
+                match sweeper.sweep(&docker).await {
+                    Ok(Swept { recheck: Some(next), .. }) => after = next,
+                    Ok(_) => return,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Stops the heartbeat and the waiting sweeps, and removes this instance's heartbeats.
+    pub async fn stop(&self, docker: &Docker, owner: &Owner) {
+        self.stop.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+        if let Err(e) = heartbeat::remove_all(docker, owner).await {
+            tracing::warn!(error = %e, "cannot remove the heartbeat");
+        }
+    }
+}
+
+async fn keep_beating(docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner, stop: CancellationToken) {
+    // The sandbox image: `--image`, or ours, which the server builds when absent. The
+    // heartbeat waits for it rather than build it beside the server's own build.
+    let tag = cfg.image.clone().unwrap_or_else(|| image::tag_for(&cfg));
+    let mut pause = Duration::from_secs(1);
+    loop {
+        let started = match image::exists(&docker, &tag).await {
+            Ok(true) => match random_id() {
+                Ok(suffix) => heartbeat::start(&docker, &tag, &owner, &suffix).await.map(Some),
+                Err(e) => Err(engine::Error::Io { context: "no random heartbeat name".into(), source: e }),
+            },
+            Ok(false) => Ok(None),
+            Err(e) => Err(e),
+        };
+        match started {
+            Ok(Some(mut live)) => {
+                tracing::debug!(container = %container::short(&live.id), "heartbeat started");
+                pause = Duration::from_secs(1);
+                tokio::select! {
+                    _ = stop.cancelled() => {
+                        container::remove_container(&docker, &live.id).await;
+                        return;
+                    }
+                    () = live.stopped() => {}
+                }
+                if stop.is_cancelled() {
+                    return;
+                }
+                tracing::warn!(
+                    "the heartbeat stopped while this server runs (engine restarted, or its connection lost); starting another"
+                );
+                container::remove_container(&docker, &live.id).await;
+            }
+            // The image is not there yet (the server is building it): look again, less often.
+            Ok(None) => pause = (pause * 2).min(Duration::from_secs(10)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the heartbeat (until it runs, servers using another state dir cannot tell this one is alive, and leave it alone); retrying");
+                pause = (pause * 2).min(Duration::from_secs(30));
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+/// Twelve random hex digits.
+pub(crate) fn random_id() -> std::io::Result<String> {
     let mut bytes = [0u8; 6];
     File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
@@ -127,30 +412,59 @@ mod tests {
         HashMap::from([(LABEL_INSTANCE.into(), instance.into()), (LABEL_HOST.into(), host.into())])
     }
 
-    /// What the sweep decides for one resource.
-    async fn leftover(me: &Instance, labels: &HashMap<String, String>) -> bool {
-        match me.other_here(labels) {
-            Some(i) => me.dead(HashSet::from([i.to_owned()])).await.contains(i),
-            None => false,
-        }
-    }
-
-    #[tokio::test]
-    async fn live_dead_and_foreign_instances() {
+    #[test]
+    fn locks_alive_dead_unseen_and_odd_names() {
         let dir = std::env::temp_dir().join(format!("pyberth-instance-test-{}", std::process::id()));
         let me = Instance::acquire(&dir, Some("me")).expect("me");
         let other = Instance::acquire(&dir, Some("other")).expect("other");
-        let host = me.owner.host.clone();
-        assert!(!leftover(&me, &labels("me", &host)).await, "own resources are not leftovers");
-        assert!(me.is_own(&labels("me", &host)));
-        assert!(!leftover(&me, &labels("other", &host)).await, "a live instance is not dead");
+        assert!(me.is_own(&labels("me", &me.owner.host)));
+        assert!(!me.is_own(&labels("me", "another-host")));
+        assert_eq!(probe_lock(&dir, "other"), Lock::Held, "a live instance");
         assert!(Instance::acquire(&dir, Some("other")).is_err(), "the lock is exclusive");
         drop(other);
-        assert!(leftover(&me, &labels("other", &host)).await, "a dropped instance is dead");
-        assert!(leftover(&me, &labels("never-existed", &host)).await);
-        assert!(!leftover(&me, &labels("never-existed", "another-host")).await, "other hosts are left alone");
-        assert!(!leftover(&me, &labels("../etc/x", &host)).await, "odd names are never touched");
+        // Drop removes the file; a SIGKILLed server leaves it, unlocked.
+        std::fs::write(dir.join("killed.lock"), b"").expect("lock file");
+        assert_eq!(probe_lock(&dir, "killed"), Lock::Free, "a lock nobody holds");
+        assert!(!dir.join("killed.lock").exists(), "a free lock is removed");
+        assert_eq!(probe_lock(&dir, "other"), Lock::Unseen, "no lock file is no evidence");
+        assert_eq!(probe_lock(&dir, "never-existed"), Lock::Unseen);
+        assert_eq!(probe_lock(&dir, "../etc/x"), Lock::Unseen, "odd names never reach a path");
+        // A planted symlink is not followed.
+        std::os::unix::fs::symlink(dir.join("me.lock"), dir.join("planted.lock")).expect("symlink");
+        assert_eq!(probe_lock(&dir, "planted"), Lock::Unseen);
         drop(me);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_evidence_makes_an_instance_dead() {
+        let g = Duration::from_secs(300);
+        let s = Duration::from_secs;
+        assert_eq!(judge(Lock::Free, Beat::Running, g), Verdict::Dead, "the kernel's word wins");
+        assert_eq!(judge(Lock::Held, Beat::StoppedFor(s(9999)), g), Verdict::Alive);
+        assert_eq!(judge(Lock::Held, Beat::Absent, g), Verdict::Alive);
+        assert_eq!(judge(Lock::Unseen, Beat::Running, g), Verdict::Alive);
+        assert_eq!(judge(Lock::Unseen, Beat::StoppedFor(s(300)), g), Verdict::Dead);
+        assert_eq!(judge(Lock::Unseen, Beat::StoppedFor(s(100)), g), Verdict::Dying(s(200)));
+        assert_eq!(judge(Lock::Unseen, Beat::Absent, g), Verdict::Unknown, "a missing lock is not death");
+    }
+
+    #[test]
+    fn resources_are_keyed_by_instance_and_host_and_ours_are_skipped() {
+        let sweeper = Sweeper {
+            owner: Owner { instance: "me".into(), host: "h".into() },
+            dir: PathBuf::new(),
+            grace: Duration::ZERO,
+        };
+        assert_eq!(sweeper.key(&labels("me", "h")), None);
+        assert_eq!(sweeper.key(&labels("me", "other-host")), Some(("me".into(), "other-host".into())));
+        assert_eq!(sweeper.key(&labels("x", "h")), Some(("x".into(), "h".into())));
+        let beat = HashMap::from([(LABEL_HEARTBEAT.into(), "x".into()), (LABEL_HOST.into(), "h".into())]);
+        assert_eq!(sweeper.key(&beat), Some(("x".into(), "h".into())), "a heartbeat belongs to its instance");
+        assert_eq!(
+            sweeper.key(&HashMap::from([(LABEL_INSTANCE.into(), "x".into())])),
+            None,
+            "no host: not ours to judge"
+        );
     }
 }

@@ -43,6 +43,8 @@ pub mod runner;
 pub(crate) mod server;
 /// Sessions (one container and one agent each), their registry and background jobs.
 pub(crate) mod session;
+/// Files in the state dir: never through a symlink, replaced through exclusive temp files.
+pub(crate) mod state_dir;
 
 pub use server::SandboxServer;
 pub use session::registry::{Error as RegistryError, Registry};

@@ -92,7 +92,7 @@ async fn build_lock(dir: &std::path::Path) -> Result<std::fs::File, Error> {
     let path = dir.join("image-build.lock");
     let io = |source| Error::Io { context: format!("cannot take the build lock {}", path.display()), source };
     std::fs::create_dir_all(dir).map_err(io)?;
-    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io)?;
+    let file = crate::state_dir::open_lock(&path).map_err(io)?;
     tokio::task::spawn_blocking(move || file.lock().map(|()| file))
         .await
         .map_err(|e| io(std::io::Error::other(e)))?
@@ -195,11 +195,24 @@ async fn bootstrap(docker: &Docker, cfg: &SandboxConfig, tag: &str, progress: Pr
         let context = context.to_owned();
         move |source| Error::Io { context, source }
     };
-    let dir = std::env::temp_dir().join(format!("pyberth-bootstrap-{}", std::process::id()));
-    tokio::fs::create_dir_all(&dir).await.map_err(io("cannot create a temporary directory"))?;
+    // A new private directory of a random name in a shared temp dir: never one planted there
+    // in advance (with a symlink in it to lead the rootfs write elsewhere), never removed if so.
+    let suffix = crate::instance::random_id().map_err(io("no random name for a temporary directory"))?;
+    let dir = std::env::temp_dir().join(format!("pyberth-bootstrap-{}-{suffix}", std::process::id()));
+    {
+        use std::os::unix::fs::DirBuilderExt as _;
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(io("cannot create a temporary directory"))?;
+    }
     let rootfs = dir.join("rootfs.tar");
     let result = async {
-        let out = std::fs::File::create(&rootfs).map_err(io("cannot create the rootfs file"))?;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(crate::state_dir::no_follow())
+            .open(&rootfs)
+            .map_err(io("cannot create the rootfs file"))?;
         progress(&format!("bootstrapping Debian {} from {} (a few minutes)", cfg.fallback_release, cfg.debian_mirror));
         let mut child = tokio::process::Command::new("sh")
             .arg("-c")

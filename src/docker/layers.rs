@@ -283,6 +283,95 @@ async fn install(
     result
 }
 
+/// Evaluates each marker with pip's own `packaging` (the standalone one when pip has none).
+/// Prints one JSON array: true, false, or null where a marker could not be evaluated.
+const MARKERS_PY: &str = r#"import json, sys
+try:
+    from pip._vendor.packaging.markers import Marker
+except ImportError:
+    from packaging.markers import Marker
+out = []
+for m in sys.argv[1:]:
+    try:
+        out.append(bool(Marker(m).evaluate()))
+    except Exception:
+        out.append(None)
+print(json.dumps(out))
+"#;
+
+/// Evaluates PEP 508 environment markers (`python_version < '3'`) with the interpreter of
+/// `image`, exactly as pip will when it installs on that image: in one short-lived container
+/// with the sandbox's hardening, no network and no volume. `Some(false)` is a marker pip
+/// would skip its requirement for; `None`, one it could not evaluate (pip then decides).
+pub async fn evaluate_markers(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    owner: &Owner,
+    image: &str,
+    markers: &[String],
+) -> Result<Vec<Option<bool>>, Error> {
+    let name = format!("pyberth-{}-markers-{}", owner.instance, next_serial());
+    let labels = HashMap::from([
+        (LABEL_MANAGED.to_owned(), "1".to_owned()),
+        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
+        (super::LABEL_HOST.to_owned(), owner.host.clone()),
+    ]);
+    let mut hc = container::host_config(cfg, &name);
+    hc.mounts = None;
+    let cmd = ["python3", "-I", "-c", MARKERS_PY].iter().map(|s| (*s).to_owned()).chain(markers.iter().cloned());
+    let body = ContainerCreateBody {
+        image: Some(image.into()),
+        cmd: Some(cmd.collect()),
+        user: Some(CODE_USER.into()),
+        working_dir: Some("/tmp".into()),
+        env: Some(vec![
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            "LANG=C.UTF-8".into(),
+        ]),
+        labels: Some(labels),
+        network_disabled: Some(true),
+        host_config: Some(hc),
+        ..Default::default()
+    };
+    let created =
+        docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
+    let id = created.id;
+    let run = async {
+        let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
+        let mut output = docker.attach_container(&id, Some(attach)).await?.output;
+        docker.start_container(&id, None).await?;
+        let mut stdout = Vec::new();
+        let mut stderr = Vec::new();
+        let read = async {
+            while let Some(frame) = output.next().await {
+                match frame? {
+                    LogOutput::StdOut { message } if stdout.len() < 64 << 10 => stdout.extend_from_slice(&message),
+                    LogOutput::StdErr { message } if stderr.len() < 4 << 10 => stderr.extend_from_slice(&message),
+                    _ => {}
+                }
+            }
+            Ok::<_, Error>(())
+        };
+        match tokio::time::timeout(std::time::Duration::from_secs(60), read).await {
+            Ok(r) => r?,
+            Err(_) => return Err(Error::Failed("the marker check did not finish within 60 s".into())),
+        }
+        let code = wait_exit(docker, &id).await?;
+        let line = String::from_utf8_lossy(&stdout);
+        let verdicts: Option<Vec<Option<bool>>> = serde_json::from_str(line.trim()).ok();
+        match verdicts {
+            Some(v) if code == 0 && v.len() == markers.len() => Ok(v),
+            _ => Err(Error::Failed(format!(
+                "the marker check failed (exit {code}): {}",
+                String::from_utf8_lossy(&stderr).trim()
+            ))),
+        }
+    };
+    let result = run.await;
+    container::remove_container(docker, &id).await;
+    result
+}
+
 fn next_serial() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SERIAL: AtomicU64 = AtomicU64::new(0);
@@ -695,23 +784,28 @@ fn uses_path(state_dir: &std::path::Path) -> std::path::PathBuf {
     state_dir.join("layers-used.json")
 }
 
+/// Largest use record read: tens of thousands of layers.
+const MAX_USES: u64 = 4 << 20;
+
 fn read_uses(state_dir: &std::path::Path) -> HashMap<String, i64> {
-    std::fs::read(uses_path(state_dir)).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
+    crate::state_dir::read(&uses_path(state_dir), MAX_USES)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
 }
 
 /// Records that a layer was used now. A lost update between two servers only blurs the
-/// LRU order, so a plain write-and-rename is enough.
+/// LRU order, so a write to a fresh temp file and a rename is enough; never through a
+/// symlink planted in the state dir (`state_dir::replace`).
 pub fn touch(state_dir: &std::path::Path, tag: &str) {
     let mut used = read_uses(state_dir);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
     used.insert(tag.to_owned(), now.unwrap_or(0));
-    let tmp = state_dir.join(format!("layers-used.json.{}", std::process::id()));
     let written = serde_json::to_vec(&used)
         .map_err(std::io::Error::other)
-        .and_then(|b| std::fs::write(&tmp, b))
-        .and_then(|()| std::fs::rename(&tmp, uses_path(state_dir)));
+        .and_then(|b| crate::state_dir::replace(&uses_path(state_dir), &b));
     if let Err(e) = written {
         tracing::debug!(error = %e, "cannot record layer use");
     }
@@ -782,6 +876,25 @@ mod tests {
                 (e.path().expect("path").display().to_string(), e.header().mode().expect("mode"))
             })
             .collect()
+    }
+
+    #[test]
+    fn the_use_record_never_writes_through_a_planted_symlink() {
+        let dir = std::env::temp_dir().join(format!("pyberth-touch-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"precious").expect("victim");
+        // The old temp name, and the record itself, both planted as links to the victim.
+        for name in [format!("layers-used.json.{}", std::process::id()), "layers-used.json".to_owned()] {
+            std::os::unix::fs::symlink(&victim, dir.join(name)).expect("symlink");
+        }
+        touch(&dir, "pyberth-layer:abc");
+        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious", "written through a symlink");
+        let record = std::fs::symlink_metadata(uses_path(&dir)).expect("record");
+        assert!(record.is_file(), "the record is a file of ours, not the planted link");
+        assert!(read_uses(&dir).contains_key("pyberth-layer:abc"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

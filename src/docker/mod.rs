@@ -6,6 +6,7 @@ pub mod container;
 mod copyback;
 pub mod engine;
 pub mod exec;
+pub mod heartbeat;
 pub mod image;
 pub mod layers;
 

@@ -117,11 +117,17 @@ impl SandboxServer {
         let mut notices = Vec::new();
         if opened.created {
             notices.push(format!("new session {name:?} created"));
-            if !packages.is_empty() {
-                notices.push(format!("packages ready: {}", packages.join(", ")));
+            if !opened.installed.added.is_empty() {
+                notices.push(format!("packages ready: {}", opened.installed.added.join(", ")));
             }
         } else if !opened.installed.added.is_empty() {
             notices.push(format!("packages installed: {}", opened.installed.added.join(", ")));
+        }
+        if !opened.installed.skipped.is_empty() {
+            notices.push(format!(
+                "packages skipped (marker false in this environment): {}",
+                opened.installed.skipped.join(", ")
+            ));
         }
         if let Some(vars) = &session_env {
             session.set_env(vars);
@@ -166,6 +172,7 @@ impl SandboxServer {
             cached: done.layer.as_ref().is_some_and(|l| l.cached),
             installed: done.added,
             already_installed: done.present,
+            skipped: done.skipped,
             duration_ms: (started.elapsed().as_secs_f64() * 1e3).round(),
         };
         let mut text = String::new();
@@ -174,6 +181,9 @@ impl SandboxServer {
         }
         if !out.already_installed.is_empty() {
             text.push_str(&format!("already installed: {}\n", out.already_installed.join(", ")));
+        }
+        if !out.skipped.is_empty() {
+            text.push_str(&format!("skipped (marker false in this environment): {}\n", out.skipped.join(", ")));
         }
         Ok(structured(&out, text))
     }

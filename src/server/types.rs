@@ -93,6 +93,9 @@ pub(crate) struct InstallOutput {
     pub installed: Vec<String>,
     /// Requirements the session already had.
     pub already_installed: Vec<String>,
+    /// Requirements skipped, not installed: their environment marker is false in the
+    /// session's environment (pip ignores them there).
+    pub skipped: Vec<String>,
     /// True when the packages came from a cached layer (no download).
     pub cached: bool,
     /// Wall time in milliseconds.

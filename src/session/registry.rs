@@ -4,7 +4,7 @@
 //! Why this file passes 500 lines: lookup, creation (pool, image, layer), caps, reaping and
 //! sweeping share one lock over the sessions map; a split would pass that lock around.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,7 +19,7 @@ use crate::docker::image::Progress;
 use crate::docker::layers::{self, IndexSettings, Layer};
 use crate::docker::{self, container, image};
 use crate::environment::{Environment, Environments};
-use crate::instance::Instance;
+use crate::instance::{Instance, Keeper};
 
 type Key = (String, String);
 type Slot = Arc<OnceCell<Arc<Session>>>;
@@ -79,6 +79,10 @@ pub struct Registry {
     pool: Mutex<Vec<super::Prepared>>,
     /// Wakes the pool keeper when a container was taken.
     pool_wake: tokio::sync::Notify,
+    /// Environment markers evaluated, by (image, marker): true when they hold there.
+    markers: Mutex<HashMap<(String, String), bool>>,
+    /// This instance's heartbeat, and sweeps waiting out a grace (docs/design.md D9).
+    keeper: Keeper,
 }
 
 /// An environment's image, found or built once, and the latest line of its build.
@@ -113,6 +117,9 @@ pub struct Installed {
     pub present: Vec<String>,
     /// The layer used, and whether it came from the cache.
     pub layer: Option<Layer>,
+    /// Requirements whose environment marker is false in the session's environment: pip
+    /// would ignore them, so they are neither installed nor recorded.
+    pub skipped: Vec<String>,
 }
 
 impl Registry {
@@ -134,6 +141,8 @@ impl Registry {
             runs: Mutex::new(HashMap::new()),
             pool: Mutex::new(Vec::new()),
             pool_wake: tokio::sync::Notify::new(),
+            markers: Mutex::new(HashMap::new()),
+            keeper: Keeper::default(),
         })
     }
 
@@ -180,12 +189,69 @@ impl Registry {
         let added = session.missing(requirements);
         let present: Vec<String> = requirements.iter().filter(|r| !added.contains(r)).cloned().collect();
         if added.is_empty() {
-            return Ok(Installed { added, present, layer: None });
+            return Ok(Installed { added, present, layer: None, skipped: Vec::new() });
         }
         let env = self.environments.get(Some(&session.environment)).map_err(Error::Environment)?;
         let layer = self.layer(&env, &added, progress).await?;
         session.add_layer(&layer.tag, &added).await?;
-        Ok(Installed { added, present, layer: Some(layer) })
+        Ok(Installed { added, present, layer: Some(layer), skipped: Vec::new() })
+    }
+
+    /// Splits `packages` into those to install and those whose environment marker is false
+    /// where the session `name` runs (or will run): pip ignores those, so installing them
+    /// would install nothing while saying it did. Markers are evaluated by the environment's
+    /// own interpreter, once per image and marker. When they cannot be evaluated, nothing is
+    /// skipped (pip still decides, as before).
+    async fn without_false_markers(
+        &self,
+        principal: &str,
+        name: &str,
+        environment: Option<&str>,
+        packages: &[String],
+        progress: Progress<'_>,
+    ) -> (Vec<String>, Vec<String>) {
+        let unchanged = || (packages.to_vec(), Vec::new());
+        if !packages.iter().any(|p| crate::deps::marker_of(p).is_some()) {
+            return unchanged();
+        }
+        let env_name = self.find(principal, name).map(|s| s.environment.clone());
+        let Ok(env) = self.environments.get(env_name.as_deref().or(environment)) else { return unchanged() };
+        let Ok(image) = self.image(&env, progress).await else { return unchanged() };
+        let known = |m: &str| {
+            let cache = self.markers.lock().unwrap_or_else(|e| e.into_inner());
+            cache.get(&(image.clone(), m.to_owned())).copied()
+        };
+        let mut unknown: Vec<String> = packages
+            .iter()
+            .filter_map(|p| crate::deps::marker_of(p))
+            .filter(|m| known(m).is_none())
+            .map(str::to_owned)
+            .collect();
+        unknown.sort();
+        unknown.dedup();
+        if !unknown.is_empty() {
+            match layers::evaluate_markers(&self.docker, &env.cfg, &self.instance.owner, &image, &unknown).await {
+                Ok(verdicts) => {
+                    let mut cache = self.markers.lock().unwrap_or_else(|e| e.into_inner());
+                    for (m, v) in unknown.into_iter().zip(verdicts) {
+                        if let Some(v) = v {
+                            cache.insert((image.clone(), m), v);
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot evaluate environment markers; pip decides"),
+            }
+        }
+        let (mut keep, mut skipped) = (Vec::new(), Vec::new());
+        for p in packages {
+            if crate::deps::marker_of(p).is_some_and(|m| known(m) == Some(false)) {
+                progress(&format!("{p}: skipped, marker false in this environment"));
+                skipped.push(p.clone());
+            } else {
+                keep.push(p.clone());
+            }
+        }
+        (keep, skipped)
     }
 
     /// The session `name` of `principal`, created if new, holding `packages`: the one way a
@@ -198,13 +264,15 @@ impl Registry {
         packages: &[String],
         progress: Progress<'_>,
     ) -> Result<Opened, Error> {
-        let (session, created) = self.get_or_create(principal, name, environment, packages, progress).await?;
-        let installed = if created {
+        let (packages, skipped) = self.without_false_markers(principal, name, environment, packages, progress).await;
+        let (session, created) = self.get_or_create(principal, name, environment, &packages, progress).await?;
+        let mut installed = if created {
             // A new session starts from the layer holding them all.
-            Installed { added: packages.to_vec(), present: Vec::new(), layer: None }
+            Installed { added: packages, present: Vec::new(), layer: None, skipped: Vec::new() }
         } else {
-            self.install(&session, packages, progress).await?
+            self.install(&session, &packages, progress).await?
         };
+        installed.skipped = skipped;
         Ok(Opened { session, created, installed })
     }
 
@@ -414,28 +482,19 @@ impl Registry {
         }
     }
 
-    /// Removes what dead instances on this host left behind.
+    /// At start: keeps this instance's heartbeat from now on, and removes what dead instances
+    /// left behind (docs/design.md D9). When some instance's heartbeat stopped too recently
+    /// to call it dead, a sweep runs again once the grace is over.
     pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
-        // The sweep asks a plain function of labels, and probing an instance's lock is file
-        // I/O. So a first pass only notes which other instances left resources, their locks
-        // are probed on a blocking thread, and a second pass removes what the dead ones left.
-        let seen = Mutex::new(HashSet::new());
-        container::sweep(&self.docker, &|l| {
-            if let Some(i) = self.instance.other_here(l) {
-                seen.lock().unwrap_or_else(|e| e.into_inner()).insert(i.to_owned());
-            }
-            false
-        })
-        .await?;
-        let seen = seen.into_inner().unwrap_or_else(|e| e.into_inner());
-        if seen.is_empty() {
-            return Ok(());
+        match self.environments.get(None) {
+            Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
+            Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
         }
-        let dead = self.instance.dead(seen).await;
-        let (c, v) =
-            container::sweep(&self.docker, &|l| self.instance.other_here(l).is_some_and(|i| dead.contains(i))).await?;
-        if c + v > 0 {
-            tracing::info!(containers = c, volumes = v, "removed leftovers of dead instances");
+        let sweeper = self.instance.sweeper(self.cfg.leftover_grace());
+        let swept = sweeper.sweep(&self.docker).await?;
+        if let Some(after) = swept.recheck {
+            tracing::debug!(after_s = after.as_secs(), "a heartbeat stopped recently; sweeping again after the grace");
+            self.keeper.recheck(self.docker.clone(), sweeper, after);
         }
         Ok(())
     }
@@ -516,6 +575,8 @@ impl Registry {
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }
+        // Last: until everything else of ours is gone, others see this instance alive.
+        self.keeper.stop(&self.docker, &self.instance.owner).await;
     }
 }
 

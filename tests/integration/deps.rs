@@ -165,3 +165,42 @@ async fn installs_work_with_the_environment_a_desktop_client_passes() {
     assert_eq!(sc["result"], "'iniconfig'");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_requirement_whose_marker_is_false_here_is_skipped_not_installed() {
+    // pip ignores a requirement whose environment marker is false; saying "installed" (and
+    // recording it in the session) would be a lie the model then acts on.
+    let never = "six; python_version < '3'";
+    let s = Server::start("deps-marker", &[]).await;
+    let r = s.call("install_packages", json!({ "packages": [never], "session": "m" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = r.structured_content.clone().expect("sc");
+    assert_eq!(sc["installed"], json!([]), "{}", text(&r));
+    assert_eq!(sc["skipped"], json!([never]), "{}", text(&r));
+    assert!(text(&r).contains("marker false in this environment"), "{}", text(&r));
+    let r = s.call("list_packages", json!({ "session": "m", "names": ["six"] })).await;
+    let sc = r.structured_content.expect("sc");
+    assert_eq!(sc["requirements"], json!([]), "the session does not record a skipped requirement");
+    assert_eq!(sc["missing"], json!(["six"]));
+
+    // Beside a requirement that applies, in a live session: one installed, one skipped.
+    let r = s.call("install_packages", json!({ "packages": ["iniconfig", never], "session": "m" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = r.structured_content.clone().expect("sc");
+    assert_eq!(sc["installed"], json!(["iniconfig"]), "{}", text(&r));
+    assert_eq!(sc["skipped"], json!([never]), "{}", text(&r));
+    assert_eq!(s.ok("m", "import iniconfig\niniconfig.__name__").await["result"], "'iniconfig'");
+
+    // A true marker installs as before.
+    let r = s.call("install_packages", json!({ "packages": ["six; python_version >= '3'"], "session": "m" })).await;
+    let sc = r.structured_content.clone().expect("sc");
+    assert_eq!(sc["installed"], json!(["six; python_version >= '3'"]), "{}", text(&r));
+    assert_eq!(sc["skipped"], json!([]), "{}", text(&r));
+
+    // run_python creating a session says so too, and never claims the package is ready.
+    let (r, _) = s.run_with(json!({ "session": "n", "code": "1", "packages": [never] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert!(text(&r).contains("marker false in this environment"), "{}", text(&r));
+    assert!(!text(&r).contains("packages ready"), "{}", text(&r));
+    s.stop().await;
+}

@@ -10,6 +10,8 @@ mod executor;
 mod input;
 // Session lifecycle: isolation, listing, reset, close, idle reaping, sweeps, shutdown.
 mod lifecycle;
+// Liveness across servers: another state dir, a missing lock, a killed server's heartbeat.
+mod liveness;
 // Dependency layers: installs, cache hits, live installs, failures.
 mod deps;
 // The workspace: files, run_file, save_as, resources, figures, environment variables.
