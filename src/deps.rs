@@ -207,7 +207,7 @@ pub(crate) fn parse(entry: &str) -> Result<Requirement, Error> {
     } else {
         (Vec::new(), rest)
     };
-    if !spec.is_empty() && !spec.starts_with(['=', '!', '<', '>', '~', '(']) {
+    if !spec.is_empty() && !spec.starts_with('(') && !OPS.iter().any(|op| spec.starts_with(op)) {
         // Say what broke the name, not what a constraint would have needed.
         let bad = match req[name_end..].chars().next() {
             Some(' ') | None => "a space".to_owned(),

@@ -168,7 +168,13 @@ fn main() -> std::process::ExitCode {
     };
     // `pyberth run` shares stderr with the program it runs: only errors of our own there (its
     // notices come as [pyberth] lines).
-    let default_level = if matches!(cli.command, Command::Run(_)) { "error" } else { "info" };
+    // `pyberth bench` is an MCP client too: rmcp would log every notification it receives (a
+    // 1 MiB progress message whole) over the figures.
+    let default_level = match cli.command {
+        Command::Run(_) => "error",
+        Command::Bench { .. } => "info,rmcp=warn",
+        _ => "info",
+    };
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     // rmcp logs every new MCP session id at INFO ("create new session", and a span naming it),

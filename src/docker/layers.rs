@@ -51,6 +51,14 @@ pub enum Error {
     /// The installer ran and failed; the text says why in the user's terms.
     #[error("{0}")]
     Failed(String),
+    /// pip (or uv) itself failed: why in the user's terms, and the end of its output.
+    #[error("install failed: {what}. Nothing was installed. Installer output ends with:\n{tail}")]
+    Installer {
+        /// Why, in the user's terms.
+        what: String,
+        /// The installer's last lines.
+        tail: String,
+    },
     /// The installer did not finish in time.
     #[error(
         "the install did not finish within {0} s and was stopped: install fewer packages at once, or raise --install-timeout-s"
@@ -270,7 +278,7 @@ async fn install(
             }
             let code = wait_exit(docker, &id).await?;
             if code != 0 {
-                return Err(Error::Failed(explain(&tail, index)));
+                return Err(explain(&tail, index));
             }
             build_layer(docker, &id, spec).await
         };
@@ -390,7 +398,7 @@ async fn wait_exit(docker: &Docker, id: &str) -> Result<i64, Error> {
 }
 
 /// Turns pip's last lines into a short message a model can act on.
-fn explain(tail: &[String], index: &IndexSettings) -> String {
+fn explain(tail: &[String], index: &IndexSettings) -> Error {
     let all = tail.join("\n");
     let index_name = index.index_url.as_deref().unwrap_or("https://pypi.org/simple");
     let what = if all.contains("No matching distribution found") || all.contains("Could not find a version") {
@@ -418,8 +426,8 @@ fn explain(tail: &[String], index: &IndexSettings) -> String {
         "the installer failed".to_owned()
     };
     let last: Vec<&String> = tail.iter().rev().take(8).collect::<Vec<_>>().into_iter().rev().collect();
-    let last = last.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n");
-    format!("install failed: {what}. The session is unchanged. Installer output ends with:\n{last}")
+    let tail = last.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n");
+    Error::Installer { what, tail }
 }
 
 async fn upload_file(docker: &Docker, id: &str, dir: &str, name: &str, data: &[u8]) -> Result<(), Error> {

@@ -18,9 +18,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::SandboxConfig;
 use crate::docker;
 use crate::docker::archive::{Cap, CopyBack, Moved};
+use crate::docker::layers::Error as InstallError;
 use crate::instance::Instance;
 use crate::protocol::Stream;
-use crate::session::registry::Registry;
+use crate::session::registry::{Error as RegistryError, Registry};
 use crate::session::{RunOutcome, RunSpec, RunStatus};
 
 mod neutralize;
@@ -301,10 +302,16 @@ async fn in_session(
     let progress = |l: &str| status.line(l);
     // A bad name is a bad invocation, found before any container is made.
     registry.environments.get(args.environment.as_deref()).map_err(usage)?;
-    let (session, _) = registry
-        .get_or_create("cli", "run", args.environment.as_deref(), packages, &progress)
-        .await
-        .map_err(|e| infra(e.to_string()))?;
+    let (session, _) =
+        registry.get_or_create("cli", "run", args.environment.as_deref(), packages, &progress).await.map_err(|e| {
+            match e {
+                // The installer's lines are already above, one [pyberth] line each: say why once.
+                RegistryError::Install(InstallError::Installer { what, .. }) if !status.tty => {
+                    infra(format!("install failed: {what}; the installer's output is above"))
+                }
+                e => infra(e.to_string()),
+            }
+        })?;
     status.clear();
     let cap = Cap { bytes: args.transfer_cap_mb << 20, files: args.transfer_max_files };
     let mut given = match &args.project {

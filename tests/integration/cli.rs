@@ -327,3 +327,18 @@ async fn the_copy_back_is_bounded_in_files_not_only_bytes() {
     assert_cleaned_up(&instance).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A CI log shows the installer's lines as they come; the failure then says why once, and
+/// speaks of what happened here (nothing was installed), not of a session the user never had.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_install_is_said_once_in_the_user_s_terms() {
+    let dir = scratch("badinstall");
+    let args = ["--with", "pyberth-no-such-package-4c1d", "-"];
+    let (o, instance) = pyberth_run("badinstall", &dir, &args, Some("print(1)")).await;
+    let (_, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(125), "{err}");
+    assert_eq!(err.matches("install failed").count(), 1, "{err}");
+    assert!(err.contains("no such package") && !err.contains("session"), "{err}");
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
