@@ -238,11 +238,12 @@ def forwarder(events_fd, msg_r, streams):
                 forward(fd)
 
 
-def format_exception(exc):
-    """Traceback of a user exception without the agent's own frames."""
+def format_exception(exc, compiling=False):
+    """Traceback of a user exception without the agent's own frames. A cell that does not
+    compile has no frames of its own: the parser's (ast.py) would only mislead."""
     te = traceback.TracebackException.from_exception(exc, capture_locals=False)
     te.stack = traceback.StackSummary.from_list(
-        [frame for frame in te.stack if frame.filename != AGENT_FILE]
+        [] if compiling else [frame for frame in te.stack if frame.filename != AGENT_FILE]
     )
     return {
         "type": type(exc).__name__,
@@ -615,7 +616,7 @@ class Agent:
             body = compile(tree, filename, "exec")
             tail = compile(last, filename, "eval") if last is not None else None
         except (SyntaxError, ValueError, OverflowError, RecursionError) as exc:
-            return {"status": "error", "error": format_exception(exc)}
+            return {"status": "error", "error": format_exception(exc, compiling=True)}
         try:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             exec(body, self.namespace)

@@ -141,38 +141,39 @@ fn child_oom_notice(memory_mb: u64) -> String {
     )
 }
 
-/// The interpreter died during the run, with exit code `code` if Docker knows it.
+/// What the interpreter's death during the run was, with exit code `code` if Docker knows it.
 fn died_notice(code: Option<i64>, oom: bool, memory_mb: u64) -> String {
     match code {
-        Some(137) if oom => format!(
-            "out of memory: the code needed more than the session's {memory_mb} MiB, and the interpreter was \
-             killed. A new interpreter was started: variables are gone, workspace files are kept"
-        ),
+        Some(137) if oom => {
+            format!(
+                "out of memory: the code needed more than the session's {memory_mb} MiB, and the interpreter was killed"
+            )
+        }
         Some(137) => format!(
-            "the interpreter was killed (SIGKILL); running out of memory is the usual cause \
-             (limit {memory_mb} MiB). A new interpreter was started: variables are gone, workspace files are kept"
+            "the interpreter was killed (SIGKILL); running out of memory is the usual cause (limit {memory_mb} MiB)"
         ),
-        Some(c) => format!(
-            "the interpreter exited with status {c} during the run; a new one was started: \
-             variables are gone, workspace files are kept"
-        ),
-        None => "the interpreter stopped during the run; a new one was started: variables are gone, \
-                 workspace files are kept"
-            .into(),
+        Some(c) => format!("the interpreter exited with status {c} during the run"),
+        None => "the interpreter stopped during the run".into(),
     }
 }
 
-/// The code did not stop after an interrupt sent for `status` (timeout or cancellation).
+/// Why the code was killed: it did not stop after an interrupt sent for `status`.
 fn killed_notice(status: RunStatus) -> String {
     let why = if status == RunStatus::Cancelled { "the call was cancelled" } else { "the time limit passed" };
-    format!(
-        "{why} and the code did not stop after an interrupt, so its processes were killed and a new \
-         interpreter was started: variables are gone, workspace files are kept"
-    )
+    format!("{why} and the code did not stop after an interrupt, so its processes were killed")
 }
 
-const BROKEN_NOTICE: &str = "the connection to the interpreter broke; a new one was started: variables are gone, \
-                              workspace files are kept";
+const BROKEN_NOTICE: &str = "the connection to the interpreter broke";
+
+/// One notice: what happened, then what it cost, as recovery found it. `after` is recovery's
+/// own word when it did more than start an interpreter (a replaced container loses the
+/// workspace too; no interpreter at all), so the two never contradict each other.
+fn lost(what: String, after: Option<String>) -> String {
+    match after {
+        None => format!("{what}; a new interpreter was started: variables are gone, workspace files are kept"),
+        Some(after) => format!("{what}; {after}"),
+    }
+}
 
 impl Session {
     /// Runs code in the persistent interpreter.
@@ -246,21 +247,21 @@ impl Session {
                     (false, None) => RunStatus::InterpreterRestarted,
                 };
                 outcome.state_lost = true;
-                notices.push(died_notice(code, oom, self.cfg.memory_mb));
-                notices.extend(self.recover(&mut inner).await);
+                let after = self.recover(&mut inner).await;
+                notices.push(lost(died_notice(code, oom, self.cfg.memory_mb), after));
             }
             Ending::Killed(status) => {
                 outcome.status = status;
                 outcome.state_lost = true;
-                notices.push(killed_notice(status));
-                notices.extend(self.recover(&mut inner).await);
+                let after = self.recover(&mut inner).await;
+                notices.push(lost(killed_notice(status), after));
             }
             Ending::Broken(why) => {
                 tracing::warn!(session = %self.name, %why, "agent stream broken");
                 outcome.status = RunStatus::InterpreterRestarted;
                 outcome.state_lost = true;
-                notices.push(BROKEN_NOTICE.into());
-                notices.extend(self.recover(&mut inner).await);
+                let after = self.recover(&mut inner).await;
+                notices.push(lost(BROKEN_NOTICE.into(), after));
             }
         }
         outcome.duration = started.elapsed();

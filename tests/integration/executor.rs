@@ -87,6 +87,8 @@ async fn exceptions_are_tool_errors_with_a_traceback() {
     let (r, sc) = s.run("default", "def broken(:\n  pass").await;
     assert_eq!(r.is_error, Some(true));
     assert_eq!(sc["error"]["type"], "SyntaxError");
+    let tb = sc["error"]["traceback"].as_str().expect("traceback");
+    assert!(tb.contains("<cell") && !tb.contains("ast.py"), "the user's line, not the parser's frame: {tb}");
     // The session survived both.
     assert_eq!(s.ok("default", "y").await["result"], "5");
     s.stop().await;

@@ -29,6 +29,16 @@ async fn a_container_removed_mid_run_fails_fast_and_the_next_call_starts_fresh()
     let (r2, sc2) = s.run("r", "x").await;
     let told = format!("{} {}", text(&r), text(&r2));
     assert!(told.contains("replaced") || told.contains("gone"), "{told}");
+    // And never both "kept" and "gone" of the workspace in one breath.
+    for notice in sc["notices"].as_array().into_iter().flatten().chain(sc2["notices"].as_array().into_iter().flatten())
+    {
+        let n = notice.as_str().unwrap_or_default();
+        assert!(!(n.contains("files are kept") && n.contains("files from before are gone")), "{n}");
+    }
+    let all: Vec<&str> = sc["notices"].as_array().into_iter().flatten().filter_map(|n| n.as_str()).collect();
+    let kept = all.iter().any(|n| n.contains("workspace files are kept"));
+    let gone = all.iter().any(|n| n.contains("workspace files from before are gone"));
+    assert!(!(kept && gone), "the notices contradict each other: {all:?}");
     assert_eq!(sc2["error"]["type"], "NameError", "a fresh interpreter: {sc2}");
     assert_eq!(s.ok("r", "y = 2\ny * 21").await["result"], "42");
     let now = containers_of(&s.instance).await;
