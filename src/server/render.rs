@@ -130,7 +130,6 @@ pub(super) fn running_job(job: &Job, notices: Vec<String>) -> CallToolResult {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
 
     use super::*;
 
@@ -140,17 +139,10 @@ mod tests {
         RunOutcome {
             status,
             stdout,
-            stderr: crate::output::Capture::new(1024),
             result: Some("42".into()),
-            error: None,
-            exit_code: None,
-            duration: Duration::from_millis(5),
             cpu_ms: Some(1.0),
-            state_lost: false,
-            notices: vec![],
-            images: vec![],
             peak_memory_kb: Some(2048),
-            extras: Default::default(),
+            ..RunOutcome::new(1024)
         }
     }
 

@@ -123,21 +123,7 @@ fn canned(lines: &[&str]) -> Agent {
 }
 
 fn empty_outcome() -> RunOutcome {
-    RunOutcome {
-        status: RunStatus::Ok,
-        stdout: Capture::new(1 << 20),
-        stderr: Capture::new(1 << 20),
-        result: None,
-        error: None,
-        exit_code: None,
-        duration: Duration::ZERO,
-        cpu_ms: None,
-        state_lost: false,
-        notices: Vec::new(),
-        images: Vec::new(),
-        peak_memory_kb: None,
-        extras: Default::default(),
-    }
+    RunOutcome::new(1 << 20)
 }
 
 /// Drives `code` as [`Session::run`](super::Session::run) would, with the given stop.

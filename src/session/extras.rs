@@ -6,7 +6,8 @@
 //! counts and measures every `image` and `notice` of a run itself, keeps what fits, and says
 //! in one notice of its own what it dropped.
 
-use super::RunOutcome;
+use super::{RunOutcome, RunStatus};
+use crate::output::Capture;
 use crate::output::one_line;
 
 /// Images kept per run.
@@ -34,6 +35,25 @@ pub(crate) struct Extras {
 }
 
 impl RunOutcome {
+    /// A run that has not started: status ok, nothing captured yet, `cap` bytes kept per stream.
+    pub(crate) fn new(cap: usize) -> Self {
+        Self {
+            status: RunStatus::Ok,
+            stdout: Capture::new(cap),
+            stderr: Capture::new(cap),
+            result: None,
+            error: None,
+            exit_code: None,
+            duration: std::time::Duration::ZERO,
+            cpu_ms: None,
+            state_lost: false,
+            notices: Vec::new(),
+            images: Vec::new(),
+            peak_memory_kb: None,
+            extras: Extras::default(),
+        }
+    }
+
     /// Keeps an image the run sent, if it is of a known type, is base64, and fits the run's
     /// limits; counts it otherwise.
     pub(super) fn add_image(&mut self, mime: String, b: String) {
@@ -103,28 +123,10 @@ fn is_base64(b: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-    use crate::output::Capture;
-    use crate::session::RunStatus;
 
     fn outcome() -> RunOutcome {
-        RunOutcome {
-            status: RunStatus::Ok,
-            stdout: Capture::new(16),
-            stderr: Capture::new(16),
-            result: None,
-            error: None,
-            exit_code: None,
-            duration: Duration::ZERO,
-            cpu_ms: None,
-            state_lost: false,
-            notices: Vec::new(),
-            images: Vec::new(),
-            peak_memory_kb: None,
-            extras: Extras::default(),
-        }
+        RunOutcome::new(16)
     }
 
     #[test]

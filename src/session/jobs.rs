@@ -311,21 +311,7 @@ mod tests {
 
     fn with_images(id: &str, principal: &str, images: usize) -> Arc<Job> {
         let job = finished(id, principal);
-        let mut outcome = RunOutcome {
-            status: RunStatus::Ok,
-            stdout: crate::output::Capture::new(0),
-            stderr: crate::output::Capture::new(0),
-            result: None,
-            error: None,
-            exit_code: None,
-            duration: Duration::ZERO,
-            cpu_ms: None,
-            state_lost: false,
-            notices: Vec::new(),
-            images: Vec::new(),
-            peak_memory_kb: None,
-            extras: Default::default(),
-        };
+        let mut outcome = RunOutcome::new(0);
         outcome.images = (0..images).map(|_| ("image/png".to_owned(), "QUJD".repeat(1 << 18))).collect();
         job.finish(Finished::Outcome(Box::new(outcome)));
         job

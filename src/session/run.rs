@@ -195,21 +195,7 @@ impl Session {
         let mut notices: Vec<String> = self.ensure_agent(&mut inner).await?.into_iter().collect();
         let state_lost_before = !notices.is_empty();
         let started = Instant::now();
-        let mut outcome = RunOutcome {
-            status: RunStatus::Ok,
-            stdout: Capture::new(self.cfg.output_cap),
-            stderr: Capture::new(self.cfg.output_cap),
-            result: None,
-            error: None,
-            exit_code: None,
-            duration: Duration::ZERO,
-            cpu_ms: None,
-            state_lost: state_lost_before,
-            notices: Vec::new(),
-            images: Vec::new(),
-            peak_memory_kb: None,
-            extras: Extras::default(),
-        };
+        let mut outcome = RunOutcome { state_lost: state_lost_before, ..RunOutcome::new(self.cfg.output_cap) };
         let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
         env.extend(spec.env.clone());
         let spec = RunSpec { env, ..spec };
