@@ -31,7 +31,7 @@ import time
 import traceback
 import types
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 CHUNK = 65536  # bytes per output event; keeps every line far below the server's line cap
 MAX_TEXT = 65536  # cap for repr, tracebacks and variable listings sent back
 AGENT_FILE = os.path.abspath(__file__)
@@ -190,8 +190,11 @@ def forwarder(events_fd, msg_r, streams):
                 if kind == "begin":
                     run_id = json.loads(line).get("id")
                     continue
-                # Everything the code wrote before this message was sent goes out first.
-                drain()
+                if kind != "ack":
+                    # Everything the code wrote before this message was sent goes out first.
+                    # Not before an ack: the begin right behind it may not have been read yet,
+                    # and the run's first output would go out without its id.
+                    drain()
                 write_all(events_fd, line + b"\n")
                 if kind == "done":
                     run_id = None
@@ -319,6 +322,10 @@ class Agent:
             try:
                 msg = self.requests.get()
                 op = msg.get("op")
+                if op != "shutdown":
+                    # The main loop is free and took the request: said first, so the server
+                    # knows no earlier run's code still holds the interpreter.
+                    self.channel.send({"ev": "ack", "id": msg.get("id")})
                 if op == "run":
                     self.run(msg)
                 elif op == "vars":

@@ -112,7 +112,8 @@ impl SandboxServer {
             for (i, chunk) in chunks.into_iter().enumerate() {
                 let b = base64::engine::general_purpose::STANDARD.encode(chunk);
                 let what = format!("cannot write {path}");
-                if let Err(e) = agent_file(&session, what, |id| Request::Write { id, path, b, append: i > 0 }).await {
+                if let Err(e) = agent_file(&session, what, |id| Request::Write { id, path, b: &b, append: i > 0 }).await
+                {
                     return Err(format!("{e} ({count} files were written before it, the rest were not)").into());
                 }
             }

@@ -17,6 +17,9 @@ use crate::protocol::{self, Event, LineDecoder, PROTOCOL_VERSION, Request};
 
 /// How long a fresh agent may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the agent's main loop has to take a request off its queue (its `ack`), and again
+/// after the previous run was interrupted, before the interpreter counts as held by code.
+pub(super) const ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One live agent connection.
 pub(super) struct Agent {
@@ -28,6 +31,25 @@ pub(super) struct Agent {
     /// Last request id used. Ids only need to be unique per connection: a new agent has a
     /// new stream, so nothing from an old one can arrive on it.
     last_id: u64,
+    /// The last run that ended with `done`, until a later request is taken at once. Its code
+    /// may still hold the interpreter: the `done` may have been forged by the code itself.
+    pub(super) last_run: Option<u64>,
+    /// Set when [`Agent::submit`] had to interrupt `last_run` before its request was taken.
+    interrupted: Option<u64>,
+}
+
+/// Whether the agent's main loop took a request off its queue.
+#[derive(Debug)]
+pub(super) enum Taken {
+    /// It did, at once.
+    Yes,
+    /// Only after the previous run (its id), whose code went on after its `done`, was
+    /// interrupted.
+    AfterInterrupt(u64),
+    /// Not even then: code holds the interpreter and ignores interrupts (or the agent hangs).
+    No,
+    /// The agent's output ended (`None`) or broke.
+    Gone(Option<String>),
 }
 
 /// Why reading the agent failed.
@@ -57,7 +79,15 @@ impl Agent {
     /// frames; stderr carries the agent's own diagnostics). Any writer and stream will do:
     /// the protocol tests pass a local process's pipes.
     pub(super) fn new(input: exec::Input, output: exec::Output) -> Self {
-        Self { exec_id: None, input, output, decoder: LineDecoder::default(), last_id: 0 }
+        Self {
+            exec_id: None,
+            input,
+            output,
+            decoder: LineDecoder::default(),
+            last_id: 0,
+            last_run: None,
+            interrupted: None,
+        }
     }
 
     fn from_exec(attached: exec::Attached) -> Self {
@@ -122,24 +152,82 @@ impl Agent {
         }
     }
 
-    /// Sends the request `make(id)` for a fresh id and waits up to `timeout` for the event
-    /// that `pick(id, event)` recognises as its answer; every other event is skipped.
-    /// [`Error::AgentGone`] when the agent cannot be written to or its output ends,
-    /// [`Error::AgentTimeout`] when it does not answer in time: the agent is unusable after
-    /// either.
-    pub(super) async fn request<'r, T>(
+    /// Waits up to `within` for the `ack` of request `id`, skipping every other event: `None`
+    /// when none came in time.
+    async fn ack(&mut self, id: u64, within: Duration) -> Option<Result<(), Option<String>>> {
+        let wait = async {
+            loop {
+                match self.next_event().await {
+                    Ok(Some(Event::Ack { id: i })) if i == id => return Ok(()),
+                    Ok(Some(other)) => tracing::debug!(event = ?other, "event before the request was taken ignored"),
+                    Err(ReadError::Skippable(_)) => {}
+                    Ok(None) => return Err(None),
+                    Err(ReadError::Fatal(e)) => return Err(Some(e)),
+                }
+            }
+        };
+        tokio::time::timeout(within, wait).await.ok()
+    }
+
+    /// After request `id` was sent: waits for the agent's main loop to take it. When it does
+    /// not within [`ACK_TIMEOUT`] and a run ended with `done` before, that run's code is
+    /// still in the interpreter (a forged `done`): it is interrupted, and the main loop gets
+    /// [`ACK_TIMEOUT`] again.
+    pub(super) async fn taken(&mut self, id: u64) -> Taken {
+        match self.ack(id, ACK_TIMEOUT).await {
+            Some(Ok(())) => {
+                self.last_run = None;
+                return Taken::Yes;
+            }
+            Some(Err(why)) => return Taken::Gone(why),
+            None => {}
+        }
+        let Some(previous) = self.last_run.take() else { return Taken::No };
+        tracing::warn!(run = previous, "the code of a finished run still holds the interpreter; interrupting it");
+        if self.send(&Request::Interrupt { id: previous }).await.is_err() {
+            return Taken::Gone(None);
+        }
+        match self.ack(id, ACK_TIMEOUT).await {
+            Some(Ok(())) => Taken::AfterInterrupt(previous),
+            Some(Err(why)) => Taken::Gone(why),
+            None => Taken::No,
+        }
+    }
+
+    /// Sends the request `make(id)` for a fresh id and waits until the agent's main loop takes
+    /// it ([`Agent::taken`]); returns the id. [`Error::Stuck`] when it never does,
+    /// [`Error::AgentGone`] when the agent cannot be written to or its output ends.
+    pub(super) async fn submit<'r>(&mut self, make: impl FnOnce(u64) -> Request<'r>) -> Result<u64, Error> {
+        let id = self.next_id();
+        if self.send(&make(id)).await.is_err() {
+            return Err(Error::AgentGone);
+        }
+        match self.taken(id).await {
+            Taken::Yes => Ok(id),
+            Taken::AfterInterrupt(previous) => {
+                self.interrupted = Some(previous);
+                Ok(id)
+            }
+            Taken::No => Err(Error::Stuck),
+            Taken::Gone(_) => Err(Error::AgentGone),
+        }
+    }
+
+    /// The run whose code [`Agent::submit`] last had to interrupt, once.
+    pub(super) fn take_interrupted(&mut self) -> Option<u64> {
+        self.interrupted.take()
+    }
+
+    /// Waits up to `timeout` for the event that `pick(id, event)` recognises as the answer to
+    /// the request `id`; every other event is skipped. [`Error::AgentGone`] when the agent's
+    /// output ends, [`Error::AgentTimeout`] when it does not answer in time: the agent is
+    /// unusable after either.
+    pub(super) async fn answer<T>(
         &mut self,
-        make: impl FnOnce(u64) -> Request<'r>,
+        id: u64,
         pick: impl Fn(u64, Event) -> Option<T>,
         timeout: Duration,
     ) -> Result<T, Error> {
-        let id = self.next_id();
-        let req = make(id);
-        if self.send(&req).await.is_err() {
-            return Err(Error::AgentGone);
-        }
-        // A write request holds the whole file, base64: free it before waiting.
-        drop(req);
         let answer = tokio::time::timeout(timeout, async {
             loop {
                 match self.next_event().await {
@@ -160,6 +248,18 @@ impl Agent {
             Err(_) => Err(Error::AgentTimeout(timeout)),
         }
     }
+
+    /// [`Agent::submit`], then [`Agent::answer`].
+    #[cfg(test)]
+    pub(super) async fn request<'r, T>(
+        &mut self,
+        make: impl FnOnce(u64) -> Request<'r>,
+        pick: impl Fn(u64, Event) -> Option<T>,
+        timeout: Duration,
+    ) -> Result<T, Error> {
+        let id = self.submit(make).await?;
+        self.answer(id, pick, timeout).await
+    }
 }
 
 /// Recognises the answer to the file request `id`: the reply, or the agent's reason for
@@ -174,8 +274,9 @@ pub(super) fn file_answer(id: u64, ev: Event) -> Option<Result<FileReply, String
                 },
                 None => Vec::new(),
             };
-            let entries = entries.unwrap_or_default();
-            Some(Ok(FileReply { size, data, entries, truncated: truncated.unwrap_or(false) }))
+            // The code may have answered for the agent: entries are checked as requests are.
+            let (entries, dropped) = super::checked_entries(entries.unwrap_or_default());
+            Some(Ok(FileReply { size, data, entries, truncated: truncated.unwrap_or(false), dropped }))
         }
         Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
         _ => None,

@@ -25,7 +25,7 @@ use tokio::process::{Child, Command};
 use tokio_util::io::ReaderStream;
 use tokio_util::sync::CancellationToken;
 
-use super::agent::{Agent, Greeting, file_answer};
+use super::agent::{ACK_TIMEOUT, Agent, Greeting, Taken, file_answer};
 use super::run::{Ending, Stop, drive};
 use super::{Error, FileReply, RunOutcome, RunSpec, RunStatus};
 use crate::output::Capture;
@@ -120,6 +120,13 @@ fn canned(lines: &[&str]) -> Agent {
     let frames: Vec<Result<LogOutput, bollard::errors::Error>> =
         lines.iter().map(|l| Ok(LogOutput::StdOut { message: Bytes::from(format!("{l}\n")) })).collect();
     Agent::new(Box::pin(tokio::io::sink()), Box::pin(stream::iter(frames)))
+}
+
+/// An agent over canned output whose stream stays open after it, as a live agent's does.
+fn canned_open(lines: &[&str]) -> Agent {
+    let frames: Vec<Result<LogOutput, bollard::errors::Error>> =
+        lines.iter().map(|l| Ok(LogOutput::StdOut { message: Bytes::from(format!("{l}\n")) })).collect();
+    Agent::new(Box::pin(tokio::io::sink()), Box::pin(stream::iter(frames).chain(stream::pending())))
 }
 
 fn empty_outcome() -> RunOutcome {
@@ -236,11 +243,14 @@ const STOP_FORWARDER: &str = "import os, signal, subprocess, threading\n\
     f = forwarder()\n\
     os.kill(f, signal.SIGSTOP)\n";
 
-/// Sends `code` as a run, without reading anything back; returns the run's id.
+/// Sends `code` as a run and waits for the agent to take it, reading nothing else back;
+/// returns the run's id.
 async fn start(agent: &mut Agent, code: &str) -> u64 {
     let id = agent.next_id();
     let env = Default::default();
     agent.send(&Request::Run { id, code, file: None, args: &[], cmd: &[], env: &env }).await.expect("send the run");
+    let taken = agent.taken(id).await;
+    assert!(matches!(taken, Taken::Yes), "{taken:?}");
     id
 }
 
@@ -438,7 +448,7 @@ async fn queries_are_answered_by_id() {
 }
 
 /// A file request through the same answer-picking as [`Session::file`](super::Session::file).
-async fn file(agent: &mut Agent, make: impl FnOnce(u64) -> Request<'static>) -> Result<FileReply, String> {
+async fn file<'r>(agent: &mut Agent, make: impl FnOnce(u64) -> Request<'r>) -> Result<FileReply, String> {
     agent.request(make, file_answer, STEP).await.expect("an answer")
 }
 
@@ -447,11 +457,10 @@ async fn file_requests_write_read_list_and_refuse_paths_outside() {
     let mut local = spawn().await;
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
 
-    let wrote =
-        file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: b64("hello"), append: false }).await;
+    let (hello, world) = (b64("hello"), b64(" world"));
+    let wrote = file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: &hello, append: false }).await;
     assert_eq!(wrote.expect("write").size, Some(5));
-    let appended =
-        file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: b64(" world"), append: true }).await;
+    let appended = file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: &world, append: true }).await;
     assert_eq!(appended.expect("append").size, Some(11));
     let on_disk = std::fs::read(local.workspace.0.join("sub/f.txt")).expect("the file is in the workspace");
     assert_eq!(on_disk, b"hello world");
@@ -481,10 +490,11 @@ async fn file_requests_write_read_list_and_refuse_paths_outside() {
 }
 
 #[tokio::test]
-async fn a_query_unanswered_in_time_or_cut_off_fails() {
+async fn a_query_not_taken_unanswered_in_time_or_cut_off_fails() {
     let mut local = spawn().await;
-    start(&mut local.agent, "import time\ntime.sleep(2)").await;
-    // The agent serves one request at a time: the run holds it.
+    start(&mut local.agent, "import time\ntime.sleep(30)").await;
+    // The agent serves one request at a time: the run holds it, and the query is not taken.
+    let started = Instant::now();
     let busy = local
         .agent
         .request(
@@ -493,10 +503,89 @@ async fn a_query_unanswered_in_time_or_cut_off_fails() {
             Duration::from_millis(200),
         )
         .await;
-    assert!(matches!(busy, Err(Error::AgentTimeout(_))), "{busy:?}");
+    assert!(matches!(busy, Err(Error::Stuck)), "{busy:?}");
+    assert!(started.elapsed() < ACK_TIMEOUT + STEP, "{:?}", started.elapsed());
+
+    // Taken, but never answered.
+    let mut mute = canned_open(&[r#"{"ev":"ack","id":1}"#]);
+    let slow = mute
+        .request(
+            |id| Request::Vars { id },
+            |_, ev| matches!(ev, Event::Vars { .. }).then_some(()),
+            Duration::from_millis(200),
+        )
+        .await;
+    assert!(matches!(slow, Err(Error::AgentTimeout(_))), "{slow:?}");
 
     let mut cut = canned(&[r#"{"ev":"out","id":1,"s":"stdout","t":"x"}"#]);
     let gone =
         cut.request(|id| Request::Vars { id }, |_, ev| matches!(ev, Event::Vars { .. }).then_some(()), STEP).await;
     assert!(matches!(gone, Err(Error::AgentGone)), "{gone:?}");
+}
+
+/// Code that holds the agent object: it ends its run with a forged `done` and keeps the
+/// interpreter busy. `prelude` runs first.
+fn forge_and_spin(prelude: &str) -> String {
+    format!(
+        "{prelude}\nagent = display.__self__\n\
+         agent.channel.send({{'ev': 'done', 'id': agent.current, 'status': 'ok', 'result': \"'forged'\", \
+         'wall_ms': 1.0, 'cpu_ms': 1.0}})\nwhile True:\n    pass\n"
+    )
+}
+
+#[tokio::test]
+async fn the_next_run_interrupts_code_that_forged_its_done() {
+    let mut local = spawn().await;
+    run(&mut local.agent, "kept = 41").await;
+    let (ending, out) = run(&mut local.agent, &forge_and_spin("")).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.result.as_deref(), Some("'forged'"), "a forged done is taken for the end of the run");
+    assert!(local.agent.last_run.is_some(), "but its code may still hold the interpreter");
+    let started = Instant::now();
+    let (ending, out) = run(&mut local.agent, "kept + 1").await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.result.as_deref(), Some("42"), "the interrupt kept the state");
+    assert!(out.notices.iter().any(|n| n.contains("still running")), "{:?}", out.notices);
+    assert!(started.elapsed() < ACK_TIMEOUT * 2 + GRACE, "{:?}", started.elapsed());
+    // A query after a forged done goes through the same: interrupted, then answered.
+    run(&mut local.agent, &forge_and_spin("")).await;
+    let vars = local
+        .agent
+        .request(
+            |id| Request::Vars { id },
+            |id, ev| matches!(ev, Event::Vars { id: i, .. } if i == id).then_some(()),
+            STEP,
+        )
+        .await;
+    assert!(vars.is_ok(), "{vars:?}");
+    assert!(local.agent.take_interrupted().is_some());
+}
+
+#[tokio::test]
+async fn a_run_after_forged_done_code_that_ignores_interrupts_never_starts() {
+    let mut local = spawn().await;
+    let code = forge_and_spin("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)");
+    let (ending, _) = run(&mut local.agent, &code).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    let started = Instant::now();
+    let (ending, out) = run(&mut local.agent, "print('never')").await;
+    assert!(matches!(ending, Ending::Stuck), "{ending:?}");
+    assert!(out.stdout.render().0.is_empty());
+    assert!(started.elapsed() < ACK_TIMEOUT * 2 + GRACE, "{:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn listed_entries_out_of_the_workspace_or_of_no_kind_are_dropped() {
+    let entries = r#"[{"path":"../../etc/shadow","size":1,"kind":"file"},{"path":"/etc/passwd","size":1,"kind":"file"},
+        {"path":"a/./b","size":1,"kind":"file"},{"path":"a//b","size":1,"kind":"file"},{"path":"s","size":1,"kind":"socket"},
+        {"path":"big","size":18446744073709551615,"kind":"file"},{"path":"","size":1,"kind":"dir"},
+        {"path":"odd\nname","size":3,"kind":"file"},{"path":"a/b","size":2,"kind":"file"}]"#
+        .replace('\n', "");
+    let answer = format!(r#"{{"ev":"file","id":1,"entries":{entries},"truncated":false}}"#);
+    let mut forged = canned_open(&[r#"{"ev":"ack","id":1}"#, &answer]);
+    let reply =
+        file(&mut forged, |id| Request::List { id, path: ".", recursive: true, limit: 1000 }).await.expect("list");
+    let paths: Vec<&str> = reply.entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["odd\nname", "a/b"]);
+    assert_eq!(reply.dropped, 7);
 }
