@@ -83,6 +83,24 @@ pub enum Request<'a> {
         /// Path.
         path: &'a str,
     },
+    /// Pack a workspace file or directory as a tar, as the code's uid: parents resolved and
+    /// kept inside the workspace, the last component and everything below never followed.
+    /// Answered by `file` events with `more` and a piece of the archive each, then one
+    /// `file` without `more`.
+    Pack {
+        /// Request id.
+        id: u64,
+        /// Path, already checked; `.` for the whole workspace.
+        path: &'a str,
+        /// Most content bytes of regular files.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_bytes: Option<u64>,
+        /// Most entries of any kind.
+        max_entries: u64,
+        /// Leave out regular files modified before this time (seconds since the epoch).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        newer: Option<u64>,
+    },
     /// Raise KeyboardInterrupt in the run `id`, if it is still the current one.
     Interrupt {
         /// Run id.
@@ -271,6 +289,9 @@ pub(crate) enum Event {
         /// The listing was cut at its limit.
         #[serde(default)]
         truncated: Option<bool>,
+        /// A piece of a streamed answer (`pack`): more `file` events follow.
+        #[serde(default)]
+        more: bool,
     },
     /// An image produced by a run (a matplotlib figure, or `display()`).
     Image {

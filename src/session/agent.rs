@@ -260,13 +260,34 @@ impl Agent {
         let id = self.submit(make).await?;
         self.answer(id, pick, timeout).await
     }
+
+    /// The next piece of the streamed answer to request `id` (`pack`): `Some` bytes, `None`
+    /// at its end. [`Error::Refused`] with the agent's reason when it failed,
+    /// [`Error::AgentTimeout`] when nothing came for `idle`, [`Error::AgentGone`] when the
+    /// output ended; after the last two (or a piece that does not decode) the agent is still
+    /// busy with the stream, or dead, and must be restarted.
+    pub(super) async fn piece(&mut self, id: u64, idle: Duration) -> Result<Option<Vec<u8>>, Error> {
+        self.answer(
+            id,
+            |id, ev| match ev {
+                Event::File { id: i, more: true, b, .. } if i == id => {
+                    Some(Event::payload(None, Some(b.unwrap_or_default())).map(Some).map_err(|_| Error::AgentGone))
+                }
+                Event::File { id: i, more: false, .. } if i == id => Some(Ok(None)),
+                Event::Failed { id: Some(i), message } if i == id => Some(Err(Error::Refused(message))),
+                _ => None,
+            },
+            idle,
+        )
+        .await?
+    }
 }
 
 /// Recognises the answer to the file request `id`: the reply, or the agent's reason for
 /// refusing it (no such file, a path leading outside the workspace, ...).
 pub(super) fn file_answer(id: u64, ev: Event) -> Option<Result<FileReply, String>> {
     match ev {
-        Event::File { id: i, size, b, entries, truncated } if i == id => {
+        Event::File { id: i, size, b, entries, truncated, more: false } if i == id => {
             let data = match b {
                 Some(b) => match Event::payload(None, Some(b)) {
                     Ok(d) => d,

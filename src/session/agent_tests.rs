@@ -589,3 +589,60 @@ async fn listed_entries_out_of_the_workspace_or_of_no_kind_are_dropped() {
     assert_eq!(paths, ["odd\nname", "a/b"]);
     assert_eq!(reply.dropped, 7);
 }
+
+#[tokio::test]
+async fn pack_archives_the_workspace_as_the_code_sees_it_and_follows_no_link() {
+    let mut local = spawn().await;
+    let setup = "import os\nos.makedirs('tree/sub')\nopen('tree/a.txt', 'w').write('alpha')\n\
+                 open('tree/sub/b.txt', 'w').write('beta')\nos.symlink('/etc', 'tree/etc_link')\n\
+                 os.symlink('/etc', 'etc_link')\nos.mkfifo('tree/fifo')";
+    let (_, out) = run(&mut local.agent, setup).await;
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    async fn pack(agent: &mut Agent, path: &str) -> Result<Vec<(String, tar::EntryType, Vec<u8>)>, Error> {
+        let id = agent.submit(|id| Request::Pack { id, path, max_bytes: None, max_entries: 100, newer: None }).await?;
+        let mut raw = Vec::new();
+        while let Some(piece) = agent.piece(id, STEP).await? {
+            raw.extend(piece);
+        }
+        let mut entries = Vec::new();
+        for e in tar::Archive::new(&raw[..]).entries().expect("a tar") {
+            let mut e = e.expect("an entry");
+            let name = e.path().expect("a name").to_string_lossy().into_owned();
+            let kind = e.header().entry_type();
+            let mut body = Vec::new();
+            std::io::Read::read_to_end(&mut e, &mut body).expect("a body");
+            entries.push((name, kind, body));
+        }
+        Ok(entries)
+    }
+    let tree = pack(&mut local.agent, "tree").await.expect("tree");
+    let names: Vec<(&str, tar::EntryType)> = tree.iter().map(|(n, k, _)| (n.trim_end_matches('/'), *k)).collect();
+    assert_eq!(
+        names,
+        [
+            ("tree", tar::EntryType::Directory),
+            ("tree/a.txt", tar::EntryType::Regular),
+            ("tree/etc_link", tar::EntryType::Symlink),
+            ("tree/sub", tar::EntryType::Directory),
+            ("tree/sub/b.txt", tar::EntryType::Regular),
+        ],
+        "links stay links, FIFOs are left out"
+    );
+    assert_eq!(tree[1].2, b"alpha");
+    for outside in ["etc_link", "etc_link/passwd", "tree/etc_link/passwd", "../x", "missing"] {
+        let refused = pack(&mut local.agent, outside).await;
+        assert!(matches!(refused, Err(Error::Refused(_))), "{outside}: {refused:?}");
+    }
+    let all = pack(&mut local.agent, ".").await.expect("the workspace");
+    assert!(all.iter().all(|(n, _, _)| !n.starts_with("etc_link/")), "never followed");
+    let capped = local
+        .agent
+        .submit(|id| Request::Pack { id, path: ".", max_bytes: None, max_entries: 2, newer: None })
+        .await
+        .expect("taken");
+    let mut over = local.agent.piece(capped, STEP).await;
+    while let Ok(Some(_)) = over {
+        over = local.agent.piece(capped, STEP).await;
+    }
+    assert!(over.as_ref().is_err_and(|e| e.to_string().contains("more than 2 entries")), "{over:?}");
+}
