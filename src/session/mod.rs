@@ -444,7 +444,13 @@ impl Session {
                     let notes = self.recover(inner).await;
                     inner.pending.extend(notes);
                 }
-                Err(Error::Stuck | Error::AgentGone) => {
+                Err(Error::Stuck) => {
+                    // Not even a fresh agent took it: kill what there is; the next call starts anew.
+                    let notes = self.recover(inner).await;
+                    inner.pending.extend(notes);
+                    return sent;
+                }
+                Err(Error::AgentGone) => {
                     inner.agent = None;
                     return sent;
                 }
