@@ -92,7 +92,7 @@ pub enum Request<'a> {
         id: u64,
         /// Path, already checked; `.` for the whole workspace.
         path: &'a str,
-        /// Most content bytes of regular files.
+        /// Most bytes of tar (headers and padding included).
         #[serde(skip_serializing_if = "Option::is_none")]
         max_bytes: Option<u64>,
         /// Most entries of any kind.

@@ -88,6 +88,17 @@ class PackSink:
             self.buf = bytearray()
 
 
+def tar_cost(arcname, size=0, linkname=""):
+    """Bytes an entry takes in a GNU tar: its header, its content padded to 512, and the extra
+    blocks of a long name or link target."""
+    cost = 512 + -(-size // 512) * 512
+    for name in (arcname, linkname):
+        n = len(name.encode("utf-8", "surrogateescape"))
+        if n >= 100:
+            cost += 512 + -(-(n + 1) // 512) * 512
+    return cost
+
+
 class ExactReader:
     """Exactly `size` bytes of an open file, as its tar header promised: zeros if the file
     shrank meanwhile, cut if it grew."""
@@ -680,13 +691,18 @@ class Agent:
         limits["seen"] += 1
         if limits["seen"] > limits["entries"]:
             raise ValueError("more than %d entries to pack" % limits["entries"])
+        try:
+            linkname = os.readlink(name, dir_fd=dir_fd) if stat.S_ISLNK(mode) else ""
+        except OSError:
+            return  # removed or replaced meanwhile
+        self.pack_cost(limits, tar_cost(arcname, st.st_size if stat.S_ISREG(mode) else 0, linkname))
         info = tarfile.TarInfo(arcname)
         info.mtime = int(st.st_mtime)
         info.mode = stat.S_IMODE(st.st_mode)
         info.uid, info.gid = st.st_uid, st.st_gid
         if stat.S_ISLNK(mode):
             info.type = tarfile.SYMTYPE
-            info.linkname = os.readlink(name, dir_fd=dir_fd)
+            info.linkname = linkname
             tar.addfile(info)
             return
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -709,16 +725,23 @@ class Agent:
                 os.close(fd)
             return
         try:
+            checked = st
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return  # replaced by something else meanwhile
-            limits["size"] += st.st_size
-            if limits["bytes"] is not None and limits["size"] > limits["bytes"]:
-                raise ValueError("more than %d bytes of files to pack" % limits["bytes"])
+            if st.st_size > checked.st_size:
+                self.pack_cost(limits, tar_cost("", st.st_size) - tar_cost("", checked.st_size))
             info.size = st.st_size
             tar.addfile(info, ExactReader(fd, st.st_size))
         finally:
             os.close(fd)
+
+    @staticmethod
+    def pack_cost(limits, cost):
+        """Counts an entry's bytes against the archive's bound, before it is added."""
+        limits["size"] += cost
+        if limits["bytes"] is not None and limits["size"] > limits["bytes"]:
+            raise ValueError("the archive would be larger than %d MiB" % (limits["bytes"] >> 20))
 
     def execute(self, code):
         self.cells += 1

@@ -326,7 +326,7 @@ pub fn unpacker(
 /// Largest tar the agent may send for a download of `cap`: headers and padding besides the
 /// content, then checked again entry by entry.
 pub fn raw_cap(cap: Cap) -> u64 {
-    cap.bytes + cap.bytes / 4 + (1 << 20) + cap.files.saturating_mul(4096)
+    cap.bytes + cap.bytes / 4 + (1 << 20) + cap.files.saturating_mul(2048)
 }
 
 /// Re-packs the agent's tar of `rel` (a checked workspace path, "." for all; entries named

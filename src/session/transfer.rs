@@ -80,7 +80,9 @@ impl Session {
     /// by the agent and re-packed here ([`archive::repack`]).
     pub async fn download_tree(&self, rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), String> {
         let limit = archive::raw_cap(cap);
-        let pack = Pack { path: rel, max_bytes: Some(limit), max_entries: cap.files.saturating_mul(4), newer: None };
+        // The agent stops short of the limit: the end of the archive and its last record fit.
+        let max_bytes = Some(limit.saturating_sub(64 << 10));
+        let pack = Pack { path: rel, max_bytes, max_entries: cap.files.saturating_mul(4), newer: None };
         let raw = async {
             let mut inner = self.inner.lock().await;
             let id = self.pack(&mut inner, pack).await?;
