@@ -12,7 +12,7 @@ use bytes::{Buf, BytesMut};
 use serde::{Deserialize, Serialize};
 
 /// Version of the protocol; the agent states its own in [`Event::Hello`].
-pub(crate) const PROTOCOL_VERSION: u32 = 1;
+pub(crate) const PROTOCOL_VERSION: u32 = 2;
 
 /// Longest event line accepted. The agent caps output chunks and texts at 64 KiB, images at
 /// 4 MiB and file reads at the server's read cap (8 MiB at most), all base64; a longer line
@@ -49,8 +49,8 @@ pub enum Request<'a> {
         id: u64,
         /// Workspace-relative path, already checked.
         path: &'a str,
-        /// Content, base64.
-        b: String,
+        /// Content, base64. Borrowed, so that a request can be sent again to a new agent.
+        b: &'a str,
         /// Append instead of replacing.
         append: bool,
     },
@@ -82,6 +82,24 @@ pub enum Request<'a> {
         id: u64,
         /// Path.
         path: &'a str,
+    },
+    /// Pack a workspace file or directory as a tar, as the code's uid: parents resolved and
+    /// kept inside the workspace, the last component and everything below never followed.
+    /// Answered by `file` events with `more` and a piece of the archive each, then one
+    /// `file` without `more`.
+    Pack {
+        /// Request id.
+        id: u64,
+        /// Path, already checked; `.` for the whole workspace.
+        path: &'a str,
+        /// Most bytes of tar (headers and padding included).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        max_bytes: Option<u64>,
+        /// Most entries of any kind.
+        max_entries: u64,
+        /// Leave out regular files modified before this time (seconds since the epoch).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        newer: Option<u64>,
     },
     /// Raise KeyboardInterrupt in the run `id`, if it is still the current one.
     Interrupt {
@@ -194,6 +212,12 @@ pub(crate) enum Event {
         /// PID of the agent inside the container.
         pid: u32,
     },
+    /// The agent's main loop took the request `id` off its queue: nothing of an earlier run
+    /// holds the interpreter any more (unless the code forged this too).
+    Ack {
+        /// Request id.
+        id: u64,
+    },
     /// A chunk of user output.
     Out {
         /// Run the output belongs to; `None` for output of leftover background processes.
@@ -265,6 +289,9 @@ pub(crate) enum Event {
         /// The listing was cut at its limit.
         #[serde(default)]
         truncated: Option<bool>,
+        /// A piece of a streamed answer (`pack`): more `file` events follow.
+        #[serde(default)]
+        more: bool,
     },
     /// An image produced by a run (a matplotlib figure, or `display()`).
     Image {
@@ -353,7 +380,7 @@ mod tests {
 
     fn stream() -> Vec<u8> {
         let mut s = Vec::new();
-        s.extend_from_slice(br#"{"ev":"hello","protocol":1,"python":"3.12.1","pid":7}"#);
+        s.extend_from_slice(br#"{"ev":"hello","protocol":2,"python":"3.12.1","pid":7}"#);
         s.push(b'\n');
         s.extend_from_slice(
             "{\"ev\":\"out\",\"id\":1,\"s\":\"stdout\",\"t\":\"h\u{e9}llo \u{1F600}\\n\"}\n".as_bytes(),

@@ -32,7 +32,7 @@ import time
 import traceback
 import types
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 CHUNK = 65536  # bytes per output event; keeps every line far below the server's line cap
 MAX_TEXT = 65536  # cap for repr, tracebacks and variable listings sent back
 AGENT_FILE = os.path.abspath(__file__)
@@ -48,6 +48,8 @@ MAX_IMAGE_BYTES = 4 << 20
 MAX_RUN_IMAGES = 16  # images of any kind per run: the server keeps no more (session/extras.rs)
 REPR_SECONDS = 0.5  # time one variable's repr may take in a listing
 VARS_SECONDS = 3.0  # time a whole listing may spend on reprs, far below the server's 20 s
+PACK_CHUNK = 512 << 10  # archive bytes per `file` event of a `pack` answer
+MAX_DEPTH = 64  # deepest path a `pack` walks, as the server's transfers
 
 
 class PathError(Exception):
@@ -94,6 +96,63 @@ def workspace_path(rel, must_exist=True):
     if must_exist and not os.path.lexists(full):
         raise PathError("%s does not exist" % rel)
     return full
+
+
+class PackSink:
+    """Where `pack` writes its tar: sent on as `file` events with `more`, PACK_CHUNK bytes each."""
+
+    def __init__(self, channel, req_id):
+        self.channel = channel
+        self.id = req_id
+        self.buf = bytearray()
+
+    def write(self, data):
+        self.buf += data
+        while len(self.buf) >= PACK_CHUNK:
+            self.send(bytes(self.buf[:PACK_CHUNK]))
+            del self.buf[:PACK_CHUNK]
+        return len(data)
+
+    def send(self, data):
+        self.channel.send({"ev": "file", "id": self.id, "more": True, "b": base64.b64encode(data).decode("ascii")})
+
+    def close(self):
+        if self.buf:
+            self.send(bytes(self.buf))
+            self.buf = bytearray()
+
+
+def tar_cost(arcname, size=0, linkname=""):
+    """Bytes an entry takes in a GNU tar: its header, its content padded to 512, and the extra
+    blocks of a long name or link target."""
+    cost = 512 + -(-size // 512) * 512
+    for name in (arcname, linkname):
+        n = len(name.encode("utf-8", "surrogateescape"))
+        if n >= 100:
+            cost += 512 + -(-(n + 1) // 512) * 512
+    return cost
+
+
+class ExactReader:
+    """Exactly `size` bytes of an open file, as its tar header promised: zeros if the file
+    shrank meanwhile, cut if it grew."""
+
+    def __init__(self, fd, size):
+        self.fd = fd
+        self.left = size
+
+    def read(self, n=-1):
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        chunks, got = [], 0
+        while got < n:
+            data = os.read(self.fd, n - got)
+            if not data:
+                chunks.append(b"\0" * (n - got))
+                break
+            chunks.append(data)
+            got += len(data)
+        self.left -= n
+        return b"".join(chunks)
 
 
 def add_site_dirs():
@@ -228,8 +287,11 @@ def forwarder(events_fd, msg_r, streams):
                 if kind == "begin":
                     run_id = json.loads(line).get("id")
                     continue
-                # Everything the code wrote before this message was sent goes out first.
-                drain()
+                if kind != "ack":
+                    # Everything the code wrote before this message was sent goes out first.
+                    # Not before an ack: the begin right behind it may not have been read yet,
+                    # and the run's first output would go out without its id.
+                    drain()
                 write_all(events_fd, line + b"\n")
                 if kind == "done":
                     run_id = None
@@ -358,11 +420,15 @@ class Agent:
             try:
                 msg = self.requests.get()
                 op = msg.get("op")
+                if op != "shutdown":
+                    # The main loop is free and took the request: said first, so the server
+                    # knows no earlier run's code still holds the interpreter.
+                    self.channel.send({"ev": "ack", "id": msg.get("id")})
                 if op == "run":
                     self.run(msg)
                 elif op == "vars":
                     self.channel.send({"ev": "vars", "id": msg.get("id"), "vars": self.variables()})
-                elif op in ("write", "read", "list", "delete"):
+                elif op in ("write", "read", "list", "delete", "pack"):
                     try:
                         reply = getattr(self, "file_" + op)(msg)
                         reply.update({"ev": "file", "id": msg.get("id")})
@@ -602,6 +668,124 @@ class Agent:
         else:
             os.unlink(full)
         return {"size": 0}
+
+    def file_pack(self, msg):
+        """Packs a workspace file or directory as a tar, streamed as `file` events with
+        `more`. Everything is opened as the code's uid, relative to a directory fd: the parents
+        of the path are resolved and must stay inside the workspace, the path itself and
+        everything below are never followed, links stay links (the server drops them), and
+        FIFOs, sockets and devices are left out."""
+        rel = msg.get("path") or "."
+        limits = {
+            "bytes": msg.get("max_bytes"),
+            "entries": int(msg.get("max_entries") or 100000),
+            "newer": msg.get("newer"),
+            "seen": 0,
+            "size": 0,
+        }
+        tarfile = stdlib("tarfile")
+        if rel == ".":
+            dir_fd, name = os.open(WORKSPACE, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), None
+        else:
+            parent = workspace_path(os.path.dirname(rel) or ".")
+            dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            name = os.path.basename(rel)
+        sink = PackSink(self.channel, msg.get("id"))
+        try:
+            tar = tarfile.open(fileobj=sink, mode="w|", format=tarfile.GNU_FORMAT)
+            if name is None:
+                self.pack_dir(tarfile, tar, dir_fd, "", limits)
+            else:
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise PathError("%s does not exist" % rel)
+                if stat.S_ISLNK(st.st_mode):
+                    raise PathError("%s is a symbolic link: links are never followed" % rel)
+                self.pack_one(tarfile, tar, dir_fd, name, rel, st, limits)
+            tar.close()
+            sink.close()
+        except ValueError:
+            # Over a bound (raised before the entry over it was added): the archive of what
+            # was packed goes out whole first, so the server's own bounds on what it reads
+            # (and their messages) come first.
+            tar.close()
+            sink.close()
+            raise
+        finally:
+            os.close(dir_fd)
+        return {"size": limits["size"]}
+
+    def pack_dir(self, tarfile, tar, dir_fd, arcname, limits):
+        for name in sorted(os.listdir(dir_fd)):
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            self.pack_one(tarfile, tar, dir_fd, name, arcname + "/" + name if arcname else name, st, limits)
+
+    def pack_one(self, tarfile, tar, dir_fd, name, arcname, st, limits):
+        if arcname.count("/") + 1 > MAX_DEPTH:
+            raise ValueError("%s is nested more than %d directories deep" % (arcname, MAX_DEPTH))
+        mode = st.st_mode
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            return
+        if stat.S_ISREG(mode) and limits["newer"] is not None and int(st.st_mtime) < limits["newer"]:
+            return
+        limits["seen"] += 1
+        if limits["seen"] > limits["entries"]:
+            raise ValueError("more than %d entries to pack" % limits["entries"])
+        try:
+            linkname = os.readlink(name, dir_fd=dir_fd) if stat.S_ISLNK(mode) else ""
+        except OSError:
+            return  # removed or replaced meanwhile
+        self.pack_cost(limits, tar_cost(arcname, st.st_size if stat.S_ISREG(mode) else 0, linkname))
+        info = tarfile.TarInfo(arcname)
+        info.mtime = int(st.st_mtime)
+        info.mode = stat.S_IMODE(st.st_mode)
+        info.uid, info.gid = st.st_uid, st.st_gid
+        if stat.S_ISLNK(mode):
+            info.type = tarfile.SYMTYPE
+            info.linkname = linkname
+            tar.addfile(info)
+            return
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        if stat.S_ISDIR(mode):
+            flags |= os.O_DIRECTORY
+        try:
+            fd = os.open(name, flags, dir_fd=dir_fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # removed or replaced meanwhile
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return  # replaced by a link meanwhile: never followed
+            raise
+        if stat.S_ISDIR(mode):
+            try:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+                self.pack_dir(tarfile, tar, fd, arcname, limits)
+            finally:
+                os.close(fd)
+            return
+        try:
+            checked = st
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return  # replaced by something else meanwhile
+            if st.st_size > checked.st_size:
+                self.pack_cost(limits, tar_cost("", st.st_size) - tar_cost("", checked.st_size))
+            info.size = st.st_size
+            tar.addfile(info, ExactReader(fd, st.st_size))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def pack_cost(limits, cost):
+        """Counts an entry's bytes against the archive's bound, before it is added."""
+        limits["size"] += cost
+        if limits["bytes"] is not None and limits["size"] > limits["bytes"]:
+            raise ValueError("the archive would be larger than %d MiB" % (limits["bytes"] >> 20))
 
     def execute(self, code):
         self.cells += 1

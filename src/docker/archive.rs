@@ -1,5 +1,7 @@
-//! Directories in and out of a session's workspace as tar, through the Docker archive API,
-//! streamed both ways: neither direction holds a whole archive in memory.
+//! Directories in and out of a session's workspace as tar. In: through the Docker archive
+//! API, streamed. Out: the agent packs the tar as the code's uid (`Request::Pack`), never
+//! the engine, which resolves paths as root inside the container and would follow links
+//! the code made (`etc_link/shadow`); here are the hostile-input halves of the way out.
 //!
 //! Archives coming back from a container are hostile: entries must be relative without `..`,
 //! only regular files and directories are written, links are skipped, and nothing on the host
@@ -14,9 +16,8 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use bollard::Docker;
-use bollard::query_parameters::{DownloadFromContainerOptionsBuilder, UploadToContainerOptionsBuilder};
+use bollard::query_parameters::UploadToContainerOptionsBuilder;
 use bytes::Bytes;
-use futures::StreamExt;
 use tokio::sync::mpsc;
 
 use super::CODE_UID;
@@ -222,21 +223,21 @@ fn meta_mode(meta: &std::fs::Metadata) -> u32 {
     meta.permissions().mode()
 }
 
-/// Copies the workspace files of container `id` that the run made or changed into `out`
-/// (created if missing), keeping their relative paths: files modified at or after `since`
-/// that are not in `rules.given` as they were sent. Caches are skipped; version-control
-/// metadata, excluded paths and (unless asked) existing host files are held back. At most
-/// `cap` bytes.
-pub async fn download_changed(
-    docker: &Docker,
-    id: &str,
-    since: SystemTime,
-    rules: CopyBack,
+/// Where [`download_changed`](crate::session::Session::download_changed) streams the
+/// workspace's tar (entries named relative to the workspace): a blocking unpacker that copies
+/// the files the run made or changed into `out` (created if missing), keeping their relative
+/// paths: files modified at or after `since` (seconds) that are not in `rules.given` as they
+/// were sent. Caches are skipped; version-control metadata, excluded paths and (unless asked)
+/// existing host files are held back. At most `cap` bytes. Drop the sender at the end of the
+/// archive, then await the unpacker; when the sender fails, the unpacker's error says why.
+#[allow(clippy::type_complexity)] // a sender and the task it feeds
+pub fn unpacker(
     out: &Path,
+    since: u64,
+    rules: CopyBack,
     cap: Cap,
-) -> Result<Moved, String> {
+) -> Result<(mpsc::Sender<Bytes>, tokio::task::JoinHandle<Result<Moved, String>>), String> {
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    let since = since.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let (tx, rx) = mpsc::channel::<Bytes>(4);
     let dest = out.to_path_buf();
     let unpacker = tokio::task::spawn_blocking(move || {
@@ -244,65 +245,29 @@ pub async fn download_changed(
         let reader = ChunkReader { rx, cur: Bytes::new() };
         unpack_changed(reader, &dest, since, &rules, cap, &mut moved).map(|()| moved)
     });
-    // The archive of /workspace has entries named workspace/...; it streams to the unpacker.
-    let opts = DownloadFromContainerOptionsBuilder::default().path(WORKSPACE).build();
-    let mut stream = docker.download_from_container(id, Some(opts));
-    let mut failed = None;
-    while let Some(chunk) = stream.next().await {
-        match chunk {
-            Ok(c) => {
-                if tx.send(c).await.is_err() {
-                    break; // the unpacker stopped; its error says why
-                }
-            }
-            Err(e) => {
-                failed = Some(format!("cannot download the workspace: {e}"));
-                break;
-            }
-        }
-    }
-    drop(tx);
-    let moved = unpacker.await.map_err(|e| format!("the unpacker stopped: {e}"))??;
-    match failed {
-        Some(e) => Err(e),
-        None => Ok(moved),
-    }
+    Ok((tx, unpacker))
 }
 
-/// Downloads `rel` (a checked workspace path, "." for all) from container `id` as a tar of
-/// its regular files and directories, at most `cap` bytes of content. Entries are renamed
-/// relative to the workspace; links, devices and anything outside are left out.
-pub async fn download_tree(docker: &Docker, id: &str, rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), String> {
-    let src = if rel == "." { WORKSPACE.to_owned() } else { format!("{WORKSPACE}/{rel}") };
-    let opts = DownloadFromContainerOptionsBuilder::default().path(&src).build();
-    let mut stream = docker.download_from_container(id, Some(opts));
-    let mut raw = Vec::new();
-    // The archive carries headers and padding besides content: allow for them, then check.
-    let raw_cap = cap.bytes + cap.bytes / 4 + (1 << 20) + cap.files * 1024;
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| match e {
-            bollard::errors::Error::DockerResponseServerError { status_code: 404, .. } => {
-                format!("{rel} does not exist in the workspace")
-            }
-            e => format!("cannot download {rel}: {e}"),
-        })?;
-        raw.extend_from_slice(&chunk);
-        if raw.len() as u64 > raw_cap {
-            return Err(format!("{rel} holds more than {} MiB: download a smaller directory", cap.bytes >> 20));
-        }
-    }
-    // The API names entries after the last component of the source; re-root them at `rel`.
-    let top = Path::new(&src).file_name().map(PathBuf::from).unwrap_or_default();
-    let base = if rel == "." { PathBuf::new() } else { PathBuf::from(rel) };
+/// Largest tar the agent may send for a download of `cap`: headers and padding besides the
+/// content, then checked again entry by entry.
+pub fn raw_cap(cap: Cap) -> u64 {
+    cap.bytes + cap.bytes / 4 + (1 << 20) + cap.files.saturating_mul(2048)
+}
+
+/// Re-packs the agent's tar of `rel` (a checked workspace path, "." for all; entries named
+/// relative to the workspace) as hostile input: only regular files and directories at or
+/// under `rel`, relative without `..`, at most `cap` bytes of content and `cap.files` files.
+/// Synchronous: call it off the runtime.
+pub fn repack(raw: &[u8], rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), String> {
+    let base = Path::new(rel);
     let mut out = tar::Builder::new(Vec::new());
     let mut moved = Moved::default();
-    let mut ar = tar::Archive::new(&raw[..]);
+    let mut ar = tar::Archive::new(raw);
     for entry in ar.entries().map_err(|e| format!("bad archive: {e}"))? {
         let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
-        let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
-        let Ok(inner) = path.strip_prefix(&top) else { continue };
-        let name = base.join(inner);
-        if name.as_os_str().is_empty() || !safe_relative(&name) || name.components().count() > MAX_DEPTH {
+        let name = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
+        let inside = rel == "." || name.starts_with(base);
+        if name.as_os_str().is_empty() || !inside || !safe_relative(&name) || name.components().count() > MAX_DEPTH {
             continue;
         }
         let kind = entry.header().entry_type();
@@ -400,8 +365,7 @@ fn unpack_changed(
         }
         let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
         let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
-        // Strip the leading "workspace/" the API puts on every entry.
-        let Ok(rel) = path.strip_prefix("workspace") else { continue };
+        let rel = path.as_path();
         if rel.as_os_str().is_empty() || !safe_relative(rel) || rel.components().count() > MAX_DEPTH {
             continue;
         }
@@ -496,6 +460,54 @@ mod tests {
     }
 
     #[test]
+    fn only_new_regular_files_inside_come_back() {
+        let dir = std::env::temp_dir().join(format!("pyberth-unpack-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("reports")).expect("mkdir");
+        let outside = std::env::temp_dir().join(format!("pyberth-outside-{}", std::process::id()));
+        std::fs::create_dir_all(&outside).expect("mkdir");
+        std::os::unix::fs::symlink(&outside, dir.join("escape")).expect("symlink");
+        let tar = archive(&[
+            ("reports/", tar::EntryType::Directory, 200, ""),
+            ("reports/junit.xml", tar::EntryType::Regular, 200, "<xml/>"),
+            ("old.py", tar::EntryType::Regular, 50, "old"),
+            ("given.py", tar::EntryType::Regular, 150, "same"),
+            ("edited.py", tar::EntryType::Regular, 150, "longer now"),
+            ("__pycache__/x.pyc", tar::EntryType::Regular, 200, "pyc"),
+            ("link", tar::EntryType::Symlink, 200, "/etc/passwd"),
+            ("../evil", tar::EntryType::Regular, 200, "evil"),
+            ("escape/owned", tar::EntryType::Regular, 200, "owned"),
+        ]);
+        let given = HashMap::from([("given.py".into(), (150, 4)), ("edited.py".into(), (150, 4))]);
+        let rules = CopyBack { given, ..Default::default() };
+        let mut moved = Moved::default();
+        let r = unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut moved);
+        assert!(r.is_err_and(|e| e.contains("in the way")), "a symlinked directory on the host stops the copy");
+        assert_eq!(std::fs::read_to_string(dir.join("reports/junit.xml")).expect("junit"), "<xml/>");
+        assert!(!dir.join("old.py").exists(), "files older than the run stay behind");
+        assert!(!dir.join("given.py").exists(), "files as uploaded stay behind");
+        assert!(dir.join("edited.py").exists(), "files the run changed come back");
+        assert!(!dir.join("__pycache__").exists(), "caches stay behind");
+        assert!(!dir.join("link").exists(), "links are never recreated");
+        assert!(!dir.parent().expect("parent").join("evil").exists());
+        assert!(!outside.join("owned").exists(), "nothing is written through a host symlink");
+
+        let mut moved = Moved::default();
+        let big = archive(&[("big", tar::EntryType::Regular, 200, "0123456789")]);
+        let tight = Cap { bytes: 5, files: 10 };
+        assert!(unpack_changed(&big[..], &dir, 100, &rules, tight, &mut moved).is_err_and(|e| e.contains("exceed")));
+        let many: Vec<(String, tar::EntryType, u64, &str)> =
+            (0..3).map(|i| (format!("f{i}"), tar::EntryType::Regular, 200, "")).collect();
+        let many: Vec<_> = many.iter().map(|(p, k, m, d)| (p.as_str(), *k, *m, *d)).collect();
+        let mut moved = Moved::default();
+        let two = Cap { bytes: 1 << 20, files: 2 };
+        let r = unpack_changed(&archive(&many)[..], &dir, 100, &rules, two, &mut moved);
+        assert!(r.is_err_and(|e| e.contains("more than 2 output files")), "empty files count too");
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&outside);
+    }
+
+    #[test]
     fn vcs_metadata_excluded_paths_and_existing_files_are_held_back() {
         let dir = std::env::temp_dir().join(format!("pyberth-holdback-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -503,15 +515,15 @@ mod tests {
         std::fs::write(dir.join("Makefile"), "host").expect("makefile");
         std::fs::write(dir.join("given.txt"), "host").expect("given");
         let tar = archive(&[
-            ("workspace/.git/config", tar::EntryType::Regular, 200, "[core]\nfsmonitor = touch /tmp/pwned"),
-            ("workspace/sub/.GIT/config", tar::EntryType::Regular, 200, "x"),
-            ("workspace/.hg/hgrc", tar::EntryType::Regular, 200, "x"),
-            ("workspace/Makefile", tar::EntryType::Regular, 200, "evil"),
-            ("workspace/given.txt", tar::EntryType::Regular, 200, "changed"),
-            ("workspace/.github/workflows/ci.yml", tar::EntryType::Regular, 200, "x"),
-            ("workspace/build/a.sh", tar::EntryType::Regular, 200, "x"),
-            ("workspace/build/deep/b.sh", tar::EntryType::Regular, 200, "x"),
-            ("workspace/report.txt", tar::EntryType::Regular, 200, "ok"),
+            (".git/config", tar::EntryType::Regular, 200, "[core]\nfsmonitor = touch /tmp/pwned"),
+            ("sub/.GIT/config", tar::EntryType::Regular, 200, "x"),
+            (".hg/hgrc", tar::EntryType::Regular, 200, "x"),
+            ("Makefile", tar::EntryType::Regular, 200, "evil"),
+            ("given.txt", tar::EntryType::Regular, 200, "changed"),
+            (".github/workflows/ci.yml", tar::EntryType::Regular, 200, "x"),
+            ("build/a.sh", tar::EntryType::Regular, 200, "x"),
+            ("build/deep/b.sh", tar::EntryType::Regular, 200, "x"),
+            ("report.txt", tar::EntryType::Regular, 200, "ok"),
         ]);
         let rules = CopyBack {
             given: HashMap::from([("given.txt".into(), (150, 4))]),
@@ -542,50 +554,30 @@ mod tests {
     }
 
     #[test]
-    fn only_new_regular_files_inside_come_back() {
-        let dir = std::env::temp_dir().join(format!("pyberth-unpack-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("reports")).expect("mkdir");
-        let outside = std::env::temp_dir().join(format!("pyberth-outside-{}", std::process::id()));
-        std::fs::create_dir_all(&outside).expect("mkdir");
-        std::os::unix::fs::symlink(&outside, dir.join("escape")).expect("symlink");
-        let tar = archive(&[
-            ("workspace/", tar::EntryType::Directory, 200, ""),
-            ("workspace/reports/junit.xml", tar::EntryType::Regular, 200, "<xml/>"),
-            ("workspace/old.py", tar::EntryType::Regular, 50, "old"),
-            ("workspace/given.py", tar::EntryType::Regular, 150, "same"),
-            ("workspace/edited.py", tar::EntryType::Regular, 150, "longer now"),
-            ("workspace/__pycache__/x.pyc", tar::EntryType::Regular, 200, "pyc"),
-            ("workspace/link", tar::EntryType::Symlink, 200, "/etc/passwd"),
-            ("workspace/../evil", tar::EntryType::Regular, 200, "evil"),
-            ("workspace/escape/owned", tar::EntryType::Regular, 200, "owned"),
+    fn a_download_keeps_only_regular_files_and_directories_under_the_path() {
+        let raw = archive(&[
+            ("d/", tar::EntryType::Directory, 200, ""),
+            ("d/a.txt", tar::EntryType::Regular, 200, "alpha"),
+            ("d/link", tar::EntryType::Symlink, 200, "/etc/shadow"),
+            ("d/../../etc/shadow", tar::EntryType::Regular, 200, "root:x"),
+            ("/etc/passwd", tar::EntryType::Regular, 200, "root:x"),
+            ("other/b.txt", tar::EntryType::Regular, 200, "beta"),
+            ("dd/c.txt", tar::EntryType::Regular, 200, "not under d"),
+            ("d/fifo", tar::EntryType::Fifo, 200, ""),
         ]);
-        let given = HashMap::from([("given.py".into(), (150, 4)), ("edited.py".into(), (150, 4))]);
-        let rules = CopyBack { given, ..Default::default() };
-        let mut moved = Moved::default();
-        let r = unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut moved);
-        assert!(r.is_err_and(|e| e.contains("in the way")), "a symlinked directory on the host stops the copy");
-        assert_eq!(std::fs::read_to_string(dir.join("reports/junit.xml")).expect("junit"), "<xml/>");
-        assert!(!dir.join("old.py").exists(), "files older than the run stay behind");
-        assert!(!dir.join("given.py").exists(), "files as uploaded stay behind");
-        assert!(dir.join("edited.py").exists(), "files the run changed come back");
-        assert!(!dir.join("__pycache__").exists(), "caches stay behind");
-        assert!(!dir.join("link").exists(), "links are never recreated");
-        assert!(!dir.parent().expect("parent").join("evil").exists());
-        assert!(!outside.join("owned").exists(), "nothing is written through a host symlink");
-
-        let mut moved = Moved::default();
-        let big = archive(&[("workspace/big", tar::EntryType::Regular, 200, "0123456789")]);
-        let tight = Cap { bytes: 5, files: 10 };
-        assert!(unpack_changed(&big[..], &dir, 100, &rules, tight, &mut moved).is_err_and(|e| e.contains("exceed")));
-        let many: Vec<(String, tar::EntryType, u64, &str)> =
-            (0..3).map(|i| (format!("workspace/f{i}"), tar::EntryType::Regular, 200, "")).collect();
-        let many: Vec<_> = many.iter().map(|(p, k, m, d)| (p.as_str(), *k, *m, *d)).collect();
-        let mut moved = Moved::default();
-        let two = Cap { bytes: 1 << 20, files: 2 };
-        let r = unpack_changed(&archive(&many)[..], &dir, 100, &rules, two, &mut moved);
-        assert!(r.is_err_and(|e| e.contains("more than 2 output files")), "empty files count too");
-        let _ = std::fs::remove_dir_all(&dir);
-        let _ = std::fs::remove_dir_all(&outside);
+        let (tar, moved) = repack(&raw, "d", CAP).expect("repack");
+        let mut names = Vec::new();
+        for e in tar::Archive::new(&tar[..]).entries().expect("entries") {
+            let e = e.expect("entry");
+            names.push(e.path().expect("path").to_string_lossy().into_owned());
+            assert_eq!(e.header().uid().expect("uid"), 0);
+        }
+        assert_eq!(names, ["d/", "d/a.txt"]);
+        assert_eq!((moved.files, moved.bytes), (1, 5));
+        let (tar, _) = repack(&raw, ".", CAP).expect("repack");
+        let all = tar::Archive::new(&tar[..]).entries().expect("entries").count();
+        assert_eq!(all, 4, "the whole workspace: d/, d/a.txt, other/b.txt, dd/c.txt");
+        let tight = Cap { bytes: 4, files: 10 };
+        assert!(repack(&raw, "d", tight).is_err_and(|e| e.contains("more than")));
     }
 }

@@ -168,7 +168,7 @@ pub(super) struct ListOutput {
 pub(super) async fn agent_file<'r>(
     session: &Session,
     what: impl std::fmt::Display,
-    make: impl FnOnce(u64) -> Request<'r>,
+    make: impl Fn(u64) -> Request<'r>,
 ) -> Result<FileReply, ToolError> {
     session.file(make).await.context(what)
 }
@@ -184,7 +184,16 @@ impl SandboxServer {
     ) -> Result<(Vec<u8>, u64), ToolError> {
         let reply =
             agent_file(session, format!("cannot read {path}"), |id| Request::Read { id, path, offset, length }).await?;
-        Ok((reply.data, reply.size.unwrap_or(0)))
+        // The code may answer in the agent's place: never more than was asked for.
+        if reply.data.len() as u64 > length {
+            return Err(format!(
+                "cannot read {path}: the sandbox answered with {} bytes where at most {length} were asked for",
+                reply.data.len()
+            )
+            .into());
+        }
+        let size = reply.size.unwrap_or(0).max(offset.saturating_add(reply.data.len() as u64));
+        Ok((reply.data, size))
     }
 }
 
@@ -218,7 +227,7 @@ impl SandboxServer {
         let b = base64::engine::general_purpose::STANDARD.encode(&data);
         drop(data);
         let path_ref = path.as_str();
-        let write = |id| Request::Write { id, path: path_ref, b, append: args.append };
+        let write = |id| Request::Write { id, path: path_ref, b: &b, append: args.append };
         let reply = agent_file(&session, format!("cannot write {path}"), write).await?;
         let out = WriteOutput { session: name, path: path.clone(), written, size: reply.size.unwrap_or(0) };
         let text = format!("wrote {written} bytes to {path} (size now {} bytes)", out.size);
@@ -250,7 +259,7 @@ impl SandboxServer {
             offset,
             length: got,
             size,
-            eof: offset + got >= size,
+            eof: offset.saturating_add(got) >= size,
             encoding,
             content,
         };
@@ -281,7 +290,16 @@ impl SandboxServer {
         let session = self.registry.get(&who, &name)?;
         let path_ref = path.as_str();
         let list = |id| Request::List { id, path: path_ref, recursive: args.recursive, limit: 1000 };
-        let reply = agent_file(&session, format!("cannot list {path}"), list).await?;
+        let mut reply = agent_file(&session, format!("cannot list {path}"), list).await?;
+        // Entries were checked as paths (`Session::file`); they must also lie under the
+        // directory listed, and be no more than were asked for.
+        let before = reply.entries.len();
+        reply.entries.retain(|e| path == "." || e.path.strip_prefix(path.as_str()).is_some_and(|r| r.starts_with('/')));
+        let dropped = reply.dropped + before - reply.entries.len();
+        if reply.entries.len() > 1000 {
+            reply.entries.truncate(1000);
+            reply.truncated = true;
+        }
         let mut text = String::new();
         for e in &reply.entries {
             // Names are the code's: escaped, so one cannot add lines to the listing.
@@ -292,6 +310,9 @@ impl SandboxServer {
         }
         if reply.truncated {
             text.push_str("[listing cut at 1000 entries]\n");
+        }
+        if dropped > 0 {
+            text.push_str(&format!("[{dropped} entries the sandbox reported were left out: invalid names]\n"));
         }
         let links: Vec<ContentBlock> = reply
             .entries

@@ -137,7 +137,7 @@ impl SandboxServer {
             super::files::agent_file(&session, format!("cannot save the code as {path}"), |id| Request::Write {
                 id,
                 path,
-                b,
+                b: &b,
                 append: false,
             })
             .await?;

@@ -11,6 +11,7 @@ use super::render::structured;
 use super::types::{NoArgs, SessionArgs, SessionList, VariableList};
 use super::{Caller, SandboxServer};
 use crate::checks::session_name;
+use crate::output::one_line;
 
 #[tool_router(router = sessions_router, vis = "pub(super)")]
 impl SandboxServer {
@@ -60,17 +61,18 @@ impl SandboxServer {
     async fn list_variables(&self, Parameters(args): Parameters<SessionArgs>, Caller(who): Caller) -> ToolResult {
         let name = session_name(args.session.as_deref())?;
         let session = self.registry.get(&who, &name)?;
-        let (variables, notice) =
+        let (variables, notices) =
             session.variables().await.context(format!("cannot list variables of session {name:?}"))?;
         let mut text = String::new();
-        if let Some(n) = notice {
+        for n in notices {
             text.push_str(&format!("[notice] {n}\n"));
         }
         if variables.is_empty() {
             text.push_str("no variables defined\n");
         }
         for v in &variables {
-            text.push_str(&format!("{}: {} = {}\n", v.name, v.kind, v.repr));
+            // All three are the code's to choose: escaped, so one cannot add lines.
+            text.push_str(&format!("{}: {} = {}\n", one_line(&v.name), one_line(&v.kind), one_line(&v.repr)));
         }
         Ok(structured(&VariableList { session: name, variables }, text))
     }

@@ -1,7 +1,8 @@
 //! Bulk transfer: directories in and out of a workspace as tar archives.
 //!
-//! Downloads go through the Docker archive API and are re-packed as hostile input (regular
-//! files and directories only, nothing outside). Uploads are unpacked on the server, as
+//! Downloads are packed by the agent as the code's uid, following no link (the Docker archive
+//! API would resolve paths as root), and re-packed as hostile input (regular files and
+//! directories only, nothing outside). Uploads are unpacked on the server, as
 //! hostile input too, and written by the agent as the code's uid, through the same
 //! symlink-safe path checks as write_file: the archive API would extract as root, following
 //! whatever links the code left in the workspace.
@@ -112,7 +113,8 @@ impl SandboxServer {
             for (i, chunk) in chunks.into_iter().enumerate() {
                 let b = base64::engine::general_purpose::STANDARD.encode(chunk);
                 let what = format!("cannot write {path}");
-                if let Err(e) = agent_file(&session, what, |id| Request::Write { id, path, b, append: i > 0 }).await {
+                if let Err(e) = agent_file(&session, what, |id| Request::Write { id, path, b: &b, append: i > 0 }).await
+                {
                     return Err(format!("{e} ({count} files were written before it, the rest were not)").into());
                 }
             }

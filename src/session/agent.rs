@@ -22,6 +22,9 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 const STDERR_PER_REQUEST: usize = 64 << 10;
 /// Bytes of the agent's stderr logged per second, over a burst of [`STDERR_PER_REQUEST`].
 const STDERR_RATE: f64 = 4096.0;
+/// How long the agent's main loop has to take a request off its queue (its `ack`), and again
+/// after the previous run was interrupted, before the interpreter counts as held by code.
+pub(super) const ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One live agent connection.
 pub(super) struct Agent {
@@ -35,6 +38,11 @@ pub(super) struct Agent {
     last_id: u64,
     /// How much of its stderr is still logged.
     stderr: StderrGate,
+    /// The last run that ended with `done`, until a later request is taken at once. Its code
+    /// may still hold the interpreter: the `done` may have been forged by the code itself.
+    pub(super) last_run: Option<u64>,
+    /// Set when [`Agent::submit`] had to interrupt `last_run` before its request was taken.
+    interrupted: Option<u64>,
 }
 
 /// The agent's stderr as the server logs it. Before the hello it carries the agent's own
@@ -116,6 +124,20 @@ impl Drop for Agent {
     }
 }
 
+/// Whether the agent's main loop took a request off its queue.
+#[derive(Debug)]
+pub(super) enum Taken {
+    /// It did, at once.
+    Yes,
+    /// Only after the previous run (its id), whose code went on after its `done`, was
+    /// interrupted.
+    AfterInterrupt(u64),
+    /// Not even then: code holds the interpreter and ignores interrupts (or the agent hangs).
+    No,
+    /// The agent's output ended (`None`) or broke.
+    Gone(Option<String>),
+}
+
 /// Why reading the agent failed.
 pub(super) enum ReadError {
     /// A line we could not parse: skip it (user code can write into the agent's own fds).
@@ -150,6 +172,8 @@ impl Agent {
             decoder: LineDecoder::default(),
             last_id: 0,
             stderr: StderrGate::default(),
+            last_run: None,
+            interrupted: None,
         }
     }
 
@@ -225,24 +249,82 @@ impl Agent {
         }
     }
 
-    /// Sends the request `make(id)` for a fresh id and waits up to `timeout` for the event
-    /// that `pick(id, event)` recognises as its answer; every other event is skipped.
-    /// [`Error::AgentGone`] when the agent cannot be written to or its output ends,
-    /// [`Error::AgentTimeout`] when it does not answer in time: the agent is unusable after
-    /// either.
-    pub(super) async fn request<'r, T>(
+    /// Waits up to `within` for the `ack` of request `id`, skipping every other event: `None`
+    /// when none came in time.
+    async fn ack(&mut self, id: u64, within: Duration) -> Option<Result<(), Option<String>>> {
+        let wait = async {
+            loop {
+                match self.next_event().await {
+                    Ok(Some(Event::Ack { id: i })) if i == id => return Ok(()),
+                    Ok(Some(other)) => tracing::debug!(event = ?other, "event before the request was taken ignored"),
+                    Err(ReadError::Skippable(_)) => {}
+                    Ok(None) => return Err(None),
+                    Err(ReadError::Fatal(e)) => return Err(Some(e)),
+                }
+            }
+        };
+        tokio::time::timeout(within, wait).await.ok()
+    }
+
+    /// After request `id` was sent: waits for the agent's main loop to take it. When it does
+    /// not within [`ACK_TIMEOUT`] and a run ended with `done` before, that run's code is
+    /// still in the interpreter (a forged `done`): it is interrupted, and the main loop gets
+    /// [`ACK_TIMEOUT`] again.
+    pub(super) async fn taken(&mut self, id: u64) -> Taken {
+        match self.ack(id, ACK_TIMEOUT).await {
+            Some(Ok(())) => {
+                self.last_run = None;
+                return Taken::Yes;
+            }
+            Some(Err(why)) => return Taken::Gone(why),
+            None => {}
+        }
+        let Some(previous) = self.last_run.take() else { return Taken::No };
+        tracing::warn!(run = previous, "the code of a finished run still holds the interpreter; interrupting it");
+        if self.send(&Request::Interrupt { id: previous }).await.is_err() {
+            return Taken::Gone(None);
+        }
+        match self.ack(id, ACK_TIMEOUT).await {
+            Some(Ok(())) => Taken::AfterInterrupt(previous),
+            Some(Err(why)) => Taken::Gone(why),
+            None => Taken::No,
+        }
+    }
+
+    /// Sends the request `make(id)` for a fresh id and waits until the agent's main loop takes
+    /// it ([`Agent::taken`]); returns the id. [`Error::Stuck`] when it never does,
+    /// [`Error::AgentGone`] when the agent cannot be written to or its output ends.
+    pub(super) async fn submit<'r>(&mut self, make: impl FnOnce(u64) -> Request<'r>) -> Result<u64, Error> {
+        let id = self.next_id();
+        if self.send(&make(id)).await.is_err() {
+            return Err(Error::AgentGone);
+        }
+        match self.taken(id).await {
+            Taken::Yes => Ok(id),
+            Taken::AfterInterrupt(previous) => {
+                self.interrupted = Some(previous);
+                Ok(id)
+            }
+            Taken::No => Err(Error::Stuck),
+            Taken::Gone(_) => Err(Error::AgentGone),
+        }
+    }
+
+    /// The run whose code [`Agent::submit`] last had to interrupt, once.
+    pub(super) fn take_interrupted(&mut self) -> Option<u64> {
+        self.interrupted.take()
+    }
+
+    /// Waits up to `timeout` for the event that `pick(id, event)` recognises as the answer to
+    /// the request `id`; every other event is skipped. [`Error::AgentGone`] when the agent's
+    /// output ends, [`Error::AgentTimeout`] when it does not answer in time: the agent is
+    /// unusable after either.
+    pub(super) async fn answer<T>(
         &mut self,
-        make: impl FnOnce(u64) -> Request<'r>,
+        id: u64,
         pick: impl Fn(u64, Event) -> Option<T>,
         timeout: Duration,
     ) -> Result<T, Error> {
-        let id = self.next_id();
-        let req = make(id);
-        if self.send(&req).await.is_err() {
-            return Err(Error::AgentGone);
-        }
-        // A write request holds the whole file, base64: free it before waiting.
-        drop(req);
         let answer = tokio::time::timeout(timeout, async {
             loop {
                 match self.next_event().await {
@@ -263,13 +345,46 @@ impl Agent {
             Err(_) => Err(Error::AgentTimeout(timeout)),
         }
     }
+
+    /// [`Agent::submit`], then [`Agent::answer`].
+    #[cfg(test)]
+    pub(super) async fn request<'r, T>(
+        &mut self,
+        make: impl FnOnce(u64) -> Request<'r>,
+        pick: impl Fn(u64, Event) -> Option<T>,
+        timeout: Duration,
+    ) -> Result<T, Error> {
+        let id = self.submit(make).await?;
+        self.answer(id, pick, timeout).await
+    }
+
+    /// The next piece of the streamed answer to request `id` (`pack`): `Some` bytes, `None`
+    /// at its end. [`Error::Refused`] with the agent's reason when it failed,
+    /// [`Error::AgentTimeout`] when nothing came for `idle`, [`Error::AgentGone`] when the
+    /// output ended; after the last two (or a piece that does not decode) the agent is still
+    /// busy with the stream, or dead, and must be restarted.
+    pub(super) async fn piece(&mut self, id: u64, idle: Duration) -> Result<Option<Vec<u8>>, Error> {
+        self.answer(
+            id,
+            |id, ev| match ev {
+                Event::File { id: i, more: true, b, .. } if i == id => {
+                    Some(Event::payload(None, Some(b.unwrap_or_default())).map(Some).map_err(|_| Error::AgentGone))
+                }
+                Event::File { id: i, more: false, .. } if i == id => Some(Ok(None)),
+                Event::Failed { id: Some(i), message } if i == id => Some(Err(Error::Refused(message))),
+                _ => None,
+            },
+            idle,
+        )
+        .await?
+    }
 }
 
 /// Recognises the answer to the file request `id`: the reply, or the agent's reason for
 /// refusing it (no such file, a path leading outside the workspace, ...).
 pub(super) fn file_answer(id: u64, ev: Event) -> Option<Result<FileReply, String>> {
     match ev {
-        Event::File { id: i, size, b, entries, truncated } if i == id => {
+        Event::File { id: i, size, b, entries, truncated, more: false } if i == id => {
             let data = match b {
                 Some(b) => match Event::payload(None, Some(b)) {
                     Ok(d) => d,
@@ -277,8 +392,9 @@ pub(super) fn file_answer(id: u64, ev: Event) -> Option<Result<FileReply, String
                 },
                 None => Vec::new(),
             };
-            let entries = entries.unwrap_or_default();
-            Some(Ok(FileReply { size, data, entries, truncated: truncated.unwrap_or(false) }))
+            // The code may have answered for the agent: entries are checked as requests are.
+            let (entries, dropped) = super::checked_entries(entries.unwrap_or_default());
+            Some(Ok(FileReply { size, data, entries, truncated: truncated.unwrap_or(false), dropped }))
         }
         Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
         _ => None,

@@ -25,7 +25,7 @@ use tokio::process::{Child, Command};
 use tokio_util::io::ReaderStream;
 use tokio_util::sync::CancellationToken;
 
-use super::agent::{Agent, Greeting, file_answer};
+use super::agent::{ACK_TIMEOUT, Agent, Greeting, Taken, file_answer};
 use super::run::{Ending, Stop, drive};
 use super::{Error, FileReply, RunOutcome, RunSpec, RunStatus};
 use crate::output::Capture;
@@ -120,6 +120,13 @@ fn canned(lines: &[&str]) -> Agent {
     let frames: Vec<Result<LogOutput, bollard::errors::Error>> =
         lines.iter().map(|l| Ok(LogOutput::StdOut { message: Bytes::from(format!("{l}\n")) })).collect();
     Agent::new(Box::pin(tokio::io::sink()), Box::pin(stream::iter(frames)))
+}
+
+/// An agent over canned output whose stream stays open after it, as a live agent's does.
+fn canned_open(lines: &[&str]) -> Agent {
+    let frames: Vec<Result<LogOutput, bollard::errors::Error>> =
+        lines.iter().map(|l| Ok(LogOutput::StdOut { message: Bytes::from(format!("{l}\n")) })).collect();
+    Agent::new(Box::pin(tokio::io::sink()), Box::pin(stream::iter(frames).chain(stream::pending())))
 }
 
 fn empty_outcome() -> RunOutcome {
@@ -223,11 +230,14 @@ const STOP_FORWARDER: &str = "import os, signal, subprocess, threading\n\
     f = forwarder()\n\
     os.kill(f, signal.SIGSTOP)\n";
 
-/// Sends `code` as a run, without reading anything back; returns the run's id.
+/// Sends `code` as a run and waits for the agent to take it, reading nothing else back;
+/// returns the run's id.
 async fn start(agent: &mut Agent, code: &str) -> u64 {
     let id = agent.next_id();
     let env = Default::default();
     agent.send(&Request::Run { id, code, file: None, args: &[], cmd: &[], env: &env }).await.expect("send the run");
+    let taken = agent.taken(id).await;
+    assert!(matches!(taken, Taken::Yes), "{taken:?}");
     id
 }
 
@@ -425,7 +435,7 @@ async fn queries_are_answered_by_id() {
 }
 
 /// A file request through the same answer-picking as [`Session::file`](super::Session::file).
-async fn file(agent: &mut Agent, make: impl FnOnce(u64) -> Request<'static>) -> Result<FileReply, String> {
+async fn file<'r>(agent: &mut Agent, make: impl FnOnce(u64) -> Request<'r>) -> Result<FileReply, String> {
     agent.request(make, file_answer, STEP).await.expect("an answer")
 }
 
@@ -434,11 +444,10 @@ async fn file_requests_write_read_list_and_refuse_paths_outside() {
     let mut local = spawn().await;
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
 
-    let wrote =
-        file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: b64("hello"), append: false }).await;
+    let (hello, world) = (b64("hello"), b64(" world"));
+    let wrote = file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: &hello, append: false }).await;
     assert_eq!(wrote.expect("write").size, Some(5));
-    let appended =
-        file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: b64(" world"), append: true }).await;
+    let appended = file(&mut local.agent, |id| Request::Write { id, path: "sub/f.txt", b: &world, append: true }).await;
     assert_eq!(appended.expect("append").size, Some(11));
     let on_disk = std::fs::read(local.workspace.0.join("sub/f.txt")).expect("the file is in the workspace");
     assert_eq!(on_disk, b"hello world");
@@ -468,10 +477,11 @@ async fn file_requests_write_read_list_and_refuse_paths_outside() {
 }
 
 #[tokio::test]
-async fn a_query_unanswered_in_time_or_cut_off_fails() {
+async fn a_query_not_taken_unanswered_in_time_or_cut_off_fails() {
     let mut local = spawn().await;
-    start(&mut local.agent, "import time\ntime.sleep(2)").await;
-    // The agent serves one request at a time: the run holds it.
+    start(&mut local.agent, "import time\ntime.sleep(30)").await;
+    // The agent serves one request at a time: the run holds it, and the query is not taken.
+    let started = Instant::now();
     let busy = local
         .agent
         .request(
@@ -480,7 +490,19 @@ async fn a_query_unanswered_in_time_or_cut_off_fails() {
             Duration::from_millis(200),
         )
         .await;
-    assert!(matches!(busy, Err(Error::AgentTimeout(_))), "{busy:?}");
+    assert!(matches!(busy, Err(Error::Stuck)), "{busy:?}");
+    assert!(started.elapsed() < ACK_TIMEOUT + STEP, "{:?}", started.elapsed());
+
+    // Taken, but never answered.
+    let mut mute = canned_open(&[r#"{"ev":"ack","id":1}"#]);
+    let slow = mute
+        .request(
+            |id| Request::Vars { id },
+            |_, ev| matches!(ev, Event::Vars { .. }).then_some(()),
+            Duration::from_millis(200),
+        )
+        .await;
+    assert!(matches!(slow, Err(Error::AgentTimeout(_))), "{slow:?}");
 
     let mut cut = canned(&[r#"{"ev":"out","id":1,"s":"stdout","t":"x"}"#]);
     let gone =
@@ -498,13 +520,12 @@ async fn a_fifo_or_other_special_file_is_refused_at_once() {
                 os.makedirs('x-1.0.dist-info')\nos.mkfifo('x-1.0.dist-info/METADATA')\nkept = 1";
     let (_, out) = run(&mut local.agent, made).await;
     assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
-    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
     let requests: [(&str, MakeRequest); 5] = [
         ("read", Box::new(|id| Request::Read { id, path: "pipe", offset: 0, length: 10 })),
         ("read through a link", Box::new(|id| Request::Read { id, path: "link", offset: 0, length: 10 })),
         ("read a directory", Box::new(|id| Request::Read { id, path: "d", offset: 0, length: 10 })),
-        ("write", Box::new(move |id| Request::Write { id, path: "pipe", b: b64("x"), append: false })),
-        ("append", Box::new(move |id| Request::Write { id, path: "pipe", b: b64("x"), append: true })),
+        ("write", Box::new(move |id| Request::Write { id, path: "pipe", b: "eA==", append: false })),
+        ("append", Box::new(move |id| Request::Write { id, path: "pipe", b: "eA==", append: true })),
     ];
     for (what, make) in requests {
         let t = Instant::now();
@@ -598,4 +619,128 @@ fn the_agent_s_stderr_is_escaped_budgeted_and_counted() {
     // A new request has a new budget, but after a burst the rate (4 KiB/s) holds.
     let after = gate.admit(&[b'a'; 60_000]).map_or(0, |t| t.len());
     assert!(after < 32 << 10, "{after}");
+}
+
+/// Code that holds the agent object: it ends its run with a forged `done` and keeps the
+/// interpreter busy. `prelude` runs first.
+fn forge_and_spin(prelude: &str) -> String {
+    format!(
+        "{prelude}\nagent = display.__self__\n\
+         agent.channel.send({{'ev': 'done', 'id': agent.current, 'status': 'ok', 'result': \"'forged'\", \
+         'wall_ms': 1.0, 'cpu_ms': 1.0}})\nwhile True:\n    pass\n"
+    )
+}
+
+#[tokio::test]
+async fn the_next_run_interrupts_code_that_forged_its_done() {
+    let mut local = spawn().await;
+    run(&mut local.agent, "kept = 41").await;
+    let (ending, out) = run(&mut local.agent, &forge_and_spin("")).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.result.as_deref(), Some("'forged'"), "a forged done is taken for the end of the run");
+    assert!(local.agent.last_run.is_some(), "but its code may still hold the interpreter");
+    let started = Instant::now();
+    let (ending, out) = run(&mut local.agent, "kept + 1").await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.result.as_deref(), Some("42"), "the interrupt kept the state");
+    assert!(out.notices.iter().any(|n| n.contains("still running")), "{:?}", out.notices);
+    assert!(started.elapsed() < ACK_TIMEOUT * 2 + GRACE, "{:?}", started.elapsed());
+    // A query after a forged done goes through the same: interrupted, then answered.
+    run(&mut local.agent, &forge_and_spin("")).await;
+    let vars = local
+        .agent
+        .request(
+            |id| Request::Vars { id },
+            |id, ev| matches!(ev, Event::Vars { id: i, .. } if i == id).then_some(()),
+            STEP,
+        )
+        .await;
+    assert!(vars.is_ok(), "{vars:?}");
+    assert!(local.agent.take_interrupted().is_some());
+}
+
+#[tokio::test]
+async fn a_run_after_forged_done_code_that_ignores_interrupts_never_starts() {
+    let mut local = spawn().await;
+    let code = forge_and_spin("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)");
+    let (ending, _) = run(&mut local.agent, &code).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    let started = Instant::now();
+    let (ending, out) = run(&mut local.agent, "print('never')").await;
+    assert!(matches!(ending, Ending::Stuck), "{ending:?}");
+    assert!(out.stdout.render().0.is_empty());
+    assert!(started.elapsed() < ACK_TIMEOUT * 2 + GRACE, "{:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn listed_entries_out_of_the_workspace_or_of_no_kind_are_dropped() {
+    let entries = r#"[{"path":"../../etc/shadow","size":1,"kind":"file"},{"path":"/etc/passwd","size":1,"kind":"file"},
+        {"path":"a/./b","size":1,"kind":"file"},{"path":"a//b","size":1,"kind":"file"},{"path":"s","size":1,"kind":"socket"},
+        {"path":"big","size":18446744073709551615,"kind":"file"},{"path":"","size":1,"kind":"dir"},
+        {"path":"odd\nname","size":3,"kind":"file"},{"path":"a/b","size":2,"kind":"file"}]"#
+        .replace('\n', "");
+    let answer = format!(r#"{{"ev":"file","id":1,"entries":{entries},"truncated":false}}"#);
+    let mut forged = canned_open(&[r#"{"ev":"ack","id":1}"#, &answer]);
+    let reply =
+        file(&mut forged, |id| Request::List { id, path: ".", recursive: true, limit: 1000 }).await.expect("list");
+    let paths: Vec<&str> = reply.entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["odd\nname", "a/b"]);
+    assert_eq!(reply.dropped, 7);
+}
+
+#[tokio::test]
+async fn pack_archives_the_workspace_as_the_code_sees_it_and_follows_no_link() {
+    let mut local = spawn().await;
+    let setup = "import os\nos.makedirs('tree/sub')\nopen('tree/a.txt', 'w').write('alpha')\n\
+                 open('tree/sub/b.txt', 'w').write('beta')\nos.symlink('/etc', 'tree/etc_link')\n\
+                 os.symlink('/etc', 'etc_link')\nos.mkfifo('tree/fifo')";
+    let (_, out) = run(&mut local.agent, setup).await;
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    async fn pack(agent: &mut Agent, path: &str) -> Result<Vec<(String, tar::EntryType, Vec<u8>)>, Error> {
+        let id = agent.submit(|id| Request::Pack { id, path, max_bytes: None, max_entries: 100, newer: None }).await?;
+        let mut raw = Vec::new();
+        while let Some(piece) = agent.piece(id, STEP).await? {
+            raw.extend(piece);
+        }
+        let mut entries = Vec::new();
+        for e in tar::Archive::new(&raw[..]).entries().expect("a tar") {
+            let mut e = e.expect("an entry");
+            let name = e.path().expect("a name").to_string_lossy().into_owned();
+            let kind = e.header().entry_type();
+            let mut body = Vec::new();
+            std::io::Read::read_to_end(&mut e, &mut body).expect("a body");
+            entries.push((name, kind, body));
+        }
+        Ok(entries)
+    }
+    let tree = pack(&mut local.agent, "tree").await.expect("tree");
+    let names: Vec<(&str, tar::EntryType)> = tree.iter().map(|(n, k, _)| (n.trim_end_matches('/'), *k)).collect();
+    assert_eq!(
+        names,
+        [
+            ("tree", tar::EntryType::Directory),
+            ("tree/a.txt", tar::EntryType::Regular),
+            ("tree/etc_link", tar::EntryType::Symlink),
+            ("tree/sub", tar::EntryType::Directory),
+            ("tree/sub/b.txt", tar::EntryType::Regular),
+        ],
+        "links stay links, FIFOs are left out"
+    );
+    assert_eq!(tree[1].2, b"alpha");
+    for outside in ["etc_link", "etc_link/passwd", "tree/etc_link/passwd", "../x", "missing"] {
+        let refused = pack(&mut local.agent, outside).await;
+        assert!(matches!(refused, Err(Error::Refused(_))), "{outside}: {refused:?}");
+    }
+    let all = pack(&mut local.agent, ".").await.expect("the workspace");
+    assert!(all.iter().all(|(n, _, _)| !n.starts_with("etc_link/")), "never followed");
+    let capped = local
+        .agent
+        .submit(|id| Request::Pack { id, path: ".", max_bytes: None, max_entries: 2, newer: None })
+        .await
+        .expect("taken");
+    let mut over = local.agent.piece(capped, STEP).await;
+    while let Ok(Some(_)) = over {
+        over = local.agent.piece(capped, STEP).await;
+    }
+    assert!(over.as_ref().is_err_and(|e| e.to_string().contains("more than 2 entries")), "{over:?}");
 }

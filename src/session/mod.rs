@@ -16,25 +16,45 @@ pub(crate) mod jobs;
 pub(crate) mod registry;
 mod run;
 mod transfer;
+mod watch;
 
 pub(crate) use self::run::{RunOutcome, RunSpec, RunStatus};
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use bollard::Docker;
 
 use self::agent::{Agent, greet};
+use crate::checks::check_path;
 use crate::config::SandboxConfig;
 use crate::docker::container::{self, Created, Owner, short};
 use crate::docker::layers;
 use crate::docker::{self, exec};
-use crate::protocol::{self, Event, Package, Request, Variable};
+use crate::protocol::{self, Event, FileEntry, Package, Request, Variable};
 
 /// How long an agent query (variables, packages, refresh) may take.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Told when code of the previous run held the interpreter after the run had reported its
+/// end, and an interrupt stopped it.
+const INTERRUPTED_NOTICE: &str = "the previous run's code was still running after the run had reported its end \
+                                  (code can forge that report), so it was interrupted before this call went on; \
+                                  variables are kept";
+/// Told when that code ignored the interrupt too.
+const STUCK_NOTICE: &str = "the previous run's code was still running after the run had reported its end (code can \
+                            forge that report) and ignored an interrupt, so its processes were killed and a new \
+                            interpreter was started: variables are gone, workspace files are kept";
+/// Largest size a listed entry may claim; nothing in a sandbox's workspace comes near it.
+const MAX_ENTRY_SIZE: u64 = 1 << 40;
+/// Most variables listed, and the longest name, type name and repr kept, in characters.
+const MAX_VARIABLES: usize = 1000;
+const MAX_VARIABLE_TEXT: usize = 200;
+/// Most distributions listed, and the longest name and version kept, in characters.
+const MAX_PACKAGES: usize = 10_000;
+const MAX_PACKAGE_TEXT: usize = 200;
 
 /// A session failure that is not the code's own doing.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +68,13 @@ pub enum Error {
     /// The agent did not answer in time.
     #[error("the interpreter did not answer within {0:?}")]
     AgentTimeout(Duration),
+    /// The agent's main loop did not take a request even after the previous run was
+    /// interrupted: code of an earlier run holds the interpreter and ignores interrupts.
+    #[error(
+        "the interpreter was still busy with code of an earlier run that ignored an interrupt, and was restarted: \
+         variables are gone, workspace files are kept; try again"
+    )]
+    Stuck,
     /// Too many runs are waiting for this session.
     #[error(
         "the session is busy: one run is going and {0} are waiting; wait for them, use job_status, or use another session"
@@ -85,6 +112,31 @@ pub struct FileReply {
     pub entries: Vec<protocol::FileEntry>,
     /// The listing was cut.
     pub truncated: bool,
+    /// Entries the agent reported that no workspace holds (a path out of it, an unknown
+    /// kind, an absurd size), left out.
+    pub dropped: usize,
+}
+
+/// The entries of a listing that could be real: a path in the canonical form that
+/// [`check_path`] gives requests, a known kind, a sane size. The rest are dropped, and
+/// counted: the code can answer a listing in the agent's place.
+pub(super) fn checked_entries(entries: Vec<FileEntry>) -> (Vec<FileEntry>, usize) {
+    let total = entries.len();
+    let kept: Vec<FileEntry> = entries
+        .into_iter()
+        .filter(|e| {
+            check_path(&e.path, false).is_ok_and(|p| p == e.path)
+                && matches!(e.kind.as_str(), "file" | "dir" | "link")
+                && e.size <= MAX_ENTRY_SIZE
+        })
+        .collect();
+    let dropped = total - kept.len();
+    (kept, dropped)
+}
+
+/// At most `max` characters of `text`.
+fn cut(text: String, max: usize) -> String {
+    if text.chars().count() > max { text.chars().take(max).collect() } else { text }
 }
 
 /// Summary of a session for listings.
@@ -111,6 +163,21 @@ struct Inner {
     container: Created,
     /// `None` once the agent is lost; the next call starts a new one.
     agent: Option<Agent>,
+    /// The time limit of the last run, when it ended with `done` and the code's processes
+    /// were not killed since: code may go on under it, never past it (`watch.rs`).
+    lease: Option<tokio::time::Instant>,
+    /// A watchdog task looks after `lease`.
+    watched: bool,
+    /// What happened between calls, for the next run to tell.
+    pending: Vec<String>,
+    /// The interpreter's state was lost between calls, for the next run to tell.
+    pending_lost: bool,
+}
+
+impl Inner {
+    fn new(container: Created, agent: Agent) -> Self {
+        Self { container, agent: Some(agent), lease: None, watched: false, pending: Vec::new(), pending_lost: false }
+    }
 }
 
 /// One session.
@@ -121,6 +188,10 @@ pub struct Session {
     pub principal: String,
     /// Environment it was created in, for life.
     pub environment: String,
+    /// Itself, for the watchdog it starts.
+    me: Weak<Session>,
+    /// Wakes the watchdog when the lease changes.
+    lease_changed: Arc<tokio::sync::Notify>,
     docker: Docker,
     cfg: Arc<SandboxConfig>,
     image: String,
@@ -176,7 +247,7 @@ impl Prepared {
     ) -> Result<Self, Error> {
         let created = container::create(docker, cfg, image, owner, label, principal).await?;
         match greet(docker, &created.id, label).await {
-            Ok((agent, python)) => Ok(Self { inner: Inner { container: created, agent: Some(agent) }, python }),
+            Ok((agent, python)) => Ok(Self { inner: Inner::new(created, agent), python }),
             Err(e) => {
                 container::destroy(docker, &created).await;
                 Err(e)
@@ -218,10 +289,12 @@ impl Session {
         let Naming { name, principal, environment } = naming;
         let created = prepared.inner.container.clone();
         tracing::info!(session = %name, container = %short(&created.id), "session created");
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
             name,
             principal,
             environment,
+            me: me.clone(),
+            lease_changed: Arc::new(tokio::sync::Notify::new()),
             docker,
             cfg,
             image,
@@ -317,6 +390,7 @@ impl Session {
             tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
         container::destroy(&self.docker, &inner.container).await;
+        inner.lease = None;
         inner.container =
             container::create(&self.docker, &self.cfg, &self.image, &self.owner, &self.name, &self.principal).await?;
         if let Ok(mut c) = self.container.lock() {
@@ -349,10 +423,47 @@ impl Session {
     /// Returns a notice if the container itself had to be replaced.
     async fn restart_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
         inner.agent = None;
-        if let Err(e) = exec::kill_code_processes(&self.docker, &inner.container.id).await {
-            tracing::warn!(session = %self.name, error = %e, "cannot kill code processes");
+        match exec::kill_code_processes(&self.docker, &inner.container.id).await {
+            Ok(()) => inner.lease = None,
+            Err(e) => tracing::warn!(session = %self.name, error = %e, "cannot kill code processes"),
         }
         self.ensure_agent(inner).await
+    }
+
+    /// Sends the request `make(id)` and waits for the agent's main loop to take it. When code
+    /// of an earlier run holds the interpreter, it is interrupted (said by the next run); when
+    /// it ignores that too, its processes are killed, the request goes once more to a fresh
+    /// agent, and the next run says the state was lost.
+    async fn submit<'r>(&self, inner: &mut Inner, make: &impl Fn(u64) -> Request<'r>) -> Result<u64, Error> {
+        let mut retried = false;
+        loop {
+            let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone) };
+            let sent = agent.submit(make).await;
+            if agent.take_interrupted().is_some() {
+                inner.pending.push(INTERRUPTED_NOTICE.into());
+            }
+            match sent {
+                Err(Error::Stuck) if !retried => {
+                    retried = true;
+                    tracing::warn!(session = %self.name, "code of an earlier run holds the interpreter; restarting it");
+                    inner.pending.push(STUCK_NOTICE.into());
+                    inner.pending_lost = true;
+                    let notes = self.recover(inner).await;
+                    inner.pending.extend(notes);
+                }
+                Err(Error::Stuck) => {
+                    // Not even a fresh agent took it: kill what there is; the next call starts anew.
+                    let notes = self.recover(inner).await;
+                    inner.pending.extend(notes);
+                    return sent;
+                }
+                Err(Error::AgentGone) => {
+                    inner.agent = None;
+                    return sent;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Sends the request `make(id)` and waits for the answer `pick` recognises. An agent
@@ -362,11 +473,12 @@ impl Session {
     async fn query<'r, T>(
         &self,
         inner: &mut Inner,
-        make: impl FnOnce(u64) -> Request<'r>,
+        make: impl Fn(u64) -> Request<'r>,
         pick: impl Fn(u64, Event) -> Option<T>,
     ) -> Result<T, Error> {
+        let id = self.submit(inner, &make).await?;
         let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone) };
-        match agent.request(make, pick, QUERY_TIMEOUT).await {
+        match agent.answer(id, pick, QUERY_TIMEOUT).await {
             Err(Error::AgentGone) => {
                 inner.agent = None;
                 Err(Error::AgentGone)
@@ -387,8 +499,9 @@ impl Session {
         }
     }
 
-    /// The user's variables.
-    pub async fn variables(&self) -> Result<(Vec<Variable>, Option<String>), Error> {
+    /// The user's variables, at most [`MAX_VARIABLES`] with their texts cut (the code can
+    /// answer in the agent's place), and notices.
+    pub async fn variables(&self) -> Result<(Vec<Variable>, Vec<String>), Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
         let notice = self.ensure_agent(&mut inner).await?;
@@ -402,7 +515,20 @@ impl Session {
                 },
             )
             .await?;
-        Ok((vars, notice))
+        let mut notices: Vec<String> = notice.into_iter().collect();
+        if vars.len() > MAX_VARIABLES {
+            notices.push(format!("{} more variables are not listed", vars.len() - MAX_VARIABLES));
+        }
+        let vars = vars
+            .into_iter()
+            .take(MAX_VARIABLES)
+            .map(|v| Variable {
+                name: cut(v.name, MAX_VARIABLE_TEXT),
+                kind: cut(v.kind, MAX_VARIABLE_TEXT),
+                repr: cut(v.repr, MAX_VARIABLE_TEXT),
+            })
+            .collect();
+        Ok((vars, notices))
     }
 
     /// Installed distributions visible to the code.
@@ -410,15 +536,22 @@ impl Session {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.ensure_agent(&mut inner).await?;
-        self.query(
-            &mut inner,
-            |id| Request::Packages { id },
-            |id, ev| match ev {
-                Event::Packages { id: i, packages } if i == id => Some(packages),
-                _ => None,
-            },
-        )
-        .await
+        let packages = self
+            .query(
+                &mut inner,
+                |id| Request::Packages { id },
+                |id, ev| match ev {
+                    Event::Packages { id: i, packages } if i == id => Some(packages),
+                    _ => None,
+                },
+            )
+            .await?;
+        let packages = packages
+            .into_iter()
+            .take(MAX_PACKAGES)
+            .map(|p| Package { name: cut(p.name, MAX_PACKAGE_TEXT), version: cut(p.version, MAX_PACKAGE_TEXT) })
+            .collect();
+        Ok(packages)
     }
 
     /// Adds environment variables to every later run of the session.
@@ -435,7 +568,7 @@ impl Session {
 
     /// A workspace file request; [`Error::Refused`] when the agent refused it (no such file,
     /// a path leading outside the workspace, ...).
-    pub async fn file<'r>(&self, make: impl FnOnce(u64) -> Request<'r>) -> Result<FileReply, Error> {
+    pub async fn file<'r>(&self, make: impl Fn(u64) -> Request<'r>) -> Result<FileReply, Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.ensure_agent(&mut inner).await?;

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::agent::{Agent, ReadError};
+use super::agent::{Agent, ReadError, Taken};
 use super::extras::Extras;
-use super::{Error, Session};
+use super::{Error, INTERRUPTED_NOTICE, Inner, STUCK_NOTICE, Session};
 use crate::docker::{container, exec};
 use crate::output::Capture;
 use crate::protocol::{self, DoneStatus, Event, PyError, Request};
@@ -131,6 +131,9 @@ pub(super) enum Ending {
     Killed(RunStatus),
     /// The stream failed.
     Broken(String),
+    /// The agent's main loop never took the run: code of the previous run still holds the
+    /// interpreter and ignored an interrupt.
+    Stuck,
 }
 
 /// A child process of the run was killed for memory; the interpreter lives on.
@@ -192,8 +195,14 @@ impl Session {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
-        let mut notices: Vec<String> = self.ensure_agent(&mut inner).await?.into_iter().collect();
-        let state_lost_before = !notices.is_empty();
+        let ensured = self.ensure_agent(&mut inner).await?;
+        // What happened since the last call comes first.
+        let mut notices = std::mem::take(&mut inner.pending);
+        let mut state_lost_before = std::mem::take(&mut inner.pending_lost);
+        if let Some(n) = ensured {
+            notices.push(n);
+            state_lost_before = true;
+        }
         let started = Instant::now();
         let mut outcome = RunOutcome { state_lost: state_lost_before, ..RunOutcome::new(self.cfg.output_cap) };
         let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
@@ -201,13 +210,23 @@ impl Session {
         let spec = RunSpec { env, ..spec };
         let run_started = std::time::SystemTime::now();
         let stop = Stop { timeout, grace: self.cfg.grace(), ct };
-        let ending = match inner.agent.as_mut() {
-            Some(agent) => {
-                let id = agent.next_id();
-                drive(agent, id, &spec, stop, &mut outcome, observer, &self.name).await
-            }
-            None => Ending::Broken("no agent".into()),
-        };
+        let mut sent = tokio::time::Instant::now();
+        let mut ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name).await;
+        if matches!(ending, Ending::Stuck) {
+            // The run never started: the previous run's code holds the interpreter. A fresh
+            // one takes the run instead.
+            tracing::warn!(session = %self.name, "code of an earlier run holds the interpreter; restarting it");
+            outcome.state_lost = true;
+            notices.push(STUCK_NOTICE.into());
+            notices.extend(self.recover(&mut inner).await);
+            sent = tokio::time::Instant::now();
+            ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name).await;
+        }
+        if matches!(ending, Ending::Done) {
+            // Code may go on after a done (forged, or threads and processes left behind), up
+            // to the run's time limit and never past it.
+            self.lease(&mut inner, sent + timeout);
+        }
         match ending {
             // A child process (run_file, a command, a subprocess) killed by the OOM killer
             // leaves the interpreter alive; its status 137 plus the event tells.
@@ -242,7 +261,11 @@ impl Session {
                 let after = self.recover(&mut inner).await;
                 notices.push(lost(killed_notice(status), after));
             }
-            Ending::Broken(why) => {
+            Ending::Broken(_) | Ending::Stuck => {
+                let why = match ending {
+                    Ending::Broken(why) => why,
+                    _ => "a fresh interpreter did not take the run".into(),
+                };
                 tracing::warn!(session = %self.name, %why, "agent stream broken");
                 outcome.status = RunStatus::InterpreterRestarted;
                 outcome.state_lost = true;
@@ -258,8 +281,30 @@ impl Session {
     }
 }
 
+/// [`drive`] with the session's agent and a fresh id.
+async fn drive_agent(
+    inner: &mut Inner,
+    spec: &RunSpec<'_>,
+    stop: Stop<'_>,
+    outcome: &mut RunOutcome,
+    observer: &Observer<'_>,
+    name: &str,
+) -> Ending {
+    match inner.agent.as_mut() {
+        Some(agent) => {
+            let id = agent.next_id();
+            drive(agent, id, spec, stop, outcome, observer, name).await
+        }
+        None => Ending::Broken("no agent".into()),
+    }
+}
+
 /// Sends the run `id` and reads its events into `outcome` until it ends one way or another.
 /// Events of other ids are ignored. `name` is the session's, for logs.
+///
+/// The time limit starts once the agent's main loop has taken the run ([`Agent::taken`]):
+/// code of the previous run that went on after its `done` is interrupted first (and told in
+/// a notice), and when it will not stop, the run ends as [`Ending::Stuck`] without starting.
 pub(super) async fn drive(
     agent: &mut Agent,
     id: u64,
@@ -273,6 +318,13 @@ pub(super) async fn drive(
     let req = Request::Run { id, code: spec.code, file: spec.file, args: spec.args, cmd: spec.cmd, env: &spec.env };
     if let Err(e) = agent.send(&req).await {
         return Ending::Broken(e.to_string());
+    }
+    match agent.taken(id).await {
+        Taken::Yes => {}
+        Taken::AfterInterrupt(_) => outcome.notices.push(INTERRUPTED_NOTICE.into()),
+        Taken::No => return Ending::Stuck,
+        Taken::Gone(None) => return Ending::Died(None),
+        Taken::Gone(Some(why)) => return Ending::Broken(why),
     }
     let deadline = tokio::time::Instant::now() + timeout;
     // Set once we have asked the code to stop: why, and when to kill it if it has not.
@@ -303,6 +355,8 @@ pub(super) async fn drive(
                         (DoneStatus::Error, _) => RunStatus::Error,
                         (DoneStatus::Ok, _) => RunStatus::Ok,
                     };
+                    // Its code may still hold the interpreter: the done may be the code's own.
+                    agent.last_run = Some(id);
                     return Ending::Done;
                 }
                 Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.add_image(mime, b),

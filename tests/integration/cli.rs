@@ -342,3 +342,34 @@ async fn a_failed_install_is_said_once_in_the_user_s_terms() {
     assert_cleaned_up(&instance).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Links the program made out of the workspace are never followed on the way back: the
+/// workspace is packed by the agent as the program's own uid, links stay links and are not
+/// copied, and nothing of `/etc` (not even what only root may read) reaches the host.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_copy_back_follows_no_link_out_of_the_workspace() {
+    let dir = scratch("links");
+    let code = "import os\nos.symlink('/etc', 'etc_link')\nos.symlink('/etc/shadow', 'shadow_link')\n\
+                os.makedirs('res')\nopen('res/ok.txt', 'w').write('ok')\nos.symlink('/etc', 'res/etc_link')\n";
+    let (o, instance) = pyberth_run("links", &dir, &["--output", "out", "-"], Some(code)).await;
+    let (_, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(std::fs::read_to_string(dir.join("out/res/ok.txt")).expect("the result"), "ok");
+    for link in ["etc_link", "shadow_link", "res/etc_link"] {
+        assert!(std::fs::symlink_metadata(dir.join("out").join(link)).is_err(), "{link} is not copied");
+    }
+    let mut stack = vec![dir.join("out")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read out").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let body = std::fs::read(&p).unwrap_or_default();
+                assert!(!String::from_utf8_lossy(&body).contains("root:"), "{} came from /etc", p.display());
+            }
+        }
+    }
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

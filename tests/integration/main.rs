@@ -35,3 +35,5 @@ mod faults;
 mod sandbox;
 // A client that reads slowly: live output never holds up the run.
 mod slow_client;
+// Forged agent answers: a forged done, code left running, forged listings, links out of archives.
+mod forged;
