@@ -300,10 +300,14 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     tasks.spawn(registry.clone().pool_keeper(shutdown.clone()));
     // Find or build the image now, so the first call does not wait for it.
     let warm = registry.clone();
+    let stop_warming = shutdown.clone();
     tasks.spawn(async move {
         let env = warm.environments.get(None);
         let built = match &env {
-            Ok(env) => warm.image(env, &|_| {}).await.map(|_| ()),
+            Ok(env) => tokio::select! {
+                built = warm.image(env, &|_| {}) => built.map(|_| ()),
+                () = stop_warming.cancelled() => Ok(()),
+            },
             Err(e) => Err(pyberth::RegistryError::Environment(e.clone())),
         };
         if let Err(e) = built {
@@ -329,8 +333,10 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     };
     shutdown.cancel();
     tasks.close();
-    registry.shutdown().await;
+    // The tasks first: a pool container being made when the stop came must be in the pool (or
+    // gone) before the registry removes what it holds, or it outlives the server.
     tasks.wait().await;
+    registry.shutdown().await;
     tracing::info!("pyberth stopped");
     served
 }

@@ -532,17 +532,31 @@ impl Registry {
             }
             serial += 1;
             let label = format!("pool-{serial}");
-            let made = async {
-                let env = self.environments.get(None).map_err(Error::Environment)?;
-                let image = self.image(&env, &|_| {}).await?;
-                super::Prepared::make(&self.docker, &env.cfg, &image, &self.instance.owner, &label, "")
-                    .await
-                    .map_err(Error::from)
+            // Waiting for the image may be cut short by a stop; making the container may not: a
+            // container dropped half-made is one nobody would remove.
+            let env = match self.environments.get(None) {
+                Ok(env) => env,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot fill the warm pool");
+                    break;
+                }
             };
-            let made = tokio::select! {
+            let image = tokio::select! {
                 _ = shutdown.cancelled() => break,
-                m = made => m,
+                image = self.image(&env, &|_| {}) => image,
             };
+            let made = match image {
+                Ok(image) => super::Prepared::make(&self.docker, &env.cfg, &image, &self.instance.owner, &label, "")
+                    .await
+                    .map_err(Error::from),
+                Err(e) => Err(e),
+            };
+            if shutdown.is_cancelled() {
+                if let Ok(p) = made {
+                    p.destroy(&self.docker).await;
+                }
+                break;
+            }
             match made {
                 Ok(p) => {
                     self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p);

@@ -207,3 +207,18 @@ async fn the_first_call_hears_the_image_build_it_waits_for() {
     s.stop().await;
     let _ = docker.remove_image(&tag, Some(force), None).await;
 }
+
+/// A stop that comes while the warm pool is being filled: a container half-made when the
+/// signal came must not outlive the server (it is finished, then removed).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_while_the_pool_fills_leaves_nothing_behind() {
+    for delay_ms in [0u64, 150, 300, 450] {
+        let s = Server::start("pool-stop", &[("PYBERTH_POOL_SIZE", "2")]).await;
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let pid = s.child.id().expect("pid");
+        let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+        let instance = s.instance.clone();
+        s.stop().await;
+        assert_cleaned_up(&instance).await;
+    }
+}
