@@ -1,3 +1,8 @@
+//! Dependency layers: installs, cache hits, live installs, failures.
+//! Each test installs requirement sets no other test asks for, and removes the layers it made
+//! (`OwnLayers`): two tests building one set at once leave an untagged image behind, and one
+//! removing a layer another is about to use fails that one.
+
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -5,7 +10,7 @@ use bollard::query_parameters::{EventsOptionsBuilder, ListImagesOptionsBuilder, 
 use futures::StreamExt;
 use serde_json::json;
 
-use crate::common::{Server, containers_of, docker, text};
+use crate::common::{OwnLayers, Server, containers_of, docker, text};
 
 fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| i64::try_from(d.as_secs()).unwrap_or(0)).unwrap_or(0)
@@ -25,14 +30,17 @@ async fn installers_started(instance: &str, since: i64, until: i64) -> usize {
     docker().await.events(Some(opts)).filter(|e| futures::future::ready(e.is_ok())).count().await
 }
 
-/// Removes cached layers holding exactly this requirement set, so an install must run.
+/// Removes cached layers holding exactly this requirement set, so an install must run. Not
+/// forced: a layer a container still uses (another checkout's test, on another sandbox image)
+/// stays, and is no layer of ours.
 async fn forget_layers(requirements: &str) {
     let label = format!("pyberth.requirements={requirements}");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
     let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
     for image in docker().await.list_images(Some(opts)).await.expect("list images") {
-        let opts = RemoveImageOptionsBuilder::default().force(true).build();
-        let _ = docker().await.remove_image(&image.id, Some(opts), None).await;
+        let name = image.repo_tags.iter().find(|t| t.as_str() != "<none>:<none>").unwrap_or(&image.id);
+        let opts = RemoveImageOptionsBuilder::default().build();
+        let _ = docker().await.remove_image(name, Some(opts), None).await;
     }
 }
 
@@ -43,6 +51,7 @@ fn no_network_code() -> &'static str {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
     forget_layers("six").await;
+    let _layers = OwnLayers::new(&["six"]);
     let s = Server::start("deps-six", &[]).await;
     let t0 = now();
     let r = s.call("install_packages", json!({ "packages": ["six"], "session": "first" })).await;
@@ -70,6 +79,7 @@ async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_live_session_gains_packages_and_keeps_its_variables() {
+    let _layers = OwnLayers::new(&["attrs"]);
     let s = Server::start("deps-live", &[]).await;
     s.ok("live", "kept = 41").await;
     let r = s.call("install_packages", json!({ "packages": ["attrs"], "session": "live" })).await;
@@ -111,6 +121,7 @@ async fn bad_and_unknown_packages_are_tool_errors_and_the_session_survives() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn layers_survive_a_restart_and_compiled_extensions_work() {
+    let _layers = OwnLayers::new(&["markupsafe"]);
     let s = Server::start("deps-restart-1", &[]).await;
     let (r, _) = s.run_with(json!({ "session": "c", "code": "1", "packages": ["markupsafe"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
@@ -128,6 +139,7 @@ async fn layers_survive_a_restart_and_compiled_extensions_work() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn inline_script_metadata_declares_dependencies() {
+    let _layers = OwnLayers::new(&["iniconfig"]);
     let s = Server::start("deps-pep723", &[]).await;
     let code = "# /// script\n# dependencies = [\"iniconfig\"]\n# ///\nimport iniconfig\niniconfig.__name__";
     let sc = s.ok("default", code).await;
@@ -151,6 +163,7 @@ async fn an_unreachable_index_is_said_plainly() {
 /// system CA bundle, and get_environment says which bundle is used.
 #[tokio::test(flavor = "multi_thread")]
 async fn installs_work_with_the_environment_a_desktop_client_passes() {
+    let _layers = OwnLayers::new(&["iniconfig==2.0.0"]);
     let s = Server::start_like_a_desktop_client("deps-minimal-env", &[]).await;
     let r = s.call("get_environment", json!({})).await;
     let sc = r.structured_content.clone().expect("structured");
@@ -171,6 +184,8 @@ async fn a_requirement_whose_marker_is_false_here_is_skipped_not_installed() {
     // pip ignores a requirement whose environment marker is false; saying "installed" (and
     // recording it in the session) would be a lie the model then acts on.
     let never = "six; python_version < '3'";
+    // tomli, not iniconfig: inline_script_metadata_declares_dependencies builds that one.
+    let _layers = OwnLayers::new(&["tomli", "six; python_version >= '3'"]);
     let s = Server::start("deps-marker", &[]).await;
     let r = s.call("install_packages", json!({ "packages": [never], "session": "m" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
@@ -184,12 +199,12 @@ async fn a_requirement_whose_marker_is_false_here_is_skipped_not_installed() {
     assert_eq!(sc["missing"], json!(["six"]));
 
     // Beside a requirement that applies, in a live session: one installed, one skipped.
-    let r = s.call("install_packages", json!({ "packages": ["iniconfig", never], "session": "m" })).await;
+    let r = s.call("install_packages", json!({ "packages": ["tomli", never], "session": "m" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let sc = r.structured_content.clone().expect("sc");
-    assert_eq!(sc["installed"], json!(["iniconfig"]), "{}", text(&r));
+    assert_eq!(sc["installed"], json!(["tomli"]), "{}", text(&r));
     assert_eq!(sc["skipped"], json!([never]), "{}", text(&r));
-    assert_eq!(s.ok("m", "import iniconfig\niniconfig.__name__").await["result"], "'iniconfig'");
+    assert_eq!(s.ok("m", "import tomli\ntomli.__name__").await["result"], "'tomli'");
 
     // A true marker installs as before.
     let r = s.call("install_packages", json!({ "packages": ["six; python_version >= '3'"], "session": "m" })).await;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::common::{Server, state_dir, text};
+use crate::common::{OwnLayers, Server, state_dir, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_python_versions_run_side_by_side() {
@@ -55,23 +55,25 @@ async fn an_operator_environment_brings_packages_and_a_read_only_folder() {
     std::fs::write(
         &config,
         format!(
-            "[environments.science]\ndescription = \"with six and the dataset\"\npackages = [\"six\"]\n\
+            "[environments.science]\ndescription = \"with toml and the dataset\"\npackages = [\"toml\"]\n\
              memory_mb = 640\nmounts = [{{ host = \"{}\", path = \"/data\" }}]\n",
             data.display()
         ),
     )
     .expect("config");
     let config = config.to_string_lossy().into_owned();
+    // toml, not six: deps.rs builds that layer, and removes it.
+    let _layers = OwnLayers::new(&["toml"]);
     let s = Server::start("science", &[("PYBERTH_CONFIG", &config)]).await;
 
     let listed = s.call("list_environments", json!({})).await.structured_content.expect("sc");
     let envs = listed["environments"].as_array().expect("list");
     let science = envs.iter().find(|e| e["name"] == "science").expect("science listed");
-    assert_eq!(science["packages"], json!(["six"]));
+    assert_eq!(science["packages"], json!(["toml"]));
     assert_eq!(science["mounts"][0]["path"], "/data");
     assert!(envs.iter().any(|e| e["name"] == "python3.13") && envs.iter().any(|e| e["name"] == "default"));
 
-    let code = "import six\nprint(six.__name__)\nopen('/data/hello.txt').read()";
+    let code = "import toml\nprint(toml.__name__)\nopen('/data/hello.txt').read()";
     let (r, sc) = s.run_with(json!({ "session": "lab", "environment": "science", "code": code })).await;
     assert_eq!(r.is_error, Some(false), "no install step needed: {}", text(&r));
     assert_eq!(sc["result"], "'from the host'");
@@ -83,7 +85,7 @@ async fn an_operator_environment_brings_packages_and_a_read_only_folder() {
     assert_eq!(env["mounts"][0]["read_only"], true);
     // Sessions of other environments see no folder and no package.
     let sc = s
-        .ok("plain", "import os, importlib.util\n(os.path.exists('/data'), importlib.util.find_spec('six') is None)")
+        .ok("plain", "import os, importlib.util\n(os.path.exists('/data'), importlib.util.find_spec('toml') is None)")
         .await;
     assert_eq!(sc["result"], "(False, True)");
     s.stop().await;

@@ -207,3 +207,17 @@ async fn the_first_call_hears_the_image_build_it_waits_for() {
     s.stop().await;
     let _ = docker.remove_image(&tag, Some(force), None).await;
 }
+
+/// A test that fails before `stop` drops its server: the harness closes its stdin, as `stop`
+/// does, so the server removes its containers, volumes and lock file itself. Killed, it would
+/// leave all three (a stale lock in the tests' state dir) until some later sweep.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_server_a_test_drops_is_stopped_not_killed() {
+    let s = Server::start("dropped", &[]).await;
+    s.ok("a", "1").await;
+    let instance = s.instance.clone();
+    drop(s);
+    let lock = crate::common::state_dir().join(format!("{instance}.lock"));
+    assert!(!lock.exists(), "its lock file was left: {}", lock.display());
+    assert_cleaned_up(&instance).await;
+}
