@@ -1,4 +1,4 @@
-//! Dependency layers: installs, cache hits, live installs, failures.
+//! Dependency layers: installs, cache hits, live installs, failures, and `pyberth layers`.
 //! Each test installs requirement sets no other test asks for, and removes the layers it made
 //! (`OwnLayers`): two tests building one set at once leave an untagged image behind, and one
 //! removing a layer another is about to use fails that one.
@@ -6,11 +6,13 @@
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bollard::query_parameters::{EventsOptionsBuilder, ListImagesOptionsBuilder, RemoveImageOptionsBuilder};
+use bollard::query_parameters::{
+    BuildImageOptionsBuilder, EventsOptionsBuilder, ListImagesOptionsBuilder, RemoveImageOptionsBuilder,
+};
 use futures::StreamExt;
 use serde_json::json;
 
-use crate::common::{OwnLayers, Server, containers_of, docker, text};
+use crate::common::{OwnLayers, Server, containers_of, docker, state_dir, text};
 
 fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| i64::try_from(d.as_secs()).unwrap_or(0)).unwrap_or(0)
@@ -218,4 +220,81 @@ async fn a_requirement_whose_marker_is_false_here_is_skipped_not_installed() {
     assert!(text(&r).contains("marker false in this environment"), "{}", text(&r));
     assert!(!text(&r).contains("packages ready"), "{}", text(&r));
     s.stop().await;
+}
+
+/// Builds a stand-in layer as `docker/layers.rs` does (labels through the build) on `base`:
+/// one `size`-byte file, so its own size is known.
+async fn stand_in_layer(base: &str, tag: &str, requirements: &str, size: usize, fill: u8) -> String {
+    let dockerfile = format!("FROM {base}\nCOPY blob /opt/pyberth/site/blob\n");
+    let mut ar = tar::Builder::new(Vec::new());
+    for (name, data) in [("Dockerfile", dockerfile.into_bytes()), ("blob", vec![fill; size])] {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        ar.append_data(&mut h, name, &data[..]).expect("context");
+    }
+    let context = ar.into_inner().expect("context");
+    let labels = HashMap::from([
+        ("pyberth.image", "layer".to_owned()),
+        ("pyberth.requirements", requirements.to_owned()),
+        ("pyberth.base", base.to_owned()),
+    ]);
+    let opts = BuildImageOptionsBuilder::default().dockerfile("Dockerfile").t(tag).labels(&labels).rm(true).build();
+    let docker = docker().await;
+    let mut build = docker.build_image(opts, None, Some(bollard::body_full(context.into())));
+    while let Some(step) = build.next().await {
+        let step = step.expect("build");
+        assert!(step.error_detail.is_none(), "build failed: {:?}", step.error_detail);
+    }
+    docker.inspect_image(tag).await.expect("built").id.expect("id")
+}
+
+/// `pyberth layers list` shows what each layer adds to the sandbox image, not the whole image
+/// every layer shares (~170 MB each, so a list of small packages read as gigabytes), and
+/// never an untagged row: an image whose tag a later build of the same set took is counted on
+/// stderr, where prune is named, not listed as a layer.
+#[tokio::test(flavor = "multi_thread")]
+async fn layers_list_shows_each_layers_own_size_and_no_untagged_rows() {
+    let pyberth = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+            .args(args)
+            .env("PYBERTH_STATE_DIR", state_dir())
+            .output()
+            .expect("pyberth")
+    };
+    let built = pyberth(&["image", "build"]);
+    assert!(built.status.success(), "{}", String::from_utf8_lossy(&built.stderr));
+    let base = String::from_utf8_lossy(&pyberth(&["image", "tag"]).stdout).trim().to_owned();
+    let set = format!("pyberth-list-test-{}", std::process::id());
+    let _layers = OwnLayers::new(&[&set]);
+    let tag = format!("pyberth-layer:list-test-{}", std::process::id());
+    // Two builds of one tag: the first is left untagged.
+    let lost = stand_in_layer(&base, &tag, &set, 300_000, b'a').await;
+    let kept = stand_in_layer(&base, &tag, &set, 200_000, b'b').await;
+    assert_ne!(lost, kept);
+
+    let out = pyberth(&["layers", "list"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<Vec<&str>> = stdout.lines().map(|l| l.split('\t').collect()).collect();
+    for row in &rows {
+        assert_eq!(row.len(), 3, "tag, own size, requirements: {row:?}");
+        assert!(row[0].starts_with("pyberth-layer:"), "a row without a tag: {row:?}");
+    }
+    assert!(!stdout.contains("<none>") && !stdout.contains(&lost), "the untagged image is not listed: {stdout}");
+    assert!(stderr.contains("untagged layer image") && stderr.contains("prune"), "{stderr}");
+    let ours: Vec<&Vec<&str>> = rows.iter().filter(|r| r[2] == set).collect();
+    assert_eq!(ours.len(), 1, "{stdout}");
+    assert_eq!(ours[0][0], tag);
+
+    // Its own size: the image's size less its base's, as `docker images` would print it.
+    let size = |image: String| async move { docker().await.inspect_image(&image).await.expect("inspect").size };
+    let own = size(tag.clone()).await.expect("size") - size(base.clone()).await.expect("size");
+    assert!((200_000..260_000).contains(&own), "the stand-in adds its one file: {own} bytes");
+    let (value, unit) = ours[0][1].split_once(' ').expect("a size and its unit");
+    assert_eq!(unit, "kB", "{}", ours[0][1]);
+    let (whole, tenth) = value.split_once('.').expect("one decimal");
+    let shown: i64 = whole.parse::<i64>().expect("kB") * 1000 + tenth.parse::<i64>().expect("tenths") * 100;
+    assert!(shown <= own && own < shown + 100, "shown {} for {own} bytes", ours[0][1]);
 }
