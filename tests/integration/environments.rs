@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::common::{OwnLayers, Server, state_dir, text};
+use crate::common::{OwnLayers, Server, docker, state_dir, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_python_versions_run_side_by_side() {
@@ -110,4 +110,48 @@ async fn a_mount_that_does_not_exist_stops_the_server_naming_the_entry() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("environments.broken.mounts") && err.contains("/no/such/folder"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The tags of the images the sandbox image `tag` was built on.
+async fn ancestors(tag: &str) -> Vec<String> {
+    let history = docker().await.image_history(tag).await.expect("the image exists");
+    history.into_iter().skip(1).flat_map(|step| step.tags).collect()
+}
+
+/// Where no registry answers, the default environment runs Debian's Python (3.11 on
+/// bookworm), not python:3.12-slim: list_environments must not tell a model it has 3.12.
+/// Its description names both cases, and the one the built image took is read from the
+/// engine by `description_as_built`.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_default_environment_is_described_as_what_it_runs() {
+    let s = Server::start("describe-default", &[]).await;
+    let sc = s.ok("default", "import sys\n'%d.%d' % sys.version_info[:2]").await;
+    let python = sc["result"].as_str().expect("a version").trim_matches('\'').to_owned();
+    let listed = s.call("list_environments", json!({})).await;
+    let envs = listed.structured_content.clone().expect("sc");
+    let default = envs["environments"].as_array().expect("list").iter().find(|e| e["name"] == "default").cloned();
+    let description = default.expect("default listed")["description"].as_str().expect("text").to_owned();
+    assert!(text(&listed).contains(&description), "the text says the same: {}", text(&listed));
+    assert!(description.contains(&format!("Python {python}")), "it runs {python}: {description}");
+    s.stop().await;
+
+    // The same settings as the server's (flags' environment variables included).
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cfg: pyberth::config::SandboxConfig,
+    }
+    let cfg = <Cli as clap::Parser>::parse_from(["pyberth"]).cfg;
+    let envs = pyberth::environment::Environments::from_config(&cfg).expect("environments");
+    let env = envs.get(Some("default")).expect("default");
+    assert_eq!(env.description, description);
+    let built = pyberth::environment::description_as_built(&docker().await, &env).await;
+    let offline = format!("pyberth-base:{}", cfg.fallback_release);
+    let tag = pyberth::docker::image::tag_for(&env.cfg);
+    if ancestors(&tag).await.contains(&offline) {
+        assert!(built.contains(&format!("Python {python} (the offline base {offline}")), "{built}");
+        assert!(!built.contains("where a registry answers"), "one case, the one that runs: {built}");
+    } else {
+        assert!(built.contains(&format!("Python {python} from {}", cfg.base_image)), "{built}");
+    }
 }
