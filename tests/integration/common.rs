@@ -297,6 +297,17 @@ pub async fn remove_layers(sets: &[String], since: i64) -> Result<(), String> {
     if left.is_empty() { Ok(()) } else { Err(left.join("; ")) }
 }
 
+/// The settings a server started by these tests has: the defaults, under the variables of the
+/// test's environment (PYBERTH_BASE_IMAGE …), which it inherits.
+pub fn server_settings() -> pyberth::config::SandboxConfig {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cfg: pyberth::config::SandboxConfig,
+    }
+    <Cli as clap::Parser>::parse_from(["pyberth"]).cfg
+}
+
 /// All text content of a result.
 pub fn text(r: &CallToolResult) -> String {
     r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n")

@@ -6,13 +6,12 @@
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use bollard::query_parameters::{
-    BuildImageOptionsBuilder, EventsOptionsBuilder, ListImagesOptionsBuilder, RemoveImageOptionsBuilder,
-};
+use bollard::query_parameters::{BuildImageOptionsBuilder, EventsOptionsBuilder, RemoveImageOptionsBuilder};
 use futures::StreamExt;
+use pyberth::docker::layers::{IndexSettings, layer_key};
 use serde_json::json;
 
-use crate::common::{OwnLayers, Server, containers_of, docker, state_dir, text};
+use crate::common::{OwnLayers, Server, containers_of, docker, server_settings, state_dir, text};
 
 fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| i64::try_from(d.as_secs()).unwrap_or(0)).unwrap_or(0)
@@ -32,18 +31,15 @@ async fn installers_started(instance: &str, since: i64, until: i64) -> usize {
     docker().await.events(Some(opts)).filter(|e| futures::future::ready(e.is_ok())).count().await
 }
 
-/// Removes cached layers holding exactly this requirement set, so an install must run. Not
-/// forced: a layer a container still uses (another checkout's test, on another sandbox image)
-/// stays, and is no layer of ours.
-async fn forget_layers(requirements: &str) {
-    let label = format!("pyberth.requirements={requirements}");
-    let filters = HashMap::from([("label", vec![label.as_str()])]);
-    let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
-    for image in docker().await.list_images(Some(opts)).await.expect("list images") {
-        let name = image.repo_tags.iter().find(|t| t.as_str() != "<none>:<none>").unwrap_or(&image.id);
-        let opts = RemoveImageOptionsBuilder::default().build();
-        let _ = docker().await.remove_image(name, Some(opts), None).await;
-    }
+/// Removes the cached layer a server with `index` settings finds for `requirements` (one,
+/// canonical) on the sandbox image `base`, so an install must run: that one tag, computed as
+/// the server computes it, never a layer of another sandbox image or another checkout's
+/// test; not forced, so not one a container uses either.
+async fn forget_layer(requirements: &str, base: &str, index: &IndexSettings) {
+    let Ok(image) = docker().await.inspect_image(base).await else { return };
+    let key = layer_key(&image.id.unwrap_or_else(|| base.to_owned()), &[requirements.to_owned()], index);
+    let opts = RemoveImageOptionsBuilder::default().build();
+    let _ = docker().await.remove_image(&format!("pyberth-layer:{key}"), Some(opts), None).await;
 }
 
 fn no_network_code() -> &'static str {
@@ -52,7 +48,9 @@ fn no_network_code() -> &'static str {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
-    forget_layers("six").await;
+    let cfg = server_settings();
+    let index = IndexSettings::from_config(&cfg).expect("index settings");
+    forget_layer("six", &pyberth::docker::image::tag_for(&cfg), &index).await;
     let _layers = OwnLayers::new(&["six"]);
     let s = Server::start("deps-six", &[]).await;
     let t0 = now();
@@ -173,7 +171,9 @@ async fn installs_work_with_the_environment_a_desktop_client_passes() {
     assert!(!bundle.is_empty() && std::path::Path::new(&bundle).is_file(), "a system bundle is used: {sc}");
     assert!(text(&r).contains(&bundle), "and said: {}", text(&r));
     // A set no other test asks for, its cached layer removed: the install really reaches the index.
-    forget_layers("iniconfig==2.0.0").await;
+    // Started without the test's environment: the default settings, the default image.
+    let (base, index) = (pyberth::docker::image::sandbox_tag(), IndexSettings::default());
+    forget_layer("iniconfig==2.0.0", &base, &index).await;
     let r = s.call("install_packages", json!({ "packages": ["iniconfig==2.0.0"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let sc = s.ok("default", "import iniconfig\niniconfig.__name__").await;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::common::{OwnLayers, Server, docker, state_dir, text};
+use crate::common::{OwnLayers, Server, docker, server_settings, state_dir, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_python_versions_run_side_by_side() {
@@ -135,13 +135,7 @@ async fn the_default_environment_is_described_as_what_it_runs() {
     assert!(description.contains(&format!("Python {python}")), "it runs {python}: {description}");
     s.stop().await;
 
-    // The same settings as the server's (flags' environment variables included).
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        cfg: pyberth::config::SandboxConfig,
-    }
-    let cfg = <Cli as clap::Parser>::parse_from(["pyberth"]).cfg;
+    let cfg = server_settings();
     let envs = pyberth::environment::Environments::from_config(&cfg).expect("environments");
     let env = envs.get(Some("default")).expect("default");
     assert_eq!(env.description, description);
