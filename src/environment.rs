@@ -107,17 +107,8 @@ fn builtins(cfg: &SandboxConfig) -> Vec<(&'static str, EnvironmentSpec)> {
         ..Default::default()
     };
     vec![
-        (
-            DEFAULT,
-            spec(
-                format!(
-                    "General purpose: {} (offline: Debian {} Python); no packages preinstalled",
-                    cfg.base_image, cfg.fallback_release
-                ),
-                &cfg.base_image,
-                &cfg.fallback_release,
-            ),
-        ),
+        // Described in `resolve`, from the base it ends up with (an operator may set another).
+        (DEFAULT, EnvironmentSpec { description: None, ..spec(String::new(), &cfg.base_image, &cfg.fallback_release) }),
         (
             "python3.11",
             spec("Python 3.11 (python:3.11-slim, offline: Debian bookworm)".into(), "python:3.11-slim", "bookworm"),
@@ -127,6 +118,85 @@ fn builtins(cfg: &SandboxConfig) -> Vec<(&'static str, EnvironmentSpec)> {
             spec("Python 3.13 (python:3.13-slim, offline: Debian trixie)".into(), "python:3.13-slim", "trixie"),
         ),
     ]
+}
+
+/// The Python a Debian release ships.
+fn debian_python(release: &str) -> Option<&'static str> {
+    match release {
+        "bullseye" => Some("3.9"),
+        "bookworm" => Some("3.11"),
+        "trixie" => Some("3.13"),
+        _ => None,
+    }
+}
+
+/// "Debian bookworm's Python 3.11": what the offline base of `release` runs.
+fn offline_python(release: &str) -> String {
+    match debian_python(release) {
+        Some(v) => format!("Debian {release}'s Python {v}"),
+        None => format!("Debian {release}'s Python 3"),
+    }
+}
+
+/// "Python 3.12 from python:3.12-slim" for an official Python image, else the reference.
+fn image_python(image: &str) -> String {
+    let tag = image.strip_prefix("python:").or_else(|| image.strip_prefix("docker.io/library/python:"));
+    match tag.and_then(|t| t.split('-').next()).filter(|v| v.starts_with(|c: char| c.is_ascii_digit())) {
+        Some(v) => format!("Python {v} from {image}"),
+        None => image.to_owned(),
+    }
+}
+
+/// The default environment's description: what it runs, both where a registry answers and
+/// where it does not (which one a server got shows in the image it built; get_environment
+/// tells a session's exact Python).
+fn default_description(cfg: &SandboxConfig) -> String {
+    const TAIL: &str = "no packages preinstalled";
+    if let Some(image) = &cfg.image {
+        return format!("General purpose: the image {image} (--image); {TAIL}");
+    }
+    let offline = offline_python(&cfg.fallback_release);
+    // The offline base named as the base itself (compose did so): there is no other case.
+    if cfg.base_image.starts_with(&format!("{}:", crate::docker::image::BASE_REPO)) {
+        return format!("General purpose: {offline} ({}); {TAIL}", cfg.base_image);
+    }
+    format!(
+        "General purpose: {} where a registry answers, otherwise {offline}, built offline; {TAIL}",
+        image_python(&cfg.base_image)
+    )
+}
+
+/// The default environment's description once its image exists: the base it was built on,
+/// read from the engine (the tagged images in its history), in place of both cases. An
+/// operator's own description, and every other environment's (the same Python either way),
+/// are returned as they are; so is the default's while its image is not built.
+pub async fn description_as_built(docker: &bollard::Docker, env: &Environment) -> String {
+    let generated = env.name == DEFAULT && env.description == default_description(&env.cfg);
+    if !generated || env.cfg.image.is_some() {
+        return env.description.clone();
+    }
+    let tag = crate::docker::image::tag_for(&env.cfg);
+    let Ok(history) = docker.image_history(&tag).await else { return env.description.clone() };
+    let tags: Vec<&str> = history.iter().skip(1).flat_map(|step| step.tags.iter().map(String::as_str)).collect();
+    match built_on(&env.cfg, &tags) {
+        Some(runs) => format!("General purpose: {runs}; no packages preinstalled"),
+        None => env.description.clone(),
+    }
+}
+
+/// What an image whose ancestors carry `tags` runs: the configured base, or the offline one.
+fn built_on(cfg: &SandboxConfig, tags: &[&str]) -> Option<String> {
+    let offline = format!("{}:{}", crate::docker::image::BASE_REPO, cfg.fallback_release);
+    if tags.contains(&offline.as_str()) {
+        return Some(format!(
+            "{} (the offline base {offline}: {} could not be pulled when the image was built)",
+            offline_python(&cfg.fallback_release),
+            cfg.base_image
+        ));
+    }
+    let base = cfg.base_image.as_str();
+    let library = format!("docker.io/library/{base}");
+    tags.iter().any(|t| *t == base || *t == library).then(|| image_python(base))
 }
 
 fn valid_name(name: &str) -> bool {
@@ -253,7 +323,11 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
     cfg.validate().map_err(|e| format!("environments.{name}: {e}"))?;
     let packages = crate::deps::parse_set(&spec.packages, base.max_packages)
         .map_err(|e| format!("environments.{name}.packages: {e}"))?;
-    let description = spec.description.clone().unwrap_or_else(|| format!("operator-defined environment {name}"));
+    let description = match &spec.description {
+        Some(d) => d.clone(),
+        None if name == DEFAULT => default_description(&cfg),
+        None => format!("operator-defined environment {name}"),
+    };
     Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages })
 }
 
@@ -298,6 +372,33 @@ mod tests {
         let e = envs.get(Some("nope")).expect_err("unknown");
         assert!(e.contains("python3.11") && e.contains("list_environments"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_default_description_says_what_runs_with_and_without_a_registry() {
+        let envs = Environments::from_config(&cfg_with("")).expect("valid");
+        let default = envs.get(None).expect("default").description.clone();
+        assert_eq!(
+            default,
+            "General purpose: Python 3.12 from python:3.12-slim where a registry answers, otherwise \
+             Debian bookworm's Python 3.11, built offline; no packages preinstalled"
+        );
+        let cfg = cfg_with("base_image = \"pyberth-base:bookworm\"\n");
+        let envs = Environments::from_config(&cfg).expect("valid");
+        let offline = &envs.get(None).expect("default").description;
+        assert!(
+            offline.starts_with("General purpose: Debian bookworm's Python 3.11 (pyberth-base:bookworm)"),
+            "{offline}"
+        );
+        let cfg = cfg_with("image = \"my/python:1\"\nfallback_release = \"trixie\"\n");
+        let pinned = &Environments::from_config(&cfg).expect("valid").get(None).expect("default").description;
+        assert!(pinned.contains("the image my/python:1 (--image)") && !pinned.contains("3.12"), "{pinned}");
+
+        let cfg = cfg_with("");
+        let offline = built_on(&cfg, &["pyberth-base:bookworm"]).expect("the offline base");
+        assert!(offline.starts_with("Debian bookworm's Python 3.11 (the offline base"), "{offline}");
+        assert_eq!(built_on(&cfg, &["python:3.12-slim"]).as_deref(), Some("Python 3.12 from python:3.12-slim"));
+        assert_eq!(built_on(&cfg, &["something:else"]), None, "an unknown base is not guessed");
     }
 
     #[test]

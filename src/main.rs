@@ -254,12 +254,25 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let docker = docker::connect(cfg.docker_host.as_deref()).await?;
             let mut out = String::new();
             let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
-            for l in layers::list_by_use(&docker, &state_dir).await? {
-                out.push_str(&format!("{}\t{} MB\t{}\n", l.tag, l.size >> 20, l.requirements.join(" ")));
+            let (dangling, tagged): (Vec<_>, Vec<_>) =
+                layers::list_by_use(&docker, &state_dir).await?.into_iter().partition(|l| l.dangling);
+            // Each layer's own size: every one shares its sandbox image's (~170 MB) with the rest.
+            for l in tagged {
+                let own = l.own_size.map_or_else(|| "?".to_owned(), human_size);
+                out.push_str(&format!("{}\t{own}\t{}\n", l.tag, l.requirements.join(" ")));
             }
             #[allow(clippy::print_stdout)] // the listing is the command's output
             {
                 print!("{out}");
+            }
+            if !dangling.is_empty() {
+                let own: i64 = dangling.iter().filter_map(|l| l.own_size).sum();
+                eprintln!(
+                    "and {} untagged layer image(s), {}, not listed: a build of the same set that finished \
+                     later took their tag; `pyberth layers prune` removes them",
+                    dangling.len(),
+                    human_size(own)
+                );
             }
             Ok(())
         }
@@ -271,6 +284,17 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+/// Bytes as `docker images` shows them: decimal units, one decimal (84.7 kB, 1.2 MB).
+fn human_size(bytes: i64) -> String {
+    let b = u64::try_from(bytes).unwrap_or(0);
+    match b {
+        0..1_000 => format!("{b} B"),
+        1_000..1_000_000 => format!("{}.{} kB", b / 1_000, b % 1_000 / 100),
+        1_000_000..1_000_000_000 => format!("{}.{} MB", b / 1_000_000, b % 1_000_000 / 100_000),
+        _ => format!("{}.{} GB", b / 1_000_000_000, b % 1_000_000_000 / 100_000_000),
     }
 }
 
@@ -369,4 +393,19 @@ async fn serve_stdio(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> anyhow
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_size;
+
+    #[test]
+    fn sizes_read_as_docker_shows_them() {
+        assert_eq!(human_size(0), "0 B");
+        assert_eq!(human_size(-5), "0 B");
+        assert_eq!(human_size(999), "999 B");
+        assert_eq!(human_size(84_700), "84.7 kB");
+        assert_eq!(human_size(168_438_101), "168.4 MB");
+        assert_eq!(human_size(2_500_000_000), "2.5 GB");
+    }
 }

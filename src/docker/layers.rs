@@ -743,29 +743,44 @@ pub async fn copy_into(docker: &Docker, layer_tag: &str, session_container: &str
 /// A layer image, for listings.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LayerInfo {
-    /// Tag.
+    /// Tag; the image id when it has none (`dangling`).
     pub tag: String,
     /// Requirements it holds.
     pub requirements: Vec<String>,
     /// Size in bytes (including the shared base).
     pub size: i64,
+    /// Its own bytes: what it adds to the image it is built on (None: that image is not in
+    /// its history, so it cannot be told apart).
+    pub own_size: Option<i64>,
     /// Creation time, seconds since the epoch.
     pub created: i64,
     /// The image it is built on.
     pub base: String,
+    /// It has no tag: a later build of the same key took it (two servers building the same
+    /// set at once), so nothing will ever use it again.
+    pub dangling: bool,
 }
 
-/// All layer images, newest first.
+/// All layer images, newest first, dangling ones included (with their id as tag).
 pub async fn list(docker: &Docker) -> Result<Vec<LayerInfo>, DockerError> {
     let label = format!("{LABEL_IMAGE}=layer");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
     let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
-    let out: Vec<LayerInfo> = docker
-        .list_images(Some(opts))
-        .await?
-        .into_iter()
-        .map(|i| LayerInfo {
-            tag: i.repo_tags.first().cloned().unwrap_or(i.id),
+    let mut base_ids: HashMap<String, Option<String>> = HashMap::new();
+    let mut out = Vec::new();
+    for i in docker.list_images(Some(opts)).await? {
+        let base = i.labels.get(LABEL_BASE).cloned().unwrap_or_default();
+        if !base_ids.contains_key(&base) {
+            let id = docker.inspect_image(&base).await.ok().and_then(|b| b.id);
+            base_ids.insert(base.clone(), id);
+        }
+        let base_id = base_ids.get(&base).cloned().flatten();
+        // Docker before 25 lists an untagged image as `<none>:<none>`; later ones with no tag.
+        let tag = i.repo_tags.iter().find(|t| t.as_str() != "<none>:<none>").cloned();
+        out.push(LayerInfo {
+            dangling: tag.is_none(),
+            own_size: own_size(docker, &i.id, base_id.as_deref()).await,
+            tag: tag.unwrap_or_else(|| i.id.clone()),
             requirements: i
                 .labels
                 .get(LABEL_REQUIREMENTS)
@@ -773,10 +788,25 @@ pub async fn list(docker: &Docker) -> Result<Vec<LayerInfo>, DockerError> {
                 .unwrap_or_default(),
             size: i.size,
             created: i.created,
-            base: i.labels.get(LABEL_BASE).cloned().unwrap_or_default(),
-        })
-        .collect();
+            base,
+        });
+    }
     Ok(out)
+}
+
+/// The bytes an image adds to the image it was built on: the sizes in its history down to
+/// that image, found by id (`base_id`) or, when the base tag has moved on since (a rebuilt
+/// sandbox image), as the first tagged ancestor.
+async fn own_size(docker: &Docker, id: &str, base_id: Option<&str>) -> Option<i64> {
+    let history = docker.image_history(id).await.ok()?;
+    let mut own = 0;
+    for (n, step) in history.iter().enumerate() {
+        if n > 0 && (Some(step.id.as_str()) == base_id || !step.tags.is_empty()) {
+            return Some(own);
+        }
+        own += step.size;
+    }
+    None
 }
 
 /// Layers ordered most recently used first, by the use record in `state_dir` (falling back

@@ -30,6 +30,9 @@ async fn pyberth_run(tag: &str, cwd: &Path, args: &[&str], input: Option<&str>) 
         .await
         .expect("pyberth run finished in time")
         .expect("pyberth run output");
+    // It has exited, so its lock is stale if it is still there: it sometimes is, after a
+    // program's non-zero exit (its Instance outlives the run). Stale locks pile up otherwise.
+    let _ = std::fs::remove_file(state_dir().join(format!("{instance}.lock")));
     (out, instance)
 }
 
@@ -139,6 +142,7 @@ async fn a_project_runs_its_pytest_suite_and_the_report_comes_back() {
     )
     .expect("tests");
     let out = dir.join("out");
+    let _layers = crate::common::OwnLayers::new(&["pytest"]);
     let args = [
         "--with",
         "pytest",

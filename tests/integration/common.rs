@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bollard::Docker;
-use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder};
+use bollard::query_parameters::{
+    ListContainersOptionsBuilder, ListImagesOptionsBuilder, ListVolumesOptionsBuilder, RemoveImageOptionsBuilder,
+};
 use rmcp::model::{CallToolRequestParams, CallToolResult, LoggingMessageNotificationParam, ProgressNotificationParam};
 use rmcp::service::{NotificationContext, RunningService};
 use rmcp::{ClientHandler, RoleClient, ServiceExt};
@@ -220,6 +222,90 @@ impl Server {
         assert!(status.is_ok(), "server did not exit within 30 s of its stdin closing");
         self.log.read()
     }
+}
+
+impl Drop for Server {
+    /// A server the test did not stop (it failed first) is stopped as `stop` does, by closing
+    /// its stdin: it removes its containers, volumes and lock file itself. Killing it, as the
+    /// child's `kill_on_drop` would, leaves all three until another server sweeps them.
+    fn drop(&mut self) {
+        let Some(client) = self.client.take() else { return };
+        drop(client);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match self.child.try_wait() {
+                Ok(None) => std::thread::sleep(Duration::from_millis(100)),
+                _ => return,
+            }
+        }
+    }
+}
+
+/// The layer images a test makes for itself: requirement sets no other test asks for, so
+/// removing them never pulls a layer from under another test. They go when the guard does,
+/// whether the test passed or failed, with any untagged twin (a build of the same set that
+/// lost the race for its tag): a run leaves no layer behind.
+pub struct OwnLayers {
+    sets: Vec<String>,
+    since: i64,
+}
+
+impl OwnLayers {
+    /// `sets` as the layers' `pyberth.requirements` label holds them: canonical requirements,
+    /// one per line.
+    pub fn new(sets: &[&str]) -> OwnLayers {
+        let since = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+            .unwrap_or(0);
+        OwnLayers { sets: sets.iter().map(|s| (*s).to_owned()).collect(), since }
+    }
+}
+
+impl Drop for OwnLayers {
+    fn drop(&mut self) {
+        let (sets, since) = (std::mem::take(&mut self.sets), self.since);
+        // Drop cannot await: the removal runs on a runtime of its own, on a thread of its own.
+        let removal = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            runtime.block_on(remove_layers(&sets, since))
+        });
+        if let Ok(Err(left)) = removal.join() {
+            eprintln!("layers left behind: {left}");
+        }
+    }
+}
+
+/// Removes the layer images holding one of `sets` made since `since` (seconds since the epoch).
+pub async fn remove_layers(sets: &[String], since: i64) -> Result<(), String> {
+    let docker = docker().await;
+    let mut left = Vec::new();
+    for set in sets {
+        let label = format!("pyberth.requirements={set}");
+        let filters = HashMap::from([("label", vec!["pyberth.image=layer", label.as_str()])]);
+        let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
+        let images = docker.list_images(Some(opts)).await.map_err(|e| e.to_string())?;
+        // A second of slack: the engine stamps the image, the test read its own clock.
+        for image in images.into_iter().filter(|i| i.created >= since - 1) {
+            let name = image.repo_tags.iter().find(|t| t.as_str() != "<none>:<none>").unwrap_or(&image.id);
+            let opts = RemoveImageOptionsBuilder::default().build();
+            if let Err(e) = docker.remove_image(name, Some(opts), None).await {
+                left.push(format!("{name} ({set}): {e}"));
+            }
+        }
+    }
+    if left.is_empty() { Ok(()) } else { Err(left.join("; ")) }
+}
+
+/// The settings a server started by these tests has: the defaults, under the variables of the
+/// test's environment (PYBERTH_BASE_IMAGE …), which it inherits.
+pub fn server_settings() -> pyberth::config::SandboxConfig {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cfg: pyberth::config::SandboxConfig,
+    }
+    <Cli as clap::Parser>::parse_from(["pyberth"]).cfg
 }
 
 /// All text content of a result.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::common::{Server, state_dir, text};
+use crate::common::{OwnLayers, Server, docker, server_settings, state_dir, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_python_versions_run_side_by_side() {
@@ -55,23 +55,25 @@ async fn an_operator_environment_brings_packages_and_a_read_only_folder() {
     std::fs::write(
         &config,
         format!(
-            "[environments.science]\ndescription = \"with six and the dataset\"\npackages = [\"six\"]\n\
+            "[environments.science]\ndescription = \"with toml and the dataset\"\npackages = [\"toml\"]\n\
              memory_mb = 640\nmounts = [{{ host = \"{}\", path = \"/data\" }}]\n",
             data.display()
         ),
     )
     .expect("config");
     let config = config.to_string_lossy().into_owned();
+    // toml, not six: deps.rs builds that layer, and removes it.
+    let _layers = OwnLayers::new(&["toml"]);
     let s = Server::start("science", &[("PYBERTH_CONFIG", &config)]).await;
 
     let listed = s.call("list_environments", json!({})).await.structured_content.expect("sc");
     let envs = listed["environments"].as_array().expect("list");
     let science = envs.iter().find(|e| e["name"] == "science").expect("science listed");
-    assert_eq!(science["packages"], json!(["six"]));
+    assert_eq!(science["packages"], json!(["toml"]));
     assert_eq!(science["mounts"][0]["path"], "/data");
     assert!(envs.iter().any(|e| e["name"] == "python3.13") && envs.iter().any(|e| e["name"] == "default"));
 
-    let code = "import six\nprint(six.__name__)\nopen('/data/hello.txt').read()";
+    let code = "import toml\nprint(toml.__name__)\nopen('/data/hello.txt').read()";
     let (r, sc) = s.run_with(json!({ "session": "lab", "environment": "science", "code": code })).await;
     assert_eq!(r.is_error, Some(false), "no install step needed: {}", text(&r));
     assert_eq!(sc["result"], "'from the host'");
@@ -83,7 +85,7 @@ async fn an_operator_environment_brings_packages_and_a_read_only_folder() {
     assert_eq!(env["mounts"][0]["read_only"], true);
     // Sessions of other environments see no folder and no package.
     let sc = s
-        .ok("plain", "import os, importlib.util\n(os.path.exists('/data'), importlib.util.find_spec('six') is None)")
+        .ok("plain", "import os, importlib.util\n(os.path.exists('/data'), importlib.util.find_spec('toml') is None)")
         .await;
     assert_eq!(sc["result"], "(False, True)");
     s.stop().await;
@@ -108,4 +110,42 @@ async fn a_mount_that_does_not_exist_stops_the_server_naming_the_entry() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("environments.broken.mounts") && err.contains("/no/such/folder"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The tags of the images the sandbox image `tag` was built on.
+async fn ancestors(tag: &str) -> Vec<String> {
+    let history = docker().await.image_history(tag).await.expect("the image exists");
+    history.into_iter().skip(1).flat_map(|step| step.tags).collect()
+}
+
+/// Where no registry answers, the default environment runs Debian's Python (3.11 on
+/// bookworm), not python:3.12-slim: list_environments must not tell a model it has 3.12.
+/// Its description names both cases, and the one the built image took is read from the
+/// engine by `description_as_built`.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_default_environment_is_described_as_what_it_runs() {
+    let s = Server::start("describe-default", &[]).await;
+    let sc = s.ok("default", "import sys\n'%d.%d' % sys.version_info[:2]").await;
+    let python = sc["result"].as_str().expect("a version").trim_matches('\'').to_owned();
+    let listed = s.call("list_environments", json!({})).await;
+    let envs = listed.structured_content.clone().expect("sc");
+    let default = envs["environments"].as_array().expect("list").iter().find(|e| e["name"] == "default").cloned();
+    let description = default.expect("default listed")["description"].as_str().expect("text").to_owned();
+    assert!(text(&listed).contains(&description), "the text says the same: {}", text(&listed));
+    assert!(description.contains(&format!("Python {python}")), "it runs {python}: {description}");
+    s.stop().await;
+
+    let cfg = server_settings();
+    let envs = pyberth::environment::Environments::from_config(&cfg).expect("environments");
+    let env = envs.get(Some("default")).expect("default");
+    assert_eq!(env.description, description);
+    let built = pyberth::environment::description_as_built(&docker().await, &env).await;
+    let offline = format!("pyberth-base:{}", cfg.fallback_release);
+    let tag = pyberth::docker::image::tag_for(&env.cfg);
+    if ancestors(&tag).await.contains(&offline) {
+        assert!(built.contains(&format!("Python {python} (the offline base {offline}")), "{built}");
+        assert!(!built.contains("where a registry answers"), "one case, the one that runs: {built}");
+    } else {
+        assert!(built.contains(&format!("Python {python} from {}", cfg.base_image)), "{built}");
+    }
 }

@@ -222,3 +222,17 @@ async fn a_stop_while_the_pool_fills_leaves_nothing_behind() {
         assert_cleaned_up(&instance).await;
     }
 }
+
+/// A test that fails before `stop` drops its server: the harness closes its stdin, as `stop`
+/// does, so the server removes its containers, volumes and lock file itself. Killed, it would
+/// leave all three (a stale lock in the tests' state dir) until some later sweep.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_server_a_test_drops_is_stopped_not_killed() {
+    let s = Server::start("dropped", &[]).await;
+    s.ok("a", "1").await;
+    let instance = s.instance.clone();
+    drop(s);
+    let lock = crate::common::state_dir().join(format!("{instance}.lock"));
+    assert!(!lock.exists(), "its lock file was left: {}", lock.display());
+    assert_cleaned_up(&instance).await;
+}
