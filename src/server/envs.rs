@@ -138,7 +138,13 @@ impl SandboxServer {
     async fn list_environments(&self, Parameters(_): Parameters<NoArgs>) -> ToolResult {
         let envs = &self.registry.environments;
         let default = envs.default_name();
-        let environments: Vec<EnvironmentInfo> = envs.all().map(|e| describe(e, default)).collect();
+        let mut environments = Vec::new();
+        for e in envs.all() {
+            // What the built image actually runs (the registry's base or the offline one).
+            let mut info = describe(e, default);
+            info.description = crate::environment::description_as_built(self.registry.docker(), e).await;
+            environments.push(info);
+        }
         let mut text = String::new();
         for e in &environments {
             let mark = if e.default { " (default)" } else { "" };

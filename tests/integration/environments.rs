@@ -138,8 +138,8 @@ async fn the_default_environment_is_described_as_what_it_runs() {
     let cfg = server_settings();
     let envs = pyberth::environment::Environments::from_config(&cfg).expect("environments");
     let env = envs.get(Some("default")).expect("default");
-    assert_eq!(env.description, description);
     let built = pyberth::environment::description_as_built(&docker().await, &env).await;
+    assert_eq!(built, description, "list_environments says what the built image runs");
     let offline = format!("pyberth-base:{}", cfg.fallback_release);
     let tag = pyberth::docker::image::tag_for(&env.cfg);
     if ancestors(&tag).await.contains(&offline) {
