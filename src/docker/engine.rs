@@ -358,6 +358,8 @@ pub struct EngineFacts {
     pub runc: Option<String>,
     /// The runtime sandboxes run under, e.g. "runc" or "runsc".
     pub runtime: String,
+    /// The engine's default runtime, usually "runc".
+    pub default_runtime: String,
     /// The engine's gVisor runtime, when it has one.
     pub gvisor: Option<Gvisor>,
     /// Known problems, one line each.
@@ -374,6 +376,14 @@ pub struct Gvisor {
     pub name: String,
     /// The arguments the engine gives it, e.g. `--network=none`.
     pub args: Vec<String>,
+}
+
+impl Gvisor {
+    /// Registered with `--network=none`: no container under it has a network, the installer's
+    /// neither.
+    pub fn offline(&self) -> bool {
+        self.args.iter().any(|a| a == "--network=none" || a == "-network=none")
+    }
 }
 
 /// The engine's gVisor runtime: the one named runsc, else the first (by name) whose name starts
@@ -437,7 +447,7 @@ pub fn choose(
 /// What gVisor's registration means for pyberth, one line each.
 pub fn assess_gvisor(g: &Gvisor) -> Vec<String> {
     let mut w = Vec::new();
-    if g.args.iter().any(|a| a == "--network=none" || a == "-network=none") {
+    if g.offline() {
         w.push(format!(
             "the engine runs {} with --network=none: the package installer gets no network under it, so \
              installs of new packages fail (cached layers still work); sandboxes have no network either way",
@@ -545,8 +555,8 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
         SeccompMode::Docker => false,
     };
     cfg.seccomp_profile = ours.then(profile);
-    let runtime = cfg.runtime.clone().unwrap_or(default);
-    Ok(EngineFacts { engine, runc, runtime, gvisor, warnings })
+    let runtime = cfg.runtime.clone().unwrap_or_else(|| default.clone());
+    Ok(EngineFacts { engine, runc, runtime, default_runtime: default, gvisor, warnings })
 }
 
 #[cfg(test)]
