@@ -512,7 +512,9 @@ pub fn assess(engine: &str, runc: Option<&str>, under_gvisor: bool) -> Vec<Strin
 /// else at debug level: `pyberth run` shares stderr with the program), refuses to go on under
 /// `--strict-engine`, and sets the seccomp profile sandboxes get.
 pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> Result<EngineFacts, String> {
-    let version = docker.version().await.map_err(|e| format!("cannot read the engine's version: {e}"))?;
+    // Both at once: start-up waits for one round trip, not two.
+    let (version, info) = tokio::join!(docker.version(), docker.info());
+    let version = version.map_err(|e| format!("cannot read the engine's version: {e}"))?;
     let engine = version.version.clone().unwrap_or_default();
     let runc = version
         .components
@@ -520,7 +522,7 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
         .into_iter()
         .find(|c| c.name.eq_ignore_ascii_case("runc"))
         .map(|c| c.version);
-    let info = docker.info().await.map_err(|e| format!("cannot read the engine's runtimes: {e}"))?;
+    let info = info.map_err(|e| format!("cannot read the engine's runtimes: {e}"))?;
     let runtimes = info.runtimes.unwrap_or_default();
     let default = info.default_runtime.unwrap_or_else(|| "runc".to_owned());
     let (chosen, line) = choose(cfg.runtime.as_deref(), &runtimes, &default)?;
