@@ -109,7 +109,9 @@ fn serve_command(
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
-        .kill_on_drop(true);
+        .kill_on_drop(true)
+        // The runtime settled at start (`auto` resolved); empty is the engine's default.
+        .env("PYBERTH_RUNTIME", cfg.runtime.as_deref().unwrap_or_default());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -177,16 +179,19 @@ fn mib(kb: Option<u64>) -> String {
 }
 
 /// Runs the benchmark and prints its figures.
-pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
     cfg.validate()?;
     let docker = docker::connect(cfg.docker_host.as_deref()).await?;
+    // Settles the runtime (`auto` included) and says whether gVisor is there, as serve does.
+    let engine = docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
     let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
     let img = image::ensure(&docker, &cfg, &progress).await?;
     let mut table = Table(Vec::new(), Vec::new());
     let runs = args.runs.max(10);
+    let runtime = cfg.runtime.clone();
 
-    // Floors: the engine alone.
-    let container = floor_container(&docker, &img).await?;
+    // Floors: the engine alone, under the runtime sandboxes get.
+    let container = floor_container(&docker, &img, runtime.as_deref()).await?;
     let floors = floors(&docker, &img, &container, runs, &mut table).await;
     remove(&docker, &container).await;
     let (create_p50, stream_p50) = floors?;
@@ -219,17 +224,57 @@ pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<(
     let (warm_p50, _) =
         table.add(&format!("warm run_python through MCP stdio ({runs} calls)"), &mut warm, String::new());
     table.note(format!("{:.1}x the attached-stream floor; rmcp client", warm_p50 / stream_p50));
-    let mut raw = raw_warm(&cfg, &format!("{instance}-raw"), runs).await?;
+    let mut raw = raw_warm(&cfg, &format!("{instance}-raw"), runs, &[]).await?;
     let (raw_p50, _) =
         table.add(&format!("warm run_python, raw JSON-RPC lines ({runs} calls)"), &mut raw, String::new());
     table.note(format!("{:.1}x the floor; the server's share, no client library", raw_p50 / stream_p50));
 
     if cfg.pool_size > 0 {
-        fresh_sessions(&server, "pooled", cfg.pool_size, create_p50, &mut table).await?;
+        let mut fresh = fresh_samples(&server, "pooled", cfg.pool_size).await?;
+        let what = format!("first call in a new session ({} sessions, pool {})", fresh.len(), cfg.pool_size);
+        let (p50, _) = table.add(&what, &mut fresh, String::new());
+        table.note(format!("{:.2}x container create+start", p50 / create_p50));
     }
 
-    // Dependency layers: a cold install, then the same set from the cache.
-    forget_layers(&docker, "tomli").await;
+    // Dependency layers: a cold install, then the same set from the cache (the installer needs
+    // the network, which gVisor registered with --network=none does not give).
+    let offline = engine.gvisor.as_ref().is_some_and(|g| g.name == engine.runtime && g.offline());
+    if offline {
+        table.text("new session with packages=[tomli]", "skipped".into(), format!("{} --network=none", engine.runtime));
+    } else {
+        layers_rows(&docker, &server, &mut table).await?;
+    }
+    concurrency_and_memory(&docker, &server, &instance, &args, &mut table).await?;
+    server.stop().await;
+
+    // The same fresh-session figure without the pool, from a server that has none.
+    let plain = Server::start(&cfg, &format!("{instance}-nopool"), &[("PYBERTH_POOL_SIZE", "0".into())]).await?;
+    plain.run("first", "1", &[]).await?;
+    let mut fresh = fresh_samples(&plain, "plain", 0).await?;
+    let (p50, _) = table.add(
+        &format!("first call in a new session ({} sessions, pool 0)", fresh.len()),
+        &mut fresh,
+        String::new(),
+    );
+    table.note(format!("{:.2}x container create+start", p50 / create_p50));
+    plain.stop().await;
+
+    output_volume(&cfg, &instance, &args, &mut table).await?;
+    table.print();
+
+    // Both runtimes side by side, on what a runtime changes, when the engine has gVisor.
+    if let Some(g) = &engine.gvisor {
+        let other = if engine.runtime == g.name { &engine.default_runtime } else { &engine.runtime };
+        if other != &g.name {
+            side_by_side(&docker, &cfg, &img, &instance, runs, [other, &g.name]).await?;
+        }
+    }
+    Ok(())
+}
+
+/// A cold install, then the same set from the cache.
+async fn layers_rows(docker: &Docker, server: &Server, table: &mut Table) -> anyhow::Result<()> {
+    forget_layers(docker, "tomli").await;
     let t = Instant::now();
     server.run("deps-cold", "import tomli", &["tomli"]).await?;
     let mut cold = [t.elapsed()];
@@ -245,8 +290,18 @@ pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<(
         hits.push(t.elapsed());
     }
     table.add("new session with packages=[tomli], cached layer", &mut hits, String::new());
+    Ok(())
+}
 
-    // Many sessions at once: each makes its calls one after another, all sessions together.
+/// Many sessions at once, each making its calls one after another; then the memory per idle
+/// session they leave.
+async fn concurrency_and_memory(
+    docker: &Docker,
+    server: &Server,
+    instance: &str,
+    args: &BenchArgs,
+    table: &mut Table,
+) -> anyhow::Result<()> {
     let (rss_before, _) = server.memory_kb();
     let mut made = 0;
     for &n in &args.concurrency {
@@ -289,7 +344,7 @@ pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<(
             (Some(a), Some(b)) => Some(b.saturating_sub(a) / made as u64),
             _ => None,
         };
-        let (count, bytes) = containers_memory(&docker, &instance).await?;
+        let (count, bytes) = containers_memory(docker, instance).await?;
         let container_kb = (count > 0).then(|| bytes / 1024 / count as u64);
         let total = server_kb.zip(container_kb).map(|(a, b)| a + b);
         table.text(
@@ -298,18 +353,14 @@ pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<(
             format!("server {} + container {}", mib(server_kb), mib(container_kb)),
         );
     }
-    server.stop().await;
+    Ok(())
+}
 
-    // The same fresh-session figure without the pool, from a server that has none.
-    let plain = Server::start(&cfg, &format!("{instance}-nopool"), &[("PYBERTH_POOL_SIZE", "0".into())]).await?;
-    plain.run("first", "1", &[]).await?;
-    fresh_sessions(&plain, "plain", 0, create_p50, &mut table).await?;
-    plain.stop().await;
-
-    // Output volume: the cap raised to its 4 MiB ceiling, then more than that printed.
+/// Output volume: the cap raised to its 4 MiB ceiling, then more than that printed.
+async fn output_volume(cfg: &SandboxConfig, instance: &str, args: &BenchArgs, table: &mut Table) -> anyhow::Result<()> {
     let cap = 4usize << 20;
     let loud = Server::start(
-        &cfg,
+        cfg,
         &format!("{instance}-out"),
         &[("PYBERTH_POOL_SIZE", "0".into()), ("PYBERTH_OUTPUT_CAP", cap.to_string())],
     )
@@ -334,16 +385,89 @@ pub(crate) async fn run(cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<(
         ));
     }
     loud.stop().await;
+    Ok(())
+}
 
-    table.print();
+/// The figures a runtime changes, under the engine's default runtime and under gVisor: a
+/// container's start, the attached stream, a warm run, a new session without the pool, and an
+/// idle session container's memory. Bounded: 8 containers, `runs` round trips and warm runs, and
+/// 8 sessions per runtime.
+async fn side_by_side(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    img: &str,
+    instance: &str,
+    runs: usize,
+    runtimes: [&str; 2],
+) -> anyhow::Result<()> {
+    let mut rows: Vec<(String, [String; 2], Option<f64>)> = Vec::new();
+    let mut put = |row: usize, what: String, col: usize, figure: String, value: f64| {
+        if rows.len() <= row {
+            rows.push((what, [String::new(), String::new()], None));
+        }
+        rows[row].1[col] = figure;
+        // The ratio gVisor / default, once both are in.
+        rows[row].2 = if col == 0 { Some(value) } else { rows[row].2.map(|d| value / d) };
+    };
+    for (col, runtime) in runtimes.iter().enumerate() {
+        let ms = |p50: f64| format!("{p50:.2}");
+        let mut create = Vec::new();
+        for _ in 0..8 {
+            let t = Instant::now();
+            let id = floor_container(docker, img, Some(runtime)).await?;
+            create.push(t.elapsed());
+            remove(docker, &id).await;
+        }
+        let (p50, _) = percentiles(&mut create);
+        put(0, "floor: container create + start, p50 ms".into(), col, ms(p50), p50);
+        let container = floor_container(docker, img, Some(runtime)).await?;
+        let trips = round_trips(docker, &container, runs).await;
+        remove(docker, &container).await;
+        let (p50, _) = percentiles(&mut trips?);
+        put(1, "floor: round trip on an attached exec stream, p50 ms".into(), col, ms(p50), p50);
+        let under = [("PYBERTH_RUNTIME", (*runtime).to_owned())];
+        let mut raw = raw_warm(cfg, &format!("{instance}-rt{col}-raw"), runs, &under).await?;
+        let (p50, _) = percentiles(&mut raw);
+        put(2, format!("warm run_python, raw JSON-RPC ({runs} calls), p50 ms"), col, ms(p50), p50);
+        let name = format!("{instance}-rt{col}");
+        let env = [("PYBERTH_POOL_SIZE", "0".to_owned()), under[0].clone()];
+        let server = Server::start(cfg, &name, &env).await?;
+        server.run("first", "1", &[]).await?;
+        let mut fresh = fresh_samples(&server, "fresh", 0).await?;
+        let (p50, _) = percentiles(&mut fresh);
+        put(3, "first call in a new session (pool 0), p50 ms".into(), col, ms(p50), p50);
+        let (count, bytes) = containers_memory(docker, &name).await?;
+        let kb = (count > 0).then(|| bytes / 1024 / count as u64);
+        put(4, format!("memory of an idle session container ({count})"), col, mib(kb), kb.unwrap_or(0) as f64);
+        server.stop().await;
+    }
+    let mut out = format!(
+        "\nruntimes side by side\n{:<58} {:>12} {:>12} {:>8}\n",
+        "measurement", runtimes[0], runtimes[1], "ratio"
+    );
+    for (what, [a, b], ratio) in rows {
+        let ratio = ratio.filter(|r| r.is_finite()).map(|r| format!("{r:.1}x")).unwrap_or_default();
+        out.push_str(&format!("{what:<58} {a:>12} {b:>12} {ratio:>8}\n"));
+    }
+    #[allow(clippy::print_stdout)] // the table is the command's output
+    {
+        print!("{out}");
+    }
     Ok(())
 }
 
 /// Warm runs timed with a minimal client that writes JSON-RPC lines and reads the answer
 /// line, so the figure is the server's (and the sandbox's) cost without a client library's.
-async fn raw_warm(cfg: &SandboxConfig, instance: &str, runs: usize) -> anyhow::Result<Vec<Duration>> {
+async fn raw_warm(
+    cfg: &SandboxConfig,
+    instance: &str,
+    runs: usize,
+    env: &[(&str, String)],
+) -> anyhow::Result<Vec<Duration>> {
     use tokio::io::{AsyncBufReadExt, BufReader};
-    let mut cmd = serve_command(cfg, instance, &[("PYBERTH_POOL_SIZE", "0".into())])?;
+    let mut env = env.to_vec();
+    env.push(("PYBERTH_POOL_SIZE", "0".into()));
+    let mut cmd = serve_command(cfg, instance, &env)?;
     let mut child = cmd.spawn().context("cannot start pyberth serve")?;
     let (Some(stdout), Some(mut stdin)) = (child.stdout.take(), child.stdin.take()) else {
         bail!("no pipes to the server");
@@ -388,14 +512,8 @@ async fn raw_warm(cfg: &SandboxConfig, instance: &str, runs: usize) -> anyhow::R
     Ok(samples)
 }
 
-/// First calls in new sessions, spaced so a pool (if any) has refilled between them.
-async fn fresh_sessions(
-    server: &Server,
-    prefix: &str,
-    pool: usize,
-    create_p50: f64,
-    table: &mut Table,
-) -> anyhow::Result<()> {
+/// First calls in 8 new sessions, spaced so a pool (if any) has refilled between them.
+async fn fresh_samples(server: &Server, prefix: &str, pool: usize) -> anyhow::Result<Vec<Duration>> {
     let n = 8;
     let mut fresh = Vec::with_capacity(n);
     for i in 0..n {
@@ -407,10 +525,7 @@ async fn fresh_sessions(
         server.run(&format!("{prefix}{i}"), "1", &[]).await?;
         fresh.push(t.elapsed());
     }
-    let (p50, _) =
-        table.add(&format!("first call in a new session ({n} sessions, pool {pool})"), &mut fresh, String::new());
-    table.note(format!("{:.2}x container create+start", p50 / create_p50));
-    Ok(())
+    Ok(fresh)
 }
 
 /// Containers of one server instance and the memory they hold (page cache not counted).
@@ -449,12 +564,18 @@ fn bench_labels() -> HashMap<String, String> {
     HashMap::from([(LABEL_MANAGED.to_owned(), "1".to_owned()), ("pyberth.bench".to_owned(), "floor".to_owned())])
 }
 
-async fn floor_container(docker: &Docker, img: &str) -> anyhow::Result<String> {
+async fn floor_container(docker: &Docker, img: &str, runtime: Option<&str>) -> anyhow::Result<String> {
+    let host_config = HostConfig {
+        network_mode: Some("none".into()),
+        init: Some(true),
+        runtime: runtime.map(str::to_owned),
+        ..Default::default()
+    };
     let body = ContainerCreateBody {
         image: Some(img.into()),
         cmd: Some(vec!["sleep".into(), "infinity".into()]),
         labels: Some(bench_labels()),
-        host_config: Some(HostConfig { network_mode: Some("none".into()), init: Some(true), ..Default::default() }),
+        host_config: Some(host_config),
         ..Default::default()
     };
     static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -479,11 +600,12 @@ async fn floors(
     runs: usize,
     table: &mut Table,
 ) -> anyhow::Result<(f64, f64)> {
+    let runtime = docker.inspect_container(container, None).await?.host_config.and_then(|h| h.runtime);
     let mut create = Vec::new();
     let mut create_rm = Vec::new();
     for _ in 0..8 {
         let t = Instant::now();
-        let id = floor_container(docker, img).await?;
+        let id = floor_container(docker, img, runtime.as_deref()).await?;
         create.push(t.elapsed());
         remove(docker, &id).await;
         create_rm.push(t.elapsed());
@@ -507,7 +629,14 @@ async fn floors(
     }
     table.add("floor: a new exec running python3 -c 'print(1)'", &mut py, String::new());
 
-    // A round trip over an already-attached stream: write a line, read it echoed.
+    let mut rt = round_trips(docker, container, runs).await?;
+    let (stream_p50, _) =
+        table.add("floor: round trip on an attached exec stream", &mut rt, "the floor for a warm run".into());
+    Ok((create_p50, stream_p50))
+}
+
+/// Round trips over an already-attached stream: write a line, read it echoed (after 20 to warm up).
+async fn round_trips(docker: &Docker, container: &str, runs: usize) -> anyhow::Result<Vec<Duration>> {
     let echo = "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n    sys.stdout.flush()";
     let opts = CreateExecOptions {
         cmd: Some(vec!["python3", "-u", "-c", echo]),
@@ -539,9 +668,7 @@ async fn floors(
             rt.push(t.elapsed()); // the first rounds warm the path up
         }
     }
-    let (stream_p50, _) =
-        table.add("floor: round trip on an attached exec stream", &mut rt, "the floor for a warm run".into());
-    Ok((create_p50, stream_p50))
+    Ok(rt)
 }
 
 async fn exec_to_end(docker: &Docker, container: &str, cmd: Vec<&str>) -> anyhow::Result<()> {

@@ -150,7 +150,8 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_STRICT_ENGINE")]
     pub strict_engine: bool,
 
-    /// OCI runtime for sandboxes, e.g. runsc (gVisor) when installed in the engine.
+    /// OCI runtime for sandboxes: a runtime the engine has, e.g. runsc (gVisor), or auto (gVisor
+    /// when the engine has it, else the engine's default). Default: the engine's default (runc).
     #[arg(long, env = "PYBERTH_RUNTIME")]
     pub runtime: Option<String>,
 

@@ -308,11 +308,11 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     }
     let docker = docker::connect(cfg.docker_host.as_deref()).await?;
     let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
-    docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
+    let engine = docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
     let cfg = Arc::new(cfg);
     let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
         .with_context(|| format!("cannot take an instance lock in {}", state_dir.display()))?;
-    tracing::info!(instance = %instance.owner.instance, "pyberth starting");
+    tracing::info!(instance = %instance.owner.instance, runtime = %engine.runtime, "pyberth starting");
     let registry = Arc::new(Registry::new(docker, cfg.clone(), instance).map_err(anyhow::Error::msg)?);
     if let Err(e) = registry.sweep_leftovers().await {
         tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");

@@ -105,6 +105,27 @@ pub fn instance_name(tag: &str) -> String {
     format!("t{}-{}-{tag}", std::process::id(), n)
 }
 
+/// The OCI runtime the servers under test give their sandboxes: `PYBERTH_TEST_RUNTIME` (e.g.
+/// `runsc`, for `.ci/run`'s gVisor pass), else the engine's default.
+pub fn test_runtime() -> Option<String> {
+    std::env::var("PYBERTH_TEST_RUNTIME").ok().filter(|r| !r.is_empty())
+}
+
+/// Whether sandboxes under test run in gVisor (`PYBERTH_TEST_RUNTIME=runsc`): there gVisor's
+/// user-space kernel, not the host's, answers the code's system calls, and a few probes get
+/// its answers (each such test says which and why).
+pub fn gvisor() -> bool {
+    test_runtime().is_some_and(|r| r.starts_with("runsc"))
+}
+
+/// Passes [`test_runtime`] to a server about to start, as its `PYBERTH_RUNTIME`.
+pub fn with_test_runtime(cmd: &mut Command) -> &mut Command {
+    if let Some(runtime) = test_runtime() {
+        cmd.env("PYBERTH_RUNTIME", runtime);
+    }
+    cmd
+}
+
 /// The state dir shared by the test servers (so a server can see another's liveness lock).
 pub fn state_dir() -> std::path::PathBuf {
     std::env::temp_dir().join("pyberth-tests")
@@ -149,6 +170,7 @@ impl Server {
             .stdout(Stdio::piped())
             .stderr(stderr)
             .kill_on_drop(true);
+        with_test_runtime(&mut cmd);
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -366,8 +388,8 @@ impl Raw {
     pub fn start(instance: &str) -> Raw {
         use tokio::io::AsyncBufReadExt as _;
         let (log, stderr) = ServerLog::create(instance);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pyberth"))
-            .arg("serve")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pyberth"));
+        cmd.arg("serve")
             .env("PYBERTH_INSTANCE", instance)
             .env("PYBERTH_STATE_DIR", state_dir())
             .env("PYBERTH_POOL_SIZE", "0")
@@ -375,9 +397,8 @@ impl Raw {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr)
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn pyberth");
+            .kill_on_drop(true);
+        let mut child = with_test_runtime(&mut cmd).spawn().expect("spawn pyberth");
         let stdin = child.stdin.take().expect("stdin");
         let lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
         Raw { child, log, stdin, lines, progress: 0 }

@@ -73,6 +73,7 @@ impl HttpServer {
             .stdout(Stdio::inherit())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
+        crate::common::with_test_runtime(&mut cmd);
         for (k, v) in env {
             cmd.env(k, v);
         }
