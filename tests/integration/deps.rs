@@ -4,7 +4,6 @@
 //! removing a layer another is about to use fails that one.
 
 use std::collections::HashMap;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use bollard::query_parameters::{BuildImageOptionsBuilder, EventsOptionsBuilder, RemoveImageOptionsBuilder};
 use futures::StreamExt;
@@ -13,22 +12,47 @@ use serde_json::json;
 
 use crate::common::{OwnLayers, Server, containers_of, docker, server_settings, state_dir, text};
 
-fn now() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| i64::try_from(d.as_secs()).unwrap_or(0)).unwrap_or(0)
+/// Counts the installer containers an instance creates from now on. A live subscription, not a
+/// replay: this engine keeps only its last few hundred events, fewer than a loaded suite makes
+/// while one install runs.
+struct Installers {
+    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
 }
 
-/// Installer containers this instance created between two times.
-async fn installers_started(instance: &str, since: i64, until: i64) -> usize {
-    let instance_label = format!("pyberth.instance={instance}");
-    let filters = HashMap::from([
-        ("type", vec!["container"]),
-        ("event", vec!["create"]),
-        ("label", vec!["pyberth.installer=1", instance_label.as_str()]),
-    ]);
-    let since = since.to_string();
-    let until = until.to_string();
-    let opts = EventsOptionsBuilder::default().since(&since).until(&until).filters(&filters).build();
-    docker().await.events(Some(opts)).filter(|e| futures::future::ready(e.is_ok())).count().await
+impl Installers {
+    async fn watch(instance: &str) -> Installers {
+        let instance_label = format!("pyberth.instance={instance}");
+        let filters = HashMap::from([
+            ("type", vec!["container"]),
+            ("event", vec!["create"]),
+            ("label", vec!["pyberth.installer=1", instance_label.as_str()]),
+        ]);
+        let opts = EventsOptionsBuilder::default().filters(&filters).build();
+        let mut events = docker().await.events(Some(opts));
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = count.clone();
+        let task = tokio::spawn(async move {
+            while let Some(Ok(_)) = events.next().await {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        // The subscription is made on the task's first poll: give it that before the action.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        Installers { count, task }
+    }
+
+    /// How many so far, after the engine had a moment to deliver the last ones.
+    async fn seen(&self) -> usize {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Installers {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// Removes the cached layer a server with `index` settings finds for `requirements` (one,
@@ -53,20 +77,20 @@ async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
     forget_layer("six", &pyberth::docker::image::tag_for(&cfg), &index).await;
     let _layers = OwnLayers::new(&["six"]);
     let s = Server::start("deps-six", &[]).await;
-    let t0 = now();
+    let installers = Installers::watch(&s.instance).await;
     let r = s.call("install_packages", json!({ "packages": ["six"], "session": "first" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
-    assert!(installers_started(&s.instance, t0, now() + 1).await >= 1, "a cold set runs the installer");
+    assert!(installers.seen().await >= 1, "a cold set runs the installer");
     let sc = s.ok("first", "import six\nsix.__name__").await;
     assert_eq!(sc["result"], "'six'");
     assert_eq!(s.ok("first", no_network_code()).await["result"], "['lo']", "still offline after an install");
 
     // A second session asking for the same set starts from the layer: no installer runs.
-    let t1 = now();
+    let before = installers.seen().await;
     let (r, sc) = s.run_with(json!({ "session": "second", "code": "import six\nsix.PY3", "packages": ["Six"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     assert_eq!(sc["result"], "True");
-    assert_eq!(installers_started(&s.instance, t1, now() + 1).await, 0, "cache hit: no installer");
+    assert_eq!(installers.seen().await, before, "cache hit: no installer");
     assert_eq!(s.ok("second", no_network_code()).await["result"], "['lo']");
 
     let r = s.call("list_packages", json!({ "session": "second", "names": ["six", "no-such-thing"] })).await;
@@ -127,13 +151,13 @@ async fn layers_survive_a_restart_and_compiled_extensions_work() {
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     s.stop().await;
     let s = Server::start("deps-restart-2", &[]).await;
-    let t0 = now();
+    let installers = Installers::watch(&s.instance).await;
     // MarkupSafe's wheel carries a C extension, _speedups.
     let code = "from markupsafe import _speedups, escape\nstr(escape('<a>'))";
     let (r, sc) = s.run_with(json!({ "session": "c", "code": code, "packages": ["MarkupSafe"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     assert_eq!(sc["result"], "'&lt;a&gt;'");
-    assert_eq!(installers_started(&s.instance, t0, now() + 1).await, 0, "the layer outlived the first server");
+    assert_eq!(installers.seen().await, 0, "the layer outlived the first server");
     s.stop().await;
 }
 
