@@ -115,17 +115,19 @@ impl<'a> Notifier<'a> {
             }
             Live::Output(stream, text) => (Some(stream), text),
         };
+        // One sequence number for both kinds: clients (rmcp's among them) may handle
+        // notifications concurrently, and order chunks by it.
+        self.n += 1;
         if let (Some(stream), true) = (stream, self.log) {
             let name = if stream == Stream::Stdout { "stdout" } else { "stderr" };
             let param = LoggingMessageNotificationParam::new(
                 LoggingLevel::Info,
-                serde_json::json!({ "stream": name, "text": text }),
+                serde_json::json!({ "stream": name, "text": text, "seq": self.n }),
             )
             .with_logger(name);
             let _ = self.ctx.peer.notify_logging_message(param).await;
         }
         if let Some(tok) = &self.token {
-            self.n += 1;
             let param = ProgressNotificationParam::new(tok.clone(), f64::from(self.n)).with_message(text);
             let _ = self.ctx.peer.notify_progress(param).await;
         }

@@ -26,6 +26,9 @@ pub struct Heard {
     /// "progress" or "log".
     pub kind: &'static str,
     pub text: String,
+    /// The server's sequence number (progress value, or the log's `seq`): rmcp's client
+    /// handles each notification in a task of its own, so arrival order is not send order.
+    pub seq: f64,
 }
 
 /// The test client: records progress and log notifications.
@@ -35,19 +38,20 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    fn push(&self, kind: &'static str, text: String) {
-        self.heard.lock().expect("recorder lock").push(Heard { at: Instant::now(), kind, text });
+    fn push(&self, kind: &'static str, text: String, seq: f64) {
+        self.heard.lock().expect("recorder lock").push(Heard { at: Instant::now(), kind, text, seq });
     }
 }
 
 impl ClientHandler for Recorder {
     async fn on_progress(&self, params: ProgressNotificationParam, _: NotificationContext<RoleClient>) {
-        self.push("progress", params.message.unwrap_or_default());
+        self.push("progress", params.message.unwrap_or_default(), params.progress);
     }
 
     async fn on_logging_message(&self, params: LoggingMessageNotificationParam, _: NotificationContext<RoleClient>) {
         let text = params.data.get("text").and_then(Value::as_str).unwrap_or_default().to_owned();
-        self.push("log", text);
+        let seq = params.data.get("seq").and_then(Value::as_f64).unwrap_or_default();
+        self.push("log", text, seq);
     }
 }
 

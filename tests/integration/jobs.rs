@@ -42,7 +42,9 @@ async fn output_reaches_the_client_while_the_code_runs() {
         // tick 0 is printed about 1.8 s before the run ends: it must not wait for the end.
         let early = ended.duration_since(first.at);
         assert!(early > Duration::from_millis(1000), "{kind}: tick 0 came only {early:?} before the result");
-        let all: String = heard.iter().filter(|h| h.kind == kind).map(|h| h.text.as_str()).collect();
+        let mut chunks: Vec<&crate::common::Heard> = heard.iter().filter(|h| h.kind == kind).collect();
+        chunks.sort_by(|a, b| a.seq.total_cmp(&b.seq));
+        let all: String = chunks.iter().map(|h| h.text.as_str()).collect();
         assert_eq!(all, "tick 0\ntick 1\ntick 2\ntick 3\n", "{kind} notifications carry the chunks in order");
     }
     s.stop().await;
