@@ -344,11 +344,11 @@ async fn in_session(
     };
     let started = SystemTime::now();
     let spec = RunSpec {
-        code: "",
-        file: file.as_deref(),
-        args: if file.is_some() { &args.args } else { &[] },
-        cmd: &cmd,
+        args: if file.is_some() { args.args.clone() } else { Vec::new() },
+        file,
+        cmd,
         env,
+        ..Default::default()
     };
     let timeout = Duration::from_secs_f64(args.timeout);
     let ran = session.run(spec, timeout, &ct, &observer).await;

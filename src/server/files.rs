@@ -17,8 +17,7 @@ use super::render::structured;
 use super::{Caller, SandboxServer};
 use crate::checks::{self, check_path, check_timeout, check_wait, session_name};
 use crate::protocol::{FileEntry, Request};
-use crate::session::jobs::JobSpec;
-use crate::session::{FileReply, Session};
+use crate::session::{FileReply, RunSpec, Session};
 
 /// How `content` is encoded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
@@ -363,7 +362,7 @@ impl SandboxServer {
             return Err("args must be at most 1000 strings without NUL bytes".into());
         }
         let session = self.registry.get(&who, &name)?;
-        let spec = JobSpec { code: String::new(), file: Some(path), args: args.args, env };
+        let spec = RunSpec { file: Some(path), args: args.args, env, ..Default::default() };
         self.execute(&ctx, session, spec, args.timeout_s, wait, Vec::new()).await
     }
 }

@@ -19,7 +19,6 @@ use super::{Caller, SandboxServer, principal_of};
 use crate::checks::{self, check_code, check_path, check_timeout, check_wait, session_name, wanted_packages};
 use crate::deps;
 use crate::protocol::Request;
-use crate::session::jobs::JobSpec;
 use crate::session::registry::Opened;
 use crate::session::{RunSpec, Session};
 
@@ -47,7 +46,7 @@ impl SandboxServer {
         &self,
         ctx: &RequestContext<RoleServer>,
         session: Arc<Session>,
-        spec: JobSpec,
+        spec: RunSpec,
         timeout_s: Option<f64>,
         wait: Option<Duration>,
         notices: Vec<String>,
@@ -61,8 +60,7 @@ impl SandboxServer {
         }
         let notifier = self.notifier(ctx);
         let mut live = live_channel(notifier.wants_output());
-        let run = RunSpec { code: &spec.code, file: spec.file.as_deref(), args: &spec.args, cmd: &[], env: spec.env };
-        let mut outcome = relay(notifier, &mut live.rx, session.run(run, timeout, &ctx.ct, &live.observer))
+        let mut outcome = relay(notifier, &mut live.rx, session.run(spec, timeout, &ctx.ct, &live.observer))
             .await
             .context("the run could not complete")?;
         outcome.notices.splice(0..0, notices);
@@ -143,7 +141,7 @@ impl SandboxServer {
             .await?;
             notices.push(format!("code saved as {path}"));
         }
-        let spec = JobSpec { code: args.code, env, ..Default::default() };
+        let spec = RunSpec { code: args.code, env, ..Default::default() };
         self.execute(&ctx, session, spec, args.timeout_s, wait, notices).await
     }
 

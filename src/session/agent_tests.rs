@@ -143,7 +143,7 @@ async fn run_code(
 ) -> (Ending, RunOutcome) {
     let mut outcome = empty_outcome();
     let id = agent.next_id();
-    let spec = RunSpec { code, ..Default::default() };
+    let spec = RunSpec { code: code.to_owned(), ..Default::default() };
     let stop = Stop { timeout, grace: GRACE, ct };
     let ending = tokio::time::timeout(STEP + timeout, drive(agent, id, &spec, stop, &mut outcome, observer, "test"))
         .await

@@ -4,7 +4,7 @@
 //! disconnects, and any later call of the same principal can read its output by offsets,
 //! wait for it or cancel it. Finished jobs are kept for a while, then pruned.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,19 +24,6 @@ const MAX_FINISHED: usize = 200;
 /// already bounded as they arrive (`extras.rs`); across 200 kept jobs they would still add
 /// up, so older jobs lose theirs first.
 const KEPT_IMAGE_BYTES: usize = 32 << 20;
-
-/// What a job runs (owned, since the job outlives the request).
-#[derive(Debug, Clone, Default)]
-pub struct JobSpec {
-    /// Python source.
-    pub code: String,
-    /// Or a workspace script.
-    pub file: Option<String>,
-    /// Its arguments.
-    pub args: Vec<String>,
-    /// Environment for the run.
-    pub env: BTreeMap<String, String>,
-}
 
 /// Output so far, kept up to the cap per stream.
 #[derive(Debug, Default)]
@@ -170,7 +157,7 @@ impl Jobs {
         &self,
         principal: &str,
         session: Arc<Session>,
-        spec: JobSpec,
+        spec: RunSpec,
         timeout: Duration,
         cap: usize,
         slot: impl Send + 'static,
@@ -195,15 +182,8 @@ impl Jobs {
         let task_job = job.clone();
         self.tasks.spawn(async move {
             let job = task_job;
-            let spec_ref = RunSpec {
-                code: &spec.code,
-                file: spec.file.as_deref(),
-                args: &spec.args,
-                cmd: &[],
-                env: spec.env.clone(),
-            };
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
-            let result = session.run(spec_ref, timeout, &job.cancel, &observer).await;
+            let result = session.run(spec, timeout, &job.cancel, &observer).await;
             drop(slot); // the caller's run slot is free before anyone can see the job ended
             job.finish(match result {
                 Ok(outcome) => Finished::Outcome(Box::new(outcome)),

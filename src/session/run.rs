@@ -85,17 +85,17 @@ pub struct RunOutcome {
     pub(crate) extras: Extras,
 }
 
-/// What to run.
-#[derive(Debug, Default)]
-pub struct RunSpec<'a> {
+/// What to run: owned, so that one type serves a call and a job that outlives it.
+#[derive(Debug, Clone, Default)]
+pub struct RunSpec {
     /// Python source for the persistent interpreter.
-    pub code: &'a str,
+    pub code: String,
     /// A workspace script to run in a fresh interpreter process instead.
-    pub file: Option<&'a str>,
+    pub file: Option<String>,
     /// Its arguments.
-    pub args: &'a [String],
+    pub args: Vec<String>,
     /// Or a command (argv) run in the workspace, as the code's user.
-    pub cmd: &'a [String],
+    pub cmd: Vec<String>,
     /// Environment for this run, on top of the session's.
     pub env: BTreeMap<String, String>,
 }
@@ -182,7 +182,7 @@ impl Session {
     /// Runs code in the persistent interpreter.
     pub async fn run(
         &self,
-        spec: RunSpec<'_>,
+        spec: RunSpec,
         timeout: Duration,
         ct: &CancellationToken,
         observer: &Observer<'_>,
@@ -284,7 +284,7 @@ impl Session {
 /// [`drive`] with the session's agent and a fresh id.
 async fn drive_agent(
     inner: &mut Inner,
-    spec: &RunSpec<'_>,
+    spec: &RunSpec,
     stop: Stop<'_>,
     outcome: &mut RunOutcome,
     observer: &Observer<'_>,
@@ -308,14 +308,21 @@ async fn drive_agent(
 pub(super) async fn drive(
     agent: &mut Agent,
     id: u64,
-    spec: &RunSpec<'_>,
+    spec: &RunSpec,
     stop: Stop<'_>,
     outcome: &mut RunOutcome,
     observer: &Observer<'_>,
     name: &str,
 ) -> Ending {
     let Stop { timeout, grace, ct } = stop;
-    let req = Request::Run { id, code: spec.code, file: spec.file, args: spec.args, cmd: spec.cmd, env: &spec.env };
+    let req = Request::Run {
+        id,
+        code: &spec.code,
+        file: spec.file.as_deref(),
+        args: &spec.args,
+        cmd: &spec.cmd,
+        env: &spec.env,
+    };
     if let Err(e) = agent.send(&req).await {
         return Ending::Broken(e.to_string());
     }
