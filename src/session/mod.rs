@@ -7,6 +7,10 @@
 //! This file holds the session's lifecycle (start, restart, reset, close) and its queries;
 //! `agent.rs` is the connection to the agent, `run.rs` one run from request to outcome,
 //! [`registry`] the sessions of a server and [`jobs`] the runs that outlive their call.
+//!
+//! Why this file passes 500 lines: the lifecycle of one session (start, greet, restart,
+//! replace, close) and the queries that share its lock; the run and the agent connection
+//! already live apart (`run.rs`, `agent.rs`, `watch.rs`).
 
 mod agent;
 #[cfg(test)]
