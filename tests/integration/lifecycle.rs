@@ -236,3 +236,39 @@ async fn a_server_a_test_drops_is_stopped_not_killed() {
     assert!(!lock.exists(), "its lock file was left: {}", lock.display());
     assert_cleaned_up(&instance).await;
 }
+
+/// A server's log in a file or a CI log is plain text, and a clean stop says nothing alarming
+/// about the removals it does itself (no 409 "removal already in progress" warnings).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_log_is_plain_text_and_a_clean_stop_warns_of_nothing() {
+    let s = Server::start("quiet-stop", &[("PYBERTH_POOL_SIZE", "2")]).await;
+    for name in ["a", "b", "c"] {
+        s.ok(name, "print('\\x1b[31mred from the code\\x1b[0m')").await;
+    }
+    let log = s.stop().await;
+    assert!(!log.contains('\u{1b}'), "no ANSI colour when stderr is not a terminal");
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains(" WARN ") || l.contains(" ERROR ")).collect();
+    assert!(warned.iter().all(|l| !l.contains("409") && !l.contains("already in progress")), "{warned:#?}");
+}
+
+/// `pyberth serve` started by hand at a terminal says in one line what it is for, and ends
+/// cleanly when input ends before any client spoke (Ctrl-D).
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_at_a_terminal_says_what_it_is_and_ends_cleanly_on_eof() {
+    let instance = instance_name("tty");
+    // `script` gives the server a terminal as stdin; its own stdin (empty) ends the session.
+    let cmd = format!("{} serve", env!("CARGO_BIN_EXE_pyberth"));
+    let out = tokio::process::Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .env("PYBERTH_INSTANCE", &instance)
+        .env("PYBERTH_STATE_DIR", crate::common::state_dir())
+        .env("PYBERTH_POOL_SIZE", "0")
+        .stdin(std::process::Stdio::null())
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(60), out).await.expect("ends").expect("script");
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(all.contains("speaks MCP on stdin and stdout"), "{all}");
+    assert!(out.status.success(), "a clean exit on EOF: {:?} {all}", out.status);
+    assert!(!all.contains("ERROR"), "{all}");
+    assert_cleaned_up(&instance).await;
+}
