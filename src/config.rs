@@ -70,6 +70,11 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_WORKSPACE_MB", default_value_t = 0)]
     pub workspace_mb: u64,
 
+    /// The uids (and gids) sandboxed code may run as, FIRST-LAST: each sandbox gets one of its
+    /// own at random, so no per-uid kernel limit is shared with another session or a host user.
+    #[arg(long, env = "PYBERTH_UID_RANGE", default_value = crate::docker::identity::DEFAULT_RANGE)]
+    pub uid_range: crate::docker::identity::UidRange,
+
     /// Default time limit of one run, seconds.
     #[arg(long, env = "PYBERTH_TIMEOUT", default_value_t = 60)]
     pub timeout_s: u64,
@@ -538,5 +543,16 @@ mod file_tests {
         let cfg = load(&["x"], "memory_mb = 10\n").expect("parses");
         let e = cfg.validate().expect_err("below the minimum");
         assert!(e.to_string().contains("memory_mb"), "{e}");
+    }
+
+    #[test]
+    fn the_uid_range_has_a_free_default_and_is_checked() {
+        let cfg = load(&["x"], "").expect("defaults");
+        assert_eq!(cfg.uid_range, crate::docker::identity::UidRange::default());
+        let cfg = load(&["x"], "uid_range = \"200000-300000\"\n").expect("from the file");
+        assert_eq!((cfg.uid_range.first, cfg.uid_range.last), (200_000, 300_000));
+        let e = load(&["x"], "uid_range = \"1000-2000\"\n").expect_err("users' uids");
+        assert!(e.contains("uid_range"), "{e}");
+        assert!(load(&["x", "--uid-range", "1000-1000"], "").is_err());
     }
 }

@@ -260,3 +260,71 @@ out"#;
     s.stop().await;
     assert_cleaned_up(&instance).await;
 }
+
+/// Code that holds every inotify instance, POSIX message queue byte and process slot its uid
+/// may have. Each session's code runs under a uid of its own (design.md D4), so none of it
+/// reaches another session, nor a host user of the uid sessions used to share (1000).
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_and_the_host_user_do_not_share_per_uid_limits() {
+    let s = Server::start("per-uid", &[]).await;
+    let helpers = "import ctypes, errno, os, resource\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+                   libc.mq_open.restype = ctypes.c_int\n\
+                   libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]\n\
+                   def code():\n    return errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))\n";
+    s.ok("hog", helpers).await;
+    s.ok("other", helpers).await;
+    // inotify instances: 128 per uid by default (fs.inotify.max_user_instances).
+    let fill = "held = []\nerr = None\nwhile len(held) < 4096:\n    fd = libc.inotify_init1(0)\n    \
+                if fd < 0:\n        err = code()\n        break\n    held.append(fd)\nerr";
+    assert_eq!(result(&s.ok("hog", fill).await), "'EMFILE'", "the hog holds every inotify instance of its uid");
+    let one = "fd = libc.inotify_init1(0)\nr = 'ok' if fd >= 0 else code()\nos.close(fd) if fd >= 0 else None\nr";
+    assert_eq!(result(&s.ok("other", one).await), "'ok'", "another session still gets an inotify instance");
+    // The host's own uid 1000 (the uid every session used to run as) is untouched too.
+    match host_inotify_as_1000().await {
+        Some(r) => assert_eq!(r, "ok", "the host's uid 1000 still gets an inotify instance"),
+        None => eprintln!("host check skipped: needs root, setpriv and /usr/bin/python3 on the host"),
+    }
+    // POSIX message queues: RLIMIT_MSGQUEUE bytes per uid (819200 by default).
+    let queues = "qs = []\nerr = None\nwhile len(qs) < 256:\n    q = libc.mq_open(b'/q%d' % len(qs), 0o102, 0o600, None)\n    \
+                  if q < 0:\n        err = code()\n        break\n    qs.append(q)\n(err, len(qs) > 0)";
+    assert_eq!(result(&s.ok("hog", queues).await), "('EMFILE', True)", "the hog holds its uid's queue bytes");
+    let q = "q = libc.mq_open(b'/mine', 0o102, 0o600, None)\n'ok' if q >= 0 else code()";
+    assert_eq!(result(&s.ok("other", q).await), "'ok'", "another session still opens a message queue");
+    // RLIMIT_NPROC counts every process of a uid: the hog's 40 sleepers never count against
+    // a limit another session sets for itself.
+    s.ok("hog", "import subprocess\nsleepers = [subprocess.Popen(['sleep', '120']) for _ in range(40)]").await;
+    let fork = "soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)\n\
+                resource.setrlimit(resource.RLIMIT_NPROC, (30, hard))\ntry:\n    pid = os.fork()\n    \
+                if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    r = 'forked'\nexcept OSError as e:\n    \
+                r = errno.errorcode[e.errno]\nfinally:\n    resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))\nr";
+    assert_eq!(result(&s.ok("other", fork).await), "'forked'", "another session's processes do not count");
+    // Every session has a uid of its own, in the reserved range, and never 1000.
+    let uid = |sc: Value| result(&sc).parse::<u64>().expect("a uid");
+    let (a, b) = (uid(s.ok("hog", "os.getuid()").await), uid(s.ok("other", "os.getuid()").await));
+    assert_ne!(a, b, "two sessions, two uids");
+    for u in [a, b] {
+        assert!((0x7000_0000..=0x7FFD_FFFF).contains(&u), "uid {u} is in the default --uid-range");
+    }
+    canary(&s).await;
+    let instance = s.instance.clone();
+    s.stop().await;
+    assert_cleaned_up(&instance).await;
+}
+
+/// `inotify_init1` in a host process of uid 1000, when the test may start one (as root, with
+/// `setpriv`); `None` otherwise.
+async fn host_inotify_as_1000() -> Option<String> {
+    let python = std::path::Path::new("/usr/bin/python3");
+    if !rustix::process::geteuid().is_root() || !python.exists() || !std::path::Path::new("/usr/bin/setpriv").exists() {
+        return None;
+    }
+    let code = "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.inotify_init1(0)\n\
+                print('ok' if fd >= 0 else errno.errorcode.get(ctypes.get_errno()))";
+    let out = tokio::process::Command::new("/usr/bin/setpriv")
+        .args(["--reuid", "1000", "--regid", "1000", "--clear-groups", "/usr/bin/python3", "-I", "-c", code])
+        .current_dir("/")
+        .output()
+        .await
+        .ok()?;
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
