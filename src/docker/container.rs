@@ -145,11 +145,11 @@ pub async fn create(
     for volume in [&name, &live] {
         let mut request =
             VolumeCreateRequest { name: Some(volume.clone()), labels: Some(labels.clone()), ..Default::default() };
-        if volume == &name && cfg.workspace_mb > 0 {
+        if let (true, Some(mb)) = (volume == &name, cfg.workspace_bound_mb()) {
             // A hard size and inode bound on any filesystem: tmpfs through the local driver,
             // owned by the code's uid (a tmpfs has no copy-up from the image).
             request.driver = Some("local".into());
-            request.driver_opts = Some(tmpfs_workspace_options(cfg.workspace_mb, uid));
+            request.driver_opts = Some(tmpfs_workspace_options(mb, uid));
         }
         if let Err(e) = docker.create_volume(request).await {
             remove_volume(docker, &name).await;

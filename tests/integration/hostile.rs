@@ -328,3 +328,51 @@ async fn host_inotify_as_1000() -> Option<String> {
         .ok()?;
     Some(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
+
+/// With no disk setting at all, a session's workspace is bounded (half of its memory): filling
+/// it with bytes, with empty files, or with `fallocate(FALLOC_FL_KEEP_SIZE)` (blocks past the
+/// end of a file that shows size 0) stops at the bound with ENOSPC, and the session keeps
+/// working: the next run succeeds, and deleting a file makes room again.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_default_workspace_is_bounded_for_bytes_inodes_and_fallocate() {
+    let s = Server::start("default-disk", &[]).await;
+    let env = s.call("get_environment", json!({})).await.structured_content.expect("sc");
+    assert_eq!(env["limits"]["workspace_mb"], 256, "half of the default 512 MiB of memory: {env}");
+    // Bytes: 600 MiB asked for, in 1 MiB writes.
+    let bytes = "import errno, os\nn = 0\nerr = None\ntry:\n    with open('fill', 'wb') as f:\n        \
+                 while n < 600:\n            f.write(b'x' * (1 << 20))\n            n += 1\nexcept OSError as e:\n    \
+                 err = errno.errorcode[e.errno]\n(err, os.stat('fill').st_blocks * 512 <= 256 << 20)";
+    assert_eq!(result(&survive(&s, "w", bytes, 120).await), "('ENOSPC', True)", "a byte fill stops at the bound");
+    // Full: a write fails with ENOSPC in the user's traceback, the run says error, the session lives.
+    let (r, sc) = s.run_with(json!({ "session": "w", "code": "open('more', 'wb').write(b'y' * (4 << 20))" })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert_eq!(sc["status"], "error", "{sc}");
+    let tb = sc["error"]["traceback"].as_str().unwrap_or_default();
+    assert!(tb.contains("No space left on device"), "ENOSPC in the traceback: {tb}");
+    let r = s.call("delete_file", json!({ "session": "w", "path": "fill" })).await;
+    assert_eq!(r.is_error, Some(false), "deleting works on a full workspace: {}", text(&r));
+    assert_eq!(result(&s.ok("w", "open('more', 'wb').write(b'y' * (4 << 20))").await), "4194304", "room again");
+    // Inodes: 200,000 empty files asked for.
+    let inodes = "import errno, os, shutil\nos.makedirs('i', exist_ok=True)\nn = 0\nerr = None\ntry:\n    \
+                  while n < 200000:\n        open(f'i/{n}', 'w').close()\n        n += 1\nexcept OSError as e:\n    \
+                  err = errno.errorcode[e.errno]\nshutil.rmtree('i')\n(err, n < 200000)";
+    assert_eq!(result(&survive(&s, "w", inodes, 120).await), "('ENOSPC', True)", "an inode fill stops at the bound");
+    // fallocate past the end of a file (FALLOC_FL_KEEP_SIZE), which keeps showing size 0: 900
+    // MiB (under the 1 GiB per-file limit) meets the workspace's bound; 1.5 GiB meets the
+    // per-file limit first (tmpfs checks it even past the end of the file, ext4 does not).
+    let falloc = "import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+                  libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]\n\
+                  def pre(mb):\n    fd = os.open('pre', os.O_WRONLY | os.O_CREAT, 0o644)\n    \
+                  r = libc.fallocate(fd, 1, 0, mb << 20)\n    err = errno.errorcode.get(ctypes.get_errno()) if r else None\n    \
+                  st = os.fstat(fd)\n    os.close(fd)\n    os.remove('pre')\n    \
+                  return (err, st.st_size, st.st_blocks * 512 <= 256 << 20)\n[pre(900), pre(1536)]";
+    assert_eq!(
+        result(&survive(&s, "w", falloc, 120).await),
+        "[('ENOSPC', 0, True), ('EFBIG', 0, True)]",
+        "fallocate stops at the bound"
+    );
+    assert_eq!(result(&s.ok("w", "open('more', 'rb').read().count(b'y')").await), "4194304", "files are kept");
+    let instance = s.instance.clone();
+    s.stop().await;
+    assert_cleaned_up(&instance).await;
+}

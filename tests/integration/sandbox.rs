@@ -44,6 +44,7 @@ except OSError as e:
         format!("'uid': {uid}"),
         format!("'gid': {uid}"),
         format!("'groups': [{uid}]"),
+        "'workspace_owner': True".to_owned(),
         "'user': 'sandbox'".to_owned(),
         "'home': '/workspace'".to_owned(),
         "'path_home': '/workspace'".to_owned(),
@@ -88,6 +89,27 @@ except OSError as e:
     let labels = cfg.labels.clone().unwrap_or_default();
     assert_eq!(labels.get("pyberth.uid"), Some(&uid.to_string()), "the code's uid is recorded on the container");
     assert!(!cfg.env.unwrap_or_default().iter().any(|e| e.contains("SERVER_SECRET_TOKEN")));
+    // The workspace is a tmpfs-backed volume, bounded by default.
+    let mounts = s.ok("default", "[l.split()[2] for l in open('/proc/mounts') if l.split()[1] == '/workspace']").await;
+    assert_eq!(mounts["result"], "['tmpfs']");
+    s.stop().await;
+}
+
+/// `--workspace-mb disk`: the workspace on the engine's volume disk, as before, still writable
+/// by the session's own uid (the image's /workspace is 1777, and a volume copies its mode),
+/// through the agent, the code and the engine's archive API alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_on_disk_workspace_is_writable_by_the_sessions_own_uid() {
+    let s = Server::start("on-disk", &[("PYBERTH_WORKSPACE_MB", "disk")]).await;
+    let env = s.call("get_environment", serde_json::json!({})).await.structured_content.expect("sc");
+    assert_eq!(env["limits"]["workspace_mb"], 0, "0: on disk: {env}");
+    let code = "import os\nopen('mine.txt', 'w').write('x')\nos.makedirs('d/e')\n\
+                m = [l.split()[2] for l in open('/proc/mounts') if l.split()[1] == '/workspace']\n\
+                (m != ['tmpfs'], os.stat('mine.txt').st_uid == os.getuid(), oct(os.stat('.').st_mode & 0o7777))";
+    assert_eq!(s.ok("default", code).await["result"], "(True, True, '0o1777')");
+    let r = s.call("write_file", serde_json::json!({ "path": "d/e/f.txt", "content": "agent" })).await;
+    assert_eq!(r.is_error, Some(false));
+    assert_eq!(s.ok("default", "open('d/e/f.txt').read()").await["result"], "'agent'");
     s.stop().await;
 }
 
