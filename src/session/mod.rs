@@ -128,6 +128,7 @@ pub(super) fn checked_entries(entries: Vec<FileEntry>) -> (Vec<FileEntry>, usize
             check_path(&e.path, false).is_ok_and(|p| p == e.path)
                 && matches!(e.kind.as_str(), "file" | "dir" | "link")
                 && e.size <= MAX_ENTRY_SIZE
+                && e.allocated.is_none_or(|a| a <= MAX_ENTRY_SIZE)
         })
         .collect();
     let dropped = total - kept.len();
