@@ -27,6 +27,64 @@ pub enum SeccompMode {
     Docker,
 }
 
+/// The size of a session's workspace (`--workspace-mb`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkspaceSize {
+    /// A tmpfs-backed volume of half the session's memory.
+    Auto,
+    /// The engine's volume disk, without a per-session bound (`disk`, or 0).
+    Disk,
+    /// A tmpfs-backed volume of this many MiB.
+    Mb(u64),
+}
+
+impl std::fmt::Display for WorkspaceSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Disk => f.write_str("disk"),
+            Self::Mb(mb) => write!(f, "{mb}"),
+        }
+    }
+}
+
+impl std::str::FromStr for WorkspaceSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "disk" | "0" => Ok(Self::Disk),
+            n => n.parse::<u64>().map(Self::Mb).map_err(|_| format!("{s:?} is not a size in MiB, auto or disk")),
+        }
+    }
+}
+
+impl serde::Serialize for WorkspaceSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Mb(mb) => s.serialize_u64(*mb),
+            other => s.collect_str(other),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for WorkspaceSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Word(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(0) => Ok(Self::Disk),
+            Raw::Number(mb) => Ok(Self::Mb(mb)),
+            Raw::Word(w) => w.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 /// Settings shared by every command that starts sandboxes.
 #[derive(Debug, Clone, clap::Args, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -68,10 +126,16 @@ pub struct SandboxConfig {
     pub tmp_mb: u64,
 
     /// Size of each session's workspace in MiB, as a tmpfs-backed volume whose pages count
-    /// against the session's memory; 0 keeps it on the Docker volume disk, unbounded per
-    /// session where the filesystem has no project quotas (ext4).
-    #[arg(long, env = "PYBERTH_WORKSPACE_MB", default_value_t = 0)]
-    pub workspace_mb: u64,
+    /// against the session's memory (inodes bounded too: 256 per MiB). `auto`: half of
+    /// --memory-mb. `disk` (or 0): on the Docker volume disk instead, unbounded per session
+    /// where the filesystem has no project quotas (ext4).
+    #[arg(long, env = "PYBERTH_WORKSPACE_MB", default_value = "auto")]
+    pub workspace_mb: WorkspaceSize,
+
+    /// The uids (and gids) sandboxed code may run as, FIRST-LAST: each sandbox gets one of its
+    /// own at random, so no per-uid kernel limit is shared with another session or a host user.
+    #[arg(long, env = "PYBERTH_UID_RANGE", default_value = crate::docker::identity::DEFAULT_RANGE)]
+    pub uid_range: crate::docker::identity::UidRange,
 
     /// Default time limit of one run, seconds.
     #[arg(long, env = "PYBERTH_TIMEOUT", default_value_t = 60)]
@@ -213,9 +277,12 @@ impl SandboxConfig {
         check(self.pids >= 16, "--pids", "must be at least 16")?;
         check(self.tmp_mb >= 1 && self.tmp_mb < self.memory_mb, "--tmp-mb", "must be between 1 and --memory-mb")?;
         check(
-            self.workspace_mb == 0 || (self.workspace_mb >= 1 && self.workspace_mb < self.memory_mb),
+            match self.workspace_mb {
+                WorkspaceSize::Mb(mb) => mb >= 1 && mb < self.memory_mb,
+                WorkspaceSize::Auto | WorkspaceSize::Disk => true,
+            },
             "--workspace-mb",
-            "must be 0 (on disk) or between 1 and --memory-mb (its pages count against the session's memory)",
+            "must be auto, disk (or 0), or between 1 and --memory-mb (its pages count against the session's memory)",
         )?;
         check(self.timeout_s >= 1, "--timeout-s", "must be at least 1")?;
         // Name the flag that is set past the other, with both values: raising a default is the
@@ -278,6 +345,15 @@ impl SandboxConfig {
             )?;
         }
         Ok(())
+    }
+
+    /// The workspace's bound in MiB, or `None` for a workspace on the volume disk.
+    pub fn workspace_bound_mb(&self) -> Option<u64> {
+        match self.workspace_mb {
+            WorkspaceSize::Auto => Some(self.memory_mb / 2),
+            WorkspaceSize::Disk => None,
+            WorkspaceSize::Mb(mb) => Some(mb),
+        }
     }
 
     /// Default run time limit.
@@ -542,5 +618,41 @@ mod file_tests {
         let cfg = load(&["x"], "memory_mb = 10\n").expect("parses");
         let e = cfg.validate().expect_err("below the minimum");
         assert!(e.to_string().contains("memory_mb"), "{e}");
+    }
+
+    #[test]
+    fn the_workspace_is_bounded_by_default_and_disk_is_an_explicit_choice() {
+        let cfg = load(&["x"], "").expect("defaults");
+        assert_eq!(cfg.workspace_mb, WorkspaceSize::Auto);
+        assert_eq!(cfg.workspace_bound_mb(), Some(256), "half of the default 512 MiB");
+        let cfg = load(&["x", "--memory-mb", "2048"], "").expect("valid");
+        assert_eq!(cfg.workspace_bound_mb(), Some(1024), "half of the session's memory");
+        for (args, file, want) in [
+            (&["x", "--workspace-mb", "disk"][..], "", None),
+            (&["x", "--workspace-mb", "0"][..], "", None),
+            (&["x"][..], "workspace_mb = \"disk\"\n", None),
+            (&["x"][..], "workspace_mb = 0\n", None),
+            (&["x"][..], "workspace_mb = 64\n", Some(64)),
+            (&["x", "--workspace-mb", "100"][..], "workspace_mb = \"disk\"\n", Some(100)),
+        ] {
+            let cfg = load(args, file).expect("valid");
+            cfg.validate().expect("valid values");
+            assert_eq!(cfg.workspace_bound_mb(), want, "{args:?} {file:?}");
+        }
+        assert!(load(&["x", "--workspace-mb", "lots"], "").is_err());
+        let cfg = load(&["x", "--workspace-mb", "512"], "").expect("parses");
+        let e = cfg.validate().expect_err("as large as the memory");
+        assert!(e.to_string().contains("workspace_mb"), "{e}");
+    }
+
+    #[test]
+    fn the_uid_range_has_a_free_default_and_is_checked() {
+        let cfg = load(&["x"], "").expect("defaults");
+        assert_eq!(cfg.uid_range, crate::docker::identity::UidRange::default());
+        let cfg = load(&["x"], "uid_range = \"200000-300000\"\n").expect("from the file");
+        assert_eq!((cfg.uid_range.first, cfg.uid_range.last), (200_000, 300_000));
+        let e = load(&["x"], "uid_range = \"1000-2000\"\n").expect_err("users' uids");
+        assert!(e.contains("uid_range"), "{e}");
+        assert!(load(&["x", "--uid-range", "1000-1000"], "").is_err());
     }
 }

@@ -309,6 +309,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     let docker = docker::connect(cfg.docker_host.as_deref()).await?;
     let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
     let engine = docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
+    docker::identity::warn_overlaps(cfg.uid_range);
     let cfg = Arc::new(cfg);
     let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
         .with_context(|| format!("cannot take an instance lock in {}", state_dir.display()))?;

@@ -184,8 +184,12 @@ pub struct Variable {
 pub struct FileEntry {
     /// Path relative to the workspace.
     pub path: String,
-    /// Size in bytes.
+    /// Size in bytes (apparent: what reading it gives).
     pub size: u64,
+    /// Bytes of storage it takes (`st_blocks` × 512): less than `size` for a sparse file,
+    /// more for one with blocks allocated past its end. Absent from agents before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated: Option<u64>,
     /// file, dir or link.
     pub kind: String,
 }

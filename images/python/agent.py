@@ -648,7 +648,12 @@ class Agent:
                 full = os.path.join(dirpath, name)
                 st = os.lstat(full)
                 kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else "file"
-                entries.append({"path": os.path.relpath(full, WORKSPACE), "size": st.st_size, "kind": kind})
+                entries.append({
+                    "path": os.path.relpath(full, WORKSPACE),
+                    "size": st.st_size,
+                    "allocated": st.st_blocks * 512,
+                    "kind": kind,
+                })
                 if len(entries) >= limit:
                     return {"entries": entries, "truncated": True}
             if not msg.get("recursive"):

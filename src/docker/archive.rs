@@ -20,7 +20,6 @@ use bollard::query_parameters::UploadToContainerOptionsBuilder;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::CODE_UID;
 use super::container::WORKSPACE;
 pub use super::copyback::{CopyBack, HeldBack};
 use super::layers::safe_relative;
@@ -101,10 +100,10 @@ impl Read for ChunkReader {
     }
 }
 
-/// Uploads the contents of `dir` into the workspace of container `id`, skipping `.git`.
-/// Symlinks travel as symlinks (the container resolves them, inside itself). Refuses a
-/// tree over `cap` bytes.
-pub async fn upload_dir(docker: &Docker, id: &str, dir: &Path, cap: Cap) -> Result<Moved, String> {
+/// Uploads the contents of `dir` into the workspace of container `id`, skipping `.git`, every
+/// entry owned by `uid` (the container's code). Symlinks travel as symlinks (the container
+/// resolves them, inside itself). Refuses a tree over `cap` bytes.
+pub async fn upload_dir(docker: &Docker, id: &str, uid: u32, dir: &Path, cap: Cap) -> Result<Moved, String> {
     let meta = std::fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
     if !meta.is_dir() {
         return Err(format!("{} is not a directory", dir.display()));
@@ -117,7 +116,7 @@ pub async fn upload_dir(docker: &Docker, id: &str, dir: &Path, cap: Cap) -> Resu
         let packed = (|| {
             let mut ar = tar::Builder::new(&mut writer);
             ar.follow_symlinks(false);
-            pack(&mut ar, &root, Path::new(""), cap, &mut moved)?;
+            pack(&mut ar, &root, Path::new(""), uid, cap, &mut moved)?;
             ar.finish().map_err(|e| format!("cannot pack {}: {e}", root.display()))
         })();
         let packed = packed.and_then(|()| writer.flush().map_err(|e| e.to_string()));
@@ -136,15 +135,16 @@ pub async fn upload_dir(docker: &Docker, id: &str, dir: &Path, cap: Cap) -> Resu
     Ok(moved)
 }
 
-/// Uploads one file, `name` (no directories), into the workspace; returns its (mtime, size).
-pub async fn upload_file(docker: &Docker, id: &str, name: &str, data: &[u8]) -> Result<(u64, u64), String> {
+/// Uploads one file, `name` (no directories), into the workspace, owned by `uid`; returns its
+/// (mtime, size).
+pub async fn upload_file(docker: &Docker, id: &str, uid: u32, name: &str, data: &[u8]) -> Result<(u64, u64), String> {
     let mtime = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let mut ar = tar::Builder::new(Vec::new());
     let mut h = tar::Header::new_gnu();
     h.set_size(data.len() as u64);
     h.set_mode(0o644);
-    h.set_uid(CODE_UID);
-    h.set_gid(CODE_UID);
+    h.set_uid(u64::from(uid));
+    h.set_gid(u64::from(uid));
     h.set_mtime(mtime);
     h.set_cksum();
     ar.append_data(&mut h, name, data).map_err(|e| format!("cannot pack {name}: {e}"))?;
@@ -161,6 +161,7 @@ fn pack<W: Write>(
     ar: &mut tar::Builder<W>,
     root: &Path,
     rel: &Path,
+    uid: u32,
     cap: Cap,
     moved: &mut Moved,
 ) -> Result<(), String> {
@@ -183,14 +184,14 @@ fn pack<W: Write>(
         let meta = std::fs::symlink_metadata(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let mut header = tar::Header::new_gnu();
         header.set_metadata(&meta);
-        header.set_uid(CODE_UID);
-        header.set_gid(CODE_UID);
+        header.set_uid(u64::from(uid));
+        header.set_gid(u64::from(uid));
         // No setuid, setgid or sticky bits reach the sandbox.
         header.set_mode(meta_mode(&meta) & 0o777);
         let err = |e: std::io::Error| format!("cannot pack {}: {e}", path.display());
         if meta.is_dir() {
             ar.append_data(&mut header, &rel, std::io::empty()).map_err(err)?;
-            pack(ar, root, &rel, cap, moved)?;
+            pack(ar, root, &rel, uid, cap, moved)?;
         } else if meta.is_file() {
             moved.files += 1;
             moved.bytes += meta.len();

@@ -13,20 +13,23 @@ use bollard::query_parameters::{
     RemoveContainerOptionsBuilder, RemoveVolumeOptionsBuilder,
 };
 
-use super::{CODE_UID, Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
+use super::identity::{self, LABEL_UID};
+use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
 use crate::config::SandboxConfig;
 
 /// Where the session workspace (a named volume) is mounted, and the code's working directory.
 pub const WORKSPACE: &str = "/workspace";
-/// uid:gid of PID 1 (init + sleep).
+/// uid:gid of PID 1 (init + sleep). User code runs under a uid of its own per container
+/// (`identity`), never this one, so code cannot signal PID 1.
 pub const INIT_USER: &str = "999:999";
-/// uid:gid of user code; different from PID 1's so code cannot signal it.
-pub const CODE_USER: &str = "1000:1000";
-
 /// The fixed environment of every sandbox. The server's own environment never reaches it.
-pub const ENV: [&str; 7] = [
+/// The code's uid has no passwd entry: `USER` and `LOGNAME` name it for libraries that ask
+/// (`getpass.getuser()` reads them first), `HOME` is the workspace.
+pub const ENV: [&str; 9] = [
     "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME=/workspace",
+    "USER=sandbox",
+    "LOGNAME=sandbox",
     "LANG=C.UTF-8",
     "TMPDIR=/tmp",
     "PYTHONDONTWRITEBYTECODE=1",
@@ -55,6 +58,14 @@ impl Owner {
     }
 }
 
+/// Options of a tmpfs-backed workspace volume of `mb` MiB owned by `uid`: a hard bound on
+/// bytes (fallocated blocks included) and inodes (256 per MiB) on any filesystem.
+pub fn tmpfs_workspace_options(mb: u64, uid: u32) -> HashMap<String, String> {
+    let o =
+        format!("size={mb}m,nr_inodes={},uid={uid},gid={uid},mode=0755,nosuid,nodev", mb.saturating_mul(256).max(1024));
+    HashMap::from([("type".into(), "tmpfs".into()), ("device".into(), "tmpfs".into()), ("o".into(), o)])
+}
+
 /// A created and started session container.
 #[derive(Debug, Clone)]
 pub struct Created {
@@ -64,6 +75,8 @@ pub struct Created {
     pub volume: String,
     /// Volume receiving packages installed while the session runs.
     pub live: String,
+    /// The uid (and gid) the code runs as, its own (`identity::pick`).
+    pub uid: u32,
 }
 
 /// The hardened host configuration of a session container.
@@ -125,28 +138,22 @@ pub async fn create(
     // A serial keeps names unique when a session is recreated after its container died.
     let serial = next_serial();
     let name = format!("pyberth-{}-{}-{serial}", owner.instance, session);
-    let labels = owner.labels(session, principal);
+    let uid = identity::pick(docker, cfg.uid_range).await?;
+    let mut labels = owner.labels(session, principal);
+    labels.insert(LABEL_UID.to_owned(), uid.to_string());
     let live = format!("{name}-live");
     for volume in [&name, &live] {
         let mut request =
             VolumeCreateRequest { name: Some(volume.clone()), labels: Some(labels.clone()), ..Default::default() };
-        if volume == &name && cfg.workspace_mb > 0 {
-            // A hard size and inode bound on any filesystem: tmpfs through the local driver.
-            // Owned by the sandbox user, as the image's /workspace is (no copy-up on tmpfs).
-            let o = format!(
-                "size={}m,nr_inodes={},uid={CODE_UID},gid={CODE_UID},mode=0755,nosuid,nodev",
-                cfg.workspace_mb,
-                (cfg.workspace_mb * 256).max(1024)
-            );
+        if let (true, Some(mb)) = (volume == &name, cfg.workspace_bound_mb()) {
+            // A hard size and inode bound on any filesystem: tmpfs through the local driver,
+            // owned by the code's uid (a tmpfs has no copy-up from the image).
             request.driver = Some("local".into());
-            request.driver_opts = Some(HashMap::from([
-                ("type".into(), "tmpfs".into()),
-                ("device".into(), "tmpfs".into()),
-                ("o".into(), o),
-            ]));
+            request.driver_opts = Some(tmpfs_workspace_options(mb, uid));
         }
         if let Err(e) = docker.create_volume(request).await {
             remove_volume(docker, &name).await;
+            identity::release(uid);
             return Err(e.into());
         }
     }
@@ -185,7 +192,7 @@ pub async fn create(
         ..Default::default()
     };
     let opts = CreateContainerOptionsBuilder::default().name(&name).build();
-    let made = Created { id: name.clone(), volume: name.clone(), live };
+    let made = Created { id: name.clone(), volume: name.clone(), live, uid };
     let created = match docker.create_container(Some(opts), body).await {
         Ok(c) => c,
         Err(e) => {
@@ -207,6 +214,7 @@ pub async fn destroy(docker: &Docker, c: &Created) {
     remove_container(docker, &c.id).await;
     remove_volume(docker, &c.volume).await;
     remove_volume(docker, &c.live).await;
+    identity::release(c.uid);
 }
 
 fn next_serial() -> u64 {

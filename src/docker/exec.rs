@@ -10,7 +10,8 @@ use futures::{Stream, StreamExt};
 use tokio::io::AsyncWrite;
 
 use super::Error;
-use super::container::{CODE_USER, ENV, WORKSPACE};
+use super::container::{ENV, WORKSPACE};
+use super::identity;
 
 /// Frames coming out of an attached exec.
 pub type Output = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>;
@@ -31,12 +32,13 @@ pub struct Attached {
     pub output: Output,
 }
 
-/// Starts the agent in a running container as the code user, attached.
-pub async fn attach_agent(docker: &Docker, container: &str) -> Result<Attached, Error> {
-    attach(docker, container, &AGENT_CMD, true).await
+/// Starts the agent in a running container as the code's uid (the container's own), attached.
+pub async fn attach_agent(docker: &Docker, container: &str, uid: u32) -> Result<Attached, Error> {
+    attach(docker, container, uid, &AGENT_CMD, true).await
 }
 
-async fn attach(docker: &Docker, container: &str, cmd: &[&str], stdin: bool) -> Result<Attached, Error> {
+async fn attach(docker: &Docker, container: &str, uid: u32, cmd: &[&str], stdin: bool) -> Result<Attached, Error> {
+    let user = identity::user(uid);
     let opts = CreateExecOptions {
         cmd: Some(cmd.to_vec()),
         attach_stdin: Some(stdin),
@@ -45,7 +47,7 @@ async fn attach(docker: &Docker, container: &str, cmd: &[&str], stdin: bool) -> 
         tty: Some(false),
         // Constant working directory and user, never from input (CVE-2024-21626 class).
         working_dir: Some(WORKSPACE),
-        user: Some(CODE_USER),
+        user: Some(user.as_str()),
         privileged: Some(false),
         env: Some(ENV.to_vec()),
         ..Default::default()
@@ -58,11 +60,12 @@ async fn attach(docker: &Docker, container: &str, cmd: &[&str], stdin: bool) -> 
     }
 }
 
-/// Kills every process of the code user in the container: the agent, its children, and any
+/// Kills every process of the code's uid in the container: the agent, its children, and any
 /// grandchildren that left the agent's process group. PID 1 runs under another uid and is
-/// untouched; `kill(-1)` spares the caller itself.
-pub async fn kill_code_processes(docker: &Docker, container: &str) -> Result<(), Error> {
-    let mut exec = attach(docker, container, &["sh", "-c", "kill -KILL -1"], false).await?;
+/// untouched; `kill(-1)` spares the caller itself. The uid is the container's own, so nothing
+/// outside the container shares it.
+pub async fn kill_code_processes(docker: &Docker, container: &str, uid: u32) -> Result<(), Error> {
+    let mut exec = attach(docker, container, uid, &["sh", "-c", "kill -KILL -1"], false).await?;
     // Wait for the killer to finish so the caller knows the old agent is gone.
     while let Some(frame) = exec.output.next().await {
         frame?;

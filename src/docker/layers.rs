@@ -25,7 +25,8 @@ use futures::{StreamExt, TryStreamExt};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
-use super::container::{self, CODE_USER, Owner, WORKSPACE};
+use super::container::{self, Owner, WORKSPACE};
+use super::identity::{self, LABEL_UID};
 use super::{Error as DockerError, LABEL_IMAGE, LABEL_INSTANCE, LABEL_MANAGED};
 use crate::config::SandboxConfig;
 use crate::docker::image::Progress;
@@ -166,11 +167,33 @@ async fn install(
     progress: Progress<'_>,
 ) -> Result<(), Error> {
     let name = format!("pyberth-{}-install-{}", owner.instance, next_serial());
+    // A uid of its own, as every sandbox has: install hooks share no per-uid limit with a
+    // session or a host user.
+    let uid = identity::pick(docker, cfg.uid_range).await?;
+    let result = install_as(docker, cfg, owner, spec, index, progress, &name, uid).await;
+    identity::release(uid);
+    result
+}
+
+/// [`install`] with the installer's name and uid.
+#[allow(clippy::too_many_arguments)] // install's arguments, plus the two it picked
+async fn install_as(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    owner: &Owner,
+    spec: &LayerSpec<'_>,
+    index: &IndexSettings,
+    progress: Progress<'_>,
+    name: &str,
+    uid: u32,
+) -> Result<(), Error> {
+    let name = name.to_owned();
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
         (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
         (super::LABEL_HOST.to_owned(), owner.host.clone()),
         ("pyberth.installer".to_owned(), "1".to_owned()),
+        (LABEL_UID.to_owned(), uid.to_string()),
     ]);
     docker
         .create_volume(VolumeCreateRequest {
@@ -226,11 +249,13 @@ async fn install(
         let body = ContainerCreateBody {
             image: Some(spec.base.into()),
             cmd: Some(cmd),
-            user: Some(CODE_USER.into()),
+            user: Some(identity::user(uid)),
             working_dir: Some(WORKSPACE.into()),
             env: Some(vec![
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
                 "HOME=/tmp".into(),
+                "USER=sandbox".into(),
+                "LOGNAME=sandbox".into(),
                 "LANG=C.UTF-8".into(),
                 "PIP_NO_WARN_SCRIPT_LOCATION=1".into(),
             ]),
@@ -318,11 +343,27 @@ pub async fn evaluate_markers(
     image: &str,
     markers: &[String],
 ) -> Result<Vec<Option<bool>>, Error> {
+    let uid = identity::pick(docker, cfg.uid_range).await?;
+    let result = evaluate_markers_as(docker, cfg, owner, image, markers, uid).await;
+    identity::release(uid);
+    result
+}
+
+/// [`evaluate_markers`] as `uid`.
+async fn evaluate_markers_as(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    owner: &Owner,
+    image: &str,
+    markers: &[String],
+    uid: u32,
+) -> Result<Vec<Option<bool>>, Error> {
     let name = format!("pyberth-{}-markers-{}", owner.instance, next_serial());
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
         (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
         (super::LABEL_HOST.to_owned(), owner.host.clone()),
+        (LABEL_UID.to_owned(), uid.to_string()),
     ]);
     let mut hc = container::host_config(cfg, &name);
     hc.mounts = None;
@@ -330,7 +371,7 @@ pub async fn evaluate_markers(
     let body = ContainerCreateBody {
         image: Some(image.into()),
         cmd: Some(cmd.collect()),
-        user: Some(CODE_USER.into()),
+        user: Some(identity::user(uid)),
         working_dir: Some("/tmp".into()),
         env: Some(vec![
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),

@@ -7,14 +7,11 @@ mod copyback;
 pub mod engine;
 pub mod exec;
 pub mod heartbeat;
+pub mod identity;
 pub mod image;
 pub mod layers;
 
 use bollard::Docker;
-
-/// The uid (and gid) user code runs as (`images/python/Dockerfile`): owner of uploaded files
-/// and of a tmpfs workspace, so the code can change what it was given.
-pub const CODE_UID: u64 = 1000;
 
 /// Label on everything pyberth creates.
 pub const LABEL_MANAGED: &str = "pyberth.managed";

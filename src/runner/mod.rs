@@ -279,6 +279,7 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
     let docker = docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| infra(e.to_string()))?;
     let mut cfg = cfg.clone();
     docker::engine::check(&docker, &mut cfg, false).await.map_err(infra)?;
+    docker::identity::warn_overlaps(cfg.uid_range);
     let state_dir = cfg.secure_state_dir().map_err(usage)?;
     let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
         .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", state_dir.display())))?;

@@ -24,7 +24,8 @@ pub(super) struct Limits {
     pub pids: i64,
     /// Size of /tmp, MiB.
     pub tmp_mb: u64,
-    /// Size of the workspace, MiB; 0: on disk, without a per-session bound.
+    /// Size of the workspace, MiB, a tmpfs whose pages count against `memory_mb`; 0: on the
+    /// engine's volume disk, without a per-session bound.
     pub workspace_mb: u64,
     /// Default time limit of a run, seconds.
     pub timeout_s: u64,
@@ -41,7 +42,7 @@ impl Limits {
             cpus: cfg.cpus,
             pids: cfg.pids,
             tmp_mb: cfg.tmp_mb,
-            workspace_mb: cfg.workspace_mb,
+            workspace_mb: cfg.workspace_bound_mb().unwrap_or(0),
             timeout_s: cfg.timeout_s,
             max_timeout_s: cfg.max_timeout_s,
             output_cap: cfg.output_cap,
@@ -187,7 +188,7 @@ impl SandboxServer {
         };
         let text = format!(
             "session {}: environment {}, Python {}, image {}\nlimits: {} MiB memory, {} CPU, {} processes, {} s per run \
-             (at most {} s), {} bytes of output per stream\nnetwork: none\nread-only folders: {}\npackages installed: {}\npackage index: {} (CA bundle: {})\n",
+             (at most {} s), {} bytes of output per stream, workspace {}\nnetwork: none\nread-only folders: {}\npackages installed: {}\npackage index: {} (CA bundle: {})\n",
             out.session,
             out.environment,
             out.python,
@@ -198,6 +199,10 @@ impl SandboxServer {
             out.limits.timeout_s,
             out.limits.max_timeout_s,
             out.limits.output_cap,
+            match out.limits.workspace_mb {
+                0 => "on disk".to_owned(),
+                mb => format!("{mb} MiB (counts against memory)"),
+            },
             if out.mounts.is_empty() {
                 "none".to_owned()
             } else {

@@ -280,7 +280,8 @@ impl SandboxServer {
         Ok(result)
     }
 
-    /// List files in the session's workspace with sizes and kinds (file, dir, link). Each file
+    /// List files in the session's workspace with their kinds (file, dir, link), sizes, and the
+    /// storage each takes (allocated: less for a sparse file, more for blocks past its end). Each file
     /// is also linked as an MCP resource (pyberth://sessions/{session}/files/{path}).
     #[tool(annotations(title = "List files", read_only_hint = true), output_schema = schema_for_output::<ListOutput>())]
     async fn list_files(&self, Parameters(args): Parameters<ListFilesArgs>, Caller(who): Caller) -> ToolResult {
@@ -302,7 +303,8 @@ impl SandboxServer {
         let mut text = String::new();
         for e in &reply.entries {
             // Names are the code's: escaped, so one cannot add lines to the listing.
-            text.push_str(&format!("{}\t{}\t{}\n", e.kind, e.size, crate::output::one_line(&e.path)));
+            let allocated = e.allocated.map_or_else(|| "-".to_owned(), |a| a.to_string());
+            text.push_str(&format!("{}\t{}\t{allocated}\t{}\n", e.kind, e.size, crate::output::one_line(&e.path)));
         }
         if reply.entries.is_empty() {
             text.push_str("(empty)\n");

@@ -12,6 +12,7 @@ use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
 
 use super::{Error, FileReply};
+use crate::docker::container::Created;
 use crate::docker::exec;
 use crate::protocol::{self, Event, LineDecoder, PROTOCOL_VERSION, Request};
 
@@ -403,8 +404,8 @@ pub(super) fn file_answer(id: u64, ev: Event) -> Option<Result<FileReply, String
 
 /// Starts the agent in `container` and waits for its greeting; returns it with its Python
 /// version.
-pub(super) async fn greet(docker: &Docker, container: &str, name: &str) -> Result<(Agent, String), Error> {
-    let attached = exec::attach_agent(docker, container).await?;
+pub(super) async fn greet(docker: &Docker, container: &Created, name: &str) -> Result<(Agent, String), Error> {
+    let attached = exec::attach_agent(docker, &container.id, container.uid).await?;
     let mut agent = Agent::from_exec(attached);
     match agent.hello(HELLO_TIMEOUT).await? {
         Greeting::Ready { python, pid } => {

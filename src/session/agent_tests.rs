@@ -466,6 +466,8 @@ async fn file_requests_write_read_list_and_refuse_paths_outside() {
     let entries: Vec<(&str, &str, u64)> =
         listing.entries.iter().map(|e| (e.path.as_str(), e.kind.as_str(), e.size)).filter(|e| e.1 != "dir").collect();
     assert_eq!(entries, [("sub/f.txt", "file", 11)]);
+    let file_entry = listing.entries.iter().find(|e| e.path == "sub/f.txt").expect("listed");
+    assert!(file_entry.allocated.is_some(), "the storage taken, beside the size: {file_entry:?}");
     assert!(listing.entries.iter().any(|e| e.path == "sub" && e.kind == "dir"));
     assert!(!listing.truncated);
 
@@ -680,6 +682,7 @@ async fn listed_entries_out_of_the_workspace_or_of_no_kind_are_dropped() {
     let entries = r#"[{"path":"../../etc/shadow","size":1,"kind":"file"},{"path":"/etc/passwd","size":1,"kind":"file"},
         {"path":"a/./b","size":1,"kind":"file"},{"path":"a//b","size":1,"kind":"file"},{"path":"s","size":1,"kind":"socket"},
         {"path":"big","size":18446744073709551615,"kind":"file"},{"path":"","size":1,"kind":"dir"},
+        {"path":"held","size":0,"allocated":18446744073709551615,"kind":"file"},
         {"path":"odd\nname","size":3,"kind":"file"},{"path":"a/b","size":2,"kind":"file"}]"#
         .replace('\n', "");
     let answer = format!(r#"{{"ev":"file","id":1,"entries":{entries},"truncated":false}}"#);
@@ -688,7 +691,7 @@ async fn listed_entries_out_of_the_workspace_or_of_no_kind_are_dropped() {
         file(&mut forged, |id| Request::List { id, path: ".", recursive: true, limit: 1000 }).await.expect("list");
     let paths: Vec<&str> = reply.entries.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(paths, ["odd\nname", "a/b"]);
-    assert_eq!(reply.dropped, 7);
+    assert_eq!(reply.dropped, 8);
 }
 
 #[tokio::test]

@@ -132,6 +132,7 @@ pub(super) fn checked_entries(entries: Vec<FileEntry>) -> (Vec<FileEntry>, usize
             check_path(&e.path, false).is_ok_and(|p| p == e.path)
                 && matches!(e.kind.as_str(), "file" | "dir" | "link")
                 && e.size <= MAX_ENTRY_SIZE
+                && e.allocated.is_none_or(|a| a <= MAX_ENTRY_SIZE)
         })
         .collect();
     let dropped = total - kept.len();
@@ -250,7 +251,7 @@ impl Prepared {
         principal: &str,
     ) -> Result<Self, Error> {
         let created = container::create(docker, cfg, image, owner, label, principal).await?;
-        match greet(docker, &created.id, label).await {
+        match greet(docker, &created, label).await {
             Ok((agent, python)) => Ok(Self { inner: Inner::new(created, agent), python }),
             Err(e) => {
                 container::destroy(docker, &created).await;
@@ -338,6 +339,11 @@ impl Session {
         self.container.lock().map(|c| c.id.clone()).unwrap_or_default()
     }
 
+    /// The session's current container and the uid its code runs as, read together.
+    pub fn container_and_uid(&self) -> (String, u32) {
+        self.container.lock().map(|c| (c.id.clone(), c.uid)).unwrap_or_default()
+    }
+
     /// Time since the last call.
     pub fn idle(&self) -> Duration {
         self.last_used.lock().map(|t| t.elapsed()).unwrap_or_default()
@@ -364,7 +370,7 @@ impl Session {
     }
 
     async fn start_agent(&self, inner: &mut Inner) -> Result<(), Error> {
-        let (agent, python) = greet(&self.docker, &inner.container.id, &self.name).await?;
+        let (agent, python) = greet(&self.docker, &inner.container, &self.name).await?;
         inner.agent = Some(agent);
         if let Ok(mut p) = self.python.lock() {
             *p = python;
@@ -427,7 +433,7 @@ impl Session {
     /// Returns a notice if the container itself had to be replaced.
     async fn restart_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
         inner.agent = None;
-        match exec::kill_code_processes(&self.docker, &inner.container.id).await {
+        match exec::kill_code_processes(&self.docker, &inner.container.id, inner.container.uid).await {
             Ok(()) => inner.lease = None,
             Err(e) => tracing::warn!(session = %self.name, error = %e, "cannot kill code processes"),
         }

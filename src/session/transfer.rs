@@ -35,12 +35,14 @@ struct Pack<'a> {
 impl Session {
     /// Uploads a host directory as the workspace (without `.git`), at most `cap` bytes.
     pub async fn upload_dir(&self, dir: &Path, cap: Cap) -> Result<Moved, String> {
-        archive::upload_dir(&self.docker, &self.container_id(), dir, cap).await
+        let (id, uid) = self.container_and_uid();
+        archive::upload_dir(&self.docker, &id, uid, dir, cap).await
     }
 
     /// Uploads one file into the workspace; returns its (mtime, size).
     pub async fn upload_file(&self, name: &str, data: &[u8]) -> Result<(u64, u64), String> {
-        archive::upload_file(&self.docker, &self.container_id(), name, data).await
+        let (id, uid) = self.container_and_uid();
+        archive::upload_file(&self.docker, &id, uid, name, data).await
     }
 
     /// Copies the files the run made or changed since `since` into the host directory `out`

@@ -298,3 +298,119 @@ out"#;
     s.stop().await;
     assert_cleaned_up(&instance).await;
 }
+
+/// Code that holds every inotify instance, POSIX message queue byte and process slot its uid
+/// may have. Each session's code runs under a uid of its own (design.md D4), so none of it
+/// reaches another session, nor a host user of the uid sessions used to share (1000).
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_and_the_host_user_do_not_share_per_uid_limits() {
+    let s = Server::start("per-uid", &[]).await;
+    let helpers = "import ctypes, errno, os, resource\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+                   libc.mq_open.restype = ctypes.c_int\n\
+                   libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]\n\
+                   def code():\n    return errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))\n";
+    s.ok("hog", helpers).await;
+    s.ok("other", helpers).await;
+    // inotify instances: 128 per uid by default (fs.inotify.max_user_instances).
+    let fill = "held = []\nerr = None\nwhile len(held) < 4096:\n    fd = libc.inotify_init1(0)\n    \
+                if fd < 0:\n        err = code()\n        break\n    held.append(fd)\nerr";
+    assert_eq!(result(&s.ok("hog", fill).await), "'EMFILE'", "the hog holds every inotify instance of its uid");
+    let one = "fd = libc.inotify_init1(0)\nr = 'ok' if fd >= 0 else code()\nos.close(fd) if fd >= 0 else None\nr";
+    assert_eq!(result(&s.ok("other", one).await), "'ok'", "another session still gets an inotify instance");
+    // The host's own uid 1000 (the uid every session used to run as) is untouched too.
+    match host_inotify_as_1000().await {
+        Some(r) => assert_eq!(r, "ok", "the host's uid 1000 still gets an inotify instance"),
+        None => eprintln!("host check skipped: needs root, setpriv and /usr/bin/python3 on the host"),
+    }
+    // POSIX message queues: RLIMIT_MSGQUEUE bytes per uid (819200 by default).
+    let queues = "qs = []\nerr = None\nwhile len(qs) < 256:\n    q = libc.mq_open(b'/q%d' % len(qs), 0o102, 0o600, None)\n    \
+                  if q < 0:\n        err = code()\n        break\n    qs.append(q)\n(err, len(qs) > 0)";
+    assert_eq!(result(&s.ok("hog", queues).await), "('EMFILE', True)", "the hog holds its uid's queue bytes");
+    let q = "q = libc.mq_open(b'/mine', 0o102, 0o600, None)\n'ok' if q >= 0 else code()";
+    assert_eq!(result(&s.ok("other", q).await), "'ok'", "another session still opens a message queue");
+    // RLIMIT_NPROC counts every process of a uid: the hog's 40 sleepers never count against
+    // a limit another session sets for itself.
+    s.ok("hog", "import subprocess\nsleepers = [subprocess.Popen(['sleep', '120']) for _ in range(40)]").await;
+    let fork = "soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)\n\
+                resource.setrlimit(resource.RLIMIT_NPROC, (30, hard))\ntry:\n    pid = os.fork()\n    \
+                if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    r = 'forked'\nexcept OSError as e:\n    \
+                r = errno.errorcode[e.errno]\nfinally:\n    resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))\nr";
+    assert_eq!(result(&s.ok("other", fork).await), "'forked'", "another session's processes do not count");
+    // Every session has a uid of its own, in the reserved range, and never 1000.
+    let uid = |sc: Value| result(&sc).parse::<u64>().expect("a uid");
+    let (a, b) = (uid(s.ok("hog", "os.getuid()").await), uid(s.ok("other", "os.getuid()").await));
+    assert_ne!(a, b, "two sessions, two uids");
+    for u in [a, b] {
+        assert!((0x7000_0000..=0x7FFD_FFFF).contains(&u), "uid {u} is in the default --uid-range");
+    }
+    canary(&s).await;
+    let instance = s.instance.clone();
+    s.stop().await;
+    assert_cleaned_up(&instance).await;
+}
+
+/// `inotify_init1` in a host process of uid 1000, when the test may start one (as root, with
+/// `setpriv`); `None` otherwise.
+async fn host_inotify_as_1000() -> Option<String> {
+    let python = std::path::Path::new("/usr/bin/python3");
+    if !rustix::process::geteuid().is_root() || !python.exists() || !std::path::Path::new("/usr/bin/setpriv").exists() {
+        return None;
+    }
+    let code = "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.inotify_init1(0)\n\
+                print('ok' if fd >= 0 else errno.errorcode.get(ctypes.get_errno()))";
+    let out = tokio::process::Command::new("/usr/bin/setpriv")
+        .args(["--reuid", "1000", "--regid", "1000", "--clear-groups", "/usr/bin/python3", "-I", "-c", code])
+        .current_dir("/")
+        .output()
+        .await
+        .ok()?;
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// With no disk setting at all, a session's workspace is bounded (half of its memory): filling
+/// it with bytes, with empty files, or with `fallocate(FALLOC_FL_KEEP_SIZE)` (blocks past the
+/// end of a file that shows size 0) stops at the bound with ENOSPC, and the session keeps
+/// working: the next run succeeds, and deleting a file makes room again.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_default_workspace_is_bounded_for_bytes_inodes_and_fallocate() {
+    let s = Server::start("default-disk", &[]).await;
+    let env = s.call("get_environment", json!({})).await.structured_content.expect("sc");
+    assert_eq!(env["limits"]["workspace_mb"], 256, "half of the default 512 MiB of memory: {env}");
+    // Bytes: 600 MiB asked for, in 1 MiB writes.
+    let bytes = "import errno, os\nn = 0\nerr = None\ntry:\n    with open('fill', 'wb') as f:\n        \
+                 while n < 600:\n            f.write(b'x' * (1 << 20))\n            n += 1\nexcept OSError as e:\n    \
+                 err = errno.errorcode[e.errno]\n(err, os.stat('fill').st_blocks * 512 <= 256 << 20)";
+    assert_eq!(result(&survive(&s, "w", bytes, 120).await), "('ENOSPC', True)", "a byte fill stops at the bound");
+    // Full: a write fails with ENOSPC in the user's traceback, the run says error, the session lives.
+    let (r, sc) = s.run_with(json!({ "session": "w", "code": "open('more', 'wb').write(b'y' * (4 << 20))" })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert_eq!(sc["status"], "error", "{sc}");
+    let tb = sc["error"]["traceback"].as_str().unwrap_or_default();
+    assert!(tb.contains("No space left on device"), "ENOSPC in the traceback: {tb}");
+    let r = s.call("delete_file", json!({ "session": "w", "path": "fill" })).await;
+    assert_eq!(r.is_error, Some(false), "deleting works on a full workspace: {}", text(&r));
+    assert_eq!(result(&s.ok("w", "open('more', 'wb').write(b'y' * (4 << 20))").await), "4194304", "room again");
+    // Inodes: 200,000 empty files asked for.
+    let inodes = "import errno, os, shutil\nos.makedirs('i', exist_ok=True)\nn = 0\nerr = None\ntry:\n    \
+                  while n < 200000:\n        open(f'i/{n}', 'w').close()\n        n += 1\nexcept OSError as e:\n    \
+                  err = errno.errorcode[e.errno]\nshutil.rmtree('i')\n(err, n < 200000)";
+    assert_eq!(result(&survive(&s, "w", inodes, 120).await), "('ENOSPC', True)", "an inode fill stops at the bound");
+    // fallocate past the end of a file (FALLOC_FL_KEEP_SIZE), which keeps showing size 0: 900
+    // MiB (under the 1 GiB per-file limit) meets the workspace's bound; 1.5 GiB meets the
+    // per-file limit first (tmpfs checks it even past the end of the file, ext4 does not).
+    let falloc = "import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+                  libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]\n\
+                  def pre(mb):\n    fd = os.open('pre', os.O_WRONLY | os.O_CREAT, 0o644)\n    \
+                  r = libc.fallocate(fd, 1, 0, mb << 20)\n    err = errno.errorcode.get(ctypes.get_errno()) if r else None\n    \
+                  st = os.fstat(fd)\n    os.close(fd)\n    os.remove('pre')\n    \
+                  return (err, st.st_size, st.st_blocks * 512 <= 256 << 20)\n[pre(900), pre(1536)]";
+    assert_eq!(
+        result(&survive(&s, "w", falloc, 120).await),
+        "[('ENOSPC', 0, True), ('EFBIG', 0, True)]",
+        "fallocate stops at the bound"
+    );
+    assert_eq!(result(&s.ok("w", "open('more', 'rb').read().count(b'y')").await), "4194304", "files are kept");
+    let instance = s.instance.clone();
+    s.stop().await;
+    assert_cleaned_up(&instance).await;
+}

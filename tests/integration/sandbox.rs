@@ -8,7 +8,7 @@ use crate::common::{Server, docker, gvisor, test_runtime};
 async fn the_sandbox_is_hardened_from_the_inside() {
     let s = Server::start("hardening", &[("SERVER_SECRET_TOKEN", "hunter2")]).await;
     let code = r#"
-import ctypes, os, errno, signal, socket
+import ctypes, os, errno, signal, socket, getpass, pathlib, pwd
 libc = ctypes.CDLL(None, use_errno=True)
 status = dict(l.split(':\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\t' in l)
 ifaces = sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:])
@@ -35,6 +35,8 @@ except OSError as e:
   'seccomp': status['Seccomp'].strip(), 'kernel': os.uname().release, 'ifaces': ifaces, 'rootfs': rootfs, 'pid1': pid1,
   'net': net, 'secret': 'SERVER_SECRET_TOKEN' in os.environ, 'cwd': os.getcwd(),
   'workspace_writable': os.access('/workspace', os.W_OK),
+  'user': getpass.getuser(), 'home': os.path.expanduser('~'), 'path_home': str(pathlib.Path.home()),
+  'groups': os.getgroups(), 'workspace_owner': os.stat('/workspace').st_uid == os.getuid(),
 }
 "#;
     let sc = s.ok("default", code).await;
@@ -50,21 +52,31 @@ except OSError as e:
     } else {
         assert!(r.contains(&kernel) && r.contains("'seccomp': '2'"), "the host kernel, behind seccomp: {r}");
     }
+    let uid = s.ok("default", "os.getuid()").await["result"].as_str().expect("uid").parse::<u64>().expect("a number");
+    assert!((0x7000_0000..=0x7FFD_FFFF).contains(&uid), "uid {uid} in the default --uid-range");
     for want in [
-        "'uid': 1000",
-        "'gid': 1000",
-        "'capeff': '0000000000000000'",
-        "'nonewprivs': 1",
-        "'ifaces': ['lo']",
-        "'rootfs': 'EROFS'",
-        "'pid1': 'EPERM'",
-        "'secret': False",
-        "'cwd': '/workspace'",
-        "'workspace_writable': True",
+        format!("'uid': {uid}"),
+        format!("'gid': {uid}"),
+        format!("'groups': [{uid}]"),
+        "'workspace_owner': True".to_owned(),
+        "'user': 'sandbox'".to_owned(),
+        "'home': '/workspace'".to_owned(),
+        "'path_home': '/workspace'".to_owned(),
+        "'capeff': '0000000000000000'".to_owned(),
+        "'nonewprivs': 1".to_owned(),
+        "'ifaces': ['lo']".to_owned(),
+        "'rootfs': 'EROFS'".to_owned(),
+        "'pid1': 'EPERM'".to_owned(),
+        "'secret': False".to_owned(),
+        "'cwd': '/workspace'".to_owned(),
+        "'workspace_writable': True".to_owned(),
     ] {
-        assert!(r.contains(want), "missing {want} in {r}");
+        assert!(r.contains(&want), "missing {want} in {r}");
     }
     assert!(!r.contains("'net': 'connected'"), "{r}");
+    // No passwd entry names the uid: lookups by uid fail plainly, lookups by name find nothing.
+    let lookup = "try:\n    pwd.getpwuid(os.getuid())\n    r = 'found'\nexcept KeyError:\n    r = 'KeyError'\nr";
+    assert_eq!(s.ok("default", lookup).await["result"], "'KeyError'");
 
     // The container itself, as the engine sees it.
     let label = format!("pyberth.instance={}", s.instance);
@@ -89,7 +101,30 @@ except OSError as e:
     assert_eq!(hc.log_config.and_then(|l| l.typ).as_deref(), Some("none"));
     let cfg = c.config.expect("config");
     assert_eq!(cfg.user.as_deref(), Some("999:999"), "PID 1 runs under another uid than code");
+    let labels = cfg.labels.clone().unwrap_or_default();
+    assert_eq!(labels.get("pyberth.uid"), Some(&uid.to_string()), "the code's uid is recorded on the container");
     assert!(!cfg.env.unwrap_or_default().iter().any(|e| e.contains("SERVER_SECRET_TOKEN")));
+    // The workspace is a tmpfs-backed volume, bounded by default.
+    let mounts = s.ok("default", "[l.split()[2] for l in open('/proc/mounts') if l.split()[1] == '/workspace']").await;
+    assert_eq!(mounts["result"], "['tmpfs']");
+    s.stop().await;
+}
+
+/// `--workspace-mb disk`: the workspace on the engine's volume disk, as before, still writable
+/// by the session's own uid (the image's /workspace is 1777, and a volume copies its mode),
+/// through the agent, the code and the engine's archive API alike.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_on_disk_workspace_is_writable_by_the_sessions_own_uid() {
+    let s = Server::start("on-disk", &[("PYBERTH_WORKSPACE_MB", "disk")]).await;
+    let env = s.call("get_environment", serde_json::json!({})).await.structured_content.expect("sc");
+    assert_eq!(env["limits"]["workspace_mb"], 0, "0: on disk: {env}");
+    let code = "import os\nopen('mine.txt', 'w').write('x')\nos.makedirs('d/e')\n\
+                m = [l.split()[2] for l in open('/proc/mounts') if l.split()[1] == '/workspace']\n\
+                (m != ['tmpfs'], os.stat('mine.txt').st_uid == os.getuid(), oct(os.stat('.').st_mode & 0o7777))";
+    assert_eq!(s.ok("default", code).await["result"], "(True, True, '0o1777')");
+    let r = s.call("write_file", serde_json::json!({ "path": "d/e/f.txt", "content": "agent" })).await;
+    assert_eq!(r.is_error, Some(false));
+    assert_eq!(s.ok("default", "open('d/e/f.txt').read()").await["result"], "'agent'");
     s.stop().await;
 }
 

@@ -256,8 +256,8 @@ async fn directories_move_in_and_out_as_tar_archives() {
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     assert_eq!(sc["files"], 3);
     assert_eq!(sc["skipped"].as_array().map(Vec::len), Some(2), "{sc}");
-    let sc = s.ok("default", "import os, sys\nsys.path.insert(0, 'in/proj/pkg')\nimport mod\n(open('in/proj/a.txt').read(), mod.VALUE, os.stat('in/proj/a.txt').st_uid)").await;
-    assert_eq!(sc["result"], "('alpha', 7, 1000)", "files land as the code's own");
+    let sc = s.ok("default", "import os, sys\nsys.path.insert(0, 'in/proj/pkg')\nimport mod\n(open('in/proj/a.txt').read(), mod.VALUE, os.stat('in/proj/a.txt').st_uid == os.getuid())").await;
+    assert_eq!(sc["result"], "('alpha', 7, True)", "files land as the code's own");
     s.ok("default", "import os\nos.symlink('/etc/passwd', 'in/proj/pw')\nos.symlink('/tmp', 'escape')").await;
 
     let r = s.call("download_archive", json!({ "path": "in/proj" })).await;
@@ -294,7 +294,7 @@ async fn directories_move_in_and_out_as_tar_archives() {
 #[tokio::test(flavor = "multi_thread")]
 async fn odd_file_names_cannot_forge_listing_lines_and_stay_usable() {
     let s = Server::start("ws-oddnames", &[]).await;
-    let forged = "x\nfile\t0\tforged.txt";
+    let forged = "x\nfile\t0\t0\tforged.txt";
     let names = [forged, "back\\slash", "esc\u{1b}]0;t\u{7}.txt", "sp ace%.txt"];
     let code = format!(
         "for i, n in enumerate({}):\n    open(n, 'w').write(str(i))\n",
@@ -303,7 +303,7 @@ async fn odd_file_names_cannot_forge_listing_lines_and_stay_usable() {
     s.ok("default", &code).await;
     let r = s.call("list_files", json!({})).await;
     let listing = text(&r);
-    assert!(!listing.lines().any(|l| l == "file\t0\tforged.txt"), "no forged line: {listing:?}");
+    assert!(!listing.lines().any(|l| l == "file\t0\t0\tforged.txt"), "no forged line: {listing:?}");
     assert!(!listing.contains('\u{1b}'), "{listing:?}");
     let entries = r.structured_content.as_ref().expect("structured")["entries"].as_array().expect("entries").clone();
     let client = s.client.as_ref().expect("client");
@@ -324,5 +324,35 @@ async fn odd_file_names_cannot_forge_listing_lines_and_stay_usable() {
     }
     let sc = s.ok("default", "import os\nsorted(os.listdir('.'))").await;
     assert_eq!(sc["result"], "[]", "every odd file was deleted");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn list_files_shows_allocated_size_beside_apparent_size() {
+    let s = Server::start("allocated", &[]).await;
+    // A sparse file (64 MiB apparent, nothing allocated) and a fallocated one (size 0, 8 MiB
+    // allocated past its end).
+    let code = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n\
+                libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]\n\
+                with open('sparse', 'wb') as f:\n    f.truncate(64 << 20)\n\
+                fd = os.open('pre', os.O_WRONLY | os.O_CREAT, 0o644)\nassert libc.fallocate(fd, 1, 0, 8 << 20) == 0\n\
+                os.close(fd)\nopen('plain', 'wb').write(b'z' * 10000)";
+    s.ok("default", code).await;
+    let listing = ok_call(&s, "list_files", json!({})).await;
+    let entry = |name: &str| {
+        listing["entries"].as_array().expect("entries").iter().find(|e| e["path"] == name).cloned().expect(name)
+    };
+    let sparse = entry("sparse");
+    assert_eq!(sparse["size"], 64u64 << 20, "{sparse}");
+    assert_eq!(sparse["allocated"], 0, "{sparse}");
+    let pre = entry("pre");
+    assert_eq!(pre["size"], 0, "{pre}");
+    assert_eq!(pre["allocated"], 8u64 << 20, "{pre}");
+    let plain = entry("plain");
+    assert_eq!(plain["size"], 10000, "{plain}");
+    assert!(plain["allocated"].as_u64().is_some_and(|a| a >= 10000), "{plain}");
+    // The text says both as well.
+    let r = s.call("list_files", json!({})).await;
+    assert!(text(&r).contains("file\t0\t8388608\tpre"), "{}", text(&r));
     s.stop().await;
 }
