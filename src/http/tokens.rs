@@ -124,7 +124,14 @@ pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Ne
             let why = if presented.is_some() { "the token is not valid" } else { "a bearer token is required" };
             let body = serde_json::json!({ "error": format!("{why}: send Authorization: Bearer <token>") });
             let mut resp = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
-            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            // The reason in the challenge too (RFC 6750): MCP client libraries surface the
+            // header (rmcp's AuthRequired carries it), not the body.
+            let challenge = if presented.is_some() {
+                "Bearer error=\"invalid_token\", error_description=\"the token is not valid: send Authorization: Bearer <token>\""
+            } else {
+                "Bearer error_description=\"a bearer token is required: send Authorization: Bearer <token>\""
+            };
+            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
             resp
         }
     }

@@ -384,3 +384,17 @@ async fn one_principal_cannot_use_up_the_sessions_of_another() {
     drop(bob);
     s.stop().await;
 }
+
+/// A client with a wrong token hears why, through the error its MCP library surfaces, not only
+/// in an HTTP body it may never show.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_token_is_explained_in_the_error_a_client_surfaces() {
+    let s = HttpServer::start("http-badtoken").await;
+    let config =
+        StreamableHttpClientTransportConfig::with_uri(s.url("/mcp")).auth_header("wrong-token-0123456789abcdef");
+    let transport = StreamableHttpClientTransport::from_config(config);
+    let refused = Recorder::default().serve(transport).await;
+    let e = refused.err().map(|e| format!("{e:#} {e:?}")).unwrap_or_default();
+    assert!(e.contains("the token is not valid"), "the reason reaches the client's error: {e}");
+    s.stop().await;
+}
