@@ -322,20 +322,30 @@ async fn sessions_and_the_host_user_do_not_share_per_uid_limits() {
         Some(r) => assert_eq!(r, "ok", "the host's uid 1000 still gets an inotify instance"),
         None => eprintln!("host check skipped: needs root, setpriv and /usr/bin/python3 on the host"),
     }
+    // Let go of them: under gVisor the fill ends at the fd limit, not a per-uid one, and
+    // the hog needs fds to go on.
+    s.ok("hog", "for fd in held:\n    os.close(fd)\nheld = []").await;
     // POSIX message queues: RLIMIT_MSGQUEUE bytes per uid (819200 by default).
     let queues = "qs = []\nerr = None\nwhile len(qs) < 256:\n    q = libc.mq_open(b'/q%d' % len(qs), 0o102, 0o600, None)\n    \
                   if q < 0:\n        err = code()\n        break\n    qs.append(q)\n(err, len(qs) > 0)";
-    assert_eq!(result(&s.ok("hog", queues).await), "('EMFILE', True)", "the hog holds its uid's queue bytes");
-    let q = "q = libc.mq_open(b'/mine', 0o102, 0o600, None)\n'ok' if q >= 0 else code()";
-    assert_eq!(result(&s.ok("other", q).await), "'ok'", "another session still opens a message queue");
+    // gVisor's Sentry has no POSIX message queues (mq_open fails at once), and its per-user
+    // limits are its own sandbox's anyway; under runc they are the host kernel's, per uid.
+    if !gvisor() {
+        assert_eq!(result(&s.ok("hog", queues).await), "('EMFILE', True)", "the hog holds its uid's queue bytes");
+        let q = "q = libc.mq_open(b'/mine', 0o102, 0o600, None)\n'ok' if q >= 0 else code()";
+        assert_eq!(result(&s.ok("other", q).await), "'ok'", "another session still opens a message queue");
+    }
     // RLIMIT_NPROC counts every process of a uid: the hog's 40 sleepers never count against
-    // a limit another session sets for itself.
-    s.ok("hog", "import subprocess\nsleepers = [subprocess.Popen(['sleep', '120']) for _ in range(40)]").await;
-    let fork = "soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)\n\
-                resource.setrlimit(resource.RLIMIT_NPROC, (30, hard))\ntry:\n    pid = os.fork()\n    \
-                if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    r = 'forked'\nexcept OSError as e:\n    \
-                r = errno.errorcode[e.errno]\nfinally:\n    resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))\nr";
-    assert_eq!(result(&s.ok("other", fork).await), "'forked'", "another session's processes do not count");
+    // a limit another session sets for itself. Under gVisor, processes are the Sentry's, per
+    // sandbox, and its own threads already take much of the pids limit: nothing to show there.
+    if !gvisor() {
+        s.ok("hog", "import subprocess\nsleepers = [subprocess.Popen(['sleep', '120']) for _ in range(40)]").await;
+        let fork = "soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)\n\
+                    resource.setrlimit(resource.RLIMIT_NPROC, (30, hard))\ntry:\n    pid = os.fork()\n    \
+                    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n    r = 'forked'\nexcept OSError as e:\n    \
+                    r = errno.errorcode[e.errno]\nfinally:\n    resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))\nr";
+        assert_eq!(result(&s.ok("other", fork).await), "'forked'", "another session's processes do not count");
+    }
     // Every session has a uid of its own, in the reserved range, and never 1000.
     let uid = |sc: Value| result(&sc).parse::<u64>().expect("a uid");
     let (a, b) = (uid(s.ok("hog", "os.getuid()").await), uid(s.ok("other", "os.getuid()").await));
@@ -404,11 +414,14 @@ async fn the_default_workspace_is_bounded_for_bytes_inodes_and_fallocate() {
                   r = libc.fallocate(fd, 1, 0, mb << 20)\n    err = errno.errorcode.get(ctypes.get_errno()) if r else None\n    \
                   st = os.fstat(fd)\n    os.close(fd)\n    os.remove('pre')\n    \
                   return (err, st.st_size, st.st_blocks * 512 <= 256 << 20)\n[pre(900), pre(1536)]";
-    assert_eq!(
-        result(&survive(&s, "w", falloc, 120).await),
-        "[('ENOSPC', 0, True), ('EFBIG', 0, True)]",
-        "fallocate stops at the bound"
-    );
+    // gVisor refuses FALLOC_FL_KEEP_SIZE on the gofer-backed volume outright (ENOTSUP):
+    // nothing is allocated either way, which is what the last field checks.
+    let want = if gvisor() {
+        "[('ENOTSUP', 0, True), ('ENOTSUP', 0, True)]"
+    } else {
+        "[('ENOSPC', 0, True), ('EFBIG', 0, True)]"
+    };
+    assert_eq!(result(&survive(&s, "w", falloc, 120).await), want, "fallocate stops at the bound");
     assert_eq!(result(&s.ok("w", "open('more', 'rb').read().count(b'y')").await), "4194304", "files are kept");
     let instance = s.instance.clone();
     s.stop().await;
