@@ -277,13 +277,6 @@ fn percent_decode(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        c: SandboxConfig,
-    }
 
     #[test]
     fn session_names() {
@@ -305,7 +298,7 @@ mod tests {
 
     #[test]
     fn timeout_checks() {
-        let cfg = Cli::parse_from(["x"]).c;
+        let cfg = crate::config::from_flags(&[]);
         assert_eq!(check_timeout(None, &cfg), Ok(Duration::from_secs(60)));
         assert_eq!(check_timeout(Some(2.5), &cfg), Ok(Duration::from_millis(2500)));
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {

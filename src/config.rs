@@ -463,6 +463,20 @@ fn secure_dir(dir: &Path, uid: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// Settings from flags alone, as a command line would give them: for the tests of the modules
+/// that take a [`SandboxConfig`].
+#[cfg(test)]
+pub(crate) fn from_flags(args: &[&str]) -> SandboxConfig {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        c: SandboxConfig,
+    }
+    let mut all = vec!["pyberth"];
+    all.extend_from_slice(args);
+    <Cli as clap::Parser>::parse_from(all).c
+}
+
 fn env_any(names: &[&str]) -> Option<String> {
     names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
 }
@@ -470,13 +484,6 @@ fn env_any(names: &[&str]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        c: SandboxConfig,
-    }
 
     #[test]
     fn a_state_dir_of_someone_else_or_open_to_others_is_refused() {
@@ -499,9 +506,7 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> SandboxConfig {
-        let mut all = vec!["x"];
-        all.extend_from_slice(args);
-        Cli::parse_from(all).c
+        from_flags(args)
     }
 
     #[test]
