@@ -1,0 +1,231 @@
+//! The installed tree is hostile input (docs/threat-model.md §4): it is streamed out of the
+//! installer, re-packed with links out, devices, setuid bits and unsafe paths removed, and
+//! only then stored.
+
+use std::io::{Read, Write};
+
+use bollard::Docker;
+use bollard::query_parameters::DownloadFromContainerOptionsBuilder;
+use bytes::Bytes;
+use futures::TryStreamExt;
+use tokio::sync::mpsc;
+
+use super::{CHUNK, Error, LAYER_SITE, MAX_TREE};
+
+/// Forwards the installer's `/workspace/site`, a tar, to the re-packer, bounded in size. A
+/// failure reaches the re-packer as an error, never as an early end: a tree cut short must
+/// not become a layer.
+pub(super) async fn download_tree(
+    docker: &Docker,
+    id: &str,
+    tx: mpsc::Sender<std::io::Result<Bytes>>,
+) -> Result<(), Error> {
+    let opts = DownloadFromContainerOptionsBuilder::default().path("/workspace/site").build();
+    let mut stream = docker.download_from_container(id, Some(opts));
+    let mut total = 0u64;
+    let failed = loop {
+        let chunk = match stream.try_next().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => return Ok(()),
+            Err(e) => break Error::from(e),
+        };
+        total += chunk.len() as u64;
+        if total > MAX_TREE {
+            break Error::Failed(format!("install failed: the installed packages exceed {} GiB", MAX_TREE >> 30));
+        }
+        if tx.send(Ok(chunk)).await.is_err() {
+            // The re-packer stopped: at the archive's end, or with an error it reports.
+            return Ok(());
+        }
+    };
+    let _ = tx.send(Err(std::io::Error::other("the download of the installed tree failed"))).await;
+    Err(failed)
+}
+
+/// The installer's tree as a `Read` for the blocking re-packer, from chunks `download_tree`
+/// forwards.
+struct TreeReader {
+    rx: mpsc::Receiver<std::io::Result<Bytes>>,
+    cur: Bytes,
+}
+
+impl Read for TreeReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.cur.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(chunk) => self.cur = chunk?,
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.cur.len());
+        out[..n].copy_from_slice(&self.cur.split_to(n));
+        Ok(n)
+    }
+}
+
+/// The build context as chunks down a channel, from the blocking re-packer. `None` marks the
+/// end, sent only by `finish`: a body that stops without it, because the re-packer failed or
+/// panicked, ends in an error, so the engine never builds from part of a tree.
+struct ContextWriter {
+    tx: mpsc::Sender<std::io::Result<Option<Bytes>>>,
+    buf: Vec<u8>,
+    /// The build stopped reading (it failed on its own).
+    gone: bool,
+}
+
+impl ContextWriter {
+    fn send(&mut self, item: std::io::Result<Option<Bytes>>) -> std::io::Result<()> {
+        self.tx.blocking_send(item).map_err(|_| {
+            self.gone = true;
+            std::io::Error::other("the build stopped reading its context")
+        })
+    }
+
+    fn finish(&mut self) -> std::io::Result<()> {
+        self.flush()?;
+        self.send(Ok(None))
+    }
+}
+
+impl Write for ContextWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= CHUNK {
+            self.flush()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.send(Ok(Some(chunk)))
+    }
+}
+
+/// Re-packs the tree arriving on `tree` into a build context sent down `context` (on a
+/// blocking thread). Also says whether the build stopped reading.
+pub(super) fn repack(
+    base: &str,
+    tree: mpsc::Receiver<std::io::Result<Bytes>>,
+    context: mpsc::Sender<std::io::Result<Option<Bytes>>>,
+) -> (Result<(), String>, bool) {
+    let mut out = ContextWriter { tx: context, buf: Vec::with_capacity(CHUNK), gone: false };
+    let tree = TreeReader { rx: tree, cur: Bytes::new() };
+    let packed = context_from_tree(base, tree, &mut out).and_then(|w| w.finish().map_err(|e| e.to_string()));
+    if let Err(e) = &packed {
+        let _ = out.tx.blocking_send(Err(std::io::Error::other(e.clone())));
+    }
+    (packed, out.gone)
+}
+
+/// The request body of a build, from the re-packer's chunks.
+pub(super) fn context_body(
+    rx: mpsc::Receiver<std::io::Result<Option<Bytes>>>,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    futures::stream::unfold(Some(rx), |rx| async move {
+        let mut rx = rx?;
+        match rx.recv().await {
+            Some(Ok(Some(chunk))) => Some((Ok(chunk), Some(rx))),
+            Some(Ok(None)) => None,
+            Some(Err(e)) => Some((Err(e), None)),
+            None => Some((Err(std::io::Error::other("the context was cut short")), None)),
+        }
+    })
+}
+
+/// Cuts off a writer after a failure: tar's `Builder` writes an end-of-archive marker when
+/// dropped, and that marker would make a refused tree look whole to whoever reads it.
+struct Cut<W> {
+    inner: W,
+    cut: bool,
+}
+
+impl<W: Write> Write for Cut<W> {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.cut { Ok(data.len()) } else { self.inner.write(data) }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.cut { Ok(()) } else { self.inner.flush() }
+    }
+}
+
+/// Re-packs the installer's tree into a build context written to `out`. The tree came from a
+/// container that ran untrusted install hooks, so it is treated as hostile: entries must stay
+/// under `site/`, links may not point out of it, devices and fifos are dropped, and modes are
+/// made readable (never setuid) so the code's uid can import what root's COPY wrote. On
+/// failure `out` gets no end-of-archive marker.
+pub(super) fn context_from_tree<W: Write>(base: &str, tree: impl Read, out: W) -> Result<W, String> {
+    let mut out = tar::Builder::new(Cut { inner: out, cut: false });
+    match append_tree(base, tree, &mut out) {
+        Ok(()) => out.into_inner().map(|c| c.inner).map_err(|e| e.to_string()),
+        Err(e) => {
+            out.get_mut().cut = true;
+            Err(e)
+        }
+    }
+}
+
+fn append_tree<W: Write>(base: &str, tree: impl Read, out: &mut tar::Builder<W>) -> Result<(), String> {
+    let dockerfile = format!("FROM {base}\nCOPY site {LAYER_SITE}\n");
+    let mut h = tar::Header::new_gnu();
+    h.set_size(dockerfile.len() as u64);
+    h.set_mode(0o644);
+    h.set_mtime(0);
+    h.set_cksum();
+    out.append_data(&mut h, "Dockerfile", dockerfile.as_bytes()).map_err(|e| e.to_string())?;
+    let mut ar = tar::Archive::new(tree);
+    for entry in ar.entries().map_err(|e| e.to_string())? {
+        let mut entry = entry.map_err(|e| e.to_string())?;
+        let path = entry.path().map_err(|e| e.to_string())?.into_owned();
+        if !safe_relative(&path) || path.components().next().and_then(|c| c.as_os_str().to_str()) != Some("site") {
+            return Err(format!("installer produced an unsafe path {}", path.display()));
+        }
+        let kind = entry.header().entry_type();
+        let mut header = entry.header().clone();
+        match kind {
+            tar::EntryType::Regular | tar::EntryType::Directory => {}
+            tar::EntryType::Symlink | tar::EntryType::Link => {
+                let target = entry.link_name().map_err(|e| e.to_string())?.unwrap_or_default().into_owned();
+                let resolved = path.parent().unwrap_or(std::path::Path::new("")).join(&target);
+                if target.is_absolute() || !safe_relative(&normalize(&resolved)) {
+                    continue; // a link out of the tree is dropped, never followed
+                }
+            }
+            _ => continue,
+        }
+        let mode = header.mode().unwrap_or(0o644) & 0o777;
+        let mode = if kind == tar::EntryType::Directory || mode & 0o111 != 0 { mode | 0o555 } else { mode | 0o444 };
+        header.set_mode(mode & 0o755);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_cksum();
+        // Streamed, not read whole: one file of a tree may be gigabytes.
+        out.append_data(&mut header, &path, &mut entry).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn normalize(p: &std::path::Path) -> std::path::PathBuf {
+    let mut out = std::path::PathBuf::new();
+    for c in p.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                if !out.pop() {
+                    return std::path::PathBuf::from("..");
+                }
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// A relative path with no `..`, root or prefix components.
+pub fn safe_relative(p: &std::path::Path) -> bool {
+    p.components().all(|c| matches!(c, std::path::Component::Normal(_) | std::path::Component::CurDir))
+}
