@@ -118,6 +118,48 @@ pub(super) struct Stop<'a> {
     pub(super) timeout: Duration,
     pub(super) grace: Duration,
     pub(super) ct: &'a CancellationToken,
+    /// The sandbox whose death ends the run, when the engine can tell (`None` in tests
+    /// without Docker).
+    pub(super) sandbox: Option<&'a Sandbox>,
+}
+
+/// How long a run goes before the engine is asked to tell of the sandbox's death. Short runs
+/// never pay for the subscription; the subscription replays from the run's start, so a death
+/// before it is not missed.
+const WATCH_AFTER: Duration = Duration::from_millis(500);
+
+/// A session's container, watched during a run: under gVisor, a sandbox killed whole (the
+/// memory limit, a removal) can leave the exec stream open, and without the engine's word
+/// the run would wait out its time limit.
+pub(super) struct Sandbox {
+    pub(super) docker: bollard::Docker,
+    pub(super) id: String,
+    pub(super) since: std::time::SystemTime,
+}
+
+impl Sandbox {
+    /// Resolves when the engine reports the container died or was removed; never when the
+    /// engine cannot be asked (the time limit still ends the run).
+    async fn died(&self) {
+        use futures::StreamExt;
+        let since = self.since.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let since = since.saturating_sub(1).to_string();
+        let filters = std::collections::HashMap::from([
+            ("container", vec![self.id.as_str()]),
+            ("type", vec!["container"]),
+            ("event", vec!["die", "destroy"]),
+        ]);
+        let opts = bollard::query_parameters::EventsOptionsBuilder::default().since(&since).filters(&filters).build();
+        let mut events = self.docker.events(Some(opts));
+        match events.next().await {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "cannot watch the sandbox during the run");
+                std::future::pending::<()>().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    }
 }
 
 /// How [`drive`] ended.
@@ -209,7 +251,8 @@ impl Session {
         env.extend(spec.env.clone());
         let spec = RunSpec { env, ..spec };
         let run_started = std::time::SystemTime::now();
-        let stop = Stop { timeout, grace: self.cfg.grace(), ct };
+        let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
         let mut sent = tokio::time::Instant::now();
         let mut ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name).await;
         if matches!(ending, Ending::Stuck) {
@@ -244,8 +287,10 @@ impl Session {
                     Some(exec_id) => exec::exit_code(&self.docker, exec_id).await,
                     None => None,
                 };
-                let oom =
-                    code == Some(137) && container::oom_since(&self.docker, &inner.container.id, run_started).await;
+                // No code: the sandbox died whole with its exec stream still open (gVisor), so
+                // the engine's OOM event alone tells.
+                let oom = matches!(code, Some(137) | None)
+                    && container::oom_since(&self.docker, &inner.container.id, run_started).await;
                 outcome.status = match (oom, stopped) {
                     (true, _) => RunStatus::Oom,
                     (false, Some(s)) => s,
@@ -314,7 +359,7 @@ pub(super) async fn drive(
     observer: &Observer<'_>,
     name: &str,
 ) -> Ending {
-    let Stop { timeout, grace, ct } = stop;
+    let Stop { timeout, grace, ct, sandbox } = stop;
     let req = Request::Run {
         id,
         code: &spec.code,
@@ -334,6 +379,16 @@ pub(super) async fn drive(
         Taken::Gone(Some(why)) => return Ending::Broken(why),
     }
     let deadline = tokio::time::Instant::now() + timeout;
+    let died = async {
+        match sandbox {
+            Some(s) => {
+                tokio::time::sleep(WATCH_AFTER).await;
+                s.died().await;
+            }
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(died);
     // Set once we have asked the code to stop: why, and when to kill it if it has not.
     let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
     loop {
@@ -380,6 +435,10 @@ pub(super) async fn drive(
             _ = ct.cancelled(), if stopping.is_none() => {
                 stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + grace));
                 let _ = agent.send(&Request::Interrupt { id }).await;
+            }
+            () = &mut died => {
+                tracing::info!(session = %name, "the sandbox died during the run");
+                return Ending::Died(stopping.map(|s| s.0));
             }
             _ = tokio::time::sleep_until(kill_at), if stopping.is_some() => {
                 return Ending::Killed(stopping.map(|s| s.0).unwrap_or(RunStatus::Timeout));

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::common::{Raw, Server, assert_cleaned_up, containers_of, gvisor, instance_name, text};
+use crate::common::{Raw, Server, assert_cleaned_up, containers_of, instance_name, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_container_removed_mid_run_fails_fast_and_the_next_call_starts_fresh() {
@@ -15,10 +15,9 @@ async fn a_container_removed_mid_run_fails_fast_and_the_next_call_starts_fresh()
     s.ok("r", "x = 41").await;
     let id = containers_of(&s.instance).await[0].id.clone().expect("id");
     // Under gVisor, Docker 20.10 with runsc often (5 removals in 8, measured on the dev machine)
-    // leaves the exec's attached stream open after the container is gone: the run then ends
-    // only at its time limit. Under gVisor this test holds the run to that limit (20 s), not
-    // to the fast failure runc gives; either way nothing hangs and the next call starts fresh.
-    let (limit, bound) = if gvisor() { (20, Duration::from_secs(40)) } else { (120, Duration::from_secs(30)) };
+    // leaves the exec's attached stream open after the container is gone: the engine's `die`
+    // event ends the run then (session/run.rs), as fast as the stream's end does under runc.
+    let (limit, bound) = (120, Duration::from_secs(30));
     let started = Instant::now();
     let call = s.run_with(json!({ "session": "r", "code": "import time\ntime.sleep(60)", "timeout_s": limit }));
     let remove = async {

@@ -56,10 +56,17 @@ async fn resource_exhaustion_is_contained() {
     let alloc = "try:\n    b = bytearray(1 << 40)\n    r = 'allocated'\nexcept MemoryError:\n    r = 'MemoryError'\nr";
     if gvisor() {
         // gVisor grants the mapping and the zero-fill runs into the memory limit, where the
-        // host's OOM killer ends the whole sandbox (gVisor is the process in the cgroup); the run
-        // waits out its time limit (the exec stream outlives the sandbox), hence a short one.
-        let big = survive(&s, "x", alloc, 10).await;
+        // host's OOM killer ends the whole sandbox (gVisor is the process in the cgroup). The
+        // exec stream can outlive the sandbox: the engine's `die` event ends the run, long
+        // before its time limit.
+        let started = std::time::Instant::now();
+        let big = survive(&s, "x", alloc, 120).await;
         assert!(result(&big) == "'MemoryError'" || big["state_lost"] == true, "one huge allocation: {big}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "waited {:?} for a dead sandbox",
+            started.elapsed()
+        );
     } else {
         assert_eq!(result(&survive(&s, "x", alloc, 30).await), "'MemoryError'", "one huge allocation");
     }
