@@ -222,6 +222,11 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_RUNTIME")]
     pub runtime: Option<String>,
 
+    /// The chosen runtime is gVisor (found at start-up from the engine's runtimes).
+    #[arg(skip)]
+    #[serde(skip)]
+    pub gvisor: bool,
+
     /// The seccomp profile chosen at start-up (JSON), from --seccomp and the engine version.
     #[arg(skip)]
     #[serde(skip)]

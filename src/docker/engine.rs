@@ -546,6 +546,7 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
         tracing::debug!(target: "pyberth::engine", "{line}");
     }
     cfg.runtime = chosen;
+    cfg.gvisor = under_gvisor;
     let warnings = assess(&engine, runc.as_deref(), under_gvisor);
     for w in &warnings {
         tracing::debug!(target: "pyberth::engine", "{w}");
