@@ -257,6 +257,18 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_LEFTOVER_GRACE_S", default_value_t = 300)]
     pub leftover_grace_s: u64,
 
+    /// How long sessions outlive a server stopped by a signal (SIGTERM, SIGINT) over HTTP,
+    /// seconds: a server started again within it, with the same state dir, adopts them with
+    /// their variables, threads and open files; after it they are removed (docs/design.md
+    /// D11). 0 removes them at the stop, as over stdio.
+    #[arg(long, env = "PYBERTH_ADOPT_GRACE_S", default_value_t = 600)]
+    pub adopt_grace_s: u64,
+
+    /// Over stdio too, leave sessions running for --adopt-grace-s when the client leaves or a
+    /// signal stops the server, for the next server to adopt.
+    #[arg(long, env = "PYBERTH_KEEP_SESSIONS")]
+    pub keep_sessions: bool,
+
     /// Name of this server instance in container labels (default: random). For tests.
     #[arg(long, env = "PYBERTH_INSTANCE", hide = true)]
     pub instance: Option<String>,
@@ -379,6 +391,11 @@ impl SandboxConfig {
     /// How long a stopped heartbeat waits before its instance counts as dead.
     pub fn leftover_grace(&self) -> Duration {
         Duration::from_secs(self.leftover_grace_s)
+    }
+
+    /// How long sessions left by a stopped server may still be adopted.
+    pub fn adopt_grace(&self) -> Duration {
+        Duration::from_secs(self.adopt_grace_s)
     }
 
     /// Index URL, honouring the pip and uv conventions.

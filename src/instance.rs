@@ -27,7 +27,8 @@ use std::fs::{File, OpenOptions, TryLockError};
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bollard::Docker;
@@ -48,6 +49,13 @@ pub struct Instance {
     lock_path: PathBuf,
     /// Held for the life of the process; released by the kernel at exit.
     _lock: File,
+    /// Locks of dead instances whose sessions this one adopted (docs/design.md D11), held
+    /// like its own: the adopted sessions count as alive to every server sharing the state
+    /// dir, and die with this process, for the next server to adopt again.
+    claimed: Mutex<Vec<(String, PathBuf, File)>>,
+    /// Set by a stop that leaves sessions for the next server: lock files stay, free, as a
+    /// killed server's do, so the next server of the state dir knows these instances dead.
+    keep_lock_files: AtomicBool,
 }
 
 impl Instance {
@@ -67,7 +75,101 @@ impl Instance {
             }
             Err(TryLockError::Error(e)) => return Err(e),
         }
-        Ok(Self { owner: Owner { instance, host: host_id() }, dir: dir.to_owned(), lock_path, _lock: lock })
+        Ok(Self {
+            owner: Owner { instance, host: host_id() },
+            dir: dir.to_owned(),
+            lock_path,
+            _lock: lock,
+            claimed: Mutex::new(Vec::new()),
+            keep_lock_files: AtomicBool::new(false),
+        })
+    }
+
+    /// Takes and holds the lock of instance `name` of our state dir if nobody holds it (that
+    /// instance is dead): true when it is now ours. No lock file: false (no evidence).
+    fn claim(&self, name: &str) -> bool {
+        if name == self.owner.instance || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            return false;
+        }
+        let path = self.dir.join(format!("{name}.lock"));
+        let Ok(file) = OpenOptions::new().write(true).custom_flags(crate::state_dir::no_follow()).open(&path) else {
+            return false;
+        };
+        if file.try_lock().is_err() {
+            return false;
+        }
+        self.claimed.lock().unwrap_or_else(|e| e.into_inner()).push((name.to_owned(), path, file));
+        true
+    }
+
+    /// Lets go of a claimed lock, leaving its file free: the sweep then knows it dead.
+    fn unclaim(&self, name: &str) {
+        self.claimed.lock().unwrap_or_else(|e| e.into_inner()).retain(|(n, _, _)| n != name);
+    }
+
+    /// The owners whose sessions this instance adopted, on this host.
+    pub fn adopted_owners(&self) -> Vec<Owner> {
+        let claimed = self.claimed.lock().unwrap_or_else(|e| e.into_inner());
+        claimed.iter().map(|(n, _, _)| Owner { instance: n.clone(), host: self.owner.host.clone() }).collect()
+    }
+
+    /// At a stop that leaves the sessions running for the next server: the lock files stay.
+    pub fn keep_lock_files(&self) {
+        self.keep_lock_files.store(true, Ordering::SeqCst);
+    }
+
+    /// Instances whose sessions this server adopts at start (docs/design.md D11), among
+    /// `candidates` (those that left session records): dead ones of this host and state dir (their lock free, now held by us), and this instance's own name
+    /// when it was given again, whose heartbeat stopped less than `grace` ago, or is stopping
+    /// now. Instances beyond the grace are left to the sweep.
+    pub async fn claim_adoptable(
+        &self,
+        docker: &Docker,
+        found: &[Found],
+        candidates: &HashSet<String>,
+        grace: Duration,
+    ) -> Vec<String> {
+        let mut names: Vec<&String> = found
+            .iter()
+            .filter(|c| c.labels.get(LABEL_HOST) == Some(&self.owner.host))
+            .filter_map(|c| c.labels.get(LABEL_INSTANCE))
+            .filter(|i| candidates.contains(*i))
+            .collect();
+        names.sort();
+        names.dedup();
+        let mut adoptable = Vec::new();
+        let mut now: Option<Duration> = None;
+        for name in names {
+            let own = *name == self.owner.instance;
+            if !own && !self.claim(name) {
+                continue;
+            }
+            let mut running = false;
+            let mut latest: Option<Duration> = None;
+            let beats = found.iter().filter(|c| {
+                c.labels.get(LABEL_HEARTBEAT) == Some(name) && c.labels.get(LABEL_HOST) == Some(&self.owner.host)
+            });
+            for c in beats {
+                if c.running {
+                    // Ours (a name given again) beats for us now; another's is stopping.
+                    running |= !own;
+                    continue;
+                }
+                if let Ok(Some(at)) = heartbeat::stopped_at(docker, &c.id, c.created).await {
+                    latest = Some(latest.map_or(at, |l: Duration| l.max(at)));
+                }
+            }
+            if now.is_none() {
+                now = Some(engine_clock(docker).await);
+            }
+            let within = running || latest.is_some_and(|at| now.unwrap_or_default().saturating_sub(at) < grace);
+            if within {
+                adoptable.push(name.clone());
+            } else if !own {
+                self.unclaim(name);
+            }
+        }
+        adoptable
     }
 
     /// Whether a resource with these labels is this instance's own.
@@ -83,7 +185,13 @@ impl Instance {
 
 impl Drop for Instance {
     fn drop(&mut self) {
+        if self.keep_lock_files.load(Ordering::SeqCst) {
+            return;
+        }
         let _ = std::fs::remove_file(&self.lock_path);
+        for (_, path, _) in self.claimed.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -295,13 +403,16 @@ fn probe_lock(dir: &Path, instance: &str) -> Lock {
 pub struct Keeper {
     stop: CancellationToken,
     tasks: TaskTracker,
+    /// Cleared by a stop that leaves sessions: heartbeats then stop without being removed,
+    /// their stop time saying when the sessions were left (docs/design.md D11).
+    leave: Arc<AtomicBool>,
 }
 
 impl Keeper {
     /// Keeps a heartbeat of `owner` running on the image of `cfg` (once that image exists),
     /// making a new one whenever it stops while this server runs.
     pub fn beat(&self, docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner) {
-        self.tasks.spawn(keep_beating(docker, cfg, owner, self.stop.clone()));
+        self.tasks.spawn(keep_beating(docker, cfg, owner, self.stop.clone(), self.leave.clone()));
     }
 
     /// Sweeps again after `after`, and again while some heartbeat is within its grace.
@@ -326,18 +437,29 @@ impl Keeper {
         });
     }
 
-    /// Stops the heartbeat and the waiting sweeps, and removes this instance's heartbeats.
-    pub async fn stop(&self, docker: &Docker, owner: &Owner) {
+    /// Stops the heartbeats and the waiting sweeps. With `remove`, removes the heartbeats of
+    /// `owners` (this instance's, and those it adopted); without, they stay, stopped, saying
+    /// when this server left its sessions (docs/design.md D11).
+    pub async fn stop(&self, docker: &Docker, owners: &[Owner], remove: bool) {
+        self.leave.store(!remove, Ordering::SeqCst);
         self.stop.cancel();
         self.tasks.close();
         self.tasks.wait().await;
-        if let Err(e) = heartbeat::remove_all(docker, owner).await {
-            tracing::warn!(error = %e, "cannot remove the heartbeat");
+        for owner in owners.iter().filter(|_| remove) {
+            if let Err(e) = heartbeat::remove_all(docker, owner).await {
+                tracing::warn!(error = %e, "cannot remove the heartbeat");
+            }
         }
     }
 }
 
-async fn keep_beating(docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner, stop: CancellationToken) {
+async fn keep_beating(
+    docker: Docker,
+    cfg: Arc<SandboxConfig>,
+    owner: Owner,
+    stop: CancellationToken,
+    leave: Arc<AtomicBool>,
+) {
     // The sandbox image: `--image`, or ours, which the server builds when absent. The
     // heartbeat waits for it rather than build it beside the server's own build.
     let tag = cfg.image.clone().unwrap_or_else(|| image::tag_for(&cfg));
@@ -357,7 +479,10 @@ async fn keep_beating(docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner, sto
                 pause = Duration::from_secs(1);
                 tokio::select! {
                     _ = stop.cancelled() => {
-                        container::remove_container(&docker, &live.id).await;
+                        // Left: dropping the connection stops it, and it stays, stopped.
+                        if !leave.load(Ordering::SeqCst) {
+                            container::remove_container(&docker, &live.id).await;
+                        }
                         return;
                     }
                     () = live.stopped() => {}

@@ -108,6 +108,8 @@ const SERVER_ONLY: &[(&str, &str)] = &[
     ("max_sessions_total", "it is a server setting"),
     ("pool_size", "it is a server setting"),
     ("max_runs_per_caller", "it is a server setting"),
+    ("adopt_grace_s", "it is a server setting"),
+    ("keep_sessions", "it is a server setting"),
 ];
 
 /// Parses the command line, then fills in from the config file what flags and environment
@@ -310,6 +312,12 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
     let engine = docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
     docker::identity::warn_overlaps(cfg.uid_range);
+    // Over HTTP, a stopped server leaves its sessions for the next one (docs/design.md D11);
+    // over stdio they end with the client unless asked.
+    if http.http.is_some() {
+        cfg.keep_sessions = true;
+    }
+    let leave = cfg.keep_sessions && cfg.adopt_grace_s > 0;
     let cfg = Arc::new(cfg);
     let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
         .with_context(|| format!("cannot take an instance lock in {}", state_dir.display()))?;
@@ -361,7 +369,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     // The tasks first: a pool container being made when the stop came must be in the pool (or
     // gone) before the registry removes what it holds, or it outlives the server.
     tasks.wait().await;
-    registry.shutdown().await;
+    registry.shutdown(leave).await;
     tracing::info!("pyberth stopped");
     served
 }

@@ -1,5 +1,10 @@
-//! Execs: the one long-lived attached exec that runs the agent, and the short one that kills
+//! Execs: the one long-lived attached exec that reaches the agent, and the short one that kills
 //! runaway code (Docker has no API to kill an exec: moby#9098).
+//!
+//! The attached exec is a relay (`images/python/keeper.py attach`): the agent runs detached
+//! under a keeper inside the container and outlives the exec's stream, so a dropped stream (a
+//! server restart, a network blip to a remote engine) loses no state; the next attach reaches
+//! the same interpreter (docs/design.md D11).
 
 use std::pin::Pin;
 
@@ -18,9 +23,28 @@ pub type Output = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::E
 /// The attached exec's stdin.
 pub type Input = Pin<Box<dyn AsyncWrite + Send>>;
 
-/// Command line of the agent. `-I` keeps PYTHON* variables and the script's directory off
-/// the path, `-u` unbuffers, `-B` keeps `__pycache__` out of the workspace.
-const AGENT_CMD: [&str; 5] = ["python3", "-I", "-u", "-B", "/opt/pyberth/agent.py"];
+/// Command line of the relay, then of the agent its keeper runs. `-I` keeps PYTHON* variables
+/// and the script's directory off the path, `-u` unbuffers, `-B` keeps `__pycache__` out of
+/// the workspace; the keeper needs no `site` (`-S`). Its socket lives in a 0700 directory of
+/// the code's uid on the container's own /tmp tmpfs.
+const AGENT_CMD: [&str; 13] = [
+    "python3",
+    "-I",
+    "-S",
+    "-B",
+    "/opt/pyberth/keeper.py",
+    "attach",
+    KEEPER_DIR,
+    "--",
+    "python3",
+    "-I",
+    "-u",
+    "-B",
+    "/opt/pyberth/agent.py",
+];
+
+/// Where the keeper listens, inside the container.
+pub const KEEPER_DIR: &str = "/tmp/.pyberth-keeper";
 
 /// An attached exec.
 pub struct Attached {
@@ -32,7 +56,8 @@ pub struct Attached {
     pub output: Output,
 }
 
-/// Starts the agent in a running container as the code's uid (the container's own), attached.
+/// Reaches the agent in a running container as the code's uid (the container's own), through
+/// a relay to its keeper; the keeper and a fresh agent are started first when none runs.
 pub async fn attach_agent(docker: &Docker, container: &str, uid: u32) -> Result<Attached, Error> {
     attach(docker, container, uid, &AGENT_CMD, true).await
 }

@@ -15,11 +15,13 @@ use crate::config::{DEFAULT_BASE, DEFAULT_RELEASE, SandboxConfig};
 
 /// The agent, as baked into the image.
 pub const AGENT_PY: &str = include_str!("../../images/python/agent.py");
+/// The keeper that holds the agent across dropped exec streams (docs/design.md D11).
+const KEEPER_PY: &str = include_str!("../../images/python/keeper.py");
 const DOCKERFILE: &str = include_str!("../../images/python/Dockerfile");
 const BOOTSTRAP_SH: &str = include_str!("../../images/debootstrap-base.sh");
 
 /// Files of the build context, in a fixed order.
-const CONTEXT: [(&str, &str); 2] = [("Dockerfile", DOCKERFILE), ("agent.py", AGENT_PY)];
+const CONTEXT: [(&str, &str); 3] = [("Dockerfile", DOCKERFILE), ("agent.py", AGENT_PY), ("keeper.py", KEEPER_PY)];
 
 /// Repository of the images we build.
 pub const SANDBOX_REPO: &str = "pyberth-sandbox";
@@ -281,6 +283,6 @@ mod tests {
             .expect("entries")
             .map(|e| e.expect("entry").path().expect("path").display().to_string())
             .collect();
-        assert_eq!(names, ["Dockerfile", "agent.py"]);
+        assert_eq!(names, ["Dockerfile", "agent.py", "keeper.py"]);
     }
 }

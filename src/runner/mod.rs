@@ -291,7 +291,7 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
     let registry = Arc::new(registry);
     let result = in_session(args, status, &registry, &packages, target, env).await;
     status.clear();
-    registry.shutdown().await;
+    registry.shutdown(false).await;
     result
 }
 

@@ -34,9 +34,14 @@ pub(super) struct Agent {
     input: exec::Input,
     output: exec::Output,
     decoder: LineDecoder,
-    /// Last request id used. Ids only need to be unique per connection: a new agent has a
-    /// new stream, so nothing from an old one can arrive on it.
+    /// Last request id used. A connection may reach an agent an earlier connection (of this
+    /// server or of one that died) left running, which may still answer that connection's
+    /// requests: ids start from [`id_base`], past any id an earlier connection can have used,
+    /// and events of unknown ids are skipped everywhere.
     last_id: u64,
+    /// The agent's pid, from its hello: the same pid on a later connection means the same
+    /// interpreter, state intact.
+    pid: Option<u32>,
     /// How much of its stderr is still logged.
     stderr: StderrGate,
     /// The last run that ended with `done`, until a later request is taken at once. Its code
@@ -172,6 +177,7 @@ impl Agent {
             output,
             decoder: LineDecoder::default(),
             last_id: 0,
+            pid: None,
             stderr: StderrGate::default(),
             last_run: None,
             interrupted: None,
@@ -181,7 +187,38 @@ impl Agent {
     fn from_exec(attached: exec::Attached) -> Self {
         let mut agent = Self::new(attached.input, attached.output);
         agent.exec_id = Some(attached.id);
+        // An exec may reach an agent an earlier connection left running (a local process is
+        // always fresh, and starts from 1).
+        agent.last_id = id_base();
         agent
+    }
+
+    /// The agent's pid, once it said hello.
+    pub(super) fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    /// True when the stream to the agent has ended already (the relay exec died, or the
+    /// agent exited), found without waiting: what arrived is kept for the next read. A
+    /// session checks this before a call, so that a stream dropped between calls is
+    /// reattached instead of failing the call.
+    pub(super) fn stream_ended(&mut self) -> bool {
+        use futures::FutureExt as _;
+        // Bounded: frames that keep coming are read by the call itself.
+        for _ in 0..64 {
+            match self.output.next().now_or_never() {
+                None => return false,
+                Some(None | Some(Err(_))) => return true,
+                Some(Some(Ok(LogOutput::StdOut { message }))) => self.decoder.push(&message),
+                Some(Some(Ok(LogOutput::StdErr { message }))) => {
+                    if let Some(text) = self.stderr.admit(&message) {
+                        tracing::debug!(agent_stderr = %text, "sandbox stderr (untrusted, escaped)");
+                    }
+                }
+                Some(Some(Ok(_))) => {}
+            }
+        }
+        false
     }
 
     /// The Docker exec running this agent, if it is one.
@@ -238,6 +275,7 @@ impl Agent {
         match first {
             Ok(Some(Event::Hello { protocol, python, pid })) if protocol == PROTOCOL_VERSION => {
                 self.stderr.untrusted = true;
+                self.pid = Some(pid);
                 Ok(Greeting::Ready { python, pid })
             }
             Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(
@@ -379,6 +417,14 @@ impl Agent {
         )
         .await?
     }
+}
+
+/// The first request id of a new connection: microseconds since the epoch, so a connection
+/// made later starts past every id an earlier one used (one id per microsecond of its life
+/// would be needed to catch up), and below 2^53, so ids stay exact in any JSON reader.
+fn id_base() -> u64 {
+    let micros = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros());
+    u64::try_from(micros).unwrap_or(0) % (1 << 53)
 }
 
 /// Recognises the answer to the file request `id`: the reply, or the agent's reason for

@@ -25,7 +25,7 @@ mod watch;
 pub(crate) use self::run::{RunOutcome, RunSpec, RunStatus};
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -177,11 +177,22 @@ struct Inner {
     pending: Vec<String>,
     /// The interpreter's state was lost between calls, for the next run to tell.
     pending_lost: bool,
+    /// The pid of the agent a dropped stream reached, when its next attach should reach the
+    /// same one (docs/design.md D11): another pid answering means its state is gone.
+    reattach_pid: Option<u32>,
 }
 
 impl Inner {
     fn new(container: Created, agent: Agent) -> Self {
-        Self { container, agent: Some(agent), lease: None, watched: false, pending: Vec::new(), pending_lost: false }
+        Self {
+            container,
+            agent: Some(agent),
+            lease: None,
+            watched: false,
+            pending: Vec::new(),
+            pending_lost: false,
+            reattach_pid: None,
+        }
     }
 }
 
@@ -221,6 +232,9 @@ pub struct Session {
     /// Python version of the interpreter, set at each greeting. Outside [`Inner`] so that
     /// listings can read it while a run holds the session.
     python: std::sync::Mutex<String>,
+    /// Pid of the agent last greeted (0: none yet), for the session's record
+    /// (`registry/adopt.rs`).
+    agent_pid: AtomicU32,
 }
 
 /// Whose a new session is and what it is called.
@@ -294,7 +308,8 @@ impl Session {
         let Naming { name, principal, environment } = naming;
         let created = prepared.inner.container.clone();
         tracing::info!(session = %name, container = %short(&created.id), "session created");
-        Arc::new_cyclic(|me| Self {
+        let pid = prepared.inner.agent.as_ref().and_then(Agent::pid).unwrap_or(0);
+        let session = Arc::new_cyclic(|me| Self {
             name,
             principal,
             environment,
@@ -315,7 +330,10 @@ impl Session {
             env: std::sync::Mutex::new(BTreeMap::new()),
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(prepared.python),
-        })
+            agent_pid: AtomicU32::new(pid),
+        });
+        session.save_record();
+        session
     }
 
     fn touch(&self) {
@@ -371,10 +389,12 @@ impl Session {
 
     async fn start_agent(&self, inner: &mut Inner) -> Result<(), Error> {
         let (agent, python) = greet(&self.docker, &inner.container, &self.name).await?;
+        self.agent_pid.store(agent.pid().unwrap_or(0), Ordering::Relaxed);
         inner.agent = Some(agent);
         if let Ok(mut p) = self.python.lock() {
             *p = python;
         }
+        self.save_record();
         Ok(())
     }
 
@@ -384,12 +404,19 @@ impl Session {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed);
         }
-        if inner.agent.is_some() {
-            return Ok(None);
+        if let Some(agent) = inner.agent.as_mut() {
+            if !agent.stream_ended() {
+                return Ok(None);
+            }
+            // The exec stream dropped between calls (docs/design.md D11): the agent may live
+            // on under its keeper; the next attach tells.
+            tracing::info!(session = %self.name, "the stream to the interpreter ended between calls; reattaching");
+            inner.reattach_pid = agent.pid();
+            inner.agent = None;
         }
         if container::is_running(&self.docker, &inner.container.id).await? {
             match self.start_agent(inner).await {
-                Ok(()) => return Ok(None),
+                Ok(()) => return Ok(self.reattached(inner)),
                 // Exhausted pids, a wedged filesystem, an agent that will not greet: a new
                 // container is the last resort of docs/design.md D5.
                 Err(e) => {
@@ -399,6 +426,8 @@ impl Session {
         } else {
             tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
+        self.forget_record();
+        inner.reattach_pid = None;
         container::destroy(&self.docker, &inner.container).await;
         inner.lease = None;
         inner.container =
@@ -433,6 +462,7 @@ impl Session {
     /// Returns a notice if the container itself had to be replaced.
     async fn restart_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
         inner.agent = None;
+        inner.reattach_pid = None;
         match exec::kill_code_processes(&self.docker, &inner.container.id, inner.container.uid).await {
             Ok(()) => inner.lease = None,
             Err(e) => tracing::warn!(session = %self.name, error = %e, "cannot kill code processes"),
@@ -569,6 +599,7 @@ impl Session {
         if let Ok(mut env) = self.env.lock() {
             env.extend(vars.clone());
         }
+        self.save_record();
     }
 
     /// The session's own environment variables.
@@ -617,6 +648,7 @@ impl Session {
         if let Ok(mut p) = self.packages.lock() {
             p.extend(requirements.iter().cloned());
         }
+        self.save_record();
         Ok(())
     }
 
@@ -631,6 +663,7 @@ impl Session {
     pub async fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         let created = self.container.lock().map(|c| c.clone()).ok();
+        self.forget_record();
         if let Some(c) = created {
             container::destroy(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");

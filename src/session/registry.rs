@@ -21,6 +21,8 @@ use crate::docker::{self, container, image};
 use crate::environment::{Environment, Environments};
 use crate::instance::{Instance, Keeper};
 
+mod adopt;
+
 type Key = (String, String);
 type Slot = Arc<OnceCell<Arc<Session>>>;
 
@@ -490,6 +492,11 @@ impl Registry {
             Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
             Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
         }
+        match self.adopt_leftovers().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(sessions = n, "adopted the sessions of stopped servers"),
+            Err(e) => tracing::warn!(error = %e, "cannot adopt the sessions of stopped servers"),
+        }
         let sweeper = self.instance.sweeper(self.cfg.leftover_grace());
         let swept = sweeper.sweep(&self.docker).await?;
         if let Some(after) = swept.recheck {
@@ -581,16 +588,33 @@ impl Registry {
     }
 
     /// Closes every session, then removes anything of ours still labelled (belt and braces).
-    pub async fn shutdown(&self) {
+    /// With `leave`, sessions stay running instead, for the next server of the state dir to
+    /// adopt within `--adopt-grace-s` (docs/design.md D11): only the pool and jobs stop.
+    pub async fn shutdown(&self, leave: bool) {
         self.drain_pool().await;
         self.jobs.shutdown().await;
+        // Nothing to leave: a clean stop, with nothing kept for a next server.
+        let leave = leave && self.slots().values().any(|slot| slot.initialized());
+        if leave {
+            let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
+            self.instance.keep_lock_files();
+            self.keeper.stop(&self.docker, &[], false).await;
+            tracing::info!(
+                sessions = left,
+                grace_s = self.cfg.adopt_grace_s,
+                "sessions left running for the next server"
+            );
+            return;
+        }
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }
         // Last: until everything else of ours is gone, others see this instance alive.
-        self.keeper.stop(&self.docker, &self.instance.owner).await;
+        let mut owners = self.instance.adopted_owners();
+        owners.push(self.instance.owner.clone());
+        self.keeper.stop(&self.docker, &owners, true).await;
     }
 }
 

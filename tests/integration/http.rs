@@ -69,6 +69,8 @@ impl HttpServer {
             .env("PYBERTH_INSTANCE", &instance)
             .env("PYBERTH_STATE_DIR", state_dir())
             .env("RUST_LOG", "pyberth=debug,info")
+            // These tests check a stop leaves nothing: no sessions left for a next server.
+            .env("PYBERTH_ADOPT_GRACE_S", "0")
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())
             .stderr(Stdio::piped())

@@ -35,5 +35,7 @@ mod faults;
 mod sandbox;
 // A client that reads slowly: live output never holds up the run.
 mod slow_client;
+// Sessions that outlive their server: restarts, kill -9, dropped exec streams, the grace.
+mod adopt;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;

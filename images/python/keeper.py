@@ -1,0 +1,440 @@
+"""pyberth keeper: the agent outlives the exec stream that reaches it (docs/design.md D11).
+
+`keeper.py attach DIR -- CMD...` is what the server execs. It connects to the keeper's Unix
+socket in DIR; when no keeper answers, it first starts one, fully detached (double fork,
+setsid, stdio on /dev/null, then exec'd as `keeper.py keep`, a command line of its own),
+which runs CMD (the agent) on pipes and listens on that socket.
+The attach process is then a thin relay: its stdin goes to the agent's stdin, and the agent's
+stdout and stderr come back framed over the socket and split again onto its own stdout and
+stderr, so the server sees exactly the byte streams of an agent it started itself.
+
+When the exec stream drops (the server restarts, a network blip to a remote engine), only the
+relay dies: the keeper and the agent, with the interpreter's variables, threads and open files,
+go on. The next attach is a new relay; the keeper sends it the agent's hello line again (so
+the server's greeting works), drops the rest of a line the old relay got half of, and goes on.
+One relay at a time: a new one replaces the old. With no relay, the keeper stops reading the
+agent once a bounded buffer is full, so the agent blocks on its writes while code runs on.
+When the agent exits, the keeper exits. It runs as the code's uid, like everything in the
+exec: killing the code's processes kills it too, and the next attach starts a fresh one.
+
+Frames, both ways: one byte of kind, four bytes of length (big-endian), the bytes. Kinds:
+`0` stdin (relay to keeper), `1` stdout, `2` stderr, `x` the agent's exit status (ASCII).
+Only the standard library; run with `python3 -I -S`.
+"""
+
+import errno
+import fcntl
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import sys
+import time
+
+# Bytes buffered per direction before a reader stops reading (backpressure).
+LIMIT = 1 << 20
+CHUNK = 1 << 16
+HEADER = struct.Struct(">cI")
+# Longest frame a peer may send; ours are at most CHUNK.
+MAX_FRAME = 1 << 20
+# How long an attach waits for a keeper it started to listen.
+START_TIMEOUT = 10.0
+
+
+def frame(kind, data):
+    return HEADER.pack(kind, len(data)) + bytes(data)
+
+
+class Frames:
+    """Incremental decoder of frames."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def push(self, data):
+        self.buf += data
+
+    def pop(self):
+        if len(self.buf) < HEADER.size:
+            return None
+        kind, size = HEADER.unpack_from(self.buf)
+        if size > MAX_FRAME:
+            raise ValueError("frame too long")
+        end = HEADER.size + size
+        if len(self.buf) < end:
+            return None
+        data = bytes(self.buf[HEADER.size:end])
+        del self.buf[:end]
+        return kind, data
+
+
+def write_some(fd, buf):
+    """Writes what a non-blocking fd takes now; False when the reader is gone."""
+    try:
+        n = os.write(fd, buf[:CHUNK])
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    del buf[:n]
+    return True
+
+
+def read_some(fd):
+    """Bytes from a non-blocking fd: b"" at end of file, None when nothing is there now."""
+    try:
+        return os.read(fd, CHUNK)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
+def private_dir(path):
+    """DIR, made 0700 and checked to be ours: never one planted by anyone else."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise SystemExit("keeper: %s is not a private directory of this uid" % path)
+
+
+def keeper(sock_path, argv, ready):
+    """Body of the detached keeper: runs the agent and serves one relay at a time."""
+    try:
+        os.unlink(sock_path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(4)
+    listener.setblocking(False)
+
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(in_r, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.closerange(3, 65536)
+            # Python ignores these; the agent and the code's own children get the defaults
+            # an exec gives them.
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
+            os.execvp(argv[0], argv)
+        finally:
+            os._exit(127)
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+    for fd in (in_w, out_r, err_r):
+        os.set_blocking(fd, False)
+    os.write(ready, b"1")
+    os.close(ready)
+
+    relay = None
+    incoming = Frames()
+    to_relay = bytearray()  # framed bytes for the current relay
+    out_buf = bytearray()  # the agent's stdout not yet framed
+    err_buf = bytearray()
+    to_agent = bytearray()
+    hello = None
+    head = bytearray()  # stdout before the hello line ended
+    mid_line = False  # the last stdout byte framed was not a line end
+    skip_line = False  # drop stdout up to the next line end (a new relay after a half line)
+    reading = {out_r: True, err_r: True}
+
+    def drop_relay():
+        nonlocal relay
+        if relay is not None:
+            relay.close()
+        relay = None
+        incoming.buf.clear()
+        to_relay.clear()
+
+    def skip_to_line_end():
+        nonlocal skip_line
+        i = out_buf.find(b"\n")
+        if i < 0:
+            out_buf.clear()
+            skip_line = True
+        else:
+            del out_buf[: i + 1]
+            skip_line = False
+
+    while True:
+        agent_done = not reading[out_r] and not reading[err_r] and not out_buf and not err_buf
+        if agent_done and (relay is None or not to_relay):
+            status = None
+            for _ in range(40):
+                try:
+                    done, code = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done:
+                    status = os.waitstatus_to_exitcode(code)
+                    break
+                time.sleep(0.05)
+            if relay is not None:
+                relay.setblocking(True)
+                try:
+                    relay.sendall(frame(b"x", str(status if status is not None else 1).encode()))
+                except OSError:
+                    pass
+            try:
+                os.unlink(sock_path)
+            except OSError:
+                pass
+            os._exit(0)
+
+        # Frame buffered output for the relay, a chunk at a time.
+        if relay is not None and len(to_relay) < CHUNK:
+            if out_buf:
+                piece = out_buf[:CHUNK]
+                del out_buf[:CHUNK]
+                mid_line = piece[-1:] != b"\n"
+                to_relay += frame(b"1", piece)
+            if err_buf:
+                piece = err_buf[:CHUNK]
+                del err_buf[:CHUNK]
+                to_relay += frame(b"2", piece)
+
+        rlist = [listener]
+        wlist = []
+        held = len(out_buf) + len(err_buf) + len(to_relay)
+        for fd, on in reading.items():
+            if on and held < LIMIT:
+                rlist.append(fd)
+        if relay is not None:
+            if len(to_agent) < LIMIT:
+                rlist.append(relay)
+            if to_relay:
+                wlist.append(relay)
+        if to_agent and in_w is not None:
+            wlist.append(in_w)
+        readable, writable, _ = select.select(rlist, wlist, [])
+
+        if listener in readable:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                conn = None
+            if conn is not None:
+                drop_relay()
+                relay = conn
+                relay.setblocking(False)
+                if hello is not None:
+                    to_relay += frame(b"1", hello)
+                if mid_line:
+                    mid_line = False
+                    skip_to_line_end()
+        for fd, kind in ((out_r, b"1"), (err_r, b"2")):
+            if fd not in readable:
+                continue
+            data = read_some(fd)
+            if data is None:
+                continue
+            if not data:
+                reading[fd] = False
+                continue
+            if kind == b"2":
+                err_buf += data
+                continue
+            if hello is None:
+                head += data
+                i = head.find(b"\n")
+                if i < 0 and len(head) < LIMIT:
+                    continue
+                hello = bytes(head[: i + 1]) if i >= 0 else bytes(head)
+                out_buf += head[len(hello):]
+                head.clear()
+                if relay is not None:
+                    to_relay += frame(b"1", hello)
+                continue
+            out_buf += data
+            if skip_line:
+                skip_to_line_end()
+        if relay is not None and relay in readable:
+            try:
+                data = relay.recv(CHUNK)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                drop_relay()
+            elif data:
+                incoming.push(data)
+                try:
+                    while True:
+                        got = incoming.pop()
+                        if got is None:
+                            break
+                        if got[0] == b"0" and in_w is not None:
+                            to_agent += got[1]
+                except ValueError:
+                    drop_relay()
+        if relay is not None and relay in writable:
+            try:
+                n = relay.send(to_relay[:CHUNK])
+                del to_relay[:n]
+            except BlockingIOError:
+                pass
+            except OSError:
+                drop_relay()
+        if in_w is not None and in_w in writable:
+            if not write_some(in_w, to_agent):
+                os.close(in_w)
+                in_w = None
+                to_agent.clear()
+
+
+def start_keeper(sock_path, argv):
+    """Starts a keeper fully detached and waits until it listens."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            # Nothing of the relay's stays open in the keeper (its lock, its exec pipes).
+            os.closerange(3, ready_w)
+            os.closerange(ready_w + 1, 65536)
+            # A command line of its own, so `ps` (and anyone killing relays) tells it apart.
+            os.set_inheritable(ready_w, True)
+            me = os.path.abspath(__file__)
+            os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", me, "keep", str(ready_w), sock_path, "--"] + argv)
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    os.waitpid(pid, 0)
+    ready = select.select([ready_r], [], [], START_TIMEOUT)[0]
+    ok = ready and os.read(ready_r, 1) == b"1"
+    os.close(ready_r)
+    if not ok:
+        raise SystemExit("keeper: the keeper did not start")
+
+
+def connect(sock_path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sock_path)
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+def relay(sock):
+    """Copies stdin to the keeper and the keeper's frames to stdout and stderr until either
+    side ends; exits with the agent's status when the keeper reports it."""
+    sock.setblocking(False)
+    for fd in (0, 1, 2):
+        os.set_blocking(fd, False)
+    to_sock = bytearray()
+    to_fd = {1: bytearray(), 2: bytearray()}
+    incoming = Frames()
+    stdin_open = True
+    status = None
+    while True:
+        pending_out = len(to_fd[1]) + len(to_fd[2])
+        if status is not None and not pending_out:
+            os._exit(status)
+        rlist, wlist = [], []
+        if stdin_open and len(to_sock) < LIMIT:
+            rlist.append(0)
+        if status is None and pending_out < LIMIT:
+            rlist.append(sock)
+        if to_sock:
+            wlist.append(sock)
+        wlist += [fd for fd, buf in to_fd.items() if buf]
+        readable, writable, _ = select.select(rlist, wlist, [])
+        if 0 in readable:
+            data = read_some(0)
+            if data == b"":
+                # The server closed its end: it is gone. The agent stays with the keeper.
+                os._exit(0)
+            if data:
+                to_sock += frame(b"0", data)
+        if sock in readable:
+            try:
+                data = sock.recv(CHUNK)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                # The keeper is gone (killed, or replaced us with a newer relay).
+                status = 1 if status is None else status
+                continue
+            if data:
+                incoming.push(data)
+                while True:
+                    got = incoming.pop()
+                    if got is None:
+                        break
+                    kind, payload = got
+                    if kind == b"1":
+                        to_fd[1] += payload
+                    elif kind == b"2":
+                        to_fd[2] += payload
+                    elif kind == b"x":
+                        try:
+                            status = int(payload) & 0xFF
+                        except ValueError:
+                            status = 1
+        if sock in writable:
+            try:
+                n = sock.send(to_sock[:CHUNK])
+                del to_sock[:n]
+            except BlockingIOError:
+                pass
+            except OSError:
+                os._exit(1)
+        for fd, buf in to_fd.items():
+            if fd in writable and not write_some(fd, buf):
+                # The server's end of the stream is gone.
+                os._exit(0)
+
+
+def attach(path, argv):
+    private_dir(path)
+    sock_path = os.path.join(path, "sock")
+    # One attach at a time decides whether a keeper must be started.
+    lock = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    sock = connect(sock_path)
+    if sock is None:
+        start_keeper(sock_path, argv)
+        sock = connect(sock_path)
+    os.close(lock)
+    if sock is None:
+        raise SystemExit("keeper: cannot reach the keeper at %s" % sock_path)
+    relay(sock)
+
+
+def main():
+    args = sys.argv[1:]
+    if len(args) >= 5 and args[0] == "keep" and args[3] == "--":
+        # The detached keeper, exec'd by start_keeper: its ready fd, its socket, the agent.
+        try:
+            keeper(args[2], args[4:], int(args[1]))
+        finally:
+            os._exit(1)
+    if len(args) < 4 or args[0] != "attach" or args[2] != "--":
+        raise SystemExit("usage: keeper.py attach DIR -- CMD...")
+    attach(args[1], args[3:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+//! Sessions that outlive their server (docs/design.md D11).
+//!
+//! Each session's container is described by a record in the state dir
+//! (`<state dir>/sessions/<container>.json`): whose it is, its name, environment, image,
+//! packages, variables set with `set_env`, and its agent's pid. Labels cannot say it all: a
+//! container taken from the warm pool keeps the pool's labels, and what changes while a
+//! session runs (packages, env) cannot be relabelled. The state dir is private to the server's
+//! user, so nothing in a container can write a record.
+//!
+//! A server that starts finds the containers of dead instances of its state dir (their lock
+//! free: [`crate::instance::Instance::claim_adoptable`]) whose heartbeat stopped less than
+//! `--adopt-grace-s` ago, re-registers the sessions whose records it has, and removes the
+//! rest of those instances' resources. It holds their locks and keeps their heartbeats beating
+//! from then on, so no other server sweeps what it adopted; the interpreter is reached again
+//! through its keeper on the session's first call.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write as _;
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use super::{Registry, Slot};
+use crate::docker::container::{self, Created, short};
+use crate::docker::{self, LABEL_HOST, LABEL_INSTANCE};
+use crate::session::{Inner, Session};
+
+/// Folder of the records, in the state dir.
+const DIR: &str = "sessions";
+
+/// What a server needs to take a running session over.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    /// The instance its container is labelled with.
+    instance: String,
+    principal: String,
+    name: String,
+    environment: String,
+    image: String,
+    container: String,
+    volume: String,
+    live: String,
+    uid: u32,
+    layer_packages: Vec<String>,
+    packages: Vec<String>,
+    env: BTreeMap<String, String>,
+    python: String,
+    /// The agent's pid when the record was written (0: unknown).
+    pid: u32,
+}
+
+/// The record of `container`: container names are ours (`pyberth-<instance>-<session>-<n>`),
+/// anything else never reaches a path.
+fn record_path(state_dir: &Path, container: &str) -> Option<PathBuf> {
+    let plain = !container.is_empty()
+        && container.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !container.starts_with('.');
+    plain.then(|| state_dir.join(DIR).join(format!("{container}.json")))
+}
+
+fn write_record(path: &Path, record: &Record) -> std::io::Result<()> {
+    let dir = path.parent().ok_or_else(|| std::io::Error::other("no parent"))?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(crate::state_dir::no_follow())
+        .open(&tmp)?;
+    f.write_all(&serde_json::to_vec(record).map_err(std::io::Error::other)?)?;
+    std::fs::rename(&tmp, path)
+}
+
+impl Session {
+    /// Writes this session's record (a few hundred bytes; called when it changes).
+    pub(in crate::session) fn save_record(&self) {
+        // Only a server that leaves its sessions for the next one keeps records.
+        if !self.cfg.keep_sessions || self.cfg.adopt_grace_s == 0 {
+            return;
+        }
+        let Ok(created) = self.container.lock().map(|c| c.clone()) else { return };
+        let Some(path) = record_path(&self.cfg.state_dir(), &created.id) else { return };
+        let record = Record {
+            instance: self.owner.instance.clone(),
+            principal: self.principal.clone(),
+            name: self.name.clone(),
+            environment: self.environment.clone(),
+            image: self.image.clone(),
+            container: created.id,
+            volume: created.volume,
+            live: created.live,
+            uid: created.uid,
+            layer_packages: self.layer_packages.iter().cloned().collect(),
+            packages: self.requirements(),
+            env: self.env(),
+            python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
+            pid: self.agent_pid.load(Ordering::Relaxed),
+        };
+        if let Err(e) = write_record(&path, &record) {
+            tracing::warn!(session = %self.name, error = %e, "cannot write the session's record: a restarted server will not adopt it");
+        }
+    }
+
+    /// Removes this session's record (closed, or its container replaced).
+    pub(in crate::session) fn forget_record(&self) {
+        let Ok(id) = self.container.lock().map(|c| c.id.clone()) else { return };
+        if let Some(path) = record_path(&self.cfg.state_dir(), &id) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    /// After an agent answered where a dropped stream's agent was expected: a notice when it
+    /// is another one (that one is gone, and its state with it).
+    pub(in crate::session) fn reattached(&self, inner: &mut Inner) -> Option<String> {
+        let expected = inner.reattach_pid.take()?;
+        let now = inner.agent.as_ref().and_then(super::super::agent::Agent::pid);
+        if now == Some(expected) {
+            tracing::info!(session = %self.name, pid = expected, "reattached to the running interpreter");
+            return None;
+        }
+        tracing::warn!(session = %self.name, "the interpreter had stopped while no server was attached; a new one started");
+        Some(
+            "the interpreter had stopped while no server was attached to it, and a new one was started: variables \
+             are gone, workspace files are kept"
+                .into(),
+        )
+    }
+
+    /// A session from a record, its container running, its agent reached on first use.
+    fn readopt(
+        docker: bollard::Docker,
+        cfg: Arc<crate::config::SandboxConfig>,
+        owner: container::Owner,
+        record: Record,
+    ) -> Arc<Self> {
+        let created = Created { id: record.container, volume: record.volume, live: record.live, uid: record.uid };
+        let inner = Inner {
+            container: created.clone(),
+            agent: None,
+            lease: None,
+            watched: false,
+            pending: Vec::new(),
+            pending_lost: false,
+            reattach_pid: Some(record.pid),
+        };
+        Arc::new_cyclic(|me| Self {
+            name: record.name,
+            principal: record.principal,
+            environment: record.environment,
+            me: me.clone(),
+            lease_changed: Arc::new(tokio::sync::Notify::new()),
+            docker,
+            cfg,
+            image: record.image,
+            owner,
+            inner: tokio::sync::Mutex::new(inner),
+            container: std::sync::Mutex::new(created),
+            last_used: std::sync::Mutex::new(Instant::now()),
+            created: SystemTime::now(),
+            runs: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+            layer_packages: record.layer_packages.into_iter().collect(),
+            packages: std::sync::Mutex::new(record.packages.into_iter().collect()),
+            env: std::sync::Mutex::new(record.env),
+            waiting: AtomicUsize::new(0),
+            python: std::sync::Mutex::new(record.python),
+            agent_pid: AtomicU32::new(record.pid),
+        })
+    }
+}
+
+impl Registry {
+    /// At start, before the sweep: adopts the sessions that dead instances of this state dir
+    /// left running within `--adopt-grace-s` (see the module doc). Returns how many.
+    pub(super) async fn adopt_leftovers(&self) -> Result<usize, docker::Error> {
+        let state_dir = self.cfg.state_dir();
+        let records = read_records(&state_dir);
+        if records.is_empty() {
+            return Ok(0);
+        }
+        let recorded: HashSet<String> = records.iter().map(|(_, r)| r.instance.clone()).collect();
+        let found = container::inventory(&self.docker).await?;
+        let grace = self.cfg.adopt_grace();
+        let names = self.instance.claim_adoptable(&self.docker, &found.containers, &recorded, grace).await;
+        let host = self.instance.owner.host.clone();
+        let of_adopted = |l: &std::collections::HashMap<String, String>| {
+            l.get(LABEL_HOST) == Some(&host) && l.get(LABEL_INSTANCE).is_some_and(|i| names.contains(i))
+        };
+        // Their heartbeats beat again, under this server, from now on.
+        if let Ok(env) = self.environments.get(None) {
+            for owner in self.instance.adopted_owners() {
+                self.keeper.beat(self.docker.clone(), env.cfg.clone(), owner);
+            }
+        }
+        let mut kept_ids = HashSet::new();
+        let mut kept_volumes = HashSet::new();
+        let mut adopted = 0;
+        for (path, record) in records {
+            let info = match self.docker.inspect_container(&record.container, None).await {
+                Ok(info) => info,
+                Err(e) => {
+                    // Its container is gone (swept, or removed by hand): so is the record.
+                    if docker::Error::from(e).is_gone() {
+                        let _ = std::fs::remove_file(&path);
+                    }
+                    continue;
+                }
+            };
+            let labels = info.config.as_ref().and_then(|c| c.labels.clone()).unwrap_or_default();
+            if !of_adopted(&labels) || labels.get(LABEL_INSTANCE) != Some(&record.instance) {
+                continue;
+            }
+            let running = info.state.as_ref().and_then(|s| s.running).unwrap_or(false);
+            let Ok(env) = self.environments.get(Some(&record.environment)) else {
+                tracing::warn!(session = %record.name, environment = %record.environment, "no such environment now; not adopted");
+                let _ = std::fs::remove_file(&path);
+                continue;
+            };
+            let key = (record.principal.clone(), record.name.clone());
+            if !running || self.slots().contains_key(&key) {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            if let Some(id) = info.id {
+                kept_ids.insert(id);
+            }
+            kept_volumes.insert(record.volume.clone());
+            kept_volumes.insert(record.live.clone());
+            let (name, id) = (record.name.clone(), record.container.clone());
+            // It stays its instance's: a container it is given later carries the same labels,
+            // kept alive by the lock and heartbeat this server now holds for that instance.
+            let owner = container::Owner { instance: record.instance.clone(), host: host.clone() };
+            let session = Session::readopt(self.docker.clone(), env.cfg.clone(), owner, record);
+            let slot: Slot = Arc::default();
+            let _ = slot.set(session);
+            self.slots().insert(key, slot);
+            adopted += 1;
+            tracing::info!(session = %name, container = %short(&id), "session adopted from a stopped server");
+        }
+        // The rest of those instances' resources: pool containers, sessions without a record.
+        for c in found.containers.iter().filter(|c| of_adopted(&c.labels) && !kept_ids.contains(&c.id)) {
+            container::remove_leftover_container(&self.docker, &c.id).await;
+        }
+        for (name, _) in found.volumes.iter().filter(|(n, l)| of_adopted(l) && !kept_volumes.contains(n)) {
+            container::remove_leftover_volume(&self.docker, name).await;
+        }
+        Ok(adopted)
+    }
+}
+
+/// Every readable record in the state dir; unreadable ones are skipped (and said).
+fn read_records(state_dir: &Path) -> Vec<(PathBuf, Record)> {
+    let Ok(entries) = std::fs::read_dir(state_dir.join(DIR)) else { return Vec::new() };
+    let mut records = Vec::new();
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        match std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()))
+        {
+            Ok(r) if record_path(state_dir, &r.container).as_deref() == Some(path.as_path()) => records.push((path, r)),
+            Ok(_) => tracing::warn!(path = %path.display(), "a session record under another name; skipped"),
+            Err(e) => tracing::warn!(path = %path.display(), error = %e, "unreadable session record; skipped"),
+        }
+    }
+    records
+}

@@ -1,0 +1,251 @@
+//! Sessions outlive their server (docs/design.md D11): a SIGTERM or a `kill -9` of the HTTP
+//! server, then a new server with the same state dir and token, finds the same session with
+//! its variables, an open file and a running thread; a dropped exec stream loses nothing; a
+//! live instance never adopts another's sessions; past the grace, sessions are swept.
+
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rmcp::RoleClient;
+use rmcp::ServiceExt as _;
+use rmcp::service::RunningService;
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::common::{Recorder, assert_cleaned_up, containers_of, instance_name, text};
+use crate::http::{ALICE, call};
+
+/// State that must survive: a variable, an open file, a thread that counts.
+const SETUP: &str = "import threading, time\nx = 42\nf = open('/tmp/held.txt', 'w')\nf.write('a')\n\
+                     count = [0]\ndef tick():\n    while True:\n        count[0] += 1\n        time.sleep(0.01)\n\
+                     t = threading.Thread(target=tick, daemon=True)\nt.start()";
+/// Checks it: the thread must still be counting.
+const CHECK: &str = "c0 = count[0]\ntime.sleep(0.3)\n(x, f.closed, f.name, t.is_alive(), count[0] > c0)";
+const INTACT: &str = "(42, False, '/tmp/held.txt', True, True)";
+
+/// A private state dir, removed at the end.
+struct StateDir(std::path::PathBuf);
+
+impl StateDir {
+    fn new(tag: &str) -> StateDir {
+        let dir = std::env::temp_dir().join(format!("pyberth-adopt-{}", instance_name(tag)));
+        std::fs::create_dir_all(&dir).expect("state dir");
+        StateDir(dir)
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Server {
+    child: Child,
+    port: u16,
+    instance: String,
+    log: Arc<Mutex<String>>,
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+impl Server {
+    async fn start(tag: &str, state: &StateDir, env: &[(&str, &str)]) -> Server {
+        let instance = instance_name(tag);
+        let tokens = state.0.join(format!("tokens-{instance}"));
+        std::fs::write(&tokens, format!("alice:{ALICE}\n")).expect("tokens");
+        let port = free_port();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pyberth"));
+        cmd.args(["serve", "--http", &format!("127.0.0.1:{port}"), "--tokens-file"])
+            .arg(&tokens)
+            .env("PYBERTH_INSTANCE", &instance)
+            .env("PYBERTH_STATE_DIR", &state.0)
+            .env("PYBERTH_POOL_SIZE", "0")
+            .env("RUST_LOG", "pyberth=debug,info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        crate::common::with_test_runtime(&mut cmd);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn pyberth serve --http");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let sink = log.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                let mut log = sink.lock().expect("log lock");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        let server = Server { child, port, instance, log };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(r) = reqwest::get(format!("http://127.0.0.1:{port}/healthz")).await
+                && r.status().is_success()
+            {
+                return server;
+            }
+            assert!(Instant::now() < deadline, "the HTTP server did not become healthy");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn client(&self) -> RunningService<RoleClient, Recorder> {
+        let uri = format!("http://127.0.0.1:{}/mcp", self.port);
+        let config = StreamableHttpClientTransportConfig::with_uri(uri).auth_header(ALICE);
+        Recorder::default().serve(StreamableHttpClientTransport::from_config(config)).await.expect("MCP initialise")
+    }
+
+    /// Sends `signal` and waits for the exit.
+    async fn signal(mut self, signal: &str) -> String {
+        let pid = self.child.id().expect("pid");
+        let _ = std::process::Command::new("kill").args([signal, &pid.to_string()]).status();
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
+        assert!(status.is_ok(), "the server exits on {signal}");
+        self.instance.clone()
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().expect("log").clone()
+    }
+}
+
+async fn run(client: &RunningService<RoleClient, Recorder>, session: &str, code: &str) -> Value {
+    let (r, sc) = call(client, "run_python", json!({ "session": session, "code": code })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    sc
+}
+
+/// The running session container of `instance` (pool off: one container per session).
+async fn session_container(instance: &str) -> (String, String) {
+    let found = containers_of(instance).await;
+    let c =
+        found.iter().find(|c| c.state.as_ref().is_some_and(|s| format!("{s:?}").to_lowercase().contains("running")));
+    let c = c.unwrap_or_else(|| panic!("no running container of {instance}"));
+    let uid = c.labels.as_ref().and_then(|l| l.get("pyberth.uid")).cloned().expect("uid label");
+    (c.id.clone().expect("id"), uid)
+}
+
+/// Left running by a stopped server, then adopted by the next: state intact, and fast.
+async fn survives(tag: &str, signal: &str) {
+    let state = StateDir::new(tag);
+    let first = Server::start(tag, &state, &[]).await;
+    let alice = first.client().await;
+    run(&alice, "keep", SETUP).await;
+    let _ = alice.cancel().await;
+    let old = first.signal(signal).await;
+    assert!(!containers_of(&old).await.is_empty(), "the session is left running after {signal}");
+
+    let second = Server::start(tag, &state, &[]).await;
+    assert!(second.log().contains("adopted"), "the new server says it adopted sessions");
+    let alice = second.client().await;
+    let (_, sc) = call(&alice, "list_sessions", json!({})).await;
+    assert!(sc.to_string().contains("\"keep\""), "the adopted session is listed: {sc}");
+    let started = Instant::now();
+    let sc = run(&alice, "keep", "x").await;
+    eprintln!("first call after the restart (reattach included): {:?}", started.elapsed());
+    assert_eq!(sc["result"], "42", "{sc}");
+    let sc = run(&alice, "keep", CHECK).await;
+    assert_eq!(sc["result"], INTACT, "{sc}");
+    // Closing it leaves nothing of either server.
+    let (r, _) = call(&alice, "close_session", json!({ "session": "keep" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigterm_then_restart_keeps_variables_files_and_threads() {
+    survives("adopt-term", "-TERM").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kill_9_then_restart_reattaches_too() {
+    survives("adopt-kill", "-KILL").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_live_instance_never_adopts_anothers_sessions() {
+    let state = StateDir::new("adopt-live");
+    let first = Server::start("adopt-live", &state, &[]).await;
+    let alice = first.client().await;
+    run(&alice, "keep", SETUP).await;
+    let second = Server::start("adopt-live2", &state, &[("PYBERTH_ADOPT_GRACE_S", "0")]).await;
+    assert!(!second.log().contains("adopted"), "a live instance's sessions are not adopted");
+    let bob = second.client().await;
+    let (_, sc) = call(&bob, "list_sessions", json!({})).await;
+    assert_eq!(sc["sessions"], json!([]), "{sc}");
+    let _ = bob.cancel().await;
+    let other = second.signal("-TERM").await;
+    assert_cleaned_up(&other).await;
+    // The first still has its session.
+    let sc = run(&alice, "keep", CHECK).await;
+    assert_eq!(sc["result"], INTACT, "{sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "keep" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let inst = first.signal("-TERM").await;
+    assert_cleaned_up(&inst).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dropped_exec_stream_loses_no_state() {
+    let state = StateDir::new("adopt-drop");
+    let s = Server::start("adopt-drop", &state, &[("PYBERTH_ADOPT_GRACE_S", "0")]).await;
+    let alice = s.client().await;
+    run(&alice, "keep", SETUP).await;
+    // Kill the relay (the exec the server holds) from the host, as the code's uid.
+    let (container, uid) = session_container(&s.instance).await;
+    let killer = "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            \
+                  cmd = open('/proc/%s/cmdline' % p, 'rb').read().split(b'\\0')\n        except OSError:\n            \
+                  continue\n        if b'attach' in cmd and any(c.endswith(b'keeper.py') for c in cmd):\n            \
+                  os.kill(int(p), signal.SIGKILL); print('killed', p)";
+    let out = std::process::Command::new("docker")
+        .args(["exec", "-u", &uid, &container, "python3", "-c", killer])
+        .output()
+        .expect("docker exec");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("killed"), "a relay was found and killed: {said} {}", String::from_utf8_lossy(&out.stderr));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sc = run(&alice, "keep", CHECK).await;
+    assert_eq!(sc["result"], INTACT, "{sc}");
+    assert!(sc.to_string().find("variables are gone").is_none(), "no state lost said: {sc}");
+    let _ = alice.cancel().await;
+    let inst = s.signal("-TERM").await;
+    assert_cleaned_up(&inst).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_past_the_grace_are_swept() {
+    let state = StateDir::new("adopt-late");
+    let first = Server::start("adopt-late", &state, &[]).await;
+    let alice = first.client().await;
+    run(&alice, "keep", "x = 42").await;
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+    assert!(!containers_of(&old).await.is_empty(), "left running");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let second = Server::start("adopt-late", &state, &[("PYBERTH_ADOPT_GRACE_S", "2")]).await;
+    assert_cleaned_up(&old).await;
+    let alice = second.client().await;
+    let (_, sc) = call(&alice, "list_sessions", json!({})).await;
+    assert_eq!(sc["sessions"], json!([]), "{sc}");
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&new).await;
+}
