@@ -260,7 +260,7 @@ pub struct SandboxConfig {
     /// How long sessions outlive a server stopped by a signal (SIGTERM, SIGINT) over HTTP,
     /// seconds: a server started again within it, with the same state dir, adopts them with
     /// their variables, threads and open files; after it they are removed (docs/design.md
-    /// D11). 0 removes them at the stop, as over stdio.
+    /// D12). 0 removes them at the stop, as over stdio.
     #[arg(long, env = "PYBERTH_ADOPT_GRACE_S", default_value_t = 600)]
     pub adopt_grace_s: u64,
 

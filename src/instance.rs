@@ -49,7 +49,7 @@ pub struct Instance {
     lock_path: PathBuf,
     /// Held for the life of the process; released by the kernel at exit.
     _lock: File,
-    /// Locks of dead instances whose sessions this one adopted (docs/design.md D11), held
+    /// Locks of dead instances whose sessions this one adopted (docs/design.md D12), held
     /// like its own: the adopted sessions count as alive to every server sharing the state
     /// dir, and die with this process, for the next server to adopt again.
     claimed: Mutex<Vec<(String, PathBuf, File)>>,
@@ -118,7 +118,7 @@ impl Instance {
         self.keep_lock_files.store(true, Ordering::SeqCst);
     }
 
-    /// Instances whose sessions this server adopts at start (docs/design.md D11), among
+    /// Instances whose sessions this server adopts at start (docs/design.md D12), among
     /// `candidates` (those that left session records): dead ones of this host and state dir (their lock free, now held by us), and this instance's own name
     /// when it was given again, whose heartbeat stopped less than `grace` ago, or is stopping
     /// now. Instances beyond the grace are left to the sweep.
@@ -404,7 +404,7 @@ pub struct Keeper {
     stop: CancellationToken,
     tasks: TaskTracker,
     /// Cleared by a stop that leaves sessions: heartbeats then stop without being removed,
-    /// their stop time saying when the sessions were left (docs/design.md D11).
+    /// their stop time saying when the sessions were left (docs/design.md D12).
     leave: Arc<AtomicBool>,
 }
 
@@ -439,7 +439,7 @@ impl Keeper {
 
     /// Stops the heartbeats and the waiting sweeps. With `remove`, removes the heartbeats of
     /// `owners` (this instance's, and those it adopted); without, they stay, stopped, saying
-    /// when this server left its sessions (docs/design.md D11).
+    /// when this server left its sessions (docs/design.md D12).
     pub async fn stop(&self, docker: &Docker, owners: &[Owner], remove: bool) {
         self.leave.store(!remove, Ordering::SeqCst);
         self.stop.cancel();

@@ -312,7 +312,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
     let engine = docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
     docker::identity::warn_overlaps(cfg.uid_range);
-    // Over HTTP, a stopped server leaves its sessions for the next one (docs/design.md D11);
+    // Over HTTP, a stopped server leaves its sessions for the next one (docs/design.md D12);
     // over stdio they end with the client unless asked.
     if http.http.is_some() {
         cfg.keep_sessions = true;

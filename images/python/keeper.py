@@ -1,4 +1,4 @@
-"""pyberth keeper: the agent outlives the exec stream that reaches it (docs/design.md D11).
+"""pyberth keeper: the agent outlives the exec stream that reaches it (docs/design.md D12).
 
 `keeper.py attach DIR -- CMD...` is what the server execs. It connects to the keeper's Unix
 socket in DIR; when no keeper answers, it first starts one, fully detached (double fork,

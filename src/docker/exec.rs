@@ -4,7 +4,7 @@
 //! The attached exec is a relay (`images/python/keeper.py attach`): the agent runs detached
 //! under a keeper inside the container and outlives the exec's stream, so a dropped stream (a
 //! server restart, a network blip to a remote engine) loses no state; the next attach reaches
-//! the same interpreter (docs/design.md D11).
+//! the same interpreter (docs/design.md D12).
 
 use std::pin::Pin;
 

@@ -15,7 +15,7 @@ use crate::config::{DEFAULT_BASE, DEFAULT_RELEASE, SandboxConfig};
 
 /// The agent, as baked into the image.
 pub const AGENT_PY: &str = include_str!("../../images/python/agent.py");
-/// The keeper that holds the agent across dropped exec streams (docs/design.md D11).
+/// The keeper that holds the agent across dropped exec streams (docs/design.md D12).
 const KEEPER_PY: &str = include_str!("../../images/python/keeper.py");
 const DOCKERFILE: &str = include_str!("../../images/python/Dockerfile");
 const BOOTSTRAP_SH: &str = include_str!("../../images/debootstrap-base.sh");

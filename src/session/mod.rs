@@ -178,7 +178,7 @@ struct Inner {
     /// The interpreter's state was lost between calls, for the next run to tell.
     pending_lost: bool,
     /// The pid of the agent a dropped stream reached, when its next attach should reach the
-    /// same one (docs/design.md D11): another pid answering means its state is gone.
+    /// same one (docs/design.md D12): another pid answering means its state is gone.
     reattach_pid: Option<u32>,
 }
 
@@ -408,7 +408,7 @@ impl Session {
             if !agent.stream_ended() {
                 return Ok(None);
             }
-            // The exec stream dropped between calls (docs/design.md D11): the agent may live
+            // The exec stream dropped between calls (docs/design.md D12): the agent may live
             // on under its keeper; the next attach tells.
             tracing::info!(session = %self.name, "the stream to the interpreter ended between calls; reattaching");
             inner.reattach_pid = agent.pid();

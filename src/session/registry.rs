@@ -589,7 +589,7 @@ impl Registry {
 
     /// Closes every session, then removes anything of ours still labelled (belt and braces).
     /// With `leave`, sessions stay running instead, for the next server of the state dir to
-    /// adopt within `--adopt-grace-s` (docs/design.md D11): only the pool and jobs stop.
+    /// adopt within `--adopt-grace-s` (docs/design.md D12): only the pool and jobs stop.
     pub async fn shutdown(&self, leave: bool) {
         self.drain_pool().await;
         self.jobs.shutdown().await;

@@ -1,4 +1,4 @@
-//! Sessions outlive their server (docs/design.md D11): a SIGTERM or a `kill -9` of the HTTP
+//! Sessions outlive their server (docs/design.md D12): a SIGTERM or a `kill -9` of the HTTP
 //! server, then a new server with the same state dir and token, finds the same session with
 //! its variables, an open file and a running thread; a dropped exec stream loses nothing; a
 //! live instance never adopts another's sessions; past the grace, sessions are swept.

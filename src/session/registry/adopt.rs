@@ -1,4 +1,4 @@
-//! Sessions that outlive their server (docs/design.md D11).
+//! Sessions that outlive their server (docs/design.md D12).
 //!
 //! Each session's container is described by a record in the state dir
 //! (`<state dir>/sessions/<container>.json`): whose it is, its name, environment, image,
