@@ -75,6 +75,9 @@ pub struct EnvironmentSpec {
     /// Host folders mounted read-only.
     #[serde(default)]
     pub mounts: Vec<MountSpec>,
+    /// Hosts its sessions may reach through the egress proxy (`pypi.org`, `*.example.com`,
+    /// `api.example.com:8443`, `*`); absent or empty: no network.
+    pub egress: Option<Vec<String>>,
 }
 
 /// A resolved environment.
@@ -88,6 +91,8 @@ pub struct Environment {
     pub cfg: Arc<SandboxConfig>,
     /// Preinstalled requirements, canonical and sorted.
     pub packages: Vec<String>,
+    /// The egress allow-list its sessions start with; empty: no network (`NetworkMode none`).
+    pub egress: Vec<crate::egress::policy::Rule>,
 }
 
 /// Every environment of a server.
@@ -328,7 +333,14 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
         None if name == DEFAULT => default_description(&cfg),
         None => format!("operator-defined environment {name}"),
     };
-    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages })
+    let egress = crate::egress::policy::parse_list(spec.egress.as_deref().unwrap_or_default())
+        .map_err(|e| format!("environments.{name}.egress: {e}"))?;
+    if !egress.is_empty()
+        && let Some(why) = crate::egress::runtime_refusal(&cfg)
+    {
+        tracing::warn!(environment = %name, "{why}");
+    }
+    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages, egress })
 }
 
 #[cfg(test)]

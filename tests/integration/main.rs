@@ -35,5 +35,7 @@ mod faults;
 mod sandbox;
 // A client that reads slowly: live output never holds up the run.
 mod slow_client;
+// Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
+mod egress;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;
