@@ -125,7 +125,14 @@ pub struct Totals {
     #[serde(skip)]
     #[schemars(skip)]
     counts: std::collections::BTreeMap<String, u64>,
+    /// Denials ever, of which `denied` keeps the last [`MAX_DENIED`].
+    #[serde(skip)]
+    #[schemars(skip)]
+    denied_total: u64,
 }
+
+/// Denials kept per session (and listed per run).
+const MAX_DENIED: usize = 50;
 
 impl Totals {
     fn add(&mut self, r: &Record) {
@@ -136,8 +143,22 @@ impl Totals {
             self.connections += 1;
             self.bytes_out += r.up;
             self.bytes_in += r.down;
-        } else if self.denied.len() < 100 {
-            self.denied.push(r.rule.clone());
+            if r.cut {
+                self.deny(format!(
+                    "{}:{} cut: the run's egress byte budget is spent (--egress-max-mb)",
+                    r.host, r.port
+                ));
+            }
+        } else {
+            self.deny(r.rule.clone());
+        }
+    }
+
+    fn deny(&mut self, why: String) {
+        self.denied_total += 1;
+        self.denied.push(why);
+        if self.denied.len() > MAX_DENIED {
+            self.denied.remove(0);
         }
     }
 
@@ -154,7 +175,11 @@ impl Totals {
             connections: self.connections - before.connections.min(self.connections),
             bytes_out: self.bytes_out.saturating_sub(before.bytes_out),
             bytes_in: self.bytes_in.saturating_sub(before.bytes_in),
-            denied: self.denied.iter().skip(before.denied.len()).cloned().collect(),
+            denied: {
+                let new = usize::try_from(self.denied_total.saturating_sub(before.denied_total)).unwrap_or(usize::MAX);
+                self.denied[self.denied.len().saturating_sub(new)..].to_vec()
+            },
+            denied_total: 0,
         }
     }
 }
@@ -172,6 +197,8 @@ struct Proxy {
     id: String,
     input: Pin<Box<dyn AsyncWrite + Send>>,
     reader: tokio::task::JoinHandle<()>,
+    /// The last sync the proxy answered.
+    applied: tokio::sync::watch::Receiver<u64>,
 }
 
 /// The egress of a server: its proxy and the networks of its sessions.
@@ -233,11 +260,25 @@ impl Manager {
         ])
     }
 
+    /// Sends a command and waits until the proxy has it in force: a narrowed list holds for
+    /// the very next connection.
     async fn send(&self, proxy: &mut Proxy, c: &Command) -> Result<(), String> {
-        let mut line = serde_json::to_vec(c).map_err(|e| e.to_string())?;
-        line.push(b'\n');
-        proxy.input.write_all(&line).await.map_err(|e| format!("the egress proxy is not listening: {e}"))?;
-        proxy.input.flush().await.map_err(|e| format!("the egress proxy is not listening: {e}"))
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static SEQ: AtomicU64 = AtomicU64::new(1);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let mut lines = serde_json::to_vec(c).map_err(|e| e.to_string())?;
+        lines.push(b'\n');
+        lines.extend(serde_json::to_vec(&Command::Sync { seq }).map_err(|e| e.to_string())?);
+        lines.push(b'\n');
+        let gone = |e: std::io::Error| format!("the egress proxy is not listening: {e}");
+        proxy.input.write_all(&lines).await.map_err(gone)?;
+        proxy.input.flush().await.map_err(gone)?;
+        let applied = proxy.applied.wait_for(|a| *a >= seq);
+        match tokio::time::timeout(Duration::from_secs(10), applied).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err("the egress proxy stopped".into()),
+            Err(_) => Err("the egress proxy did not confirm a policy change within 10 s".into()),
+        }
     }
 
     /// The proxy, started (or started again, if it is gone) from `image`.
@@ -329,6 +370,7 @@ impl Manager {
         self.docker.start_container(id, None).await.map_err(|e| format!("cannot start the egress proxy: {e}"))?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
         let totals = self.totals.clone();
+        let (applied_tx, applied) = tokio::sync::watch::channel(0u64);
         let mut output = attached.output;
         let reader = tokio::spawn(async move {
             let mut ready = Some(ready_tx);
@@ -346,6 +388,13 @@ impl Manager {
                                     }
                                 }
                                 Ok(Report::Conn(r)) => account(&totals, &r),
+                                Ok(Report::Applied { seq }) => {
+                                    applied_tx.send_if_modified(|a| {
+                                        let newer = seq > *a;
+                                        *a = (*a).max(seq);
+                                        newer
+                                    });
+                                }
                                 Err(e) => {
                                     tracing::warn!(target: "pyberth::egress", error = %e, "unreadable proxy report")
                                 }
@@ -392,7 +441,7 @@ impl Manager {
             };
             return fail(format!("the egress proxy did not start{hint}: {}", stderr.trim()));
         }
-        let mut proxy = Proxy { id: id.to_owned(), input: attached.input, reader };
+        let mut proxy = Proxy { id: id.to_owned(), input: attached.input, reader, applied };
         // The host's bridge gateway and the proxy's own bridge address: refused even if a
         // name resolves to them (all private today; the check does not rely on that).
         let mut own = Vec::new();
@@ -432,6 +481,11 @@ impl Manager {
             driver: Some("bridge".into()),
             internal: Some(true),
             labels: Some(labels),
+            // An internal network still gives the host's bridge its gateway address, and the
+            // session a default route to it: every host service listening on 0.0.0.0 (and the
+            // host's other addresses) answered through it (egress::a_session_reaches_nothing_
+            // but_the_proxy). Without an address on the bridge, nothing on the host does.
+            options: Some(HashMap::from([("com.docker.network.bridge.inhibit_ipv4".to_owned(), "true".to_owned())])),
             ..Default::default()
         };
         self.docker.create_network(req).await.map_err(|e| format!("cannot create the session's network: {e}"))?;
@@ -572,7 +626,7 @@ fn account(totals: &Mutex<HashMap<IpAddr, Totals>>, r: &Record) {
         bytes_out = r.up,
         bytes_in = r.down,
         ms = r.ms,
-        verdict = if r.allowed { "allowed" } else { "denied" },
+        verdict = if r.cut { "cut" } else if r.allowed { "allowed" } else { "denied" },
         rule = %r.rule,
         "egress connection"
     );

@@ -66,6 +66,11 @@ pub enum Command {
         /// The proxy's address on the session's network.
         local: IpAddr,
     },
+    /// Answered with [`Report::Applied`] once every earlier command is in force.
+    Sync {
+        /// Echoed back.
+        seq: u64,
+    },
 }
 
 /// A report to the server.
@@ -76,6 +81,11 @@ pub enum Report {
     Ready,
     /// One connection, when it ends (a denied one at once).
     Conn(Record),
+    /// Every command before [`Command::Sync`] `seq` is in force.
+    Applied {
+        /// The sync's number.
+        seq: u64,
+    },
 }
 
 /// One connection's account.
@@ -101,6 +111,9 @@ pub struct Record {
     pub down: u64,
     /// Duration, ms.
     pub ms: u64,
+    /// True when the proxy cut it: the run's byte budget was spent.
+    #[serde(default)]
+    pub cut: bool,
 }
 
 struct Policy {
@@ -120,13 +133,17 @@ struct Budget {
 impl Budget {
     /// Takes `n` bytes; false once exhausted.
     fn take(&self, n: u64) -> bool {
-        self.left
-            .fetch_update(
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-                |l| if l == u64::MAX { Some(l) } else { l.checked_sub(n) },
-            )
-            .is_ok()
+        let took =
+            self.left
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| {
+                    if l == u64::MAX { Some(l) } else { l.checked_sub(n) }
+                })
+                .is_ok();
+        if !took {
+            // Spent: what is left is too little for this chunk, and no later one gets through.
+            self.left.store(0, Ordering::SeqCst);
+        }
+        took
     }
 }
 
@@ -173,6 +190,9 @@ pub async fn run() -> anyhow::Result<()> {
         let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
         while let Ok(Some(line)) = lines.next_line().await {
             match serde_json::from_str::<Command>(&line) {
+                Ok(Command::Sync { seq }) => {
+                    let _ = tx.send(Report::Applied { seq });
+                }
                 Ok(c) => apply(&state, c),
                 Err(e) => eprintln!("egress-proxy: bad command: {e}"),
             }
@@ -216,6 +236,7 @@ fn apply(state: &Shared, c: Command) {
         Command::Drop { local } => {
             s.policies.remove(&local);
         }
+        Command::Sync { .. } => {}
     }
 }
 
@@ -353,6 +374,7 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
         up: 0,
         down: 0,
         ms: 0,
+        cut: false,
     };
     let host = policy::normalize_host(&head.host)
         .or_else(|| head.host.parse::<IpAddr>().ok().map(|ip| ip.to_string()))
@@ -385,13 +407,13 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
         }
     };
     let Ok(_slot) = policy.conns.clone().try_acquire_owned() else {
-        record.rule = "too many connections open at once for this session".into();
+        record.rule = "too many connections open at once for this session (--egress-max-conns)".into();
         let _ = tx.send(Report::Conn(record.clone()));
         let why = format!("{host}:{} denied: {}", head.port, record.rule);
         return deny(&mut sock, "429 Too Many Requests", &why).await;
     };
-    if !policy.budget.take(0) || policy.budget.left.load(Ordering::SeqCst) == 0 {
-        record.rule = "the run's egress byte budget is spent".into();
+    if policy.budget.left.load(Ordering::SeqCst) == 0 {
+        record.rule = "the run's egress byte budget is spent (--egress-max-mb)".into();
         let _ = tx.send(Report::Conn(record.clone()));
         let why = format!("{host}:{} denied: {}", head.port, record.rule);
         return deny(&mut sock, "403 Forbidden", &why).await;
@@ -430,6 +452,7 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
     let (up, down) = splice(sock, &mut upstream, first, &policy.budget).await;
     record.up = up;
     record.down = down;
+    record.cut = policy.budget.left.load(Ordering::SeqCst) == 0;
     record.ms = ms(started);
     let _ = tx.send(Report::Conn(record));
 }

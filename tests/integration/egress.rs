@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::common::{Server, assert_cleaned_up, docker, instance_name, state_dir, text};
+use crate::common::{Server, assert_cleaned_up, docker, gvisor, instance_name, state_dir, text};
 
 /// An HTTP upstream of the test's own: a container on the default bridge (where the proxy's
 /// outbound side is) answering every GET with its path and the headers it got.
@@ -21,6 +21,15 @@ const UPSTREAM: &str = r#"
 import http.server
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path.startswith("/big/"):
+            n = int(self.path[5:])
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            while n > 0:
+                self.wfile.write(b"x" * min(n, 65536))
+                n -= 65536
+            return
         body = ("upstream ok " + self.path + "\n" + "".join("%s: %s\n" % kv for kv in self.headers.items())).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -73,6 +82,10 @@ impl Drop for Upstream {
 /// A server whose environment `net` allows the upstream (by pinned names, a wildcard and the
 /// literal) plus two names the proxy resolves privately, and `pypi` allows the index.
 async fn server(tag: &str, up: &Upstream) -> Server {
+    server_with(tag, up, &[]).await
+}
+
+async fn server_with(tag: &str, up: &Upstream, env: &[(&str, &str)]) -> Server {
     let dir = state_dir().join(format!("egress-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let config = dir.join("pyberth.toml");
@@ -87,7 +100,9 @@ async fn server(tag: &str, up: &Upstream) -> Server {
         ),
     )
     .expect("config");
-    Server::start(tag, &[("PYBERTH_CONFIG", config.to_str().expect("utf-8 path"))]).await
+    let mut env = env.to_vec();
+    env.push(("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")));
+    Server::start_as(tag, &env).await
 }
 
 /// Runs `code` in `session` of environment `env` and returns its structured result.
@@ -133,6 +148,9 @@ async fn allowed_names_work_and_everything_else_is_refused_fast() {
     let tag = instance_name("egress");
     let up = Upstream::start(&tag).await;
     let s = server(&tag, &up).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
     let ip = &up.ip;
 
     // Allowed by name (pinned), by wildcard and by the operator's literal.
@@ -205,4 +223,340 @@ print(b"upstream ok /tunnel" in data)
     );
     assert_cleaned_up(&tag).await;
     assert!(networks_of(&tag).await.is_empty(), "networks left: {:?}", networks_of(&tag).await);
+}
+
+/// What session code tries from inside: DNS (the resolver, raw UDP to Docker's embedded one,
+/// to the host's, to the proxy), UDP and TCP straight out, TCP to another session and to the
+/// proxy's address on another session's network; each prints one word.
+const PROBES: &str = r#"
+import json, os, socket, struct
+def dns(server):
+    q = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + b"\x04pypi\x03org\x00" + struct.pack(">HH", 1, 1)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(3)
+    try:
+        s.sendto(q, (server, 53))
+        data = s.recv(512)
+        return "answers" if struct.unpack(">H", data[6:8])[0] else "no-answer"
+    except OSError as e:
+        return "failed"
+def tcp(host, port):
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        return "connected"
+    except OSError:
+        return "failed"
+def udp(host, port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(3)
+    try:
+        s.sendto(b"ping", (host, port))
+        return "answered" if s.recv(64) else "failed"
+    except OSError:
+        return "failed"
+def gateway():
+    for line in open("/proc/net/route").read().splitlines()[1:]:
+        f = line.split()
+        if f[1] == "00000000":
+            return socket.inet_ntoa(struct.pack("<L", int(f[2], 16)))
+    return "0.0.0.0"
+def resolve(name):
+    try:
+        socket.getaddrinfo(name, 443)
+        return "resolved"
+    except OSError:
+        return "failed"
+proxy = os.environ.get("HTTP_PROXY", "http://0.0.0.0:1").rsplit("/", 1)[-1].split(":")[0]
+print(json.dumps({
+    "interfaces": sorted(os.listdir("/sys/class/net")),
+    "getaddrinfo": resolve("pypi.org"),
+    "getaddrinfo_pinned": resolve("upstream.test"),
+    "dns_embedded": dns("127.0.0.11"),
+    "dns_host": dns("10.255.255.53"),
+    "dns_proxy": dns(proxy),
+    "udp_upstream": udp(UPSTREAM, 8000),
+    "udp_host_gateway": udp(gateway(), HOST_PORT),
+    "udp_host_bridge": udp("172.17.0.1", HOST_PORT),
+    "udp_host": udp(HOST_IP, HOST_PORT),
+    "tcp_host_gateway": tcp(gateway(), HOST_PORT),
+    "tcp_host_bridge": tcp("172.17.0.1", HOST_PORT),
+    "tcp_host": tcp(HOST_IP, HOST_PORT),
+    "tcp_upstream": tcp(UPSTREAM, 8000),
+    "tcp_gateway": tcp("172.17.0.1", 2375),
+    "tcp_other_session": tcp(OTHER, 9000),
+    "tcp_other_proxy": tcp(OTHER_PROXY, 3128),
+    "tcp_own_proxy": tcp(proxy, 3128),
+}))
+"#;
+
+/// A TCP and a UDP service on every address of the host (as the server's HTTP mode, or any
+/// other host service, may be), answering anything: what a session must never reach.
+fn host_services() -> u16 {
+    let tcp = std::net::TcpListener::bind("0.0.0.0:0").expect("tcp listener");
+    let port = tcp.local_addr().expect("addr").port();
+    let udp = std::net::UdpSocket::bind(("0.0.0.0", port)).expect("udp on the same port");
+    std::thread::spawn(move || {
+        for c in tcp.incoming().flatten() {
+            let _ = std::io::Write::write_all(&mut &c, b"host\n");
+        }
+    });
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while let Ok((_, from)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(b"host", from);
+        }
+    });
+    port
+}
+
+/// The host's first address on its own network (not the loopback, not a bridge).
+fn host_ip() -> String {
+    let out = std::process::Command::new("hostname").arg("-I").output().expect("hostname -I");
+    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or("127.0.0.1").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_reaches_nothing_but_the_proxy() {
+    let tag = instance_name("egress-apart");
+    let up = Upstream::start(&tag).await;
+    let s = server(&tag, &up).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let (port, host) = (host_services(), host_ip());
+
+    // Session b listens on 9000 and tells its address and its proxy's.
+    let listen = r#"
+import os, socket, threading
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 9000)); srv.listen(8)
+threading.Thread(target=lambda: [srv.accept() for _ in iter(int, 1)], daemon=True).start()
+me = socket.gethostbyname(socket.gethostname())
+socket.create_connection((me, 9000), timeout=3).close()
+print(me, os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")[0])
+"#;
+    let out = run(&s, "b", "net", listen).await["stdout"].as_str().unwrap_or_default().to_owned();
+    let (other, other_proxy) = out.trim().split_once(' ').expect("address and proxy");
+    let prelude = format!(
+        "UPSTREAM = {:?}\nOTHER = {other:?}\nOTHER_PROXY = {other_proxy:?}\nHOST_PORT = {port}\nHOST_IP = {host:?}\n",
+        up.ip
+    );
+    let code = format!("{prelude}{PROBES}");
+    let out = run(&s, "a", "net", &code).await["stdout"].as_str().unwrap_or_default().to_owned();
+    let p: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(p["interfaces"], json!(["eth0", "lo"]), "{p}");
+    assert_eq!(p["getaddrinfo"], "failed", "a name only resolvable outside: {p}");
+    assert_eq!(p["getaddrinfo_pinned"], "failed", "pinned names live in the proxy only: {p}");
+    for k in ["dns_embedded", "dns_host", "dns_proxy"] {
+        assert_ne!(p[k], "answers", "{k}: {p}");
+    }
+    for k in ["udp_upstream", "udp_host_gateway", "udp_host_bridge", "udp_host"] {
+        assert_eq!(p[k], "failed", "{k}: {p}");
+    }
+    for k in [
+        "tcp_upstream",
+        "tcp_gateway",
+        "tcp_other_session",
+        "tcp_other_proxy",
+        "tcp_host_gateway",
+        "tcp_host_bridge",
+        "tcp_host",
+    ] {
+        assert_eq!(p[k], "failed", "{k}: {p}");
+    }
+    assert_eq!(p["tcp_own_proxy"], "connected", "the probe can succeed: {p}");
+    // Through the proxy, the other session is an IP literal nobody allowed.
+    let out = run(&s, "a", "net", &fetch(&format!("http://{other}:9000/"))).await["stdout"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(out.starts_with("403 ") && out.contains("IP literals are refused"), "{out}");
+
+    // A session without egress still has loopback only.
+    let plain = format!("{prelude}{PROBES}");
+    let out = s.ok("plain", &plain).await["stdout"].as_str().unwrap_or_default().to_owned();
+    let p: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(p["interfaces"], json!(["lo"]), "{p}");
+    assert_eq!(p["tcp_upstream"], "failed", "{p}");
+    let env = s.call("get_environment", json!({ "session": "plain" })).await.structured_content.expect("sc");
+    assert_eq!(env["network"], "none", "{env}");
+
+    let networks = networks_of(&tag).await;
+    assert_eq!(networks.len(), 2, "one network per session with egress: {networks:?}");
+    s.call("close_session", json!({ "session": "b" })).await;
+    assert_eq!(networks_of(&tag).await.len(), 1, "closing a session removes its network");
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
+    assert!(networks_of(&tag).await.is_empty(), "networks left: {:?}", networks_of(&tag).await);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn callers_narrow_the_list_and_never_widen_it() {
+    let tag = instance_name("egress-narrow");
+    let up = Upstream::start(&tag).await;
+    let s = server(&tag, &up).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let ok = |out: &str| out.starts_with("200 upstream ok");
+    let denied = |out: &str| out.starts_with("403 pyberth egress:");
+    let out = |sc: Value| sc["stdout"].as_str().unwrap_or_default().to_owned();
+
+    // At creation: a narrower list is taken, a wider one refused before anything is made.
+    let (r, _) =
+        s.run_with(json!({ "session": "w", "environment": "net", "allow_hosts": ["example.com"], "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("never widen") && text(&r).contains("example.com"), "{}", text(&r));
+    let (r, sc) = s
+        .run_with(json!({ "session": "c", "environment": "net", "allow_hosts": ["a.wild.test:8000"],
+            "code": fetch("http://upstream.test:8000/") }))
+        .await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert!(denied(&out(sc)));
+    assert!(ok(&out(run(&s, "c", "net", &fetch("http://a.wild.test:8000/")).await)));
+
+    // At run time: narrowed at once, for this session only.
+    assert!(ok(&out(run(&s, "a", "net", &fetch("http://upstream.test:8000/")).await)));
+    assert!(ok(&out(run(&s, "other", "net", &fetch("http://upstream.test:8000/")).await)));
+    let r = s.call("set_network", json!({ "session": "a", "allow_hosts": ["*.wild.test:8000"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(r.structured_content.expect("sc")["allow_hosts"], json!(["*.wild.test:8000"]));
+    assert!(denied(&out(run(&s, "a", "net", &fetch("http://upstream.test:8000/")).await)));
+    assert!(ok(&out(run(&s, "a", "net", &fetch("http://a.wild.test:8000/")).await)));
+    assert!(ok(&out(run(&s, "other", "net", &fetch("http://upstream.test:8000/")).await)), "others keep theirs");
+    // Widening back is refused, even to what the environment allows.
+    let r = s.call("set_network", json!({ "session": "a", "allow_hosts": ["upstream.test:8000"] })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("never widen"), "{}", text(&r));
+    let r = s.call("set_network", json!({ "session": "a", "allow_hosts": ["*"] })).await;
+    assert_eq!(r.is_error, Some(true));
+    // Offline.
+    let r = s.call("set_network", json!({ "session": "a", "allow_hosts": [] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = run(&s, "a", "net", &fetch("http://a.wild.test:8000/")).await;
+    assert!(denied(&out(sc.clone())) && out(sc.clone()).contains("offline"), "{sc}");
+    let env = s.call("get_environment", json!({ "session": "a" })).await.structured_content.expect("sc");
+    assert_eq!(env["egress"], json!([]), "{env}");
+    // A session without egress has nothing to narrow (and [] is a no-op).
+    s.ok("plain", "1").await;
+    let r = s.call("set_network", json!({ "session": "plain", "allow_hosts": ["pypi.org"] })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("no network"), "{}", text(&r));
+    let r = s.call("set_network", json!({ "session": "nope", "allow_hosts": [] })).await;
+    assert_eq!(r.is_error, Some(true));
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
+    assert!(networks_of(&tag).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pip_and_urllib_reach_the_index_and_nothing_else() {
+    let tag = instance_name("egress-pypi");
+    let up = Upstream::start(&tag).await;
+    let s = server(&tag, &up).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let code = r#"
+import subprocess, sys, time, urllib.request, urllib.error
+r = urllib.request.urlopen("https://pypi.org/simple/six/", timeout=60)
+print("index", r.status)
+p = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--target", "/tmp/t", "six"],
+                   capture_output=True, text=True, timeout=240)
+print("pip", p.returncode, p.stderr[-500:])
+sys.path.insert(0, "/tmp/t")
+import six
+print("six", six.__version__)
+t = time.monotonic()
+try:
+    urllib.request.urlopen("https://example.com", timeout=20)
+    print("example reached")
+except Exception as e:
+    print("example refused", "403" in repr(e), time.monotonic() - t < 1.0)
+"#;
+    let (r, sc) = s.run_with(json!({ "session": "p", "environment": "pypi", "code": code, "timeout_s": 300 })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("index 200\n") && out.contains("pip 0 ") && out.contains("\nsix 1."), "{out}");
+    assert!(out.contains("example refused True True"), "{out}");
+    let hosts = sc["egress"]["hosts"].to_string();
+    assert!(hosts.contains("pypi.org:443") && hosts.contains("files.pythonhosted.org:443"), "{sc}");
+    let notices = sc["notices"].to_string();
+    assert!(notices.contains("example.com:443 denied: not on this session's egress allow-list"), "{notices}");
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
+}
+
+/// Under gVisor (registered here with --network=none) a session with egress is refused with
+/// a clear error, before anything is made.
+async fn refused_under_gvisor(s: Server, tag: &str) {
+    let (r, _) = s.run_with(json!({ "session": "g", "environment": "net", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true));
+    assert!(text(&r).contains("gVisor") && text(&r).contains("no network"), "{}", text(&r));
+    s.ok("plain", "1").await;
+    s.stop().await;
+    assert_cleaned_up(tag).await;
+    assert!(networks_of(tag).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn egress_under_gvisor_is_a_clear_error() {
+    let tag = instance_name("egress-gvisor");
+    let up = Upstream::start(&tag).await;
+    let s = server_with(&tag, &up, &[("PYBERTH_RUNTIME", "runsc")]).await;
+    refused_under_gvisor(s, &tag).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_and_bytes_are_limited_with_clear_errors() {
+    let tag = instance_name("egress-limits");
+    let up = Upstream::start(&tag).await;
+    let s = server_with(&tag, &up, &[("PYBERTH_EGRESS_MAX_CONNS", "2"), ("PYBERTH_EGRESS_MAX_MB", "1")]).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    // Three tunnels held open at once: the third is refused at once, saying why.
+    let tunnels = r#"
+import os, socket
+p = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+held = []
+for i in range(3):
+    s = socket.create_connection((p[0], int(p[1])), timeout=10)
+    s.sendall(b"CONNECT upstream.test:8000 HTTP/1.1\r\n\r\n")
+    r = s.recv(4096)
+    while not r.startswith(b"HTTP/1.1 200"):
+        b = s.recv(4096)
+        if not b:
+            break
+        r += b
+    print(r.decode(errors="replace").replace("\r\n", " | ").replace("\n", " ").strip())
+    held.append(s)
+for h in held:
+    h.close()
+del held
+"#;
+    let sc = run(&s, "l", "net", tunnels).await;
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines.len() == 3 && lines[..2].iter().all(|l| l.starts_with("HTTP/1.1 200")), "{out}");
+    assert!(lines[2].starts_with("HTTP/1.1 429") && lines[2].contains("too many connections"), "{out}");
+    assert!(sc["notices"].to_string().contains("--egress-max-conns"), "{sc}");
+    // Closed tunnels free their slots.
+    assert!(
+        run(&s, "l", "net", &fetch("http://upstream.test:8000/")).await["stdout"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("200 upstream ok"))
+    );
+
+    // 3 MB against a 1 MiB budget: cut, and said so; the next run has a fresh budget.
+    let big = fetch("http://upstream.test:8000/big/3000000");
+    let sc = run(&s, "l", "net", &big).await;
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(!out.starts_with("200 ") || out.len() < 2_000_000, "not cut: {} bytes", out.len());
+    assert!(sc["notices"].to_string().contains("byte budget is spent"), "{sc}");
+    assert!(sc["egress"]["bytes_in"].as_u64().is_some_and(|b| b <= 1 << 20), "{sc}");
+    let sc = run(&s, "l", "net", &fetch("http://upstream.test:8000/big/500000")).await;
+    assert!(sc["stdout"].as_str().is_some_and(|o| o.starts_with("200 xxxx")), "{sc}");
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
 }
