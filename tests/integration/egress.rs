@@ -86,6 +86,13 @@ async fn server(tag: &str, up: &Upstream) -> Server {
 }
 
 async fn server_with(tag: &str, up: &Upstream, env: &[(&str, &str)]) -> Server {
+    let config = config_file(tag, up);
+    let mut env = env.to_vec();
+    env.push(("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")));
+    Server::start_as(tag, &env).await
+}
+
+fn config_file(tag: &str, up: &Upstream) -> std::path::PathBuf {
     let dir = state_dir().join(format!("egress-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let config = dir.join("pyberth.toml");
@@ -100,9 +107,7 @@ async fn server_with(tag: &str, up: &Upstream, env: &[(&str, &str)]) -> Server {
         ),
     )
     .expect("config");
-    let mut env = env.to_vec();
-    env.push(("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")));
-    Server::start_as(tag, &env).await
+    config
 }
 
 /// Runs `code` in `session` of environment `env` and returns its structured result.
@@ -559,4 +564,34 @@ del held
     assert!(sc["stdout"].as_str().is_some_and(|o| o.starts_with("200 xxxx")), "{sc}");
     s.stop().await;
     assert_cleaned_up(&tag).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_callers_set_network_never_touches_anothers() {
+    use crate::http::{ALICE, BOB, HttpServer, call};
+    if gvisor() {
+        return; // refused_under_gvisor covers it
+    }
+    let tag = instance_name("egress-principals");
+    let up = Upstream::start(&tag).await;
+    let config = config_file(&tag, &up);
+    let s = HttpServer::start_with(&tag, &[("PYBERTH_CONFIG", config.to_str().expect("utf-8"))], None).await;
+    let (alice, bob) = (s.client(ALICE).await, s.client(BOB).await);
+    let get = fetch("http://upstream.test:8000/");
+    let run = |code: &str| json!({ "session": "s", "environment": "net", "code": code });
+    for c in [&alice, &bob] {
+        let (r, sc) = call(c, "run_python", run(&get)).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+        assert!(sc["stdout"].as_str().is_some_and(|o| o.starts_with("200 upstream ok")), "{sc}");
+    }
+    let (r, _) = call(&alice, "set_network", json!({ "session": "s", "allow_hosts": [] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let (_, sc) = call(&alice, "run_python", run(&get)).await;
+    assert!(sc["stdout"].as_str().is_some_and(|o| o.starts_with("403 ")), "{sc}");
+    let (_, sc) = call(&bob, "run_python", run(&get)).await;
+    assert!(sc["stdout"].as_str().is_some_and(|o| o.starts_with("200 upstream ok")), "bob's keeps its list: {sc}");
+    let (_, env) = call(&bob, "get_environment", json!({ "session": "s" })).await;
+    assert_eq!(env["egress"].as_array().map(Vec::len), Some(5), "{env}");
+    drop((alice, bob));
+    s.stop().await;
 }
