@@ -33,6 +33,8 @@ use crate::config::SandboxConfig;
 use crate::docker::container::{self, Owner};
 use crate::docker::{LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
 
+/// The principal installs are accounted under in the proxy's records.
+const INSTALLER: &str = "pyberth-installer";
 /// Label on the proxy container and the session networks: `proxy` or `network`.
 pub const LABEL_EGRESS: &str = "pyberth.egress";
 /// Where a session finds the CA bundle the server trusts (the live volume: writable by the
@@ -82,6 +84,11 @@ impl Attachment {
         hc.dns = Some(vec![self.proxy_ip.to_string()]);
         hc.dns_search = Some(Vec::new());
         hc.dns_options = Some(Vec::new());
+    }
+
+    /// Only the proxy variables (no CA paths: a container without the live volume).
+    pub fn proxy_env(&self) -> Vec<String> {
+        self.env().into_iter().filter(|e| e.to_ascii_lowercase().contains("proxy=")).collect()
     }
 
     /// After the container is created, before it starts: the CA bundle into the live volume,
@@ -184,6 +191,58 @@ impl Totals {
     }
 }
 
+/// The package installer's way out: its own network with the proxy, allowing only the index
+/// hosts (`Manager::attach_installer`).
+#[derive(Debug)]
+pub struct InstallerNet {
+    /// The network to create the installer container on (`HostConfig.network_mode`).
+    pub network: String,
+    /// Variables to add to its environment: the proxy, and nothing else.
+    pub env: Vec<String>,
+    /// Its DNS servers (`HostConfig.dns`): an address where nothing answers.
+    pub dns: Vec<String>,
+    /// The hosts it may reach.
+    pub allow: Vec<String>,
+    key: String,
+}
+
+impl InstallerNet {
+    /// Puts an installer container on its network: call on the body before creating it.
+    pub fn apply(&self, body: &mut ContainerCreateBody) {
+        body.network_disabled = Some(false);
+        body.env.get_or_insert_with(Vec::new).extend(self.env.iter().cloned());
+        let hc = body.host_config.get_or_insert_with(HostConfig::default);
+        hc.network_mode = Some(self.network.clone());
+        hc.dns = Some(self.dns.clone());
+        hc.dns_search = Some(Vec::new());
+    }
+}
+
+/// The hosts an installer needs: those of the index URLs (PyPI's two when none is set).
+pub fn index_hosts(index: &crate::docker::layers::IndexSettings) -> Vec<String> {
+    let urls: Vec<&String> = index.index_url.iter().chain(&index.extra_index_url).collect();
+    if index.index_url.is_none() {
+        let mut hosts = vec!["pypi.org".to_owned(), "files.pythonhosted.org".to_owned()];
+        hosts.extend(urls.iter().filter_map(|u| url_host(u)));
+        return hosts;
+    }
+    urls.iter().filter_map(|u| url_host(u)).collect()
+}
+
+/// `host` or `host:port` of an http(s) URL, as an allow-list entry.
+fn url_host(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit('@').next()?;
+    let (host, port) = policy::split_host_port(authority).ok()?;
+    let default = if scheme.eq_ignore_ascii_case("https") { 443 } else { 80 };
+    let rule = match port {
+        Some(p) if p != default => format!("{host}:{p}"),
+        _ => host,
+    };
+    Rule::parse(&rule).ok().map(|r| r.text().to_owned())
+}
+
 /// One session's egress.
 #[derive(Debug)]
 struct SessionNet {
@@ -211,6 +270,8 @@ pub struct Manager {
     sessions: Mutex<HashMap<(String, String), SessionNet>>,
     /// Totals by the proxy's address on a session's network.
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
+    /// The executable run as the proxy (`None`: this one).
+    exe: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -248,7 +309,15 @@ impl Manager {
             proxy: tokio::sync::Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
             totals: Arc::default(),
+            exe: None,
         }
+    }
+
+    /// Runs `exe` (a pyberth binary) as the proxy instead of this executable: for a program
+    /// that embeds the library, such as a test.
+    pub fn with_executable(mut self, exe: std::path::PathBuf) -> Self {
+        self.exe = Some(exe);
+        self
     }
 
     fn labels(&self, kind: &str) -> HashMap<String, String> {
@@ -298,8 +367,12 @@ impl Manager {
     }
 
     async fn start_proxy(&self, image: &str) -> Result<Proxy, String> {
-        let exe =
-            std::env::current_exe().map_err(|e| format!("cannot find this executable for the egress proxy: {e}"))?;
+        let exe = match &self.exe {
+            Some(exe) => exe.clone(),
+            None => {
+                std::env::current_exe().map_err(|e| format!("cannot find this executable for the egress proxy: {e}"))?
+            }
+        };
         let bytes = tokio::fs::read(&exe)
             .await
             .map_err(|e| format!("cannot read {} for the egress proxy: {e}", exe.display()))?;
@@ -439,7 +512,15 @@ impl Manager {
             } else {
                 ""
             };
-            return fail(format!("the egress proxy did not start{hint}: {}", stderr.trim()));
+            let state = match self.docker.inspect_container(id, None).await {
+                Ok(c) => c.state.map(|s| format!(" (exit code {:?}, {})", s.exit_code, s.error.unwrap_or_default())),
+                Err(e) => Some(format!(" ({e})")),
+            };
+            return fail(format!(
+                "the egress proxy did not start{hint}: {}{}",
+                stderr.trim(),
+                state.unwrap_or_default()
+            ));
         }
         let mut proxy = Proxy { id: id.to_owned(), input: attached.input, reader, applied };
         // The host's bridge gateway and the proxy's own bridge address: refused even if a
@@ -601,6 +682,35 @@ impl Manager {
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).get(&local).cloned()
     }
 
+    /// A network for one package install whose only way out is the proxy, allowing only the
+    /// index hosts: the installer gets no route to the host or to private ranges, and
+    /// resolves no name itself. `label` names the install (unique per install under way);
+    /// `image` is used if the proxy must be started. Call [`Self::detach_installer`] once the
+    /// installer container is removed.
+    pub async fn attach_installer(
+        &self,
+        label: &str,
+        image: &str,
+        index: &crate::docker::layers::IndexSettings,
+    ) -> Result<InstallerNet, String> {
+        let allow = index_hosts(index);
+        let rules = policy::parse_list(&allow)?;
+        let key = format!("install-{label}-{}", next_serial());
+        let att = self.attach(INSTALLER, &key, image, rules).await?;
+        Ok(InstallerNet {
+            network: att.network.clone(),
+            env: att.proxy_env(),
+            dns: vec![att.proxy_ip.to_string()],
+            allow,
+            key,
+        })
+    }
+
+    /// After the installer container is gone: its network removed.
+    pub async fn detach_installer(&self, net: InstallerNet) {
+        self.detach(INSTALLER, &net.key).await;
+    }
+
     /// Removes the proxy and every network of this instance.
     pub async fn shutdown(&self) {
         if let Some(p) = self.proxy.lock().await.take() {
@@ -651,4 +761,22 @@ pub async fn sweep_networks(docker: &Docker, pick: &(dyn Fn(&HashMap<String, Str
         }
     }
     n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::docker::layers::IndexSettings;
+
+    #[test]
+    fn installer_hosts_come_from_the_index_urls() {
+        let pypi = IndexSettings::default();
+        assert_eq!(index_hosts(&pypi), ["pypi.org", "files.pythonhosted.org"]);
+        let own = IndexSettings {
+            index_url: Some("https://user:pw@Index.Example.com:8443/simple/".into()),
+            extra_index_url: Some("http://mirror.example.org/simple".into()),
+            ca_bundle: None,
+        };
+        assert_eq!(index_hosts(&own), ["index.example.com:8443", "mirror.example.org"]);
+    }
 }

@@ -595,3 +595,68 @@ async fn one_callers_set_network_never_touches_anothers() {
     drop((alice, bob));
     s.stop().await;
 }
+
+/// `egress::Manager::attach_installer`: a container made as the installer would be (the
+/// sandbox image, the index's CA bundle) on the network it gives reaches the index through the
+/// proxy, and nothing else: not another host, not the host itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_installer_network_reaches_the_index_and_nothing_else() {
+    use std::sync::Arc;
+    let tag = instance_name("egress-installer");
+    let cfg = crate::common::server_settings();
+    let owner = pyberth::docker::container::Owner { instance: tag.clone(), host: "test".into() };
+    let index = pyberth::docker::layers::IndexSettings::from_config(&cfg).expect("index settings");
+    let ca = cfg.ca_bundle().expect("a CA bundle on this host");
+    let engine = pyberth::docker::connect(None).await.expect("engine");
+    let manager = pyberth::egress::Manager::new(engine, owner, Arc::new(cfg.clone()), None)
+        .with_executable(env!("CARGO_BIN_EXE_pyberth").into());
+    let image = pyberth::docker::image::sandbox_tag();
+    let net = manager.attach_installer("t", &image, &index).await.expect("installer network");
+    assert_eq!(net.allow, ["pypi.org", "files.pythonhosted.org"]);
+    let (port, host) = (host_services(), host_ip());
+    let code = format!(
+        r#"
+import socket, subprocess, sys, urllib.request
+p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-d", "/tmp/d",
+                    "--cert", "/ca.pem", "six"], capture_output=True, text=True)
+print("pip", p.returncode, p.stderr[-300:].replace("\n", " "))
+try:
+    urllib.request.urlopen("http://example.com/", timeout=10)
+    print("example reached")
+except Exception as e:
+    print("example refused", "403" in repr(e))
+def tcp(h):
+    try:
+        socket.create_connection((h, {port}), timeout=3).close()
+        return "connected"
+    except OSError:
+        return "failed"
+print("host", tcp({host:?}), tcp("172.17.0.1"))
+try:
+    socket.getaddrinfo("pypi.org", 443)
+    print("dns resolved")
+except OSError:
+    print("dns failed")
+"#
+    );
+    let mut cmd = std::process::Command::new("docker");
+    cmd.args(["run", "--rm", "--network", &net.network, "--cap-drop", "ALL", "--user", "65534:65534"])
+        .args(["--label", "pyberth.test=egress-installer", "-v", &format!("{}:/ca.pem:ro", ca.display())])
+        .args(["-e", "HOME=/tmp"]);
+    for d in &net.dns {
+        cmd.args(["--dns", d]);
+    }
+    for e in &net.env {
+        cmd.args(["-e", e]);
+    }
+    let out = cmd.args([image.as_str(), "python3", "-c", &code]).output().expect("docker run");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(stdout.contains("pip 0 "), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("example refused True"), "{stdout}");
+    assert!(stdout.contains("host failed failed"), "{stdout}");
+    assert!(stdout.contains("dns failed"), "{stdout}");
+    manager.detach_installer(net).await;
+    assert!(networks_of(&tag).await.is_empty(), "detach removes the network");
+    manager.shutdown().await;
+    assert_cleaned_up(&tag).await;
+}
