@@ -243,12 +243,27 @@ fn url_host(url: &str) -> Option<String> {
     Rule::parse(&rule).ok().map(|r| r.text().to_owned())
 }
 
+/// Headers the proxy adds to plain HTTP requests, by host: (name, value), values secret.
+pub type Headers = HashMap<String, Vec<(String, String)>>;
+
+/// [`Headers`] whose `Debug` shows hosts and header names, never values.
+#[derive(Clone, Default)]
+pub struct SecretHeaders(pub Headers);
+
+impl std::fmt::Debug for SecretHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: HashMap<&String, Vec<&String>> =
+            self.0.iter().map(|(h, v)| (h, v.iter().map(|(n, _)| n).collect())).collect();
+        write!(f, "SecretHeaders({names:?})")
+    }
+}
+
 /// One session's egress.
-#[derive(Debug)]
 struct SessionNet {
     network: String,
     local: IpAddr,
     rules: Vec<Rule>,
+    headers: Headers,
 }
 
 /// The running proxy.
@@ -550,6 +565,7 @@ impl Manager {
         session: &str,
         image: &str,
         rules: Vec<Rule>,
+        headers: Headers,
     ) -> Result<Attachment, String> {
         let mut slot = self.proxy.lock().await;
         let proxy = self.ensure_proxy(&mut slot, image).await?;
@@ -589,7 +605,13 @@ impl Manager {
             }
         };
         let allow = rules.iter().map(|r| r.text().to_owned()).collect();
-        let set = Command::Set { local, session: session.to_owned(), principal: principal.to_owned(), allow };
+        let set = Command::Set {
+            local,
+            session: session.to_owned(),
+            principal: principal.to_owned(),
+            allow,
+            headers: headers.clone(),
+        };
         if let Err(e) = self.send(proxy, &set).await {
             self.remove_network(&network, Some(&proxy.id)).await;
             return Err(e);
@@ -599,7 +621,7 @@ impl Manager {
         self.sessions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key, SessionNet { network: network.clone(), local, rules });
+            .insert(key, SessionNet { network: network.clone(), local, rules, headers });
         Ok(Attachment { network, proxy_ip: local, ca: self.ca.clone() })
     }
 
@@ -640,7 +662,7 @@ impl Manager {
     /// Narrows the session's list to `asked` (each entry within the list in force).
     pub async fn narrow(&self, principal: &str, session: &str, asked: &[String]) -> Result<Vec<String>, String> {
         let key = (principal.to_owned(), session.to_owned());
-        let (local, rules) = {
+        let (local, rules, headers) = {
             let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
             if asked.is_empty() && !s.contains_key(&key) {
                 return Ok(Vec::new()); // already offline
@@ -648,13 +670,18 @@ impl Manager {
             let n = s.get(&key).ok_or_else(|| {
                 format!("session {session:?} has no network: its environment allows no egress, so there is nothing to narrow")
             })?;
-            (n.local, policy::narrow(&n.rules, asked)?)
+            (n.local, policy::narrow(&n.rules, asked)?, n.headers.clone())
         };
         let allow: Vec<String> = rules.iter().map(|r| r.text().to_owned()).collect();
         let mut slot = self.proxy.lock().await;
         let proxy = slot.as_mut().ok_or("the egress proxy is not running")?;
-        let set =
-            Command::Set { local, session: session.to_owned(), principal: principal.to_owned(), allow: allow.clone() };
+        let set = Command::Set {
+            local,
+            session: session.to_owned(),
+            principal: principal.to_owned(),
+            allow: allow.clone(),
+            headers,
+        };
         self.send(proxy, &set).await?;
         if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {
             n.rules = rules;
@@ -696,7 +723,7 @@ impl Manager {
         let allow = index_hosts(index);
         let rules = policy::parse_list(&allow)?;
         let key = format!("install-{label}-{}", next_serial());
-        let att = self.attach(INSTALLER, &key, image, rules).await?;
+        let att = self.attach(INSTALLER, &key, image, rules, Headers::new()).await?;
         Ok(InstallerNet {
             network: att.network.clone(),
             env: att.proxy_env(),

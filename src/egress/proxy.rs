@@ -53,6 +53,9 @@ pub enum Command {
         principal: String,
         /// Its allow-list.
         allow: Vec<String>,
+        /// Headers added to plain HTTP requests, by host (replacing the sandbox's own).
+        #[serde(default)]
+        headers: HashMap<String, Vec<(String, String)>>,
     },
     /// Bytes the session may still move (both ways) until the next budget.
     Budget {
@@ -120,6 +123,9 @@ struct Policy {
     session: String,
     principal: String,
     rules: Vec<Rule>,
+    headers: HashMap<String, Vec<(String, String)>>,
+    /// Every header value: scrubbed from what upstreams send back.
+    secrets: Vec<Vec<u8>>,
     conns: Arc<Semaphore>,
     budget: Arc<Budget>,
 }
@@ -215,7 +221,7 @@ fn apply(state: &Shared, c: Command) {
             s.own = own;
             s.max_conns = max_conns.max(1);
         }
-        Command::Set { local, session, principal, allow } => {
+        Command::Set { local, session, principal, allow, headers } => {
             let rules = allow.iter().filter_map(|a| Rule::parse(a).ok()).collect();
             // The connection slots and the budget survive a new list.
             let (conns, budget) = match s.policies.get(&local) {
@@ -226,7 +232,12 @@ fn apply(state: &Shared, c: Command) {
                     (Arc::new(Semaphore::new(s.max_conns)), Arc::new(b))
                 }
             };
-            s.policies.insert(local, Arc::new(Policy { session, principal, rules, conns, budget }));
+            let mut secrets: Vec<Vec<u8>> =
+                headers.values().flatten().map(|(_, v)| v.as_bytes().to_vec()).filter(|v| !v.is_empty()).collect();
+            secrets.sort();
+            secrets.dedup();
+            let policy = Policy { session, principal, rules, headers, secrets, conns, budget };
+            s.policies.insert(local, Arc::new(policy));
         }
         Command::Budget { local, bytes } => {
             if let Some(p) = s.policies.get(&local) {
@@ -245,8 +256,10 @@ struct Head {
     connect: bool,
     host: String,
     port: u16,
-    /// For plain HTTP: the head to send upstream (origin-form, no proxy headers).
-    forward: Vec<u8>,
+    /// For plain HTTP: the request line to send upstream (origin-form).
+    line: String,
+    /// For plain HTTP: the header lines to send upstream (no proxy or connection headers).
+    headers: Vec<String>,
     /// Bytes read past the head (the start of a body, or of the tunnel).
     rest: Vec<u8>,
 }
@@ -279,7 +292,7 @@ async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
     if method == "CONNECT" {
         let (host, port) = policy::split_host_port(target)?;
         let port = port.ok_or("CONNECT needs host:port")?;
-        return Ok(Head { connect: true, host, port, forward: Vec::new(), rest });
+        return Ok(Head { connect: true, host, port, line: String::new(), headers: Vec::new(), rest });
     }
     let Some(after) = target.strip_prefix("http://") else {
         return Err("only CONNECT and absolute http:// URLs are proxied (set HTTP_PROXY, not a Host header)".into());
@@ -292,18 +305,83 @@ async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
         return Err("credentials in the URL are not proxied".into());
     }
     let (host, port) = policy::split_host_port(authority)?;
-    let mut forward = format!("{method} {path} {version}\r\n");
-    for line in lines.filter(|l| !l.is_empty()) {
-        let name = line.split(':').next().unwrap_or_default().trim().to_ascii_lowercase();
-        if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
-            continue;
+    let headers = lines
+        .filter(|l| !l.is_empty())
+        .filter(|l| {
+            let name = header_name(l);
+            !(name.starts_with("proxy-") || name == "connection" || name == "keep-alive")
+        })
+        .map(str::to_owned)
+        .collect();
+    let line = format!("{method} {path} {version}");
+    Ok(Head { connect: false, host, port: port.unwrap_or(80), line, headers, rest })
+}
+
+fn header_name(line: &str) -> String {
+    line.split(':').next().unwrap_or_default().trim().to_ascii_lowercase()
+}
+
+impl Head {
+    /// The plain HTTP head to send upstream, with `inject` in place of the sandbox's headers
+    /// of the same names.
+    fn forward(&self, inject: &[(String, String)]) -> Vec<u8> {
+        let mut out = format!("{}\r\n", self.line);
+        for h in &self.headers {
+            let name = header_name(h);
+            if !inject.iter().any(|(n, _)| n.eq_ignore_ascii_case(&name)) {
+                out.push_str(h);
+                out.push_str("\r\n");
+            }
         }
-        forward.push_str(line);
-        forward.push_str("\r\n");
+        for (n, v) in inject {
+            out.push_str(&format!("{n}: {v}\r\n"));
+        }
+        // One request per connection: a later request on it could not be checked.
+        out.push_str("Connection: close\r\n\r\n");
+        out.into_bytes()
     }
-    // One request per connection: a later request on it could not be checked.
-    forward.push_str("Connection: close\r\n\r\n");
-    Ok(Head { connect: false, host, port: port.unwrap_or(80), forward: forward.into_bytes(), rest })
+}
+
+/// Masks every secret in a stream with '*' of the same length (lengths, and so
+/// Content-Length, stay right), holding back just enough to catch one cut between chunks.
+#[derive(Debug, Default)]
+struct Scrubber {
+    secrets: Vec<Vec<u8>>,
+    pending: Vec<u8>,
+}
+
+impl Scrubber {
+    fn new(secrets: Vec<Vec<u8>>) -> Self {
+        Self { secrets, pending: Vec::new() }
+    }
+
+    fn hold(&self) -> usize {
+        self.secrets.iter().map(Vec::len).max().unwrap_or(1).saturating_sub(1)
+    }
+
+    /// Bytes safe to send after `chunk`.
+    fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        if self.secrets.is_empty() {
+            return chunk.to_vec();
+        }
+        self.pending.extend_from_slice(chunk);
+        for s in &self.secrets {
+            let mut i = 0;
+            while let Some(at) = self.pending[i..].windows(s.len()).position(|w| w == s.as_slice()) {
+                let start = i + at;
+                self.pending[start..start + s.len()].fill(b'*');
+                i = start + s.len();
+            }
+        }
+        let keep = self.hold().min(self.pending.len());
+        let send = self.pending.len() - keep;
+        self.pending.drain(..send).collect()
+    }
+
+    /// What is held back, at the end of the stream.
+    fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
 }
 
 async fn deny(sock: &mut TcpStream, status: &str, body: &str) {
@@ -443,13 +521,15 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
     record.rule = rule;
     let first = if head.connect {
         let _ = sock.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await;
-        head.rest
+        head.rest.clone()
     } else {
-        let mut f = head.forward;
+        let inject = policy.headers.get(&host).map(Vec::as_slice).unwrap_or_default();
+        let mut f = head.forward(inject);
         f.extend_from_slice(&head.rest);
         f
     };
-    let (up, down) = splice(sock, &mut upstream, first, &policy.budget).await;
+    let scrub = Scrubber::new(policy.secrets.clone());
+    let (up, down) = splice(sock, &mut upstream, first, &policy.budget, scrub).await;
     record.up = up;
     record.down = down;
     record.cut = policy.budget.left.load(Ordering::SeqCst) == 0;
@@ -462,7 +542,13 @@ fn ms(since: Instant) -> u64 {
 }
 
 /// Copies both ways until either side closes or the budget is spent; bytes each way.
-async fn splice(client: TcpStream, upstream: &mut TcpStream, first: Vec<u8>, budget: &Budget) -> (u64, u64) {
+async fn splice(
+    client: TcpStream,
+    upstream: &mut TcpStream,
+    first: Vec<u8>,
+    budget: &Budget,
+    mut scrub: Scrubber,
+) -> (u64, u64) {
     let (mut cr, mut cw) = client.into_split();
     let (mut ur, mut uw) = upstream.split();
     let up_n = AtomicU64::new(0);
@@ -494,13 +580,45 @@ async fn splice(client: TcpStream, upstream: &mut TcpStream, first: Vec<u8>, bud
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
-            if !budget.take(n as u64) || cw.write_all(&buf[..n]).await.is_err() {
+            if !budget.take(n as u64) || cw.write_all(&scrub.push(&buf[..n])).await.is_err() {
                 break;
             }
             down_n.fetch_add(n as u64, Ordering::Relaxed);
         }
+        let _ = cw.write_all(&scrub.finish()).await;
         let _ = cw.shutdown().await;
     };
     tokio::join!(up, down);
     (up_n.into_inner(), down_n.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_masked_across_chunk_boundaries() {
+        let mut s = Scrubber::new(vec![b"s3cret-token".to_vec()]);
+        let input = b"a s3cret-token b s3cr".to_vec();
+        let mut out = s.push(&input);
+        out.extend(s.push(b"et-token c"));
+        out.extend(s.finish());
+        assert_eq!(String::from_utf8(out).expect("utf-8"), "a ************ b ************ c");
+        let mut none = Scrubber::new(Vec::new());
+        assert_eq!(none.push(b"plain"), b"plain");
+    }
+
+    #[test]
+    fn injected_headers_replace_the_sandboxes_own() {
+        let head = Head {
+            connect: false,
+            host: "h".into(),
+            port: 80,
+            line: "GET / HTTP/1.1".into(),
+            headers: vec!["Host: h".into(), "authorization: forged".into()],
+            rest: Vec::new(),
+        };
+        let out = String::from_utf8(head.forward(&[("Authorization".into(), "Bearer real".into())])).expect("utf-8");
+        assert_eq!(out, "GET / HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer real\r\nConnection: close\r\n\r\n");
+    }
 }

@@ -465,7 +465,8 @@ impl Registry {
         packages: Vec<String>,
         rules: Vec<crate::egress::policy::Rule>,
     ) -> Result<Arc<Session>, Error> {
-        let attachment = self.egress.attach(principal, name, &image, rules).await.map_err(Error::Egress)?;
+        let headers = env.egress_headers.0.clone();
+        let attachment = self.egress.attach(principal, name, &image, rules, headers).await.map_err(Error::Egress)?;
         let mut cfg = (*env.cfg).clone();
         cfg.egress = Some(Arc::new(attachment));
         let naming =

@@ -10,6 +10,10 @@ use serde_json::{Value, json};
 
 use crate::common::{Server, assert_cleaned_up, docker, gvisor, instance_name, state_dir, text};
 
+/// The value the server adds as `X-Api-Key: key-<SECRET>` to plain HTTP requests to
+/// upstream.test, from its own environment.
+const SECRET: &str = "s3cr3t-0123456789";
+
 /// An HTTP upstream of the test's own: a container on the default bridge (where the proxy's
 /// outbound side is) answering every GET with its path and the headers it got.
 struct Upstream {
@@ -30,7 +34,10 @@ class H(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(b"x" * min(n, 65536))
                 n -= 65536
             return
-        body = ("upstream ok " + self.path + "\n" + "".join("%s: %s\n" % kv for kv in self.headers.items())).encode()
+        import hashlib
+        key = hashlib.sha256(self.headers.get("X-Api-Key", "").encode()).hexdigest()
+        body = ("upstream ok " + self.path + "\n" + "".join("%s: %s\n" % kv for kv in self.headers.items())
+                + "key-sha256: " + key + "\n").encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -89,6 +96,7 @@ async fn server_with(tag: &str, up: &Upstream, env: &[(&str, &str)]) -> Server {
     let config = config_file(tag, up);
     let mut env = env.to_vec();
     env.push(("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")));
+    env.push(("EGRESS_TEST_SECRET", SECRET));
     Server::start_as(tag, &env).await
 }
 
@@ -103,7 +111,8 @@ fn config_file(tag: &str, up: &Upstream) -> std::path::PathBuf {
             "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n\"a.wild.test\" = \"{ip}\"\n\"wild.test\" = \"{ip}\"\n\
              [environments.net]\negress = [\"upstream.test:8000\", \"*.wild.test:8000\", \"{ip}:8000\", \
              \"localhost:8000\", \"pyberth-egress:3128\"]\n\
-             [environments.pypi]\negress = [\"pypi.org\", \"files.pythonhosted.org\"]\n"
+             [environments.pypi]\negress = [\"pypi.org\", \"files.pythonhosted.org\"]\n\
+             [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"key-${{EGRESS_TEST_SECRET}}\"\n"
         ),
     )
     .expect("config");
@@ -575,7 +584,8 @@ async fn one_callers_set_network_never_touches_anothers() {
     let tag = instance_name("egress-principals");
     let up = Upstream::start(&tag).await;
     let config = config_file(&tag, &up);
-    let s = HttpServer::start_with(&tag, &[("PYBERTH_CONFIG", config.to_str().expect("utf-8"))], None).await;
+    let env = [("PYBERTH_CONFIG", config.to_str().expect("utf-8")), ("EGRESS_TEST_SECRET", SECRET)];
+    let s = HttpServer::start_with(&tag, &env, None).await;
     let (alice, bob) = (s.client(ALICE).await, s.client(BOB).await);
     let get = fetch("http://upstream.test:8000/");
     let run = |code: &str| json!({ "session": "s", "environment": "net", "code": code });
@@ -658,5 +668,45 @@ except OSError:
     manager.detach_installer(net).await;
     assert!(networks_of(&tag).await.is_empty(), "detach removes the network");
     manager.shutdown().await;
+    assert_cleaned_up(&tag).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn headers_are_added_on_the_way_out_and_never_seen_inside() {
+    use sha2::Digest as _;
+    let tag = instance_name("egress-headers");
+    let up = Upstream::start(&tag).await;
+    let s = server(&tag, &up).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let code = r#"
+import os, urllib.request
+def get(url):
+    req = urllib.request.Request(url, headers={"X-Api-Key": "forged"})
+    return urllib.request.urlopen(req, timeout=10).read().decode()
+print(get("http://upstream.test:8000/h"))
+print(get("http://a.wild.test:8000/h"))
+print("in env:", any("s3cr3t" in v for v in os.environ.values()))
+"#;
+    let sc = run(&s, "h", "net", code).await;
+    let out = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    let sha = |v: &str| format!("{:x}", sha2::Sha256::digest(v.as_bytes()));
+    let (to_upstream, to_wild) =
+        out.split_once("upstream ok /h\n").and_then(|(_, r)| r.split_once("upstream ok /h\n")).expect("two answers");
+    // The upstream got the operator's value in place of the code's own...
+    assert!(to_upstream.contains(&format!("key-sha256: {}", sha(&format!("key-{SECRET}")))), "{out}");
+    assert!(!to_upstream.contains("forged"), "the code's header is replaced: {out}");
+    // ...and echoed it, masked on the way back; another host gets the code's header only.
+    assert!(to_upstream.contains(&format!("X-Api-Key: {}", "*".repeat(4 + SECRET.len()))), "{out}");
+    assert!(to_wild.contains(&format!("key-sha256: {}", sha("forged"))), "{out}");
+    assert!(!out.contains(SECRET) && out.contains("in env: False"), "{out}");
+    for (tool, args) in [("get_environment", json!({ "session": "h" })), ("list_environments", json!({}))] {
+        let r = s.call(tool, args).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+        assert!(!format!("{r:?}").contains(SECRET), "{tool} shows the secret");
+    }
+    let log = s.stop().await;
+    assert!(!log.contains(SECRET), "the server's log holds the secret");
     assert_cleaned_up(&tag).await;
 }
