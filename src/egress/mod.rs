@@ -772,6 +772,20 @@ fn account(totals: &Mutex<HashMap<IpAddr, Totals>>, r: &Record) {
     }
 }
 
+/// After the sweep of dead instances' containers: removes egress networks of other instances
+/// that have no container left (no session, no proxy, no heartbeat). A live instance always
+/// has its heartbeat, and the engine refuses to remove a network anything is attached to.
+pub async fn sweep_orphan_networks(docker: &Docker, own: &str) -> usize {
+    let Ok(found) = container::inventory(docker).await else { return 0 };
+    let live: std::collections::HashSet<&String> = found
+        .containers
+        .iter()
+        .flat_map(|c| [c.labels.get(LABEL_INSTANCE), c.labels.get(crate::docker::heartbeat::LABEL_HEARTBEAT)])
+        .flatten()
+        .collect();
+    sweep_networks(docker, &|l| l.get(LABEL_INSTANCE).is_some_and(|i| i != own && !live.contains(i))).await
+}
+
 /// Removes the egress networks carrying our label for which `pick` says yes.
 pub async fn sweep_networks(docker: &Docker, pick: &(dyn Fn(&HashMap<String, String>) -> bool + Send + Sync)) -> usize {
     let filters = HashMap::from([("label", vec![LABEL_EGRESS])]);

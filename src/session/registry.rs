@@ -555,6 +555,10 @@ impl Registry {
         }
         let sweeper = self.instance.sweeper(self.cfg.leftover_grace());
         let swept = sweeper.sweep(&self.docker).await?;
+        let nets = crate::egress::sweep_orphan_networks(&self.docker, &self.instance.owner.instance).await;
+        if nets > 0 {
+            tracing::info!(networks = nets, "removed egress networks of instances that have no containers left");
+        }
         if let Some(after) = swept.recheck {
             tracing::debug!(after_s = after.as_secs(), "a heartbeat stopped recently; sweeping again after the grace");
             self.keeper.recheck(self.docker.clone(), sweeper, after);

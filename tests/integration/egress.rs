@@ -710,3 +710,34 @@ print("in env:", any("s3cr3t" in v for v in os.environ.values()))
     assert!(!log.contains(SECRET), "the server's log holds the secret");
     assert_cleaned_up(&tag).await;
 }
+
+/// An egress network a dead server left (its containers already gone) is removed when the
+/// next server starts; one of a live instance (it has containers) is not touched.
+#[tokio::test(flavor = "multi_thread")]
+async fn leftover_networks_of_dead_servers_are_swept_at_start() {
+    let tag = instance_name("egress-leftover");
+    let dead = format!("{tag}-dead");
+    let labels = HashMap::from([
+        ("pyberth.managed".to_owned(), "1".to_owned()),
+        ("pyberth.instance".to_owned(), dead.clone()),
+        ("pyberth.host".to_owned(), "gone".to_owned()),
+        ("pyberth.egress".to_owned(), "network".to_owned()),
+    ]);
+    let req = bollard::models::NetworkCreateRequest {
+        name: format!("pyberth-{dead}-s-net0"),
+        internal: Some(true),
+        labels: Some(labels),
+        ..Default::default()
+    };
+    docker().await.create_network(req).await.expect("a leftover network");
+    assert_eq!(networks_of(&dead).await.len(), 1);
+    let s = Server::start_as(&tag, &[]).await;
+    s.ok("x", "1").await; // the start-up sweep has run by the first answer
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !networks_of(&dead).await.is_empty() {
+        assert!(Instant::now() < deadline, "the leftover network is still there");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
+}
