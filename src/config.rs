@@ -268,6 +268,26 @@ pub struct SandboxConfig {
     /// signal stops the server, for the next server to adopt.
     #[arg(long, env = "PYBERTH_KEEP_SESSIONS")]
     pub keep_sessions: bool,
+    /// Connections one session with egress may have open at once through the proxy.
+    #[arg(long, env = "PYBERTH_EGRESS_MAX_CONNS", default_value_t = 32)]
+    pub egress_max_conns: usize,
+
+    /// Bytes one run may move through the egress proxy (both ways), MiB; 0: unbounded.
+    #[arg(long, env = "PYBERTH_EGRESS_MAX_MB", default_value_t = 1024)]
+    pub egress_max_mb: u64,
+
+    /// Names the egress proxy resolves to a fixed address instead of asking DNS (config file
+    /// only: `[egress_pin] "svc.internal" = "10.0.0.5"`). A pinned address is the operator's
+    /// choice, so it is not refused for being private; the name must still be allowed.
+    #[arg(skip)]
+    #[serde(default)]
+    pub egress_pin: std::collections::BTreeMap<String, String>,
+
+    /// The egress network of the session these settings belong to (set per session, never
+    /// by a flag or the file).
+    #[arg(skip)]
+    #[serde(skip)]
+    pub egress: Option<std::sync::Arc<crate::egress::Attachment>>,
 
     /// Name of this server instance in container labels (default: random). For tests.
     #[arg(long, env = "PYBERTH_INSTANCE", hide = true)]
@@ -339,6 +359,15 @@ impl SandboxConfig {
         check(self.file_cap >= 1024 && self.file_cap <= 8 << 20, "--file-cap", "must be between 1 KiB and 8 MiB")?;
         check(self.install_timeout_s >= 10, "--install-timeout-s", "must be at least 10")?;
         check(self.max_packages >= 1, "--max-packages", "must be at least 1")?;
+        check(self.egress_max_conns >= 1, "--egress-max-conns", "must be at least 1")?;
+        for (name, addr) in &self.egress_pin {
+            check(
+                crate::egress::policy::normalize_host(name).is_some() && addr.parse::<std::net::IpAddr>().is_ok(),
+                "egress_pin",
+                format!("{name:?} = {addr:?}: give a host name and an IP address"),
+            )?;
+        }
+
         for (key, url) in [("--index-url", self.index_url()), ("--extra-index-url", self.extra_index_url())] {
             if let Some(url) = url {
                 check(

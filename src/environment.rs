@@ -75,6 +75,13 @@ pub struct EnvironmentSpec {
     /// Host folders mounted read-only.
     #[serde(default)]
     pub mounts: Vec<MountSpec>,
+    /// Hosts its sessions may reach through the egress proxy (`pypi.org`, `*.example.com`,
+    /// `api.example.com:8443`, `*`); absent or empty: no network.
+    pub egress: Option<Vec<String>>,
+    /// Headers the egress proxy adds to plain HTTP requests to a host (replacing the code's
+    /// own), by host: `"api.example.com" = { Authorization = "Bearer ${EXAMPLE_TOKEN}" }`.
+    /// `${VAR}` is read from the server's environment: the code never sees the value.
+    pub egress_headers: Option<BTreeMap<String, BTreeMap<String, String>>>,
 }
 
 /// A resolved environment.
@@ -88,6 +95,10 @@ pub struct Environment {
     pub cfg: Arc<SandboxConfig>,
     /// Preinstalled requirements, canonical and sorted.
     pub packages: Vec<String>,
+    /// The egress allow-list its sessions start with; empty: no network (`NetworkMode none`).
+    pub egress: Vec<crate::egress::policy::Rule>,
+    /// Headers the proxy adds, by host, values resolved (secret: never shown).
+    pub egress_headers: crate::egress::SecretHeaders,
 }
 
 /// Every environment of a server.
@@ -328,7 +339,55 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
         None if name == DEFAULT => default_description(&cfg),
         None => format!("operator-defined environment {name}"),
     };
-    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages })
+    let egress = crate::egress::policy::parse_list(spec.egress.as_deref().unwrap_or_default())
+        .map_err(|e| format!("environments.{name}.egress: {e}"))?;
+    if !egress.is_empty()
+        && let Some(why) = crate::egress::runtime_refusal(&cfg)
+    {
+        tracing::warn!(environment = %name, "{why}");
+    }
+    let egress_headers =
+        crate::egress::SecretHeaders(resolve_headers(name, spec.egress_headers.as_ref(), &|v| std::env::var(v).ok())?);
+    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages, egress, egress_headers })
+}
+
+/// `${VAR}` in header values replaced from `var`; names and values checked. Errors name the
+/// entry, never the value.
+fn resolve_headers(
+    env: &str,
+    spec: Option<&BTreeMap<String, BTreeMap<String, String>>>,
+    var: &dyn Fn(&str) -> Option<String>,
+) -> Result<crate::egress::Headers, String> {
+    let mut out = crate::egress::Headers::new();
+    for (host, headers) in spec.into_iter().flatten() {
+        let at = format!("environments.{env}.egress_headers.{host:?}");
+        let h = crate::egress::policy::normalize_host(host).ok_or_else(|| format!("{at}: not a host name"))?;
+        for (name, template) in headers {
+            let token = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b));
+            if !token {
+                return Err(format!("{at}: {name:?} is not a header name"));
+            }
+            let mut value = String::new();
+            let mut rest = template.as_str();
+            while let Some(i) = rest.find("${") {
+                value.push_str(&rest[..i]);
+                let after = &rest[i + 2..];
+                let end = after.find('}').ok_or_else(|| format!("{at}.{name}: unclosed ${{"))?;
+                let key = &after[..end];
+                value.push_str(
+                    &var(key)
+                        .ok_or_else(|| format!("{at}.{name}: ${{{key}}} is not set in the server's environment"))?,
+                );
+                rest = &after[end + 1..];
+            }
+            value.push_str(rest);
+            if value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0) {
+                return Err(format!("{at}.{name}: the value holds a line break or NUL"));
+            }
+            out.entry(h.clone()).or_default().push((name.clone(), value));
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -416,5 +475,22 @@ mod tests {
             let e = Environments::from_config(&cfg_with(file)).expect_err(file);
             assert!(e.contains(why), "{file}: {e}");
         }
+    }
+
+    #[test]
+    fn egress_headers_take_values_from_the_server_environment_and_never_show_them() {
+        let spec: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::from([(
+            "API.example.com".to_owned(),
+            BTreeMap::from([("Authorization".to_owned(), "Bearer ${TOKEN}".to_owned())]),
+        )]);
+        let var = |k: &str| (k == "TOKEN").then(|| "t0k3n".to_owned());
+        let h = resolve_headers("e", Some(&spec), &var).expect("resolves");
+        assert_eq!(h["api.example.com"], [("Authorization".to_owned(), "Bearer t0k3n".to_owned())]);
+        assert!(!format!("{:?}", crate::egress::SecretHeaders(h)).contains("t0k3n"));
+        let none = |_: &str| None;
+        let e = resolve_headers("e", Some(&spec), &none).expect_err("unset");
+        assert!(e.contains("${TOKEN} is not set") && e.contains("egress_headers"), "{e}");
+        let crlf = |_: &str| Some("a\r\nX-Evil: 1".to_owned());
+        assert!(resolve_headers("e", Some(&spec), &crlf).is_err());
     }
 }

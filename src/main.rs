@@ -59,6 +59,10 @@ enum Command {
         #[command(flatten)]
         args: bench::BenchArgs,
     },
+    /// The egress proxy, run by the server inside its own container (policies on stdin,
+    /// connection records on stdout). Not for people.
+    #[command(hide = true)]
+    EgressProxy,
 }
 
 #[derive(Debug, Subcommand)]
@@ -142,7 +146,7 @@ fn parse() -> anyhow::Result<Cli> {
         | Command::Layers { action: LayersAction::List { cfg } | LayersAction::Prune { cfg, .. } }
         | Command::Bench { cfg, .. } => (Some(cfg), None),
         Command::Run(args) => (Some(&mut args.cfg), None),
-        Command::Image { action: ImageAction::Tag } => (None, None),
+        Command::Image { action: ImageAction::Tag } | Command::EgressProxy => (None, None),
     };
     let with_path = |e: String| anyhow::anyhow!("in {}: {e}", path.display());
     if let Some(cfg) = cfg {
@@ -175,6 +179,8 @@ fn main() -> std::process::ExitCode {
     let default_level = match cli.command {
         Command::Run(_) => "error",
         Command::Bench { .. } => "info,rmcp=warn",
+        // Its stdout is the server's channel; only real trouble goes to stderr.
+        Command::EgressProxy => "warn",
         _ => "info",
     };
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -221,6 +227,7 @@ fn main() -> std::process::ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve { cfg, http } => serve(cfg, http).await,
+        Command::EgressProxy => pyberth::egress::proxy::run().await,
         Command::Image { action: ImageAction::Tag } => {
             #[allow(clippy::print_stdout)] // the tag is the command's output
             {

@@ -12,6 +12,7 @@ use bollard::query_parameters::{
     CreateContainerOptionsBuilder, ListContainersOptionsBuilder, ListVolumesOptionsBuilder,
     RemoveContainerOptionsBuilder, RemoveVolumeOptionsBuilder,
 };
+use futures::future::OptionFuture;
 
 use super::identity::{self, LABEL_UID};
 use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
@@ -185,7 +186,7 @@ pub async fn create(
             });
         }
     }
-    let body = ContainerCreateBody {
+    let mut body = ContainerCreateBody {
         image: Some(image.into()),
         cmd: Some(vec!["sleep".into(), "infinity".into()]),
         user: Some(INIT_USER.into()),
@@ -196,6 +197,9 @@ pub async fn create(
         host_config: Some(hc),
         ..Default::default()
     };
+    if let Some(egress) = &cfg.egress {
+        egress.apply(&mut body);
+    }
     let opts = CreateContainerOptionsBuilder::default().name(&name).build();
     let made = Created { id: name.clone(), volume: name.clone(), live, uid };
     let created = match docker.create_container(Some(opts), body).await {
@@ -206,6 +210,10 @@ pub async fn create(
         }
     };
     let made = Created { id: created.id, ..made };
+    if let Some(Err(e)) = OptionFuture::from(cfg.egress.as_ref().map(|e| e.after_create(docker, &made.id))).await {
+        destroy(docker, &made).await;
+        return Err(e.into());
+    }
     if let Err(e) = docker.start_container(&made.id, None).await {
         destroy(docker, &made).await;
         return Err(e.into());

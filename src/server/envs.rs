@@ -82,6 +82,8 @@ pub(super) struct EnvironmentInfo {
     pub limits: Limits,
     /// Folders mounted read-only.
     pub mounts: Vec<MountInfo>,
+    /// Hosts its sessions may reach through the egress proxy; empty: no network.
+    pub egress: Vec<String>,
 }
 
 /// Structured result of `list_environments`.
@@ -104,8 +106,10 @@ pub(super) struct SessionEnvironment {
     pub image: String,
     /// Its limits.
     pub limits: Limits,
-    /// Network access of the code: always "none".
+    /// Network access of the code: "none", or "egress proxy" (HTTP and HTTPS to `egress`).
     pub network: String,
+    /// The hosts the session may reach through the egress proxy, in force now; empty: none.
+    pub egress: Vec<String>,
     /// Folders mounted read-only.
     pub mounts: Vec<MountInfo>,
     /// Installed distributions (preinstalled, added, and the interpreter's own).
@@ -127,6 +131,7 @@ fn describe(env: &Environment, default: &str) -> EnvironmentInfo {
         packages: env.packages.clone(),
         limits: Limits::of(&env.cfg),
         mounts: mounts(&env.cfg.mounts),
+        egress: env.egress.iter().map(|r| r.text().to_owned()).collect(),
     }
 }
 
@@ -156,6 +161,9 @@ impl SandboxServer {
             for m in &e.mounts {
                 text.push_str(&format!("  read-only folder: {}\n", m.path));
             }
+            if !e.egress.is_empty() {
+                text.push_str(&format!("  egress: {}\n", e.egress.join(", ")));
+            }
         }
         Ok(structured(&EnvironmentList { environments }, text))
     }
@@ -174,13 +182,16 @@ impl SandboxServer {
         let packages =
             session.installed().await.context(format!("cannot list the packages of session {name:?}"))?.len();
         let cfg = session.settings();
+        let egress = self.registry.egress.rules(&who, &name).unwrap_or_default();
+        let network = if egress.is_empty() { "none" } else { "egress proxy" }.to_owned();
         let out = SessionEnvironment {
             session: name,
             environment: session.environment.clone(),
             python: session.info().python,
             image: session.image().to_owned(),
             limits: Limits::of(cfg),
-            network: "none".into(),
+            network,
+            egress,
             mounts: mounts(&cfg.mounts),
             packages_installed: packages,
             package_index: cfg.index_url().unwrap_or_else(|| "https://pypi.org/simple".into()),
@@ -188,7 +199,7 @@ impl SandboxServer {
         };
         let text = format!(
             "session {}: environment {}, Python {}, image {}\nlimits: {} MiB memory, {} CPU, {} processes, {} s per run \
-             (at most {} s), {} bytes of output per stream, workspace {}\nnetwork: none\nread-only folders: {}\npackages installed: {}\npackage index: {} (CA bundle: {})\n",
+             (at most {} s), {} bytes of output per stream, workspace {}\nnetwork: {}\nread-only folders: {}\npackages installed: {}\npackage index: {} (CA bundle: {})\n",
             out.session,
             out.environment,
             out.python,
@@ -202,6 +213,11 @@ impl SandboxServer {
             match out.limits.workspace_mb {
                 0 => "on disk".to_owned(),
                 mb => format!("{mb} MiB (counts against memory)"),
+            },
+            if out.egress.is_empty() {
+                "none".to_owned()
+            } else {
+                format!("HTTP(S) through the egress proxy to {}", out.egress.join(", "))
             },
             if out.mounts.is_empty() {
                 "none".to_owned()

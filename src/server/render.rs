@@ -32,6 +32,7 @@ pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>)
         job: job.map(str::to_owned),
         stdout_offset: None,
         stderr_offset: None,
+        egress: None,
     };
     let mut text = String::new();
     if !out.stdout.is_empty() {
@@ -115,6 +116,7 @@ pub(super) fn running_job(job: &Job, notices: Vec<String>) -> CallToolResult {
         job: Some(job.id.clone()),
         stdout_offset: Some(so),
         stderr_offset: Some(se),
+        egress: None,
     };
     let mut text = out.stdout.clone();
     if !out.stderr.is_empty() {

@@ -60,11 +60,23 @@ impl SandboxServer {
         }
         let notifier = self.notifier(ctx);
         let mut live = live_channel(notifier.wants_output());
+        let before = self.registry.egress.begin_run(&who, &session.name).await;
         let mut outcome = relay(notifier, &mut live.rx, session.run(spec, timeout, &ctx.ct, &live.observer))
             .await
             .context("the run could not complete")?;
         outcome.notices.splice(0..0, notices);
-        Ok(render_run(&session.name, &outcome, None))
+        let egress = match (before, self.registry.egress.totals(&who, &session.name).await) {
+            (Some(before), Some(now)) => Some(now.since(&before)),
+            _ => None,
+        };
+        if let Some(e) = &egress {
+            outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));
+        }
+        let mut result = render_run(&session.name, &outcome, None);
+        if let (Some(e), Some(serde_json::Value::Object(sc))) = (egress, result.structured_content.as_mut()) {
+            sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
+        }
+        Ok(result)
     }
 
     /// Opens a session for a call that may install packages, with install lines sent live.
@@ -74,11 +86,15 @@ impl SandboxServer {
         name: &str,
         environment: Option<&str>,
         packages: &[String],
+        allow_hosts: Option<&[String]>,
     ) -> Result<Opened, ToolError> {
         let who = principal_of(ctx);
         let LiveChannel { progress, mut rx, .. } = live_channel(false);
-        let opened =
-            relay(self.notifier(ctx), &mut rx, self.registry.open(&who, name, environment, packages, &progress));
+        let opened = relay(
+            self.notifier(ctx),
+            &mut rx,
+            self.registry.open(&who, name, environment, packages, allow_hosts, &progress),
+        );
         Ok(opened.await?)
     }
 }
@@ -110,9 +126,18 @@ impl SandboxServer {
         let packages = wanted_packages(args.packages.as_deref(), Some(&args.code), self.cfg.max_packages)?;
         let (env, session_env) = run_env(&args)?;
         let save_as = args.save_as.as_deref().map(|p| check_path(p, false)).transpose()?;
-        let opened = self.open(&ctx, &name, args.environment.as_deref(), &packages).await?;
+        let opened =
+            self.open(&ctx, &name, args.environment.as_deref(), &packages, args.allow_hosts.as_deref()).await?;
         let session = opened.session;
         let mut notices = Vec::new();
+        if let (false, Some(asked)) = (opened.created, &args.allow_hosts) {
+            // An existing session: the same narrowing as set_network.
+            let now = self.registry.egress.narrow(&principal_of(&ctx), &name, asked).await?;
+            notices.push(format!(
+                "egress narrowed to: {}",
+                if now.is_empty() { "none (offline)".into() } else { now.join(", ") }
+            ));
+        }
         if opened.created {
             notices.push(format!("new session {name:?} created"));
             if !opened.installed.added.is_empty() {
@@ -164,7 +189,7 @@ impl SandboxServer {
         }
         let packages = wanted_packages(Some(&args.packages), None, self.cfg.max_packages)?;
         let started = Instant::now();
-        let done = self.open(&ctx, &name, args.environment.as_deref(), &packages).await?.installed;
+        let done = self.open(&ctx, &name, args.environment.as_deref(), &packages, None).await?.installed;
         let out = InstallOutput {
             session: name.clone(),
             cached: done.layer.as_ref().is_some_and(|l| l.cached),

@@ -8,7 +8,7 @@ use rmcp::{tool, tool_router};
 
 use super::error::{Context as _, ToolResult};
 use super::render::structured;
-use super::types::{NoArgs, SessionArgs, SessionList, VariableList};
+use super::types::{NetworkPolicy, NoArgs, SessionArgs, SessionList, SetNetworkArgs, VariableList};
 use super::{Caller, SandboxServer};
 use crate::checks::session_name;
 use crate::output::one_line;
@@ -53,6 +53,22 @@ impl SandboxServer {
         Ok(CallToolResult::success(vec![ContentBlock::text(format!(
             "session {name:?} closed: its container and workspace were removed"
         ))]))
+    }
+
+    /// Narrow what a session may reach over the network from now on (its environment's
+    /// egress allow-list, or a narrower one set before). Each host must be within the list in
+    /// force: a caller narrows, never widens. [] makes the session offline. Affects only this
+    /// caller's session.
+    #[tool(annotations(title = "Set network", destructive_hint = false, idempotent_hint = true), output_schema = schema_for_output::<NetworkPolicy>())]
+    async fn set_network(&self, Parameters(args): Parameters<SetNetworkArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(args.session.as_deref())?;
+        self.registry.get(&who, &name)?;
+        let allow_hosts = self.registry.egress.narrow(&who, &name, &args.allow_hosts).await?;
+        let text = match allow_hosts.is_empty() {
+            true => format!("session {name:?} is offline: no host is allowed"),
+            false => format!("session {name:?} may reach: {}", allow_hosts.join(", ")),
+        };
+        Ok(structured(&NetworkPolicy { session: name, allow_hosts }, text))
     }
 
     /// List the variables defined in a session (name, type and a short repr), like a

@@ -54,6 +54,11 @@ pub(crate) struct RunPythonArgs {
     /// omit for the default. list_environments shows them. A session keeps its environment.
     #[serde(default)]
     pub environment: Option<String>,
+    /// For a new session in an environment that allows egress: narrow its allow-list to these
+    /// hosts ("pypi.org", "*.example.com", "api.example.com:8443"); [] = offline. Each entry
+    /// must be within the environment's list: a caller narrows, never widens.
+    #[serde(default)]
+    pub allow_hosts: Option<Vec<String>>,
 }
 
 /// Arguments of `install_packages`.
@@ -176,6 +181,31 @@ pub(crate) struct RunOutput {
     /// For a running job: pass as stderr_offset to job_status.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stderr_offset: Option<usize>,
+    /// For a session with egress: what this run reached through the proxy, and what it was
+    /// refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<crate::egress::Totals>,
+}
+
+/// Arguments of `set_network`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SetNetworkArgs {
+    /// Session name. Omit for the default session.
+    #[serde(default)]
+    pub session: Option<String>,
+    /// The hosts the session may reach from now on, each within its current list
+    /// ("pypi.org", "*.example.com", "host:8443"); [] = offline.
+    pub allow_hosts: Vec<String>,
+}
+
+/// Structured result of `set_network`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub(crate) struct NetworkPolicy {
+    /// Session.
+    pub session: String,
+    /// The hosts it may reach now; empty: offline.
+    pub allow_hosts: Vec<String>,
 }
 
 /// Structured result of `list_sessions`.

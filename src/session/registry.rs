@@ -58,6 +58,9 @@ pub enum Error {
          Use another session name for {asked:?}, or close_session {session:?} first (its variables and files go)"
     )]
     OtherEnvironment { session: String, has: String, asked: String },
+    /// The session's network could not be had, or a caller asked to widen its allow-list.
+    #[error("{0}")]
+    Egress(String),
 }
 
 /// The sessions of one server instance.
@@ -85,6 +88,8 @@ pub struct Registry {
     markers: Mutex<HashMap<(String, String), bool>>,
     /// This instance's heartbeat, and sweeps waiting out a grace (docs/design.md D9).
     keeper: Keeper,
+    /// The egress proxy and the networks of sessions that have egress.
+    pub egress: crate::egress::Manager,
 }
 
 /// An environment's image, found or built once, and the latest line of its build.
@@ -130,6 +135,8 @@ impl Registry {
     pub fn new(docker: Docker, cfg: Arc<SandboxConfig>, instance: Instance) -> Result<Self, String> {
         let index = IndexSettings::from_config(&cfg).map_err(|e| format!("cannot read the CA bundle: {e}"))?;
         let environments = Environments::from_config(&cfg)?;
+        let egress =
+            crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone());
         Ok(Self {
             docker,
             cfg,
@@ -145,6 +152,7 @@ impl Registry {
             pool_wake: tokio::sync::Notify::new(),
             markers: Mutex::new(HashMap::new()),
             keeper: Keeper::default(),
+            egress,
         })
     }
 
@@ -264,10 +272,12 @@ impl Registry {
         name: &str,
         environment: Option<&str>,
         packages: &[String],
+        allow_hosts: Option<&[String]>,
         progress: Progress<'_>,
     ) -> Result<Opened, Error> {
         let (packages, skipped) = self.without_false_markers(principal, name, environment, packages, progress).await;
-        let (session, created) = self.get_or_create(principal, name, environment, &packages, progress).await?;
+        let (session, created) =
+            self.get_or_create_with(principal, name, environment, &packages, allow_hosts, progress).await?;
         let mut installed = if created {
             // A new session starts from the layer holding them all.
             Installed { added: packages, present: Vec::new(), layer: None, skipped: Vec::new() }
@@ -342,6 +352,20 @@ impl Registry {
         packages: &[String],
         progress: Progress<'_>,
     ) -> Result<(Arc<Session>, bool), Error> {
+        self.get_or_create_with(principal, name, environment, packages, None, progress).await
+    }
+
+    /// [`Self::get_or_create`], a new session's egress allow-list narrowed to `allow_hosts`
+    /// (an existing session keeps its own: `set_network` narrows it).
+    pub async fn get_or_create_with(
+        &self,
+        principal: &str,
+        name: &str,
+        environment: Option<&str>,
+        packages: &[String],
+        allow_hosts: Option<&[String]>,
+        progress: Progress<'_>,
+    ) -> Result<(Arc<Session>, bool), Error> {
         if let Some(s) = self.find(principal, name) {
             return match environment {
                 // A name that does not exist is that, before it is another environment.
@@ -357,6 +381,14 @@ impl Registry {
             };
         }
         let env = self.environments.get(environment).map_err(Error::Environment)?;
+        // Checked before anything is made: a caller narrows the environment's list, never widens it.
+        let egress = match allow_hosts {
+            Some(asked) => crate::egress::policy::narrow(&env.egress, asked).map_err(Error::Egress)?,
+            None => env.egress.clone(),
+        };
+        if let Some(why) = crate::egress::runtime_refusal(&env.cfg).filter(|_| !egress.is_empty()) {
+            return Err(Error::Egress(why));
+        }
         let key = (principal.to_owned(), name.to_owned());
         let slot = {
             let mut slots = self.slots();
@@ -390,6 +422,9 @@ impl Registry {
                     self.layer(&env, &all, progress).await?.tag
                 };
                 created = true;
+                if !egress.is_empty() {
+                    return self.start_with_egress(&env, image, principal, name, all, egress.clone()).await;
+                }
                 let naming = super::Naming {
                     name: name.to_owned(),
                     principal: principal.to_owned(),
@@ -422,6 +457,32 @@ impl Registry {
         }
     }
 
+    /// A new session on a network of its own whose only other member is the egress proxy.
+    async fn start_with_egress(
+        &self,
+        env: &Environment,
+        image: String,
+        principal: &str,
+        name: &str,
+        packages: Vec<String>,
+        rules: Vec<crate::egress::policy::Rule>,
+    ) -> Result<Arc<Session>, Error> {
+        let headers = env.egress_headers.0.clone();
+        let attachment = self.egress.attach(principal, name, &image, rules, headers).await.map_err(Error::Egress)?;
+        let mut cfg = (*env.cfg).clone();
+        cfg.egress = Some(Arc::new(attachment));
+        let naming =
+            super::Naming { name: name.to_owned(), principal: principal.to_owned(), environment: env.name.clone() };
+        let owner = self.instance.owner.clone();
+        match Session::start(self.docker.clone(), Arc::new(cfg), image, owner, naming, packages).await {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                self.egress.detach(principal, name).await;
+                Err(e.into())
+            }
+        }
+    }
+
     /// Sessions of one principal, sorted by name.
     pub fn list(&self, principal: &str) -> Vec<SessionInfo> {
         let sessions: Vec<Arc<Session>> = self
@@ -449,6 +510,7 @@ impl Registry {
             }
         };
         session.close().await;
+        self.egress.detach(principal, name).await;
         Ok(())
     }
 
@@ -467,6 +529,7 @@ impl Registry {
         for s in &expired {
             tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
             s.close().await;
+            self.egress.detach(&s.principal, &s.name).await;
         }
         expired.len()
     }
@@ -499,6 +562,10 @@ impl Registry {
         }
         let sweeper = self.instance.sweeper(self.cfg.leftover_grace());
         let swept = sweeper.sweep(&self.docker).await?;
+        let nets = crate::egress::sweep_orphan_networks(&self.docker, &self.instance.owner.instance).await;
+        if nets > 0 {
+            tracing::info!(networks = nets, "removed egress networks of instances that have no containers left");
+        }
         if let Some(after) = swept.recheck {
             tracing::debug!(after_s = after.as_secs(), "a heartbeat stopped recently; sweeping again after the grace");
             self.keeper.recheck(self.docker.clone(), sweeper, after);
@@ -611,6 +678,7 @@ impl Registry {
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }
+        self.egress.shutdown().await;
         // Last: until everything else of ours is gone, others see this instance alive.
         let mut owners = self.instance.adopted_owners();
         owners.push(self.instance.owner.clone());

@@ -37,5 +37,7 @@ mod sandbox;
 mod slow_client;
 // Sessions that outlive their server: restarts, kill -9, dropped exec streams, the grace.
 mod adopt;
+// Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
+mod egress;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;

@@ -1,0 +1,823 @@
+//! Controlled egress (issue 17): a session whose environment has an `egress` allow-list gets
+//! an `internal` Docker network of its own that holds only it and a filtering proxy of ours;
+//! everything else keeps `NetworkMode none` (docs/design.md, "Egress").
+//!
+//! The proxy is this very binary (`pyberth egress-proxy`, [`proxy`]) run in one small
+//! container per server, made from the sandbox image with the executable uploaded into it:
+//! no image build, no registry. The server speaks to it over the container's attached
+//! stdin/stdout (policies in, connection records out), so the proxy has no control port.
+
+pub mod policy;
+pub mod proxy;
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bollard::Docker;
+use bollard::container::LogOutput;
+use bollard::models::{
+    ContainerCreateBody, HostConfig, NetworkConnectRequest, NetworkCreateRequest, NetworkDisconnectRequest,
+};
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, UploadToContainerOptionsBuilder,
+};
+use futures::StreamExt as _;
+use tokio::io::{AsyncWrite, AsyncWriteExt as _};
+
+use self::policy::Rule;
+use self::proxy::{Command, Record, Report};
+use crate::config::SandboxConfig;
+use crate::docker::container::{self, Owner};
+use crate::docker::{LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
+
+/// The principal installs are accounted under in the proxy's records.
+const INSTALLER: &str = "pyberth-installer";
+/// Label on the proxy container and the session networks: `proxy` or `network`.
+pub const LABEL_EGRESS: &str = "pyberth.egress";
+/// Where a session finds the CA bundle the server trusts (the live volume: writable by the
+/// engine before start although the root filesystem is read-only, and not by the code).
+pub const CA_PATH: &str = "/opt/pyberth/live/egress-ca.pem";
+/// Where the executable goes in the proxy container.
+const PROXY_EXE: &str = "/usr/local/bin/pyberth-egress";
+
+/// What a session container needs for egress: its network and the proxy's address there.
+#[derive(Debug, Clone)]
+pub struct Attachment {
+    /// The session's own `internal` network.
+    pub network: String,
+    /// The proxy's address on it.
+    pub proxy_ip: IpAddr,
+    /// The CA bundle to trust (the server's `--ca-bundle`), if any.
+    pub ca: Option<Arc<Vec<u8>>>,
+}
+
+impl Attachment {
+    /// The proxy variables, and the CA bundle's, for every library that reads them.
+    pub fn env(&self) -> Vec<String> {
+        let url = match self.proxy_ip {
+            IpAddr::V6(ip) => format!("http://[{ip}]:{}", proxy::PORT),
+            ip => format!("http://{ip}:{}", proxy::PORT),
+        };
+        let mut env: Vec<String> =
+            ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"].iter().map(|k| format!("{k}={url}")).collect();
+        // Empty: everything goes through the proxy (nothing else is reachable anyway).
+        env.extend(["NO_PROXY=".to_owned(), "no_proxy=".to_owned()]);
+        if self.ca.is_some() {
+            for k in ["SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO"] {
+                env.push(format!("{k}={CA_PATH}"));
+            }
+        }
+        env
+    }
+
+    /// Puts a session container on its network instead of none. DNS points at the proxy's
+    /// address, where nothing answers port 53: Docker's embedded resolver then forwards from
+    /// the container's own namespace, which has no route out (CVE-2024-29018 on Docker < 26).
+    pub fn apply(&self, body: &mut ContainerCreateBody) {
+        body.network_disabled = Some(false);
+        body.env.get_or_insert_with(Vec::new).extend(self.env());
+        let hc = body.host_config.get_or_insert_with(HostConfig::default);
+        hc.network_mode = Some(self.network.clone());
+        hc.dns = Some(vec![self.proxy_ip.to_string()]);
+        hc.dns_search = Some(Vec::new());
+        hc.dns_options = Some(Vec::new());
+    }
+
+    /// Only the proxy variables (no CA paths: a container without the live volume).
+    pub fn proxy_env(&self) -> Vec<String> {
+        self.env().into_iter().filter(|e| e.to_ascii_lowercase().contains("proxy=")).collect()
+    }
+
+    /// After the container is created, before it starts: the CA bundle into the live volume,
+    /// owned by root and read-only to the code.
+    pub async fn after_create(&self, docker: &Docker, id: &str) -> Result<(), bollard::errors::Error> {
+        let Some(ca) = &self.ca else { return Ok(()) };
+        let name = CA_PATH.rsplit('/').next().unwrap_or("egress-ca.pem");
+        let tar = tar_one(name, ca, 0o444);
+        let opts = UploadToContainerOptionsBuilder::default().path(crate::docker::layers::LIVE_DIR).build();
+        docker.upload_to_container(id, Some(opts), bollard::body_full(tar.into())).await
+    }
+}
+
+fn tar_one(name: &str, data: &[u8], mode: u32) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(data.len() as u64);
+    h.set_mode(mode);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_cksum();
+    // Writing into a Vec cannot fail.
+    let _ = b.append_data(&mut h, name, data);
+    b.into_inner().unwrap_or_default()
+}
+
+/// Egress of one run or one session: hosts reached, bytes, denials.
+#[derive(Debug, Clone, Default, serde::Serialize, schemars::JsonSchema)]
+pub struct Totals {
+    /// Hosts connected to (host:port).
+    pub hosts: BTreeSet<String>,
+    /// Connections made.
+    pub connections: u64,
+    /// Bytes sent by the sandbox.
+    pub bytes_out: u64,
+    /// Bytes received by the sandbox.
+    pub bytes_in: u64,
+    /// Requests the proxy refused: host:port and why.
+    pub denied: Vec<String>,
+    /// Connections per host:port, to tell which hosts a run reached.
+    #[serde(skip)]
+    #[schemars(skip)]
+    counts: std::collections::BTreeMap<String, u64>,
+    /// Denials ever, of which `denied` keeps the last [`MAX_DENIED`].
+    #[serde(skip)]
+    #[schemars(skip)]
+    denied_total: u64,
+}
+
+/// Denials kept per session (and listed per run).
+const MAX_DENIED: usize = 50;
+
+impl Totals {
+    fn add(&mut self, r: &Record) {
+        if r.allowed {
+            let host = format!("{}:{}", r.host, r.port);
+            *self.counts.entry(host.clone()).or_default() += 1;
+            self.hosts.insert(host);
+            self.connections += 1;
+            self.bytes_out += r.up;
+            self.bytes_in += r.down;
+            if r.cut {
+                self.deny(format!(
+                    "{}:{} cut: the run's egress byte budget is spent (--egress-max-mb)",
+                    r.host, r.port
+                ));
+            }
+        } else {
+            self.deny(r.rule.clone());
+        }
+    }
+
+    fn deny(&mut self, why: String) {
+        self.denied_total += 1;
+        self.denied.push(why);
+        if self.denied.len() > MAX_DENIED {
+            self.denied.remove(0);
+        }
+    }
+
+    /// What `self` has beyond an earlier snapshot.
+    pub fn since(&self, before: &Totals) -> Totals {
+        Totals {
+            hosts: self
+                .counts
+                .iter()
+                .filter(|(h, n)| before.counts.get(*h).is_none_or(|b| b < *n))
+                .map(|(h, _)| h.clone())
+                .collect(),
+            counts: Default::default(),
+            connections: self.connections - before.connections.min(self.connections),
+            bytes_out: self.bytes_out.saturating_sub(before.bytes_out),
+            bytes_in: self.bytes_in.saturating_sub(before.bytes_in),
+            denied: {
+                let new = usize::try_from(self.denied_total.saturating_sub(before.denied_total)).unwrap_or(usize::MAX);
+                self.denied[self.denied.len().saturating_sub(new)..].to_vec()
+            },
+            denied_total: 0,
+        }
+    }
+}
+
+/// The package installer's way out: its own network with the proxy, allowing only the index
+/// hosts (`Manager::attach_installer`).
+#[derive(Debug)]
+pub struct InstallerNet {
+    /// The network to create the installer container on (`HostConfig.network_mode`).
+    pub network: String,
+    /// Variables to add to its environment: the proxy, and nothing else.
+    pub env: Vec<String>,
+    /// Its DNS servers (`HostConfig.dns`): an address where nothing answers.
+    pub dns: Vec<String>,
+    /// The hosts it may reach.
+    pub allow: Vec<String>,
+    key: String,
+}
+
+impl InstallerNet {
+    /// Puts an installer container on its network: call on the body before creating it.
+    pub fn apply(&self, body: &mut ContainerCreateBody) {
+        body.network_disabled = Some(false);
+        body.env.get_or_insert_with(Vec::new).extend(self.env.iter().cloned());
+        let hc = body.host_config.get_or_insert_with(HostConfig::default);
+        hc.network_mode = Some(self.network.clone());
+        hc.dns = Some(self.dns.clone());
+        hc.dns_search = Some(Vec::new());
+    }
+}
+
+/// The hosts an installer needs: those of the index URLs (PyPI's two when none is set).
+pub fn index_hosts(index: &crate::docker::layers::IndexSettings) -> Vec<String> {
+    let urls: Vec<&String> = index.index_url.iter().chain(&index.extra_index_url).collect();
+    if index.index_url.is_none() {
+        let mut hosts = vec!["pypi.org".to_owned(), "files.pythonhosted.org".to_owned()];
+        hosts.extend(urls.iter().filter_map(|u| url_host(u)));
+        return hosts;
+    }
+    urls.iter().filter_map(|u| url_host(u)).collect()
+}
+
+/// `host` or `host:port` of an http(s) URL, as an allow-list entry.
+fn url_host(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit('@').next()?;
+    let (host, port) = policy::split_host_port(authority).ok()?;
+    let default = if scheme.eq_ignore_ascii_case("https") { 443 } else { 80 };
+    let rule = match port {
+        Some(p) if p != default => format!("{host}:{p}"),
+        _ => host,
+    };
+    Rule::parse(&rule).ok().map(|r| r.text().to_owned())
+}
+
+/// Headers the proxy adds to plain HTTP requests, by host: (name, value), values secret.
+pub type Headers = HashMap<String, Vec<(String, String)>>;
+
+/// [`Headers`] whose `Debug` shows hosts and header names, never values.
+#[derive(Clone, Default)]
+pub struct SecretHeaders(pub Headers);
+
+impl std::fmt::Debug for SecretHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: HashMap<&String, Vec<&String>> =
+            self.0.iter().map(|(h, v)| (h, v.iter().map(|(n, _)| n).collect())).collect();
+        write!(f, "SecretHeaders({names:?})")
+    }
+}
+
+/// One session's egress.
+struct SessionNet {
+    network: String,
+    local: IpAddr,
+    rules: Vec<Rule>,
+    headers: Headers,
+}
+
+/// The running proxy.
+struct Proxy {
+    id: String,
+    input: Pin<Box<dyn AsyncWrite + Send>>,
+    reader: tokio::task::JoinHandle<()>,
+    /// The last sync the proxy answered.
+    applied: tokio::sync::watch::Receiver<u64>,
+}
+
+/// The egress of a server: its proxy and the networks of its sessions.
+pub struct Manager {
+    docker: Docker,
+    owner: Owner,
+    cfg: Arc<SandboxConfig>,
+    ca: Option<Arc<Vec<u8>>>,
+    proxy: tokio::sync::Mutex<Option<Proxy>>,
+    sessions: Mutex<HashMap<(String, String), SessionNet>>,
+    /// Totals by the proxy's address on a session's network.
+    totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
+    /// The executable run as the proxy (`None`: this one).
+    exe: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("egress::Manager").finish_non_exhaustive()
+    }
+}
+
+fn next_serial() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SERIAL: AtomicU64 = AtomicU64::new(0);
+    SERIAL.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Whether sandboxes of `cfg` can have a network at all: gVisor is registered here with
+/// `--network=none`, so its sandboxes never get an interface.
+pub fn runtime_refusal(cfg: &SandboxConfig) -> Option<String> {
+    cfg.runtime.as_deref().filter(|r| r.contains("runsc")).map(|r| {
+        format!(
+            "this environment allows egress, but sandboxes run under {r} (gVisor), which this engine registers with \
+             --network=none: a session there can have no network. Ask the operator to run such sessions under runc, \
+             or use a session without egress"
+        )
+    })
+}
+
+impl Manager {
+    /// The egress of one server; nothing is started until a session asks.
+    pub fn new(docker: Docker, owner: Owner, cfg: Arc<SandboxConfig>, ca: Option<Vec<u8>>) -> Self {
+        Self {
+            docker,
+            owner,
+            cfg,
+            ca: ca.map(Arc::new),
+            proxy: tokio::sync::Mutex::new(None),
+            sessions: Mutex::new(HashMap::new()),
+            totals: Arc::default(),
+            exe: None,
+        }
+    }
+
+    /// Runs `exe` (a pyberth binary) as the proxy instead of this executable: for a program
+    /// that embeds the library, such as a test.
+    pub fn with_executable(mut self, exe: std::path::PathBuf) -> Self {
+        self.exe = Some(exe);
+        self
+    }
+
+    fn labels(&self, kind: &str) -> HashMap<String, String> {
+        HashMap::from([
+            (LABEL_MANAGED.to_owned(), "1".to_owned()),
+            (LABEL_INSTANCE.to_owned(), self.owner.instance.clone()),
+            (LABEL_HOST.to_owned(), self.owner.host.clone()),
+            (LABEL_EGRESS.to_owned(), kind.to_owned()),
+        ])
+    }
+
+    /// Sends a command and waits until the proxy has it in force: a narrowed list holds for
+    /// the very next connection.
+    async fn send(&self, proxy: &mut Proxy, c: &Command) -> Result<(), String> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static SEQ: AtomicU64 = AtomicU64::new(1);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let mut lines = serde_json::to_vec(c).map_err(|e| e.to_string())?;
+        lines.push(b'\n');
+        lines.extend(serde_json::to_vec(&Command::Sync { seq }).map_err(|e| e.to_string())?);
+        lines.push(b'\n');
+        let gone = |e: std::io::Error| format!("the egress proxy is not listening: {e}");
+        proxy.input.write_all(&lines).await.map_err(gone)?;
+        proxy.input.flush().await.map_err(gone)?;
+        let applied = proxy.applied.wait_for(|a| *a >= seq);
+        match tokio::time::timeout(Duration::from_secs(10), applied).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err("the egress proxy stopped".into()),
+            Err(_) => Err("the egress proxy did not confirm a policy change within 10 s".into()),
+        }
+    }
+
+    /// The proxy, started (or started again, if it is gone) from `image`.
+    async fn ensure_proxy<'a>(&self, slot: &'a mut Option<Proxy>, image: &str) -> Result<&'a mut Proxy, String> {
+        let alive = match slot.as_ref() {
+            Some(p) => !p.reader.is_finished() && container::is_running(&self.docker, &p.id).await.unwrap_or(false),
+            None => false,
+        };
+        if !alive {
+            if let Some(old) = slot.take() {
+                old.reader.abort();
+                container::remove_container(&self.docker, &old.id).await;
+            }
+            *slot = Some(self.start_proxy(image).await?);
+        }
+        slot.as_mut().ok_or_else(|| "the egress proxy is not running".to_owned())
+    }
+
+    async fn start_proxy(&self, image: &str) -> Result<Proxy, String> {
+        let exe = match &self.exe {
+            Some(exe) => exe.clone(),
+            None => {
+                std::env::current_exe().map_err(|e| format!("cannot find this executable for the egress proxy: {e}"))?
+            }
+        };
+        let bytes = tokio::fs::read(&exe)
+            .await
+            .map_err(|e| format!("cannot read {} for the egress proxy: {e}", exe.display()))?;
+        let name = format!("pyberth-{}-egress-{}", self.owner.instance, next_serial());
+        let hc = HostConfig {
+            // The outbound side: the default bridge. Its own hardening: no capabilities, no
+            // new privileges, an unprivileged uid, bounded memory and processes.
+            network_mode: Some("bridge".into()),
+            cap_drop: Some(vec!["ALL".into()]),
+            security_opt: Some(
+                std::iter::once("no-new-privileges:true".to_owned())
+                    .chain(self.cfg.seccomp_profile.as_ref().map(|p| format!("seccomp={p}")))
+                    .collect(),
+            ),
+            memory: Some(256 << 20),
+            memory_swap: Some(256 << 20),
+            pids_limit: Some(256),
+            init: Some(true),
+            log_config: Some(bollard::models::HostConfigLogConfig { typ: Some("none".into()), config: None }),
+            ..Default::default()
+        };
+        let body = ContainerCreateBody {
+            image: Some(image.into()),
+            cmd: Some(vec![PROXY_EXE.into(), "egress-proxy".into()]),
+            user: Some("65534:65534".into()),
+            hostname: Some("pyberth-egress".into()),
+            env: Some(vec!["PATH=/usr/local/bin:/usr/bin:/bin".into()]),
+            labels: Some(self.labels("proxy")),
+            open_stdin: Some(true),
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            stdin_once: Some(false),
+            tty: Some(false),
+            host_config: Some(hc),
+            ..Default::default()
+        };
+        let opts = CreateContainerOptionsBuilder::default().name(&name).build();
+        let id = self
+            .docker
+            .create_container(Some(opts), body)
+            .await
+            .map_err(|e| format!("cannot create the egress proxy: {e}"))?
+            .id;
+        match self.boot(&id, bytes).await {
+            Ok(p) => Ok(p),
+            Err(e) => {
+                container::remove_container(&self.docker, &id).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn boot(&self, id: &str, exe: Vec<u8>) -> Result<Proxy, String> {
+        let (dir, file) = PROXY_EXE.rsplit_once('/').unwrap_or(("/usr/local/bin", "pyberth-egress"));
+        let opts = UploadToContainerOptionsBuilder::default().path(dir).build();
+        self.docker
+            .upload_to_container(id, Some(opts), bollard::body_full(tar_one(file, &exe, 0o555).into()))
+            .await
+            .map_err(|e| format!("cannot put the egress proxy into its container: {e}"))?;
+        let attach =
+            AttachContainerOptionsBuilder::default().stream(true).stdin(true).stdout(true).stderr(true).build();
+        let attached = self
+            .docker
+            .attach_container(id, Some(attach))
+            .await
+            .map_err(|e| format!("cannot attach to the egress proxy: {e}"))?;
+        self.docker.start_container(id, None).await.map_err(|e| format!("cannot start the egress proxy: {e}"))?;
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let totals = self.totals.clone();
+        let (applied_tx, applied) = tokio::sync::watch::channel(0u64);
+        let mut output = attached.output;
+        let reader = tokio::spawn(async move {
+            let mut ready = Some(ready_tx);
+            let (mut out, mut err) = (Vec::new(), String::new());
+            while let Some(frame) = output.next().await {
+                match frame {
+                    Ok(LogOutput::StdOut { message }) => {
+                        out.extend_from_slice(&message);
+                        while let Some(i) = out.iter().position(|b| *b == b'\n') {
+                            let line: Vec<u8> = out.drain(..=i).collect();
+                            match serde_json::from_slice::<Report>(&line) {
+                                Ok(Report::Ready) => {
+                                    if let Some(r) = ready.take() {
+                                        let _ = r.send(Ok(()));
+                                    }
+                                }
+                                Ok(Report::Conn(r)) => account(&totals, &r),
+                                Ok(Report::Applied { seq }) => {
+                                    applied_tx.send_if_modified(|a| {
+                                        let newer = seq > *a;
+                                        *a = (*a).max(seq);
+                                        newer
+                                    });
+                                }
+                                Err(e) => {
+                                    tracing::warn!(target: "pyberth::egress", error = %e, "unreadable proxy report")
+                                }
+                            }
+                        }
+                        if out.len() > 1 << 20 {
+                            out.clear();
+                        }
+                    }
+                    Ok(LogOutput::StdErr { message }) => {
+                        let text = String::from_utf8_lossy(&message).into_owned();
+                        tracing::warn!(target: "pyberth::egress", "proxy: {}", text.trim_end());
+                        if err.len() < 4096 {
+                            err.push_str(&text);
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            if let Some(r) = ready.take() {
+                let _ = r.send(Err(err));
+            } else {
+                tracing::warn!(target: "pyberth::egress", "the egress proxy stopped; it is started again when a session needs it");
+            }
+        });
+        let ready = tokio::time::timeout(Duration::from_secs(30), ready_rx).await;
+        let fail = |why: String| {
+            reader.abort();
+            Err(why)
+        };
+        let stderr = match ready {
+            Ok(Ok(Ok(()))) => None,
+            Ok(Ok(Err(s))) => Some(s),
+            Ok(Err(_)) => Some(String::new()),
+            Err(_) => return fail("the egress proxy did not start within 30 s".into()),
+        };
+        if let Some(stderr) = stderr {
+            let hint = if stderr.contains("GLIBC") {
+                " (the sandbox image's C library is older than the one this server was built against: build the \
+                 server on the image's Debian release or older, or statically)"
+            } else {
+                ""
+            };
+            let state = match self.docker.inspect_container(id, None).await {
+                Ok(c) => c.state.map(|s| format!(" (exit code {:?}, {})", s.exit_code, s.error.unwrap_or_default())),
+                Err(e) => Some(format!(" ({e})")),
+            };
+            return fail(format!(
+                "the egress proxy did not start{hint}: {}{}",
+                stderr.trim(),
+                state.unwrap_or_default()
+            ));
+        }
+        let mut proxy = Proxy { id: id.to_owned(), input: attached.input, reader, applied };
+        // The host's bridge gateway and the proxy's own bridge address: refused even if a
+        // name resolves to them (all private today; the check does not rely on that).
+        let mut own = Vec::new();
+        if let Ok(c) = self.docker.inspect_container(id, None).await {
+            for n in c.network_settings.and_then(|s| s.networks).unwrap_or_default().into_values() {
+                own.extend(n.gateway.and_then(|g| g.parse::<IpAddr>().ok()));
+                own.extend(n.ip_address.and_then(|g| g.parse::<IpAddr>().ok()));
+            }
+        }
+        let pinned = self
+            .cfg
+            .egress_pin
+            .iter()
+            .filter_map(|(k, v)| Some((policy::normalize_host(k)?, v.parse().ok()?)))
+            .collect();
+        self.send(&mut proxy, &Command::Config { pinned, own, max_conns: self.cfg.egress_max_conns }).await?;
+        tracing::info!(target: "pyberth::egress", container = %container::short(id), "egress proxy started");
+        Ok(proxy)
+    }
+
+    /// A network for the session, the proxy on it, and the session's policy in the proxy.
+    pub async fn attach(
+        &self,
+        principal: &str,
+        session: &str,
+        image: &str,
+        rules: Vec<Rule>,
+        headers: Headers,
+    ) -> Result<Attachment, String> {
+        let mut slot = self.proxy.lock().await;
+        let proxy = self.ensure_proxy(&mut slot, image).await?;
+        let network = format!("pyberth-{}-{session}-net{}", self.owner.instance, next_serial());
+        let mut labels = self.labels("network");
+        labels.insert(LABEL_SESSION.to_owned(), session.to_owned());
+        labels.insert(LABEL_OWNER.to_owned(), principal.to_owned());
+        let req = NetworkCreateRequest {
+            name: network.clone(),
+            driver: Some("bridge".into()),
+            internal: Some(true),
+            labels: Some(labels),
+            // An internal network still gives the host's bridge its gateway address, and the
+            // session a default route to it: every host service listening on 0.0.0.0 (and the
+            // host's other addresses) answered through it (egress::a_session_reaches_nothing_
+            // but_the_proxy). Without an address on the bridge, nothing on the host does.
+            options: Some(HashMap::from([("com.docker.network.bridge.inhibit_ipv4".to_owned(), "true".to_owned())])),
+            ..Default::default()
+        };
+        self.docker.create_network(req).await.map_err(|e| format!("cannot create the session's network: {e}"))?;
+        let joined = async {
+            let req = NetworkConnectRequest { container: proxy.id.clone(), endpoint_config: None };
+            self.docker.connect_network(&network, req).await.map_err(|e| e.to_string())?;
+            let c = self.docker.inspect_container(&proxy.id, None).await.map_err(|e| e.to_string())?;
+            c.network_settings
+                .and_then(|s| s.networks)
+                .and_then(|mut n| n.remove(&network))
+                .and_then(|e| e.ip_address)
+                .and_then(|ip| ip.parse::<IpAddr>().ok())
+                .ok_or_else(|| "the proxy got no address on the session's network".to_owned())
+        };
+        let local = match joined.await {
+            Ok(ip) => ip,
+            Err(e) => {
+                self.remove_network(&network, Some(&proxy.id)).await;
+                return Err(format!("cannot attach the egress proxy to the session's network: {e}"));
+            }
+        };
+        let allow = rules.iter().map(|r| r.text().to_owned()).collect();
+        let set = Command::Set {
+            local,
+            session: session.to_owned(),
+            principal: principal.to_owned(),
+            allow,
+            headers: headers.clone(),
+        };
+        if let Err(e) = self.send(proxy, &set).await {
+            self.remove_network(&network, Some(&proxy.id)).await;
+            return Err(e);
+        }
+        self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
+        let key = (principal.to_owned(), session.to_owned());
+        self.sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, SessionNet { network: network.clone(), local, rules, headers });
+        Ok(Attachment { network, proxy_ip: local, ca: self.ca.clone() })
+    }
+
+    async fn remove_network(&self, network: &str, proxy: Option<&str>) {
+        if let Some(id) = proxy {
+            let req = NetworkDisconnectRequest { container: id.to_owned(), force: Some(true) };
+            let _ = self.docker.disconnect_network(network, req).await;
+        }
+        match self.docker.remove_network(network).await {
+            Ok(()) | Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
+            Err(e) => tracing::warn!(target: "pyberth::egress", network, error = %e, "cannot remove network"),
+        }
+    }
+
+    /// After the session's container is gone: its policy out of the proxy, its network removed.
+    pub async fn detach(&self, principal: &str, session: &str) {
+        let key = (principal.to_owned(), session.to_owned());
+        let Some(net) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&key) else { return };
+        let mut slot = self.proxy.lock().await;
+        let id = match slot.as_mut() {
+            Some(p) => {
+                let _ = self.send(p, &Command::Drop { local: net.local }).await;
+                Some(p.id.clone())
+            }
+            None => None,
+        };
+        self.remove_network(&net.network, id.as_deref()).await;
+        self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&net.local);
+    }
+
+    /// The session's allow-list in force; `None`: the session has no egress.
+    pub fn rules(&self, principal: &str, session: &str) -> Option<Vec<String>> {
+        let key = (principal.to_owned(), session.to_owned());
+        let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        s.get(&key).map(|n| n.rules.iter().map(|r| r.text().to_owned()).collect())
+    }
+
+    /// Narrows the session's list to `asked` (each entry within the list in force).
+    pub async fn narrow(&self, principal: &str, session: &str, asked: &[String]) -> Result<Vec<String>, String> {
+        let key = (principal.to_owned(), session.to_owned());
+        let (local, rules, headers) = {
+            let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+            if asked.is_empty() && !s.contains_key(&key) {
+                return Ok(Vec::new()); // already offline
+            }
+            let n = s.get(&key).ok_or_else(|| {
+                format!("session {session:?} has no network: its environment allows no egress, so there is nothing to narrow")
+            })?;
+            (n.local, policy::narrow(&n.rules, asked)?, n.headers.clone())
+        };
+        let allow: Vec<String> = rules.iter().map(|r| r.text().to_owned()).collect();
+        let mut slot = self.proxy.lock().await;
+        let proxy = slot.as_mut().ok_or("the egress proxy is not running")?;
+        let set = Command::Set {
+            local,
+            session: session.to_owned(),
+            principal: principal.to_owned(),
+            allow: allow.clone(),
+            headers,
+        };
+        self.send(proxy, &set).await?;
+        if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {
+            n.rules = rules;
+        }
+        Ok(allow)
+    }
+
+    /// The session's totals so far, and a fresh byte budget for a run about to start.
+    pub async fn begin_run(&self, principal: &str, session: &str) -> Option<Totals> {
+        let key = (principal.to_owned(), session.to_owned());
+        let local = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|n| n.local)?;
+        let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
+        if let Some(p) = self.proxy.lock().await.as_mut() {
+            let _ = self.send(p, &Command::Budget { local, bytes }).await;
+        }
+        self.totals.lock().unwrap_or_else(|e| e.into_inner()).get(&local).cloned()
+    }
+
+    /// The session's totals so far.
+    pub async fn totals(&self, principal: &str, session: &str) -> Option<Totals> {
+        let key = (principal.to_owned(), session.to_owned());
+        let local = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|n| n.local)?;
+        // Records of connections the run just closed may still be on their way.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.totals.lock().unwrap_or_else(|e| e.into_inner()).get(&local).cloned()
+    }
+
+    /// A network for one package install whose only way out is the proxy, allowing only the
+    /// index hosts: the installer gets no route to the host or to private ranges, and
+    /// resolves no name itself. `label` names the install (unique per install under way);
+    /// `image` is used if the proxy must be started. Call [`Self::detach_installer`] once the
+    /// installer container is removed.
+    pub async fn attach_installer(
+        &self,
+        label: &str,
+        image: &str,
+        index: &crate::docker::layers::IndexSettings,
+    ) -> Result<InstallerNet, String> {
+        let allow = index_hosts(index);
+        let rules = policy::parse_list(&allow)?;
+        let key = format!("install-{label}-{}", next_serial());
+        let att = self.attach(INSTALLER, &key, image, rules, Headers::new()).await?;
+        Ok(InstallerNet {
+            network: att.network.clone(),
+            env: att.proxy_env(),
+            dns: vec![att.proxy_ip.to_string()],
+            allow,
+            key,
+        })
+    }
+
+    /// After the installer container is gone: its network removed.
+    pub async fn detach_installer(&self, net: InstallerNet) {
+        self.detach(INSTALLER, &net.key).await;
+    }
+
+    /// Removes the proxy and every network of this instance.
+    pub async fn shutdown(&self) {
+        if let Some(p) = self.proxy.lock().await.take() {
+            p.reader.abort();
+            container::remove_container(&self.docker, &p.id).await;
+        }
+        let nets: Vec<String> =
+            self.sessions.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, n)| n.network).collect();
+        for n in nets {
+            self.remove_network(&n, None).await;
+        }
+        sweep_networks(&self.docker, &|l| l.get(LABEL_INSTANCE) == Some(&self.owner.instance)).await;
+    }
+}
+
+fn account(totals: &Mutex<HashMap<IpAddr, Totals>>, r: &Record) {
+    tracing::info!(
+        target: "pyberth::egress",
+        principal = %r.principal,
+        session = %r.session,
+        host = %r.host,
+        port = r.port,
+        bytes_out = r.up,
+        bytes_in = r.down,
+        ms = r.ms,
+        verdict = if r.cut { "cut" } else if r.allowed { "allowed" } else { "denied" },
+        rule = %r.rule,
+        "egress connection"
+    );
+    if let Some(t) = totals.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&r.local) {
+        t.add(r);
+    }
+}
+
+/// After the sweep of dead instances' containers: removes egress networks of other instances
+/// that have no container left (no session, no proxy, no heartbeat). A live instance always
+/// has its heartbeat, and the engine refuses to remove a network anything is attached to.
+pub async fn sweep_orphan_networks(docker: &Docker, own: &str) -> usize {
+    let Ok(found) = container::inventory(docker).await else { return 0 };
+    let live: std::collections::HashSet<&String> = found
+        .containers
+        .iter()
+        .flat_map(|c| [c.labels.get(LABEL_INSTANCE), c.labels.get(crate::docker::heartbeat::LABEL_HEARTBEAT)])
+        .flatten()
+        .collect();
+    sweep_networks(docker, &|l| l.get(LABEL_INSTANCE).is_some_and(|i| i != own && !live.contains(i))).await
+}
+
+/// Removes the egress networks carrying our label for which `pick` says yes.
+pub async fn sweep_networks(docker: &Docker, pick: &(dyn Fn(&HashMap<String, String>) -> bool + Send + Sync)) -> usize {
+    let filters = HashMap::from([("label", vec![LABEL_EGRESS])]);
+    let opts = bollard::query_parameters::ListNetworksOptionsBuilder::default().filters(&filters).build();
+    let Ok(nets) = docker.list_networks(Some(opts)).await else { return 0 };
+    let mut n = 0;
+    for net in nets {
+        let labels = net.labels.unwrap_or_default();
+        if labels.get(LABEL_MANAGED).map(String::as_str) != Some("1") || !pick(&labels) {
+            continue;
+        }
+        if let Some(name) = net.name {
+            n += usize::from(docker.remove_network(&name).await.is_ok());
+        }
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::docker::layers::IndexSettings;
+
+    #[test]
+    fn installer_hosts_come_from_the_index_urls() {
+        let pypi = IndexSettings::default();
+        assert_eq!(index_hosts(&pypi), ["pypi.org", "files.pythonhosted.org"]);
+        let own = IndexSettings {
+            index_url: Some("https://user:pw@Index.Example.com:8443/simple/".into()),
+            extra_index_url: Some("http://mirror.example.org/simple".into()),
+            ca_bundle: None,
+        };
+        assert_eq!(index_hosts(&own), ["index.example.com:8443", "mirror.example.org"]);
+    }
+}

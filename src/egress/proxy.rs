@@ -1,0 +1,624 @@
+//! The filtering proxy itself: `pyberth egress-proxy`, run inside its own container. It takes
+//! policies as JSON lines on stdin and reports every connection as a JSON line on stdout, so
+//! it needs no control port a sandbox could reach.
+//!
+//! A connection is told apart by the proxy's own address it arrived on: each session has an
+//! `internal` network holding only itself and the proxy, so that address names the session,
+//! and no session can reach another's (it has no route off its network, and no capability to
+//! forge one).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc};
+
+use super::policy::{self, Rule};
+
+/// The port the proxy listens on, on every network it is attached to.
+pub const PORT: u16 = 3128;
+/// Largest request head accepted, bytes.
+const MAX_HEAD: usize = 16 * 1024;
+/// Time a client has to send its request head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a name has to resolve, and an upstream to accept.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A message from the server.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Command {
+    /// Settings of the whole proxy.
+    Config {
+        /// Names the operator pinned to an address (checked like a literal the operator allowed).
+        pinned: HashMap<String, IpAddr>,
+        /// Addresses of the host and of the proxy itself, refused whatever their range.
+        own: Vec<IpAddr>,
+        /// Connections one session may have open at once.
+        max_conns: usize,
+    },
+    /// The policy of the session whose network reaches the proxy at `local`.
+    Set {
+        /// The proxy's address on the session's network.
+        local: IpAddr,
+        /// Session name.
+        session: String,
+        /// Its owner.
+        principal: String,
+        /// Its allow-list.
+        allow: Vec<String>,
+        /// Headers added to plain HTTP requests, by host (replacing the sandbox's own).
+        #[serde(default)]
+        headers: HashMap<String, Vec<(String, String)>>,
+    },
+    /// Bytes the session may still move (both ways) until the next budget.
+    Budget {
+        /// The proxy's address on the session's network.
+        local: IpAddr,
+        /// Bytes; `None`: unbounded.
+        bytes: Option<u64>,
+    },
+    /// The session is gone.
+    Drop {
+        /// The proxy's address on the session's network.
+        local: IpAddr,
+    },
+    /// Answered with [`Report::Applied`] once every earlier command is in force.
+    Sync {
+        /// Echoed back.
+        seq: u64,
+    },
+}
+
+/// A report to the server.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum Report {
+    /// Listening; policies may come.
+    Ready,
+    /// One connection, when it ends (a denied one at once).
+    Conn(Record),
+    /// Every command before [`Command::Sync`] `seq` is in force.
+    Applied {
+        /// The sync's number.
+        seq: u64,
+    },
+}
+
+/// One connection's account.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    /// The proxy's address it arrived on (names the session).
+    pub local: IpAddr,
+    /// Session.
+    pub session: String,
+    /// Owner.
+    pub principal: String,
+    /// Host asked for.
+    pub host: String,
+    /// Port asked for.
+    pub port: u16,
+    /// True when the proxy connected it.
+    pub allowed: bool,
+    /// The rule that allowed it, or why it was denied.
+    pub rule: String,
+    /// Bytes from the sandbox to the upstream.
+    pub up: u64,
+    /// Bytes from the upstream to the sandbox.
+    pub down: u64,
+    /// Duration, ms.
+    pub ms: u64,
+    /// True when the proxy cut it: the run's byte budget was spent.
+    #[serde(default)]
+    pub cut: bool,
+}
+
+struct Policy {
+    session: String,
+    principal: String,
+    rules: Vec<Rule>,
+    headers: HashMap<String, Vec<(String, String)>>,
+    /// Every header value: scrubbed from what upstreams send back.
+    secrets: Vec<Vec<u8>>,
+    conns: Arc<Semaphore>,
+    budget: Arc<Budget>,
+}
+
+#[derive(Default)]
+struct Budget {
+    /// Bytes left; `u64::MAX`: unbounded.
+    left: AtomicU64,
+}
+
+impl Budget {
+    /// Takes `n` bytes; false once exhausted.
+    fn take(&self, n: u64) -> bool {
+        let took =
+            self.left
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| {
+                    if l == u64::MAX { Some(l) } else { l.checked_sub(n) }
+                })
+                .is_ok();
+        if !took {
+            // Spent: what is left is too little for this chunk, and no later one gets through.
+            self.left.store(0, Ordering::SeqCst);
+        }
+        took
+    }
+}
+
+#[derive(Default)]
+struct State {
+    policies: HashMap<IpAddr, Arc<Policy>>,
+    pinned: HashMap<String, IpAddr>,
+    own: Vec<IpAddr>,
+    max_conns: usize,
+}
+
+type Shared = Arc<RwLock<State>>;
+
+/// Runs the proxy until stdin closes (the server went away): then it exits, and the
+/// container with it.
+pub async fn run() -> anyhow::Result<()> {
+    let listener = TcpListener::bind(("0.0.0.0", PORT)).await?;
+    let state: Shared = Arc::new(RwLock::new(State { max_conns: 32, ..Default::default() }));
+    let (tx, mut rx) = mpsc::unbounded_channel::<Report>();
+    let writer = tokio::spawn(async move {
+        let mut out = tokio::io::stdout();
+        while let Some(r) = rx.recv().await {
+            let Ok(mut line) = serde_json::to_vec(&r) else { continue };
+            line.push(b'\n');
+            if out.write_all(&line).await.is_err() || out.flush().await.is_err() {
+                break;
+            }
+        }
+    });
+    let _ = tx.send(Report::Ready);
+    let accept = {
+        let (state, tx) = (state.clone(), tx.clone());
+        async move {
+            loop {
+                let Ok((sock, peer)) = listener.accept().await else { continue };
+                let (state, tx) = (state.clone(), tx.clone());
+                // Each connection ends on its own: bounded head time, then a splice that ends
+                // when either side closes.
+                tokio::spawn(async move { handle(sock, peer, state, tx).await });
+            }
+        }
+    };
+    let control = async {
+        let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str::<Command>(&line) {
+                Ok(Command::Sync { seq }) => {
+                    let _ = tx.send(Report::Applied { seq });
+                }
+                Ok(c) => apply(&state, c),
+                Err(e) => eprintln!("egress-proxy: bad command: {e}"),
+            }
+        }
+    };
+    tokio::select! {
+        () = accept => {}
+        () = control => {}
+    }
+    drop(tx);
+    writer.abort();
+    Ok(())
+}
+
+fn apply(state: &Shared, c: Command) {
+    let mut s = state.write().unwrap_or_else(|e| e.into_inner());
+    match c {
+        Command::Config { pinned, own, max_conns } => {
+            s.pinned = pinned;
+            s.own = own;
+            s.max_conns = max_conns.max(1);
+        }
+        Command::Set { local, session, principal, allow, headers } => {
+            let rules = allow.iter().filter_map(|a| Rule::parse(a).ok()).collect();
+            // The connection slots and the budget survive a new list.
+            let (conns, budget) = match s.policies.get(&local) {
+                Some(p) => (p.conns.clone(), p.budget.clone()),
+                None => {
+                    let b = Budget::default();
+                    b.left.store(u64::MAX, Ordering::SeqCst);
+                    (Arc::new(Semaphore::new(s.max_conns)), Arc::new(b))
+                }
+            };
+            let mut secrets: Vec<Vec<u8>> =
+                headers.values().flatten().map(|(_, v)| v.as_bytes().to_vec()).filter(|v| !v.is_empty()).collect();
+            secrets.sort();
+            secrets.dedup();
+            let policy = Policy { session, principal, rules, headers, secrets, conns, budget };
+            s.policies.insert(local, Arc::new(policy));
+        }
+        Command::Budget { local, bytes } => {
+            if let Some(p) = s.policies.get(&local) {
+                p.budget.left.store(bytes.unwrap_or(u64::MAX), Ordering::SeqCst);
+            }
+        }
+        Command::Drop { local } => {
+            s.policies.remove(&local);
+        }
+        Command::Sync { .. } => {}
+    }
+}
+
+/// A parsed request head.
+struct Head {
+    connect: bool,
+    host: String,
+    port: u16,
+    /// For plain HTTP: the request line to send upstream (origin-form).
+    line: String,
+    /// For plain HTTP: the header lines to send upstream (no proxy or connection headers).
+    headers: Vec<String>,
+    /// Bytes read past the head (the start of a body, or of the tunnel).
+    rest: Vec<u8>,
+}
+
+async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
+    let mut buf = Vec::with_capacity(1024);
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        if buf.len() >= MAX_HEAD {
+            return Err(format!("request head over {MAX_HEAD} bytes"));
+        }
+        let mut chunk = [0u8; 4096];
+        let n = sock.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("connection closed before a request".into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let rest = buf.split_off(end);
+    let text = String::from_utf8(buf).map_err(|_| "request head is not text".to_owned())?;
+    let mut lines = text.split("\r\n");
+    let first = lines.next().unwrap_or_default();
+    let mut parts = first.split(' ');
+    let (method, target, version) = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some(m), Some(t), Some(v), None) if v.starts_with("HTTP/1.") => (m, t, v),
+        _ => return Err("not an HTTP/1 request line".into()),
+    };
+    if method == "CONNECT" {
+        let (host, port) = policy::split_host_port(target)?;
+        let port = port.ok_or("CONNECT needs host:port")?;
+        return Ok(Head { connect: true, host, port, line: String::new(), headers: Vec::new(), rest });
+    }
+    let Some(after) = target.strip_prefix("http://") else {
+        return Err("only CONNECT and absolute http:// URLs are proxied (set HTTP_PROXY, not a Host header)".into());
+    };
+    let (authority, path) = match after.find('/') {
+        Some(i) => (&after[..i], &after[i..]),
+        None => (after, "/"),
+    };
+    if authority.contains('@') {
+        return Err("credentials in the URL are not proxied".into());
+    }
+    let (host, port) = policy::split_host_port(authority)?;
+    let headers = lines
+        .filter(|l| !l.is_empty())
+        .filter(|l| {
+            let name = header_name(l);
+            !(name.starts_with("proxy-") || name == "connection" || name == "keep-alive")
+        })
+        .map(str::to_owned)
+        .collect();
+    let line = format!("{method} {path} {version}");
+    Ok(Head { connect: false, host, port: port.unwrap_or(80), line, headers, rest })
+}
+
+fn header_name(line: &str) -> String {
+    line.split(':').next().unwrap_or_default().trim().to_ascii_lowercase()
+}
+
+impl Head {
+    /// The plain HTTP head to send upstream, with `inject` in place of the sandbox's headers
+    /// of the same names.
+    fn forward(&self, inject: &[(String, String)]) -> Vec<u8> {
+        let mut out = format!("{}\r\n", self.line);
+        for h in &self.headers {
+            let name = header_name(h);
+            if !inject.iter().any(|(n, _)| n.eq_ignore_ascii_case(&name)) {
+                out.push_str(h);
+                out.push_str("\r\n");
+            }
+        }
+        for (n, v) in inject {
+            out.push_str(&format!("{n}: {v}\r\n"));
+        }
+        // One request per connection: a later request on it could not be checked.
+        out.push_str("Connection: close\r\n\r\n");
+        out.into_bytes()
+    }
+}
+
+/// Masks every secret in a stream with '*' of the same length (lengths, and so
+/// Content-Length, stay right), holding back just enough to catch one cut between chunks.
+#[derive(Debug, Default)]
+struct Scrubber {
+    secrets: Vec<Vec<u8>>,
+    pending: Vec<u8>,
+}
+
+impl Scrubber {
+    fn new(secrets: Vec<Vec<u8>>) -> Self {
+        Self { secrets, pending: Vec::new() }
+    }
+
+    fn hold(&self) -> usize {
+        self.secrets.iter().map(Vec::len).max().unwrap_or(1).saturating_sub(1)
+    }
+
+    /// Bytes safe to send after `chunk`.
+    fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        if self.secrets.is_empty() {
+            return chunk.to_vec();
+        }
+        self.pending.extend_from_slice(chunk);
+        for s in &self.secrets {
+            let mut i = 0;
+            while let Some(at) = self.pending[i..].windows(s.len()).position(|w| w == s.as_slice()) {
+                let start = i + at;
+                self.pending[start..start + s.len()].fill(b'*');
+                i = start + s.len();
+            }
+        }
+        let keep = self.hold().min(self.pending.len());
+        let send = self.pending.len() - keep;
+        self.pending.drain(..send).collect()
+    }
+
+    /// What is held back, at the end of the stream.
+    fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+async fn deny(sock: &mut TcpStream, status: &str, body: &str) {
+    let body = format!("pyberth egress: {body}\n");
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Pyberth-Egress: denied\r\n\r\n",
+        body.len()
+    );
+    let _ = sock.write_all(head.as_bytes()).await;
+    let _ = sock.write_all(body.as_bytes()).await;
+    let _ = sock.shutdown().await;
+}
+
+/// The address to connect to, checked, or why not.
+async fn resolve(state: &Shared, host: &str, port: u16) -> Result<SocketAddr, String> {
+    let (pinned, own) = {
+        let s = state.read().unwrap_or_else(|e| e.into_inner());
+        (s.pinned.get(host).copied(), s.own.clone())
+    };
+    // A literal got here only through a rule naming it, a pinned name through the operator:
+    // both are the operator's own choice of address.
+    if let Some(ip) = host.parse::<IpAddr>().ok().or(pinned) {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    let found = tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port)))
+        .await
+        .map_err(|_| format!("{host} did not resolve within {} s", RESOLVE_TIMEOUT.as_secs()))?
+        .map_err(|e| format!("{host} does not resolve ({e})"))?
+        .collect::<Vec<_>>();
+    // Every answer is checked: a name with one public and one private address is refused,
+    // and the one checked is the one connected to (no second lookup to rebind).
+    for a in &found {
+        if let Some(why) = policy::refused_range(a.ip()) {
+            return Err(format!("{host} resolves to {} ({why}), which the sandbox may never reach", a.ip()));
+        }
+        if own.contains(&a.ip()) {
+            return Err(format!("{host} resolves to {}, an address of the host or the proxy", a.ip()));
+        }
+    }
+    found.first().copied().ok_or_else(|| format!("{host} has no address"))
+}
+
+async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::UnboundedSender<Report>) {
+    let started = Instant::now();
+    let local = match sock.local_addr() {
+        Ok(a) => a.ip(),
+        Err(_) => return,
+    };
+    let policy = state.read().unwrap_or_else(|e| e.into_inner()).policies.get(&local).cloned();
+    let Some(policy) = policy else {
+        // Not a session's network (the outbound bridge, or a session already gone).
+        deny(&mut sock, "403 Forbidden", &format!("no egress policy for connections from {}", peer.ip())).await;
+        return;
+    };
+    let head = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut sock)).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => return deny(&mut sock, "400 Bad Request", &e).await,
+        Err(_) => return deny(&mut sock, "408 Request Timeout", "no request head within 10 s").await,
+    };
+    let mut record = Record {
+        local,
+        session: policy.session.clone(),
+        principal: policy.principal.clone(),
+        host: head.host.clone(),
+        port: head.port,
+        allowed: false,
+        rule: String::new(),
+        up: 0,
+        down: 0,
+        ms: 0,
+        cut: false,
+    };
+    let host = policy::normalize_host(&head.host)
+        .or_else(|| head.host.parse::<IpAddr>().ok().map(|ip| ip.to_string()))
+        .unwrap_or_default();
+    let verdict = match policy::first_match(&policy.rules, &host, head.port) {
+        None if host.is_empty() => Err(format!("{:?} is not a host name", head.host)),
+        None if head.host.parse::<IpAddr>().is_ok() => Err(format!(
+            "{}:{} denied: IP literals are refused unless the operator allows that literal (use the host name)",
+            head.host, head.port
+        )),
+        None => Err(format!(
+            "{}:{} denied: not on this session's egress allow-list ({})",
+            host,
+            head.port,
+            if policy.rules.is_empty() {
+                "empty: the session is offline".to_owned()
+            } else {
+                policy.rules.iter().map(Rule::text).collect::<Vec<_>>().join(", ")
+            }
+        )),
+        Some(rule) => Ok(rule.text().to_owned()),
+    };
+    let rule = match verdict {
+        Ok(r) => r,
+        Err(why) => {
+            record.rule = why.clone();
+            record.ms = ms(started);
+            let _ = tx.send(Report::Conn(record));
+            return deny(&mut sock, "403 Forbidden", &why).await;
+        }
+    };
+    let Ok(_slot) = policy.conns.clone().try_acquire_owned() else {
+        record.rule = "too many connections open at once for this session (--egress-max-conns)".into();
+        let _ = tx.send(Report::Conn(record.clone()));
+        let why = format!("{host}:{} denied: {}", head.port, record.rule);
+        return deny(&mut sock, "429 Too Many Requests", &why).await;
+    };
+    if policy.budget.left.load(Ordering::SeqCst) == 0 {
+        record.rule = "the run's egress byte budget is spent (--egress-max-mb)".into();
+        let _ = tx.send(Report::Conn(record.clone()));
+        let why = format!("{host}:{} denied: {}", head.port, record.rule);
+        return deny(&mut sock, "403 Forbidden", &why).await;
+    }
+    let upstream = match resolve(&state, &host, head.port).await {
+        Ok(addr) => tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+            .await
+            .map_err(|_| format!("{host}:{} did not accept within {} s", head.port, CONNECT_TIMEOUT.as_secs()))
+            .and_then(|r| r.map_err(|e| format!("{host}:{} refused the connection: {e}", head.port))),
+        Err(why) => {
+            record.rule = format!("{why} (rule {rule} matched the name)");
+            record.ms = ms(started);
+            let _ = tx.send(Report::Conn(record.clone()));
+            return deny(&mut sock, "403 Forbidden", &format!("{host}:{} denied: {}", head.port, record.rule)).await;
+        }
+    };
+    let mut upstream = match upstream {
+        Ok(u) => u,
+        Err(why) => {
+            record.rule = format!("allowed by {rule}, but {why}");
+            record.ms = ms(started);
+            let _ = tx.send(Report::Conn(record.clone()));
+            return deny(&mut sock, "502 Bad Gateway", &why).await;
+        }
+    };
+    record.allowed = true;
+    record.rule = rule;
+    let first = if head.connect {
+        let _ = sock.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await;
+        head.rest.clone()
+    } else {
+        let inject = policy.headers.get(&host).map(Vec::as_slice).unwrap_or_default();
+        let mut f = head.forward(inject);
+        f.extend_from_slice(&head.rest);
+        f
+    };
+    let scrub = Scrubber::new(policy.secrets.clone());
+    let (up, down) = splice(sock, &mut upstream, first, &policy.budget, scrub).await;
+    record.up = up;
+    record.down = down;
+    record.cut = policy.budget.left.load(Ordering::SeqCst) == 0;
+    record.ms = ms(started);
+    let _ = tx.send(Report::Conn(record));
+}
+
+fn ms(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Copies both ways until either side closes or the budget is spent; bytes each way.
+async fn splice(
+    client: TcpStream,
+    upstream: &mut TcpStream,
+    first: Vec<u8>,
+    budget: &Budget,
+    mut scrub: Scrubber,
+) -> (u64, u64) {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut ur, mut uw) = upstream.split();
+    let up_n = AtomicU64::new(0);
+    let down_n = AtomicU64::new(0);
+    let up = async {
+        if !first.is_empty() {
+            if !budget.take(first.len() as u64) || uw.write_all(&first).await.is_err() {
+                return;
+            }
+            up_n.fetch_add(first.len() as u64, Ordering::Relaxed);
+        }
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if !budget.take(n as u64) || uw.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+            up_n.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        let _ = uw.shutdown().await;
+    };
+    let down = async {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match ur.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if !budget.take(n as u64) || cw.write_all(&scrub.push(&buf[..n])).await.is_err() {
+                break;
+            }
+            down_n.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        let _ = cw.write_all(&scrub.finish()).await;
+        let _ = cw.shutdown().await;
+    };
+    tokio::join!(up, down);
+    (up_n.into_inner(), down_n.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_masked_across_chunk_boundaries() {
+        let mut s = Scrubber::new(vec![b"s3cret-token".to_vec()]);
+        let input = b"a s3cret-token b s3cr".to_vec();
+        let mut out = s.push(&input);
+        out.extend(s.push(b"et-token c"));
+        out.extend(s.finish());
+        assert_eq!(String::from_utf8(out).expect("utf-8"), "a ************ b ************ c");
+        let mut none = Scrubber::new(Vec::new());
+        assert_eq!(none.push(b"plain"), b"plain");
+    }
+
+    #[test]
+    fn injected_headers_replace_the_sandboxes_own() {
+        let head = Head {
+            connect: false,
+            host: "h".into(),
+            port: 80,
+            line: "GET / HTTP/1.1".into(),
+            headers: vec!["Host: h".into(), "authorization: forged".into()],
+            rest: Vec::new(),
+        };
+        let out = String::from_utf8(head.forward(&[("Authorization".into(), "Bearer real".into())])).expect("utf-8");
+        assert_eq!(out, "GET / HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer real\r\nConnection: close\r\n\r\n");
+    }
+}
