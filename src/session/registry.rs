@@ -165,18 +165,41 @@ impl Registry {
                 .await?;
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.
-        let (dir, tag) = (state_dir.clone(), layer.tag.clone());
-        if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &tag)).await {
+        let (dir, key) = (state_dir.clone(), layer.key.clone());
+        if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &key)).await {
             tracing::debug!(error = %e, "cannot record layer use");
         }
         if !layer.cached {
-            match layers::prune(&self.docker, &state_dir, self.cfg.layer_cache_mb << 20).await {
-                Ok(removed) if !removed.is_empty() => tracing::info!(?removed, "layer cache over its size; pruned"),
+            // Never the set just made, nor one a session of ours holds (the record of this
+            // instance may lag a session being created).
+            let mut protect = self.layers_in_use();
+            protect.push(layer.key.clone());
+            let (owner, keep) = (&self.instance.owner, self.cfg.layer_cache_mb << 20);
+            match layers::prune(&self.docker, &base, owner, &state_dir, keep, &protect).await {
+                Ok(removed) if !removed.is_empty() => {
+                    let removed: Vec<&str> = removed.iter().map(|l| l.key.as_str()).collect();
+                    tracing::info!(?removed, "layer cache over its size; pruned");
+                }
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "cannot prune layers"),
             }
         }
         Ok(layer)
+    }
+
+    /// Keys of the layers this server's sessions hold.
+    fn layers_in_use(&self) -> Vec<String> {
+        let sessions: Vec<Arc<Session>> = self.slots().values().filter_map(|slot| slot.get().cloned()).collect();
+        let mut keys: Vec<String> = sessions.iter().flat_map(|s| s.layer_keys()).collect();
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
+    /// Writes this instance's record of the layers its sessions hold, which every prune on
+    /// this host reads (docs/design.md D6): a small file, written in place of the last.
+    fn record_layers(&self) {
+        layers::record_in_use(&self.cfg.state_dir(), &self.instance.owner.instance, &self.layers_in_use());
     }
 
     /// Adds requirements to a running session (a no-op for those it has).
@@ -193,7 +216,9 @@ impl Registry {
         }
         let env = self.environments.get(Some(&session.environment)).map_err(Error::Environment)?;
         let layer = self.layer(&env, &added, progress).await?;
-        session.add_layer(&layer.tag, &added).await?;
+        let attached = session.add_layer(&layer, &added).await;
+        self.record_layers();
+        attached?;
         Ok(Installed { added, present, layer: Some(layer), skipped: Vec::new() })
     }
 
@@ -382,31 +407,41 @@ impl Registry {
                 let mut all: Vec<String> = env.packages.iter().chain(packages).cloned().collect();
                 all.sort();
                 all.dedup();
-                let image = if all.is_empty() {
-                    self.image(&env, progress).await?
-                } else {
-                    self.layer(&env, &all, progress).await?.tag
-                };
+                let image = self.image(&env, progress).await?;
+                let layer = if all.is_empty() { None } else { Some(self.layer(&env, &all, progress).await?) };
                 created = true;
                 let naming = super::Naming {
                     name: name.to_owned(),
                     principal: principal.to_owned(),
                     environment: env.name.clone(),
                 };
-                if all.is_empty() && env.name == self.environments.default_name() {
-                    let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                    if let Some(prepared) = taken {
+                // Packages or not: a set is a directory put on the path, so the pool serves all.
+                let taken = if env.name == self.environments.default_name() {
+                    self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop()
+                } else {
+                    None
+                };
+                let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
+                let session = match taken {
+                    Some(prepared) => {
                         self.pool_wake.notify_one();
-                        let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
-                        return Ok(Session::adopt(docker, env.cfg.clone(), image, owner, naming, all, prepared));
+                        Session::adopt(docker, env.cfg.clone(), image, owner, naming, Vec::new(), prepared)
                     }
+                    None => Session::start(docker, env.cfg.clone(), image, owner, naming, Vec::new()).await?,
+                };
+                if let Some(layer) = layer
+                    && let Err(e) = session.add_layer(&layer, &all).await
+                {
+                    session.close().await;
+                    return Err(Error::from(e));
                 }
-                Session::start(self.docker.clone(), env.cfg.clone(), image, self.instance.owner.clone(), naming, all)
-                    .await
-                    .map_err(Error::from)
+                Ok(session)
             })
             .await
             .cloned();
+        if created {
+            self.record_layers();
+        }
         match result {
             Ok(s) => Ok((s, created)),
             Err(e) => {
@@ -447,6 +482,7 @@ impl Registry {
             }
         };
         session.close().await;
+        self.record_layers();
         Ok(())
     }
 
@@ -465,6 +501,9 @@ impl Registry {
         for s in &expired {
             tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
             s.close().await;
+        }
+        if !expired.is_empty() {
+            self.record_layers();
         }
         expired.len()
     }
@@ -586,6 +625,7 @@ impl Registry {
         self.jobs.shutdown().await;
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;
+        self.record_layers();
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }
