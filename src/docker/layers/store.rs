@@ -175,12 +175,13 @@ now = time.time()
 for d in os.listdir(root):
     p = os.path.join(root, d)
     # Left by a writer that died: an hour is far past any upload.
-    if d.startswith(".tmp-") and now - os.lstat(p).st_mtime > 3600:
+    if d.startswith(".tmp-") and d != (sys.argv[2] if op == "store" else "") and now - os.lstat(p).st_mtime > 3600:
         shutil.rmtree(p, ignore_errors=True)
 if op == "store":
     tmp, final, key = sys.argv[2:5]
     t, f = os.path.join(root, tmp), os.path.join(root, final)
     if meta_key(tmp) != key:
+        print("incomplete:", tmp, sorted(os.listdir(t)) if os.path.isdir(t) else sorted(os.listdir(root)), file=sys.stderr)
         shutil.rmtree(t, ignore_errors=True)
         sys.exit(3)
     try:
@@ -257,9 +258,17 @@ async fn run_script(
         let mut upload_error = None;
         if let Some(tar) = upload {
             let opts = UploadToContainerOptionsBuilder::default().path(MOUNT).build();
+            let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let counter = sent.clone();
+            let tar = tar.inspect(move |c| {
+                if let Ok(c) = c {
+                    counter.fetch_add(c.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
             if let Err(e) = docker.upload_to_container(&id, Some(opts), bollard::body_try_stream(tar)).await {
                 upload_error = Some(Error::from(e));
             }
+            tracing::debug!(bytes = sent.load(std::sync::atomic::Ordering::Relaxed), "uploaded to the layer store");
         }
         let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
         let mut output = docker.attach_container(&id, Some(attach)).await?.output;
@@ -270,7 +279,7 @@ async fn run_script(
                 match frame {
                     Ok(LogOutput::StdOut { message }) => out.extend_from_slice(&message),
                     Ok(LogOutput::StdErr { message }) => {
-                        tracing::debug!(output = %String::from_utf8_lossy(&message), "layer store script");
+                        tracing::warn!(output = %String::from_utf8_lossy(&message), "layer store script");
                     }
                     Ok(_) => {}
                     Err(e) => return Err(Error::from(e)),

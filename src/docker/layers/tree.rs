@@ -179,7 +179,8 @@ fn append_tree<W: Write>(tmp: &str, mut meta: Meta, tree: impl Read, out: &mut t
     h.set_entry_type(tar::EntryType::Directory);
     h.set_size(0);
     h.set_mode(0o755);
-    h.set_mtime(0);
+    // Now: the store's writer removes `.tmp-*` directories older than an hour as leftovers.
+    h.set_mtime(u64::try_from(meta.created).unwrap_or(0));
     h.set_cksum();
     out.append_data(&mut h, root, &[][..]).map_err(|e| e.to_string())?;
     let mut size = 0u64;
