@@ -393,3 +393,234 @@ async fn layers_list_and_prune_work_on_the_store_and_spare_sets_in_use() {
     assert!(listed.contains("six") && !listed.contains("iniconfig"), "{listed}");
     s.stop().await;
 }
+
+/// An sdist whose build writes straight into the install target: a symlink out of the tree,
+/// a setuid executable, a fifo (a device node needs CAP_MKNOD, which the installer lacks; the
+/// re-packer drops devices as fifos, `tree.rs` unit tests). The stored set has none of them.
+const HOSTILE_SETUP: &str = r##"
+import os
+from setuptools import setup
+# The build runs in the installer, which can write the install target: plant what a hostile
+# tree could hold (pip --target leaves files already there alone).
+site = "/workspace/site"
+os.makedirs(site, exist_ok=True)
+for name, make in [
+    ("evil_link", lambda p: os.symlink("/etc/passwd", p)),
+    ("evil_rel", lambda p: os.symlink("../../../../etc", p)),
+    ("evil_fifo", os.mkfifo),
+]:
+    try:
+        make(os.path.join(site, name))
+    except OSError:
+        pass
+p = os.path.join(site, "evil_suid")
+try:
+    with open(p, "w") as f:
+        f.write("#!/bin/sh\n")
+    os.chmod(p, 0o6777)
+except OSError:
+    pass
+with open(os.path.join(site, "planted_marker.py"), "w") as f:
+    f.write("PLANTED = True\n")
+setup(name="pyberth-hostile", version="1.0", py_modules=["pyberth_hostile"])
+"##;
+
+/// A package index of the test's own: a container on the default network serving one sdist
+/// over HTTPS (pip ignores plain HTTP hosts) with a certificate made here and added to the CA
+/// bundle the server is given; everything else (setuptools for the build) comes from the real
+/// index as an extra index.
+struct LocalIndex {
+    id: String,
+    url: String,
+    bundle: std::path::PathBuf,
+}
+
+const SERVE_PY: &str = r#"import functools, http.server, os, ssl, time
+while not os.path.exists("/tmp/idx/ready"):
+    time.sleep(0.05)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain("/tmp/idx/cert.pem", "/tmp/idx/key.pem")
+h = functools.partial(http.server.SimpleHTTPRequestHandler, directory="/tmp/idx")
+s = http.server.ThreadingHTTPServer(("0.0.0.0", 8443), h)
+s.socket = ctx.wrap_socket(s.socket, server_side=True)
+s.serve_forever()
+"#;
+
+impl LocalIndex {
+    async fn start(instance: &str) -> LocalIndex {
+        use bollard::models::ContainerCreateBody;
+        use bollard::query_parameters::{CreateContainerOptionsBuilder, UploadToContainerOptionsBuilder};
+        let mut sdist = tar::Builder::new(Vec::new());
+        for (name, body) in [
+            ("pyberth_hostile-1.0/setup.py", HOSTILE_SETUP.as_bytes()),
+            ("pyberth_hostile-1.0/pyberth_hostile.py", b"VALUE = 42\n".as_slice()),
+            (
+                "pyberth_hostile-1.0/PKG-INFO",
+                b"Metadata-Version: 1.0\nName: pyberth-hostile\nVersion: 1.0\n".as_slice(),
+            ),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(body.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            sdist.append_data(&mut h, name, body).expect("sdist");
+        }
+        let mut gz = flate2_free_gzip(&sdist.into_inner().expect("sdist"));
+        let page = "<html><body><a href=\"../../files/pyberth_hostile-1.0.tar.gz\">pyberth_hostile-1.0.tar.gz</a></body></html>";
+        let mut site = tar::Builder::new(Vec::new());
+        for (name, body) in [
+            ("idx/simple/pyberth-hostile/index.html", page.as_bytes().to_vec()),
+            ("idx/files/pyberth_hostile-1.0.tar.gz", std::mem::take(&mut gz)),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(body.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            site.append_data(&mut h, name, &body[..]).expect("index");
+        }
+        let docker = docker().await;
+        let image = pyberth::docker::image::tag_for(&crate::common::server_settings());
+        let labels = HashMap::from([
+            ("pyberth.managed".to_owned(), "1".to_owned()),
+            ("pyberth.instance".to_owned(), instance.to_owned()),
+            ("pyberth.host".to_owned(), "test".to_owned()),
+        ]);
+        let body = ContainerCreateBody {
+            image: Some(image),
+            cmd: Some(["python3", "-c", SERVE_PY].map(str::to_owned).to_vec()),
+            labels: Some(labels),
+            ..Default::default()
+        };
+        let name = format!("{instance}-index");
+        let opts = CreateContainerOptionsBuilder::default().name(&name).build();
+        let id = docker.create_container(Some(opts), body).await.expect("index container").id;
+        let opts = UploadToContainerOptionsBuilder::default().path("/tmp").build();
+        docker
+            .upload_to_container(&id, Some(opts), bollard::body_full(site.into_inner().expect("tar").into()))
+            .await
+            .expect("upload");
+        docker.start_container(&id, None).await.expect("start");
+        let ip = docker
+            .inspect_container(&id, None)
+            .await
+            .expect("inspect")
+            .network_settings
+            .and_then(|n| n.networks)
+            .and_then(|n| n.get("bridge").and_then(|b| b.ip_address.clone()))
+            .filter(|ip| !ip.is_empty())
+            .expect("an address on the default network");
+        // A certificate for that address, then the go-ahead.
+        let dir = std::env::temp_dir().join(format!("{instance}-tls"));
+        std::fs::create_dir_all(&dir).expect("tls dir");
+        let made = std::process::Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=pyberth-test-index"])
+            .arg("-addext")
+            .arg(format!("subjectAltName=IP:{ip}"))
+            .arg("-keyout")
+            .arg(dir.join("key.pem"))
+            .arg("-out")
+            .arg(dir.join("cert.pem"))
+            .output()
+            .expect("openssl");
+        assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+        let cert = std::fs::read(dir.join("cert.pem")).expect("cert");
+        let mut tls = tar::Builder::new(Vec::new());
+        for (name, body) in [
+            ("idx/cert.pem", cert.clone()),
+            ("idx/key.pem", std::fs::read(dir.join("key.pem")).expect("key")),
+            ("idx/ready", Vec::new()),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(body.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            tls.append_data(&mut h, name, &body[..]).expect("tls");
+        }
+        let opts = UploadToContainerOptionsBuilder::default().path("/tmp").build();
+        docker
+            .upload_to_container(&id, Some(opts), bollard::body_full(tls.into_inner().expect("tar").into()))
+            .await
+            .expect("upload");
+        let mut bundle = std::fs::read("/etc/ssl/certs/ca-certificates.crt").unwrap_or_default();
+        bundle.extend_from_slice(&cert);
+        let bundle_path = dir.join("bundle.pem");
+        std::fs::write(&bundle_path, bundle).expect("bundle");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        LocalIndex { id, url: format!("https://{ip}:8443/simple"), bundle: bundle_path }
+    }
+
+    async fn stop(self) {
+        if let Some(dir) = self.bundle.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        let opts = bollard::query_parameters::RemoveContainerOptionsBuilder::default().force(true).build();
+        let _ = docker().await.remove_container(&self.id, Some(opts)).await;
+    }
+}
+
+/// A gzip stream with stored (uncompressed) deflate blocks: pip reads `.tar.gz` only, and the
+/// crate has no compressor; a stored block needs none.
+fn flate2_free_gzip(data: &[u8]) -> Vec<u8> {
+    let mut out = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 255];
+    let chunks: Vec<&[u8]> = if data.is_empty() { vec![&[][..]] } else { data.chunks(65535).collect() };
+    for (i, chunk) in chunks.iter().enumerate() {
+        out.push(u8::from(i + 1 == chunks.len()));
+        let len = u16::try_from(chunk.len()).expect("chunk");
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&(!len).to_le_bytes());
+        out.extend_from_slice(chunk);
+    }
+    out.extend_from_slice(&crc32(data).to_le_bytes());
+    out.extend_from_slice(&u32::try_from(data.len()).expect("size").to_le_bytes());
+    out
+}
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for b in data {
+        crc ^= u32::from(*b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hostile_package_tree_is_stored_sanitized() {
+    let store = PrivateStore::new("hostile");
+    let instance = crate::common::instance_name("deps-hostile");
+    let index = LocalIndex::start(&instance).await;
+    let bundle = index.bundle.to_string_lossy().into_owned();
+    let env = [
+        store.env(),
+        ("PYBERTH_INDEX_URL", index.url.as_str()),
+        ("PYBERTH_EXTRA_INDEX_URL", "https://pypi.org/simple"),
+        ("PYBERTH_CA_BUNDLE", bundle.as_str()),
+    ];
+    let s = Server::start_as(&instance, &env).await;
+    let (r, sc) = s.run_with(json!({ "session": "h", "code": "import pyberth_hostile\npyberth_hostile.VALUE", "packages": ["pyberth-hostile"] })).await;
+    let message = text(&r);
+    index.stop().await;
+    assert_eq!(r.is_error, Some(false), "{message}");
+    assert_eq!(sc["result"], "42");
+    let check = r#"
+import os, pyberth_hostile
+site = os.path.dirname(pyberth_hostile.__file__)
+out = {n: os.path.lexists(os.path.join(site, n)) for n in ("evil_link", "evil_rel", "evil_fifo")}
+p = os.path.join(site, "evil_suid")
+out["suid_mode"] = oct(os.stat(p).st_mode & 0o7777) if os.path.exists(p) else None
+out["owner"] = os.stat(pyberth_hostile.__file__).st_uid
+import planted_marker
+out["planted"] = planted_marker.PLANTED
+out
+"#;
+    let result = s.ok("h", check).await["result"].as_str().expect("result").to_owned();
+    // The build did plant its files (a regular one is kept), and what is hostile is gone.
+    let want = ["'planted': True", "'evil_link': False", "'evil_rel': False", "'evil_fifo': False", "'owner': 0"];
+    for w in want {
+        assert!(result.contains(w), "{w}: {result}");
+    }
+    assert!(result.contains("'suid_mode': '0o755'"), "setuid and setgid stripped, not writable: {result}");
+    s.stop().await;
+}
