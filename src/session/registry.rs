@@ -169,7 +169,7 @@ impl Registry {
         if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &key)).await {
             tracing::debug!(error = %e, "cannot record layer use");
         }
-        if !layer.cached {
+        if !layer.cached && layers::over(&self.docker, self.cfg.layer_cache_mb << 20).await {
             // Never the set just made, nor one a session of ours holds (the record of this
             // instance may lag a session being created).
             let mut protect = self.layers_in_use();

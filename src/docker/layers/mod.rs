@@ -148,27 +148,35 @@ pub struct Layer {
 /// The sets this process knows the store holds, by directory name: read once from the store,
 /// then kept as sets are stored and pruned. A set another server stored since is not known
 /// here; installing it again ends with the rename finding it there ([`store::Stored::Exists`]).
-static KNOWN: std::sync::Mutex<Option<(String, HashSet<String>)>> = std::sync::Mutex::new(None);
+/// With each set's size, so an install prunes (which reads the store) only when over the cap.
+static KNOWN: std::sync::Mutex<Option<(String, HashMap<String, u64>)>> = std::sync::Mutex::new(None);
 
 fn known(store: &Store, dir: &str) -> Option<bool> {
     let k = KNOWN.lock().ok()?;
     let (volume, dirs) = k.as_ref()?;
-    (volume == &store.volume).then(|| dirs.contains(dir))
+    (volume == &store.volume).then(|| dirs.contains_key(dir))
 }
 
-fn set_known(store: &Store, dirs: HashSet<String>) {
+/// The bytes of the sets this process knows of.
+fn known_bytes(store: &Store) -> Option<u64> {
+    let k = KNOWN.lock().ok()?;
+    let (volume, dirs) = k.as_ref()?;
+    (volume == &store.volume).then(|| dirs.values().sum())
+}
+
+fn set_known(store: &Store, dirs: HashMap<String, u64>) {
     if let Ok(mut k) = KNOWN.lock() {
         *k = Some((store.volume.clone(), dirs));
     }
 }
 
-fn mark_known(store: &Store, dir: &str, present: bool) {
+fn mark_known(store: &Store, dir: &str, present: Option<u64>) {
     if let Ok(mut k) = KNOWN.lock()
         && let Some((volume, dirs)) = k.as_mut()
         && volume == &store.volume
     {
-        if present {
-            dirs.insert(dir.to_owned());
+        if let Some(size) = present {
+            dirs.insert(dir.to_owned(), size);
         } else {
             dirs.remove(dir);
         }
@@ -203,8 +211,8 @@ pub async fn ensure(
     let present = match known(&store, &dir) {
         Some(p) => p,
         None => {
-            let dirs: HashSet<String> = store::index(docker, &store, base, owner).await?.into_keys().collect();
-            let p = dirs.contains(&dir);
+            let dirs = sizes(store::index(docker, &store, base, owner).await?);
+            let p = dirs.contains_key(&dir);
             set_known(&store, dirs);
             p
         }
@@ -216,10 +224,27 @@ pub async fn ensure(
     progress(&format!("installing {} into a new layer", requirements.join(" ")));
     let started = Instant::now();
     let spec = LayerSpec { base, requirements, key: &key, store: &store, owner };
+    // `build_layer` records it as known, with its size.
     installer::install(docker, cfg, owner, &spec, index, progress).await?;
-    mark_known(&store, &dir, true);
     progress(&format!("layer {key} ready in {:.1} s", started.elapsed().as_secs_f64()));
     Ok(Layer { key, site, cached: false })
+}
+
+/// Each set's size, from the store's listing.
+fn sizes(index: HashMap<String, Option<serde_json::Value>>) -> HashMap<String, u64> {
+    index
+        .into_iter()
+        .map(|(dir, meta)| (dir, meta.and_then(|m| m.get("size").and_then(serde_json::Value::as_u64)).unwrap_or(0)))
+        .collect()
+}
+
+/// Whether the sets this process knows of may exceed `keep_bytes` (0: keep none), so a prune
+/// is worth reading the store for. Unknown: yes.
+pub async fn over(docker: &Docker, keep_bytes: u64) -> bool {
+    match Store::get(docker).await {
+        Ok(store) => known_bytes(&store).is_none_or(|b| keep_bytes == 0 || b > keep_bytes),
+        Err(_) => true,
+    }
 }
 
 fn now_s() -> i64 {
@@ -255,7 +280,11 @@ async fn build_layer(docker: &Docker, installer: &str, spec: &LayerSpec<'_>) -> 
     // The first failure is the cause; the others follow from the channels it closed.
     downloaded?;
     match packed {
-        Ok(()) => stored.map(|_| ()),
+        Ok(size) => {
+            stored?;
+            mark_known(spec.store, &spec.store.dir_name(spec.key), Some(size));
+            Ok(())
+        }
         Err(_) if upload_gone && stored.is_err() => stored.map(|_| ()),
         Err(e) => Err(Error::Failed(format!("install failed: {e}"))),
     }
@@ -289,7 +318,7 @@ pub async fn list_by_use(
 ) -> Result<Vec<LayerInfo>, Error> {
     let store = Store::open(docker).await?;
     let index = store::index(docker, &store, image, owner).await?;
-    set_known(&store, index.keys().cloned().collect());
+    set_known(&store, sizes(index.clone()));
     let used = read_uses(state_dir);
     let mut out: Vec<LayerInfo> = index
         .into_iter()
@@ -414,7 +443,7 @@ pub async fn prune(
     let dirs: Vec<String> = doomed.iter().map(|l| l.dir.clone()).collect();
     let removed: HashSet<String> = store::remove(docker, &store, image, owner, &dirs).await?.into_iter().collect();
     for dir in &removed {
-        mark_known(&store, dir, false);
+        mark_known(&store, dir, None);
     }
     Ok(doomed.into_iter().filter(|l| removed.contains(&l.dir)).collect())
 }
@@ -541,14 +570,14 @@ mod tests {
         };
         let ((), body) = tokio::join!(feed, tree::context_body(context_rx).collect::<Vec<_>>());
         let (packed, _) = repacker.await.expect("re-packer");
-        (body, packed)
+        (body, packed.map(|_| ()))
     }
 
     #[tokio::test]
     async fn the_streamed_context_is_the_whole_context_and_a_cut_tree_never_ends_cleanly() {
         // Bigger than a chunk both ways, fed in odd-sized pieces.
         let tree = tree_with_file(CHUNK + 12345);
-        let whole = context_from_tree(".tmp-x", meta(), &tree[..], Vec::new()).expect("context");
+        let whole = context_from_tree(".tmp-x", &mut meta(), &tree[..], Vec::new()).expect("context");
         let pieces = |t: &[u8]| t.chunks(7000).map(|c| Ok(Bytes::copy_from_slice(c))).collect::<Vec<_>>();
         let (body, packed) = stream(pieces(&tree)).await;
         assert_eq!(packed, Ok(()));
@@ -568,7 +597,7 @@ mod tests {
     fn a_refused_tree_leaves_no_end_of_archive_marker() {
         let bad = tree(&[("site/", tar::EntryType::Directory, ""), ("other/x.py", tar::EntryType::Regular, "")]);
         let mut sink = Vec::new();
-        assert!(context_from_tree(".tmp-x", meta(), &bad[..], &mut sink).is_err());
+        assert!(context_from_tree(".tmp-x", &mut meta(), &bad[..], &mut sink).is_err());
         assert!(!sink.is_empty(), "what came before was written");
         assert!(!sink.ends_with(&[0u8; 1024]), "a refused tree must not look whole to the engine");
     }
@@ -585,7 +614,7 @@ mod tests {
             // A hard link names its target from the archive's root: into another set, dropped.
             ("site/hard", tar::EntryType::Link, "site/../other/site/x.py"),
         ]);
-        let ctx = context_from_tree(".tmp-x", meta(), &ok[..], Vec::new()).expect("context");
+        let ctx = context_from_tree(".tmp-x", &mut meta(), &ok[..], Vec::new()).expect("context");
         let got = names(&ctx);
         let paths: Vec<&str> = got.iter().map(|(p, _)| p.as_str()).collect();
         assert_eq!(paths, [".tmp-x", ".tmp-x/site/", ".tmp-x/site/six.py", ".tmp-x/site/link.py", ".tmp-x/meta.json"]);
@@ -594,7 +623,7 @@ mod tests {
         assert_eq!(got[4].1, 0o600, "the metadata is root's alone");
         for bad in ["site/../../etc/x", "other/x.py"] {
             let t = tree(&[(bad, tar::EntryType::Regular, "")]);
-            assert!(context_from_tree(".tmp-x", meta(), &t[..], Vec::new()).is_err(), "{bad}");
+            assert!(context_from_tree(".tmp-x", &mut meta(), &t[..], Vec::new()).is_err(), "{bad}");
         }
     }
 }

@@ -107,20 +107,20 @@ impl Write for ContextWriter {
 }
 
 /// Re-packs the tree arriving on `tree` into the upload sent down `context` (on a blocking
-/// thread). Also says whether the upload stopped reading.
+/// thread); returns the tree's size. Also says whether the upload stopped reading.
 pub(super) fn repack(
     tmp: &str,
-    meta: Meta,
+    mut meta: Meta,
     tree: mpsc::Receiver<std::io::Result<Bytes>>,
     context: mpsc::Sender<std::io::Result<Option<Bytes>>>,
-) -> (Result<(), String>, bool) {
+) -> (Result<u64, String>, bool) {
     let mut out = ContextWriter { tx: context, buf: Vec::with_capacity(CHUNK), gone: false };
     let tree = TreeReader { rx: tree, cur: Bytes::new() };
-    let packed = context_from_tree(tmp, meta, tree, &mut out).and_then(|w| w.finish().map_err(|e| e.to_string()));
+    let packed = context_from_tree(tmp, &mut meta, tree, &mut out).and_then(|w| w.finish().map_err(|e| e.to_string()));
     if let Err(e) = &packed {
         let _ = out.tx.blocking_send(Err(std::io::Error::other(e.clone())));
     }
-    (packed, out.gone)
+    (packed.map(|()| meta.size), out.gone)
 }
 
 /// The request body of the upload, from the re-packer's chunks.
@@ -162,7 +162,7 @@ impl<W: Write> Write for Cut<W> {
 /// modes are made readable (never setuid, never writable but by root) so the code's uid can
 /// import it. On failure `out` gets no end-of-archive marker, and no `meta.json`: the store
 /// discards what arrived.
-pub(super) fn context_from_tree<W: Write>(tmp: &str, meta: Meta, tree: impl Read, out: W) -> Result<W, String> {
+pub(super) fn context_from_tree<W: Write>(tmp: &str, meta: &mut Meta, tree: impl Read, out: W) -> Result<W, String> {
     let mut out = tar::Builder::new(Cut { inner: out, cut: false });
     match append_tree(tmp, meta, tree, &mut out) {
         Ok(()) => out.into_inner().map(|c| c.inner).map_err(|e| e.to_string()),
@@ -173,7 +173,7 @@ pub(super) fn context_from_tree<W: Write>(tmp: &str, meta: Meta, tree: impl Read
     }
 }
 
-fn append_tree<W: Write>(tmp: &str, mut meta: Meta, tree: impl Read, out: &mut tar::Builder<W>) -> Result<(), String> {
+fn append_tree<W: Write>(tmp: &str, meta: &mut Meta, tree: impl Read, out: &mut tar::Builder<W>) -> Result<(), String> {
     let root = std::path::Path::new(tmp);
     let mut h = tar::Header::new_gnu();
     h.set_entry_type(tar::EntryType::Directory);
@@ -236,7 +236,7 @@ fn append_tree<W: Write>(tmp: &str, mut meta: Meta, tree: impl Read, out: &mut t
         out.append_data(&mut header, root.join(&path), &mut entry).map_err(|e| e.to_string())?;
     }
     meta.size = size;
-    let json = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
+    let json = serde_json::to_vec(&*meta).map_err(|e| e.to_string())?;
     let mut h = tar::Header::new_gnu();
     h.set_size(json.len() as u64);
     h.set_mode(0o600);
