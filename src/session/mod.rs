@@ -624,6 +624,11 @@ impl Session {
         Ok(())
     }
 
+    /// The layers on the session's path, in the order asked for.
+    pub fn layers(&self) -> Vec<layers::Layer> {
+        self.layers.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
     /// The keys of the layers on the session's path.
     pub fn layer_keys(&self) -> Vec<String> {
         self.layers.lock().map(|l| l.iter().map(|l| l.key.clone()).collect()).unwrap_or_default()

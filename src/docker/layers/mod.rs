@@ -134,8 +134,9 @@ struct LayerSpec<'a> {
     owner: &'a Owner,
 }
 
-/// A layer ready for use.
-#[derive(Debug, Clone)]
+/// A layer ready for use. Serializable, for records of a session's layers (a session adopted
+/// by a later server attaches them again to every new interpreter).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Layer {
     /// Content key.
     pub key: String,
