@@ -558,11 +558,26 @@ impl Registry {
     pub async fn pool_keeper(self: Arc<Self>, shutdown: CancellationToken) {
         let size = self.cfg.pool_size;
         let mut serial = 0u64;
+        let mut preloaded = false;
         // Doubles after each failure (a missing image is a whole bootstrap each try), back to
         // the start after a success.
         let mut backoff = Duration::from_secs(10);
         while size > 0 && !shutdown.is_cancelled() {
             let missing = size.saturating_sub(self.pool.lock().unwrap_or_else(|e| e.into_inner()).len());
+            if missing == 0 && !preloaded {
+                // Once the pool is full: the layer store's listing, so that the first new
+                // session asking for a cached set waits for nothing but its pooled container.
+                preloaded = true;
+                if let (Ok(env), owner) = (self.environments.get(None), &self.instance.owner)
+                    && let Ok(image) = self.image(&env, &|_| {}).await
+                {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        () = layers::preload(&self.docker, &image, owner) => {}
+                    }
+                }
+                continue;
+            }
             if missing == 0 {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,

@@ -184,6 +184,21 @@ fn mark_known(store: &Store, dir: &str, present: Option<u64>) {
     }
 }
 
+/// Reads the store's listing now if this process has not yet, so the first ask for a cached
+/// set is not the one that waits for it (one reader container, `image` to run it).
+pub async fn preload(docker: &Docker, image: &str, owner: &Owner) {
+    let read = async {
+        let store = Store::get(docker).await?;
+        if known(&store, "").is_none() {
+            set_known(&store, sizes(store::index(docker, &store, image, owner).await?));
+        }
+        Ok::<(), Error>(())
+    };
+    if let Err(e) = read.await {
+        tracing::debug!(error = %e, "cannot read the layer store's listing yet");
+    }
+}
+
 /// Forgets that the set at `site` is in the store (a session found it gone: another server
 /// pruned it), so the next ask installs it again.
 pub fn forget(site: &str) {
