@@ -243,6 +243,7 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
         table.text("new session with packages=[tomli]", "skipped".into(), format!("{} --network=none", engine.runtime));
     } else {
         layers_rows(&docker, &server, &mut table).await?;
+        cached_set_rows(&server, cfg.pool_size, &mut table).await?;
     }
     concurrency_and_memory(&docker, &server, &instance, &args, &mut table).await?;
     server.stop().await;
@@ -290,6 +291,52 @@ async fn layers_rows(docker: &Docker, server: &Server, table: &mut Table) -> any
         hits.push(t.elapsed());
     }
     table.add("new session with packages=[tomli], cached layer", &mut hits, String::new());
+    Ok(())
+}
+
+/// A cached set attached (docs/design.md D6), each beside its floor from the same server: a new
+/// session asking for it beside a new session asking for nothing (both from the pool when
+/// there is one), and a running session adding it beside a warm run in that session.
+async fn cached_set_rows(server: &Server, pool: usize, table: &mut Table) -> anyhow::Result<()> {
+    let close = |name: String| async move {
+        let args = json!({ "session": name });
+        let params =
+            CallToolRequestParams::new("close_session").with_arguments(args.as_object().cloned().unwrap_or_default());
+        let _ = server.client.call_tool(params).await;
+    };
+    server.run("set-warmup", "import tomli", &["tomli"]).await?;
+    close("set-warmup".into()).await;
+    let (mut floor, mut fresh, mut live_floor, mut live) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..8 {
+        for (name, packages) in [(format!("set-floor{i}"), &[][..]), (format!("set-new{i}"), &["tomli"][..])] {
+            if pool > 0 {
+                tokio::time::sleep(Duration::from_millis(1500)).await; // the pool has refilled
+            }
+            let t = Instant::now();
+            server.run(&name, "import sys", packages).await?;
+            if packages.is_empty() {
+                floor.push(t.elapsed())
+            } else {
+                fresh.push(t.elapsed())
+            }
+            close(name).await;
+        }
+        let name = format!("set-live{i}");
+        server.run(&name, "x = 1", &[]).await?;
+        let t = Instant::now();
+        server.run(&name, "x", &[]).await?;
+        live_floor.push(t.elapsed());
+        let t = Instant::now();
+        server.run(&name, "import tomli\nx", &["tomli"]).await?;
+        live.push(t.elapsed());
+        close(name).await;
+    }
+    let (floor_p50, _) = table.add(&format!("new session, no packages (pool {pool})"), &mut floor, "floor".into());
+    let (p50, _) = table.add("new session asking for a cached set", &mut fresh, String::new());
+    table.note(format!("target <= 50 ms; floor + {:.1} ms", p50 - floor_p50));
+    let (floor_p50, _) = table.add("warm run in a running session", &mut live_floor, "floor".into());
+    let (p50, _) = table.add("running session adding a cached set", &mut live, String::new());
+    table.note(format!("target <= 100 ms; floor + {:.1} ms", p50 - floor_p50));
     Ok(())
 }
 

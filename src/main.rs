@@ -260,40 +260,44 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Bench { cfg, args } => bench::run(cfg, args).await,
         Command::Run(_) => Ok(()), // handled in main, for its exit code
         Command::Layers { action: LayersAction::List { cfg } } => {
-            let docker = docker::connect(cfg.docker_host.as_deref()).await?;
+            let (docker, img, instance, state_dir) = layer_store_access(&cfg).await?;
             let mut out = String::new();
-            let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
-            let (dangling, tagged): (Vec<_>, Vec<_>) =
-                layers::list_by_use(&docker, &state_dir).await?.into_iter().partition(|l| l.dangling);
-            // Each layer's own size: every one shares its sandbox image's (~170 MB) with the rest.
-            for l in tagged {
-                let own = l.own_size.map_or_else(|| "?".to_owned(), human_size);
-                out.push_str(&format!("{}\t{own}\t{}\n", l.tag, l.requirements.join(" ")));
+            for l in layers::list_by_use(&docker, &img, &instance.owner, &state_dir).await? {
+                let size = human_size(i64::try_from(l.size).unwrap_or(i64::MAX));
+                let key = if l.key.is_empty() { "?" } else { &l.key };
+                out.push_str(&format!("{key}\t{size}\t{}\n", l.requirements.join(" ")));
             }
             #[allow(clippy::print_stdout)] // the listing is the command's output
             {
                 print!("{out}");
             }
-            if !dangling.is_empty() {
-                let own: i64 = dangling.iter().filter_map(|l| l.own_size).sum();
-                eprintln!(
-                    "and {} untagged layer image(s), {}, not listed: a build of the same set that finished \
-                     later took their tag; `pyberth layers prune` removes them",
-                    dangling.len(),
-                    human_size(own)
-                );
-            }
             Ok(())
         }
         Command::Layers { action: LayersAction::Prune { cfg, keep_mb } } => {
-            let docker = docker::connect(cfg.docker_host.as_deref()).await?;
-            let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
-            for tag in layers::prune(&docker, &state_dir, keep_mb << 20).await? {
-                eprintln!("removed {tag}");
+            let (docker, img, instance, state_dir) = layer_store_access(&cfg).await?;
+            for l in layers::prune(&docker, &img, &instance.owner, &state_dir, keep_mb << 20, &[]).await? {
+                eprintln!("removed {} ({})", l.key, l.requirements.join(" "));
+            }
+            // Layers of pyberth before the store were images.
+            for tag in layers::prune_old_images(&docker).await? {
+                eprintln!("removed old layer image {tag}");
             }
             Ok(())
         }
     }
+}
+
+/// What `pyberth layers` needs: the engine, an image to run the store's reader and writer
+/// containers with (the sandbox image), an identity for their labels, and the state dir.
+async fn layer_store_access(
+    cfg: &SandboxConfig,
+) -> anyhow::Result<(bollard::Docker, String, Instance, std::path::PathBuf)> {
+    let docker = docker::connect(cfg.docker_host.as_deref()).await?;
+    let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
+    let progress = |line: &str| eprintln!("{line}");
+    let img = image::ensure(&docker, cfg, &progress).await?;
+    let instance = Instance::acquire(&state_dir, None)?;
+    Ok((docker, img, instance, state_dir))
 }
 
 /// Bytes as `docker images` shows them: decimal units, one decimal (84.7 kB, 1.2 MB).

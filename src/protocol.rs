@@ -111,10 +111,14 @@ pub enum Request<'a> {
         /// Request id.
         id: u64,
     },
-    /// Pick up packages newly copied into the live site directory.
-    Refresh {
+    /// Put dependency layers on the interpreter's `sys.path` and its children's `PYTHONPATH`,
+    /// ahead of those already there (the last asked for first). Each path is a set's `site`
+    /// directory in the layer store; the agent refuses any other.
+    Attach {
         /// Request id.
         id: u64,
+        /// The sets' `site` directories, in the order they were asked for.
+        paths: &'a [String],
     },
     /// List installed distributions.
     Packages {
@@ -265,10 +269,13 @@ pub(crate) enum Event {
         /// The variables.
         vars: Vec<Variable>,
     },
-    /// Answer to [`Request::Refresh`].
-    Refreshed {
+    /// Answer to [`Request::Attach`].
+    Attached {
         /// Request id.
         id: u64,
+        /// Paths that are not there (a set removed from the store) or not in it.
+        #[serde(default)]
+        missing: Vec<String>,
     },
     /// Answer to [`Request::Packages`].
     Packages {

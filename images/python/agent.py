@@ -36,9 +36,10 @@ PROTOCOL_VERSION = 2
 CHUNK = 65536  # bytes per output event; keeps every line far below the server's line cap
 MAX_TEXT = 65536  # cap for repr, tracebacks and variable listings sent back
 AGENT_FILE = os.path.abspath(__file__)
-# Packages of the session's dependency layer, and those installed into the live session.
+# Packages an image itself carries, and the layer store: one read-only directory per set,
+# each put on the path when the session asks for it (`attach`).
 LAYER_SITE = "/opt/pyberth/site"
-LIVE_SITE = "/opt/pyberth/live/site"
+LAYER_STORE = "/opt/pyberth/layers"
 # The code's working directory, /workspace in the sandbox. PYBERTH_WORKSPACE exists only so
 # that the server's protocol tests can run this file as a local process in a temporary
 # directory; the sandbox never sets it. Resolved, since workspace_path compares real paths.
@@ -155,19 +156,47 @@ class ExactReader:
         return b"".join(chunks)
 
 
-def add_site_dirs():
-    """Puts package dirs (with their .pth files) ahead of the system's, live first. Child
-    interpreters (run_file, subprocess) find them through PYTHONPATH."""
-    os.environ["PYTHONPATH"] = LIVE_SITE + ":" + LAYER_SITE
-    for path in (LAYER_SITE, LIVE_SITE):
-        if os.path.isdir(path) and path not in sys.path:
-            before = list(sys.path)
-            site.addsitedir(path)
-            added = [p for p in sys.path if p not in before]
-            for p in added:
-                sys.path.remove(p)
-            sys.path[1:1] = added
+def add_site_dir(path):
+    """Puts a package dir (with its .pth files) ahead of those already there, and of the
+    system's. Child interpreters (run_file, subprocess) find it through PYTHONPATH."""
+    if path in sys.path:
+        return
+    before = list(sys.path)
+    site.addsitedir(path)
+    added = [p for p in sys.path if p not in before]
+    for p in added:
+        sys.path.remove(p)
+    sys.path[1:1] = added
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p and p != path]
+    os.environ["PYTHONPATH"] = ":".join([path] + paths)
     importlib.invalidate_caches()
+
+
+def add_site_dirs():
+    """The image's own package dir, if it has one."""
+    os.environ["PYTHONPATH"] = LAYER_SITE
+    if os.path.isdir(LAYER_SITE):
+        add_site_dir(LAYER_SITE)
+
+
+def attach_layers(paths):
+    """The `attach` request: puts each set's directory of the layer store on the path, the
+    last asked for first. Only `site` directories right under the store: the server names
+    them, and a session cannot list the store to find others. Returns those not found."""
+    missing = []
+    for path in paths if isinstance(paths, list) else []:
+        parts = path.split("/") if isinstance(path, str) else []
+        if (
+            len(parts) != 6
+            or "/".join(parts[:4]) != LAYER_STORE
+            or parts[5] != "site"
+            or parts[4] in ("", ".", "..")
+            or not os.path.isdir(path)
+        ):
+            missing.append(str(path)[:200])
+            continue
+        add_site_dir(path)
+    return missing
 
 
 def stdlib(name):
@@ -436,9 +465,9 @@ class Agent:
                         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                         reply = {"ev": "failed", "id": msg.get("id"), "message": clean(message, 500)}
                     self.channel.send(reply)
-                elif op == "refresh":
-                    add_site_dirs()
-                    self.channel.send({"ev": "refreshed", "id": msg.get("id")})
+                elif op == "attach":
+                    missing = attach_layers(msg.get("paths"))
+                    self.channel.send({"ev": "attached", "id": msg.get("id"), "missing": missing})
                 elif op == "packages":
                     self.channel.send({"ev": "packages", "id": msg.get("id"), "packages": distributions()})
                 elif op == "shutdown":

@@ -74,8 +74,6 @@ pub struct Created {
     pub id: String,
     /// Workspace volume name.
     pub volume: String,
-    /// Volume receiving packages installed while the session runs.
-    pub live: String,
     /// The uid (and gid) the code runs as, its own (`identity::pick`).
     pub uid: u32,
 }
@@ -147,11 +145,24 @@ pub async fn create(
     let uid = identity::pick(docker, cfg.uid_range).await?;
     let mut labels = owner.labels(session, principal);
     labels.insert(LABEL_UID.to_owned(), uid.to_string());
-    let live = format!("{name}-live");
-    for volume in [&name, &live] {
+    // The layer store, opened (made if absent) before any container mounts it: a mount of a
+    // missing volume would make an unlabelled one, with no secret.
+    let store = match super::layers::Store::open(docker).await {
+        Ok(s) => s,
+        Err(e) => {
+            identity::release(uid);
+            return Err(match e {
+                super::layers::Error::Docker(e) => e,
+                // A plain message (`NoBaseImage` prints its text as is).
+                other => Error::NoBaseImage(format!("cannot open the layer store: {other}")),
+            });
+        }
+    };
+    {
+        let volume = &name;
         let mut request =
             VolumeCreateRequest { name: Some(volume.clone()), labels: Some(labels.clone()), ..Default::default() };
-        if let (true, Some(mb)) = (volume == &name, cfg.workspace_bound_mb()) {
+        if let Some(mb) = cfg.workspace_bound_mb() {
             // A hard size and inode bound on any filesystem: tmpfs through the local driver,
             // owned by the code's uid (a tmpfs has no copy-up from the image).
             request.driver = Some("local".into());
@@ -165,12 +176,8 @@ pub async fn create(
     }
     let mut hc = host_config(cfg, &name);
     if let Some(mounts) = hc.mounts.as_mut() {
-        mounts.push(Mount {
-            target: Some(super::layers::LIVE_DIR.into()),
-            source: Some(live.clone()),
-            typ: Some(MountType::VOLUME),
-            ..Default::default()
-        });
+        // Every set, read-only; a session reaches the sets it asked for by name (docs/design.md D6).
+        mounts.push(store.session_mount());
         // The environment's host folders, read-only, never propagating mounts either way.
         for m in &cfg.mounts {
             mounts.push(Mount {
@@ -201,7 +208,7 @@ pub async fn create(
         egress.apply(&mut body);
     }
     let opts = CreateContainerOptionsBuilder::default().name(&name).build();
-    let made = Created { id: name.clone(), volume: name.clone(), live, uid };
+    let made = Created { id: name.clone(), volume: name.clone(), uid };
     let created = match docker.create_container(Some(opts), body).await {
         Ok(c) => c,
         Err(e) => {
@@ -210,11 +217,11 @@ pub async fn create(
         }
     };
     let made = Created { id: created.id, ..made };
-    if let Some(Err(e)) = OptionFuture::from(cfg.egress.as_ref().map(|e| e.after_create(docker, &made.id))).await {
+    if let Err(e) = docker.start_container(&made.id, None).await {
         destroy(docker, &made).await;
         return Err(e.into());
     }
-    if let Err(e) = docker.start_container(&made.id, None).await {
+    if let Some(Err(e)) = OptionFuture::from(cfg.egress.as_ref().map(|e| e.after_start(docker, &made.id))).await {
         destroy(docker, &made).await;
         return Err(e.into());
     }
@@ -226,7 +233,6 @@ pub async fn create(
 pub async fn destroy(docker: &Docker, c: &Created) {
     remove_container(docker, &c.id).await;
     remove_volume(docker, &c.volume).await;
-    remove_volume(docker, &c.live).await;
     identity::release(c.uid);
 }
 

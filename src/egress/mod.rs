@@ -37,9 +37,10 @@ use crate::docker::{LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABE
 const INSTALLER: &str = "pyberth-installer";
 /// Label on the proxy container and the session networks: `proxy` or `network`.
 pub const LABEL_EGRESS: &str = "pyberth.egress";
-/// Where a session finds the CA bundle the server trusts (the live volume: writable by the
-/// engine before start although the root filesystem is read-only, and not by the code).
-pub const CA_PATH: &str = "/opt/pyberth/live/egress-ca.pem";
+/// Where a session finds the CA bundle the server trusts ([`Attachment::after_start`]).
+pub const CA_PATH: &str = "/tmp/.pyberth-egress/ca.pem";
+/// Its directory, root's.
+const CA_DIR: &str = "/tmp/.pyberth-egress";
 /// Where the executable goes in the proxy container.
 const PROXY_EXE: &str = "/usr/local/bin/pyberth-egress";
 
@@ -86,19 +87,49 @@ impl Attachment {
         hc.dns_options = Some(Vec::new());
     }
 
-    /// Only the proxy variables (no CA paths: a container without the live volume).
+    /// Only the proxy variables (no CA paths: a container that gets no CA bundle written).
     pub fn proxy_env(&self) -> Vec<String> {
         self.env().into_iter().filter(|e| e.to_ascii_lowercase().contains("proxy=")).collect()
     }
 
-    /// After the container is created, before it starts: the CA bundle into the live volume,
-    /// owned by root and read-only to the code.
-    pub async fn after_create(&self, docker: &Docker, id: &str) -> Result<(), bollard::errors::Error> {
+    /// After the container starts, before any code runs: the CA bundle into
+    /// [`CA_PATH`] on the container's own `/tmp`, written by root (no capabilities) through
+    /// a short exec. Root's file in a root-owned directory under the sticky `/tmp`: the code
+    /// reads it and can neither replace nor remove it. (The root filesystem is read-only and
+    /// the engine cannot copy into a tmpfs, hence an exec.)
+    pub async fn after_start(&self, docker: &Docker, id: &str) -> Result<(), bollard::errors::Error> {
+        use bollard::exec::{CreateExecOptions, StartExecResults};
+        use futures::StreamExt;
+        use tokio::io::AsyncWriteExt;
         let Some(ca) = &self.ca else { return Ok(()) };
-        let name = CA_PATH.rsplit('/').next().unwrap_or("egress-ca.pem");
-        let tar = tar_one(name, ca, 0o444);
-        let opts = UploadToContainerOptionsBuilder::default().path(crate::docker::layers::LIVE_DIR).build();
-        docker.upload_to_container(id, Some(opts), bollard::body_full(tar.into())).await
+        let script = format!(
+            "umask 022 && mkdir -p {dir} && cat > {dir}/.ca.tmp && chmod 0444 {dir}/.ca.tmp && mv {dir}/.ca.tmp {CA_PATH}",
+            dir = CA_DIR
+        );
+        let opts = CreateExecOptions {
+            attach_stdin: Some(true),
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            user: Some("0".to_owned()),
+            cmd: Some(vec!["sh".to_owned(), "-c".to_owned(), script]),
+            ..Default::default()
+        };
+        let exec = docker.create_exec(id, opts).await?;
+        if let StartExecResults::Attached { mut input, mut output } = docker.start_exec(&exec.id, None).await? {
+            let io = |err| bollard::errors::Error::IOError { err };
+            input.write_all(ca).await.map_err(io)?;
+            input.shutdown().await.map_err(io)?;
+            drop(input);
+            while let Some(frame) = output.next().await {
+                frame?;
+            }
+        }
+        match docker.inspect_exec(&exec.id).await?.exit_code {
+            Some(0) => Ok(()),
+            code => Err(bollard::errors::Error::IOError {
+                err: std::io::Error::other(format!("writing the CA bundle into the session failed (exit {code:?})")),
+            }),
+        }
     }
 }
 

@@ -432,9 +432,15 @@ async fn queries_are_answered_by_id() {
         vars.iter().map(|v| (v.name.as_str(), v.kind.as_str(), v.repr.as_str())).collect();
     assert_eq!(listed, [("a", "list", "[1, 2]"), ("b", "str", "'x'")]);
 
-    let refreshed = |id, ev| matches!(ev, Event::Refreshed { id: i } if i == id).then_some(());
-    let answer = local.agent.request(|id| Request::Refresh { id }, refreshed, STEP).await;
-    assert!(answer.is_ok(), "{answer:?}");
+    // Only set directories of the layer store are attached; nothing else, nothing absent.
+    let paths =
+        ["/opt/pyberth/layers/0123abcd/site".to_owned(), "/etc".to_owned(), "/opt/pyberth/layers/../site".to_owned()];
+    let attached = |id, ev| match ev {
+        Event::Attached { id: i, missing } if i == id => Some(missing),
+        _ => None,
+    };
+    let missing = local.agent.request(|id| Request::Attach { id, paths: &paths }, attached, STEP).await;
+    assert_eq!(missing.expect("attached"), paths, "none of them is a set there");
 }
 
 /// A file request through the same answer-picking as [`Session::file`](super::Session::file).

@@ -39,7 +39,7 @@ use crate::docker::layers;
 use crate::docker::{self, exec};
 use crate::protocol::{self, Event, FileEntry, Package, Request, Variable};
 
-/// How long an agent query (variables, packages, refresh) may take.
+/// How long an agent query (variables, packages, attach) may take.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Told when code of the previous run held the interpreter after the run had reported its
@@ -221,9 +221,9 @@ pub struct Session {
     /// Set by close: nothing may recreate the container afterwards. Not a state in [`Inner`],
     /// because close must not wait for a run that holds the mutex.
     closed: AtomicBool,
-    /// Requirements of the session's layer (what a recreated container still has).
-    layer_packages: BTreeSet<String>,
-    /// Requirements installed: the layer's plus those added while running.
+    /// The layers on its path, in the order asked for: attached again to every new agent.
+    layers: std::sync::Mutex<Vec<layers::Layer>>,
+    /// Requirements installed: those of its layers.
     packages: std::sync::Mutex<BTreeSet<String>>,
     /// Environment variables set for every run of the session.
     env: std::sync::Mutex<BTreeMap<String, String>>,
@@ -325,7 +325,7 @@ impl Session {
             created: SystemTime::now(),
             runs: AtomicU64::new(0),
             closed: AtomicBool::new(false),
-            layer_packages: packages.iter().cloned().collect(),
+            layers: std::sync::Mutex::new(Vec::new()),
             packages: std::sync::Mutex::new(packages.into_iter().collect()),
             env: std::sync::Mutex::new(BTreeMap::new()),
             waiting: AtomicUsize::new(0),
@@ -388,8 +388,19 @@ impl Session {
     }
 
     async fn start_agent(&self, inner: &mut Inner) -> Result<(), Error> {
-        let (agent, python) = greet(&self.docker, &inner.container, &self.name).await?;
+        let (mut agent, python) = greet(&self.docker, &inner.container, &self.name).await?;
         self.agent_pid.store(agent.pid().unwrap_or(0), Ordering::Relaxed);
+        // A new interpreter has the session's layers at once, as the old one had them.
+        let sites: Vec<String> =
+            self.layers.lock().map(|l| l.iter().map(|l| l.site.clone()).collect()).unwrap_or_default();
+        if !sites.is_empty() {
+            let id = agent.submit(|id| Request::Attach { id, paths: &sites }).await?;
+            let missing = agent.answer(id, attached, QUERY_TIMEOUT).await?;
+            if !missing.is_empty() {
+                // Prunes keep the sets a session uses; one gone anyway cannot come back here.
+                tracing::warn!(session = %self.name, ?missing, "layers missing from the store");
+            }
+        }
         inner.agent = Some(agent);
         if let Ok(mut p) = self.python.lock() {
             *p = python;
@@ -434,9 +445,6 @@ impl Session {
             container::create(&self.docker, &self.cfg, &self.image, &self.owner, &self.name, &self.principal).await?;
         if let Ok(mut c) = self.container.lock() {
             *c = inner.container.clone();
-        }
-        if let Ok(mut p) = self.packages.lock() {
-            *p = self.layer_packages.clone();
         }
         self.start_agent(inner).await?;
         Ok(Some(
@@ -627,29 +635,35 @@ impl Session {
         self.packages.lock().map(|p| p.iter().cloned().collect()).unwrap_or_default()
     }
 
-    /// Streams a layer's packages into the running session and makes them importable at
-    /// once; the interpreter state is kept.
-    pub async fn add_layer(&self, layer_tag: &str, requirements: &[String]) -> Result<(), Error> {
+    /// Puts a layer of the store on the session's path (its interpreter's and its children's)
+    /// and records its requirements; the interpreter state is kept.
+    pub async fn add_layer(&self, layer: &layers::Layer, requirements: &[String]) -> Result<(), Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.ensure_agent(&mut inner).await?;
-        layers::copy_into(&self.docker, layer_tag, &inner.container.id, &self.owner)
-            .await
-            .map_err(|e| Error::Install(e.to_string()))?;
-        self.query(
-            &mut inner,
-            |id| Request::Refresh { id },
-            |id, ev| match ev {
-                Event::Refreshed { id: i } if i == id => Some(()),
-                _ => None,
-            },
-        )
-        .await?;
+        let paths = [layer.site.clone()];
+        let missing = self.query(&mut inner, |id| Request::Attach { id, paths: &paths }, attached).await?;
+        if let Some(e) = gone_layers(&missing) {
+            return Err(e);
+        }
+        if let Ok(mut l) = self.layers.lock() {
+            l.push(layer.clone());
+        }
         if let Ok(mut p) = self.packages.lock() {
             p.extend(requirements.iter().cloned());
         }
         self.save_record();
         Ok(())
+    }
+
+    /// The layers on the session's path, in the order asked for.
+    pub fn layers(&self) -> Vec<layers::Layer> {
+        self.layers.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// The keys of the layers on the session's path.
+    pub fn layer_keys(&self) -> Vec<String> {
+        self.layers.lock().map(|l| l.iter().map(|l| l.key.clone()).collect()).unwrap_or_default()
     }
 
     /// Fresh interpreter in the same container: variables and processes gone, files kept.
@@ -669,6 +683,28 @@ impl Session {
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
         }
     }
+}
+
+/// Recognises the answer to the attach request `id`: the paths the agent did not find.
+fn attached(id: u64, ev: Event) -> Option<Vec<String>> {
+    match ev {
+        Event::Attached { id: i, missing } if i == id => Some(missing),
+        _ => None,
+    }
+}
+
+/// The error for layers a session was to attach and did not find: another server pruned them
+/// since this one looked. Forgotten, so the next ask installs them again.
+fn gone_layers(missing: &[String]) -> Option<Error> {
+    if missing.is_empty() {
+        return None;
+    }
+    for m in missing {
+        layers::forget(m);
+    }
+    Some(Error::Install(
+        "a package set was removed from the layer cache meanwhile (pruned); ask again to install it anew".into(),
+    ))
 }
 
 impl std::fmt::Debug for Session {

@@ -175,18 +175,41 @@ impl Registry {
                 .await?;
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.
-        let (dir, tag) = (state_dir.clone(), layer.tag.clone());
-        if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &tag)).await {
+        let (dir, key) = (state_dir.clone(), layer.key.clone());
+        if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &key)).await {
             tracing::debug!(error = %e, "cannot record layer use");
         }
-        if !layer.cached {
-            match layers::prune(&self.docker, &state_dir, self.cfg.layer_cache_mb << 20).await {
-                Ok(removed) if !removed.is_empty() => tracing::info!(?removed, "layer cache over its size; pruned"),
+        if !layer.cached && layers::over(&self.docker, self.cfg.layer_cache_mb << 20).await {
+            // Never the set just made, nor one a session of ours holds (the record of this
+            // instance may lag a session being created).
+            let mut protect = self.layers_in_use();
+            protect.push(layer.key.clone());
+            let (owner, keep) = (&self.instance.owner, self.cfg.layer_cache_mb << 20);
+            match layers::prune(&self.docker, &base, owner, &state_dir, keep, &protect).await {
+                Ok(removed) if !removed.is_empty() => {
+                    let removed: Vec<&str> = removed.iter().map(|l| l.key.as_str()).collect();
+                    tracing::info!(?removed, "layer cache over its size; pruned");
+                }
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "cannot prune layers"),
             }
         }
         Ok(layer)
+    }
+
+    /// Keys of the layers this server's sessions hold.
+    fn layers_in_use(&self) -> Vec<String> {
+        let sessions: Vec<Arc<Session>> = self.slots().values().filter_map(|slot| slot.get().cloned()).collect();
+        let mut keys: Vec<String> = sessions.iter().flat_map(|s| s.layer_keys()).collect();
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
+    /// Writes this instance's record of the layers its sessions hold, which every prune on
+    /// this host reads (docs/design.md D6): a small file, written in place of the last.
+    fn record_layers(&self) {
+        layers::record_in_use(&self.cfg.state_dir(), &self.instance.owner.instance, &self.layers_in_use());
     }
 
     /// Adds requirements to a running session (a no-op for those it has).
@@ -203,7 +226,9 @@ impl Registry {
         }
         let env = self.environments.get(Some(&session.environment)).map_err(Error::Environment)?;
         let layer = self.layer(&env, &added, progress).await?;
-        session.add_layer(&layer.tag, &added).await?;
+        let attached = session.add_layer(&layer, &added).await;
+        self.record_layers();
+        attached?;
         Ok(Installed { added, present, layer: Some(layer), skipped: Vec::new() })
     }
 
@@ -416,34 +441,46 @@ impl Registry {
                 let mut all: Vec<String> = env.packages.iter().chain(packages).cloned().collect();
                 all.sort();
                 all.dedup();
-                let image = if all.is_empty() {
-                    self.image(&env, progress).await?
-                } else {
-                    self.layer(&env, &all, progress).await?.tag
-                };
+                let image = self.image(&env, progress).await?;
+                let layer = if all.is_empty() { None } else { Some(self.layer(&env, &all, progress).await?) };
                 created = true;
-                if !egress.is_empty() {
-                    return self.start_with_egress(&env, image, principal, name, all, egress.clone()).await;
-                }
+                let with_egress = !egress.is_empty();
                 let naming = super::Naming {
                     name: name.to_owned(),
                     principal: principal.to_owned(),
                     environment: env.name.clone(),
                 };
-                if all.is_empty() && env.name == self.environments.default_name() {
-                    let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                    if let Some(prepared) = taken {
+                // Packages or not: a set is a directory put on the path, so the pool serves all.
+                let taken = if env.name == self.environments.default_name() {
+                    self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop()
+                } else {
+                    None
+                };
+                let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
+                let session = match taken {
+                    _ if with_egress => self.start_with_egress(&env, image, naming, egress.clone()).await?,
+                    Some(prepared) => {
                         self.pool_wake.notify_one();
-                        let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
-                        return Ok(Session::adopt(docker, env.cfg.clone(), image, owner, naming, all, prepared));
+                        Session::adopt(docker, env.cfg.clone(), image, owner, naming, Vec::new(), prepared)
                     }
+                    None => Session::start(docker, env.cfg.clone(), image, owner, naming, Vec::new()).await?,
+                };
+                if let Some(layer) = layer
+                    && let Err(e) = session.add_layer(&layer, &all).await
+                {
+                    session.close().await;
+                    if with_egress {
+                        self.egress.detach(principal, name).await;
+                    }
+                    return Err(Error::from(e));
                 }
-                Session::start(self.docker.clone(), env.cfg.clone(), image, self.instance.owner.clone(), naming, all)
-                    .await
-                    .map_err(Error::from)
+                Ok(session)
             })
             .await
             .cloned();
+        if created {
+            self.record_layers();
+        }
         match result {
             Ok(s) => Ok((s, created)),
             Err(e) => {
@@ -462,22 +499,20 @@ impl Registry {
         &self,
         env: &Environment,
         image: String,
-        principal: &str,
-        name: &str,
-        packages: Vec<String>,
+        naming: super::Naming,
         rules: Vec<crate::egress::policy::Rule>,
     ) -> Result<Arc<Session>, Error> {
+        let (principal, name) = (naming.principal.clone(), naming.name.clone());
         let headers = env.egress_headers.0.clone();
-        let attachment = self.egress.attach(principal, name, &image, rules, headers).await.map_err(Error::Egress)?;
+        let attachment = self.egress.attach(&principal, &name, &image, rules, headers).await.map_err(Error::Egress)?;
         let mut cfg = (*env.cfg).clone();
         cfg.egress = Some(Arc::new(attachment));
-        let naming =
-            super::Naming { name: name.to_owned(), principal: principal.to_owned(), environment: env.name.clone() };
         let owner = self.instance.owner.clone();
-        match Session::start(self.docker.clone(), Arc::new(cfg), image, owner, naming, packages).await {
+        // Never from the pool: a pooled container has no network to put the proxy on.
+        match Session::start(self.docker.clone(), Arc::new(cfg), image, owner, naming, Vec::new()).await {
             Ok(s) => Ok(s),
             Err(e) => {
-                self.egress.detach(principal, name).await;
+                self.egress.detach(&principal, &name).await;
                 Err(e.into())
             }
         }
@@ -511,6 +546,7 @@ impl Registry {
         };
         session.close().await;
         self.egress.detach(principal, name).await;
+        self.record_layers();
         Ok(())
     }
 
@@ -530,6 +566,9 @@ impl Registry {
             tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
             s.close().await;
             self.egress.detach(&s.principal, &s.name).await;
+        }
+        if !expired.is_empty() {
+            self.record_layers();
         }
         expired.len()
     }
@@ -593,11 +632,26 @@ impl Registry {
     pub async fn pool_keeper(self: Arc<Self>, shutdown: CancellationToken) {
         let size = self.cfg.pool_size;
         let mut serial = 0u64;
+        let mut preloaded = false;
         // Doubles after each failure (a missing image is a whole bootstrap each try), back to
         // the start after a success.
         let mut backoff = Duration::from_secs(10);
         while size > 0 && !shutdown.is_cancelled() {
             let missing = size.saturating_sub(self.pool.lock().unwrap_or_else(|e| e.into_inner()).len());
+            if missing == 0 && !preloaded {
+                // Once the pool is full: the layer store's listing, so that the first new
+                // session asking for a cached set waits for nothing but its pooled container.
+                preloaded = true;
+                if let (Ok(env), owner) = (self.environments.get(None), &self.instance.owner)
+                    && let Ok(image) = self.image(&env, &|_| {}).await
+                {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        () = layers::preload(&self.docker, &image, owner) => {}
+                    }
+                }
+                continue;
+            }
             if missing == 0 {
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
@@ -675,6 +729,7 @@ impl Registry {
         }
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;
+        self.record_layers();
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }

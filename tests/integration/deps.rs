@@ -1,16 +1,15 @@
-//! Dependency layers: installs, cache hits, live installs, failures, and `pyberth layers`.
-//! Each test installs requirement sets no other test asks for, and removes the layers it made
-//! (`OwnLayers`): two tests building one set at once leave an untagged image behind, and one
-//! removing a layer another is about to use fails that one.
+//! Dependency layers: installs, cache hits, live installs, failures, the store's boundary, and
+//! `pyberth layers`. A test that needs a cold set, counts installers or prunes uses a layer
+//! store of its own (`PrivateStore`), so no other test, here or in another checkout on the
+//! same engine, can have built its sets or lose them to its prune.
 
 use std::collections::HashMap;
 
-use bollard::query_parameters::{BuildImageOptionsBuilder, EventsOptionsBuilder, RemoveImageOptionsBuilder};
+use bollard::query_parameters::{EventsOptionsBuilder, RemoveVolumeOptionsBuilder};
 use futures::StreamExt;
-use pyberth::docker::layers::{IndexSettings, layer_key};
 use serde_json::json;
 
-use crate::common::{OwnLayers, Server, containers_of, docker, server_settings, state_dir, text};
+use crate::common::{Server, containers_of, docker, state_dir, text};
 
 /// Counts the installer containers an instance creates from now on. A live subscription, not a
 /// replay: this engine keeps only its last few hundred events, fewer than a loaded suite makes
@@ -55,15 +54,39 @@ impl Drop for Installers {
     }
 }
 
-/// Removes the cached layer a server with `index` settings finds for `requirements` (one,
-/// canonical) on the sandbox image `base`, so an install must run: that one tag, computed as
-/// the server computes it, never a layer of another sandbox image or another checkout's
-/// test; not forced, so not one a container uses either.
-async fn forget_layer(requirements: &str, base: &str, index: &IndexSettings) {
-    let Ok(image) = docker().await.inspect_image(base).await else { return };
-    let key = layer_key(&image.id.unwrap_or_else(|| base.to_owned()), &[requirements.to_owned()], index);
-    let opts = RemoveImageOptionsBuilder::default().build();
-    let _ = docker().await.remove_image(&format!("pyberth-layer:{key}"), Some(opts), None).await;
+/// A layer store volume of one test's own, removed at the end.
+struct PrivateStore(String);
+
+impl PrivateStore {
+    fn new(tag: &str) -> PrivateStore {
+        PrivateStore(format!("pyberth-layers-test-{tag}-{}", std::process::id()))
+    }
+
+    /// The server environment that uses it.
+    fn env(&self) -> (&'static str, &str) {
+        ("PYBERTH_LAYER_STORE", self.0.as_str())
+    }
+}
+
+impl Drop for PrivateStore {
+    fn drop(&mut self) {
+        let name = self.0.clone();
+        // Drop cannot await: the removal runs on a runtime of its own, on a thread of its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            runtime.block_on(async {
+                let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
+                let _ = docker().await.remove_volume(&name, Some(opts)).await;
+            });
+        })
+        .join();
+    }
+}
+
+/// The container a session runs in, as its code sees it (the hostname is the id's start).
+async fn session_container(s: &Server, session: &str) -> bollard::models::ContainerInspectResponse {
+    let host = s.ok(session, "import socket\nsocket.gethostname()").await["result"].as_str().expect("host").to_owned();
+    docker().await.inspect_container(host.trim_matches('\''), None).await.expect("the session's container")
 }
 
 fn no_network_code() -> &'static str {
@@ -72,11 +95,9 @@ fn no_network_code() -> &'static str {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
-    let cfg = server_settings();
-    let index = IndexSettings::from_config(&cfg).expect("index settings");
-    forget_layer("six", &pyberth::docker::image::tag_for(&cfg), &index).await;
-    let _layers = OwnLayers::new(&["six"]);
-    let s = Server::start("deps-six", &[]).await;
+    let store = PrivateStore::new("six");
+    // A warm pool of one: a session asking for a cached set is one of its containers.
+    let s = Server::start("deps-six", &[store.env(), ("PYBERTH_POOL_SIZE", "1")]).await;
     let installers = Installers::watch(&s.instance).await;
     let r = s.call("install_packages", json!({ "packages": ["six"], "session": "first" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
@@ -85,12 +106,17 @@ async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
     assert_eq!(sc["result"], "'six'");
     assert_eq!(s.ok("first", no_network_code()).await["result"], "['lo']", "still offline after an install");
 
-    // A second session asking for the same set starts from the layer: no installer runs.
+    // A second session asking for the same set: no installer runs, and its container is one
+    // the pool had made before (the pool refilled after "first" took one).
     let before = installers.seen().await;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let (r, sc) = s.run_with(json!({ "session": "second", "code": "import six\nsix.PY3", "packages": ["Six"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     assert_eq!(sc["result"], "True");
     assert_eq!(installers.seen().await, before, "cache hit: no installer");
+    let container = session_container(&s, "second").await;
+    let label = container.config.and_then(|c| c.labels).and_then(|l| l.get("pyberth.session").cloned());
+    assert!(label.as_deref().is_some_and(|l| l.starts_with("pool-")), "from the pool: {label:?}");
     assert_eq!(s.ok("second", no_network_code()).await["result"], "['lo']");
 
     let r = s.call("list_packages", json!({ "session": "second", "names": ["six", "no-such-thing"] })).await;
@@ -103,13 +129,15 @@ async fn a_package_installs_once_and_later_sessions_reuse_the_layer() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_live_session_gains_packages_and_keeps_its_variables() {
-    let _layers = OwnLayers::new(&["attrs"]);
     let s = Server::start("deps-live", &[]).await;
     s.ok("live", "kept = 41").await;
     let r = s.call("install_packages", json!({ "packages": ["attrs"], "session": "live" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let sc = s.ok("live", "import attrs\n(kept + 1, attrs.__name__)").await;
     assert_eq!(sc["result"], "(42, 'attrs')");
+    // Child interpreters see the same packages.
+    let code = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import attrs'], capture_output=True).returncode";
+    assert_eq!(s.ok("live", code).await["result"], "0", "a subprocess imports it too");
     // Asking again is a no-op.
     let r = s.call("install_packages", json!({ "packages": ["attrs"], "session": "live" })).await;
     let sc = r.structured_content.expect("sc");
@@ -145,12 +173,12 @@ async fn bad_and_unknown_packages_are_tool_errors_and_the_session_survives() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn layers_survive_a_restart_and_compiled_extensions_work() {
-    let _layers = OwnLayers::new(&["markupsafe"]);
-    let s = Server::start("deps-restart-1", &[]).await;
+    let store = PrivateStore::new("restart");
+    let s = Server::start("deps-restart-1", &[store.env()]).await;
     let (r, _) = s.run_with(json!({ "session": "c", "code": "1", "packages": ["markupsafe"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     s.stop().await;
-    let s = Server::start("deps-restart-2", &[]).await;
+    let s = Server::start("deps-restart-2", &[store.env()]).await;
     let installers = Installers::watch(&s.instance).await;
     // MarkupSafe's wheel carries a C extension, _speedups.
     let code = "from markupsafe import _speedups, escape\nstr(escape('<a>'))";
@@ -163,7 +191,6 @@ async fn layers_survive_a_restart_and_compiled_extensions_work() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn inline_script_metadata_declares_dependencies() {
-    let _layers = OwnLayers::new(&["iniconfig"]);
     let s = Server::start("deps-pep723", &[]).await;
     let code = "# /// script\n# dependencies = [\"iniconfig\"]\n# ///\nimport iniconfig\niniconfig.__name__";
     let sc = s.ok("default", code).await;
@@ -187,17 +214,14 @@ async fn an_unreachable_index_is_said_plainly() {
 /// system CA bundle, and get_environment says which bundle is used.
 #[tokio::test(flavor = "multi_thread")]
 async fn installs_work_with_the_environment_a_desktop_client_passes() {
-    let _layers = OwnLayers::new(&["iniconfig==2.0.0"]);
-    let s = Server::start_like_a_desktop_client("deps-minimal-env", &[]).await;
+    let store = PrivateStore::new("desktop");
+    let s = Server::start_like_a_desktop_client("deps-minimal-env", &[store.env()]).await;
     let r = s.call("get_environment", json!({})).await;
     let sc = r.structured_content.clone().expect("structured");
     let bundle = sc["ca_bundle"].as_str().unwrap_or_default().to_owned();
     assert!(!bundle.is_empty() && std::path::Path::new(&bundle).is_file(), "a system bundle is used: {sc}");
     assert!(text(&r).contains(&bundle), "and said: {}", text(&r));
-    // A set no other test asks for, its cached layer removed: the install really reaches the index.
-    // Started without the test's environment: the default settings, the default image.
-    let (base, index) = (pyberth::docker::image::sandbox_tag(), IndexSettings::default());
-    forget_layer("iniconfig==2.0.0", &base, &index).await;
+    // A store of its own: the install really reaches the index.
     let r = s.call("install_packages", json!({ "packages": ["iniconfig==2.0.0"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let sc = s.ok("default", "import iniconfig\niniconfig.__name__").await;
@@ -211,8 +235,6 @@ async fn a_requirement_whose_marker_is_false_here_is_skipped_not_installed() {
     // pip ignores a requirement whose environment marker is false; saying "installed" (and
     // recording it in the session) would be a lie the model then acts on.
     let never = "idna; python_version < '3'";
-    // tomli, not iniconfig: inline_script_metadata_declares_dependencies builds that one.
-    let _layers = OwnLayers::new(&["tomli", "idna; python_version >= '3'"]);
     let s = Server::start("deps-marker", &[]).await;
     let r = s.call("install_packages", json!({ "packages": [never], "session": "m" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
@@ -247,79 +269,358 @@ async fn a_requirement_whose_marker_is_false_here_is_skipped_not_installed() {
     s.stop().await;
 }
 
-/// Builds a stand-in layer as `docker/layers.rs` does (labels through the build) on `base`:
-/// one `size`-byte file, so its own size is known.
-async fn stand_in_layer(base: &str, tag: &str, requirements: &str, size: usize, fill: u8) -> String {
-    let dockerfile = format!("FROM {base}\nCOPY blob /opt/pyberth/site/blob\n");
-    let mut ar = tar::Builder::new(Vec::new());
-    for (name, data) in [("Dockerfile", dockerfile.into_bytes()), ("blob", vec![fill; size])] {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_cksum();
-        ar.append_data(&mut h, name, &data[..]).expect("context");
-    }
-    let context = ar.into_inner().expect("context");
-    let labels = HashMap::from([
-        ("pyberth.image", "layer".to_owned()),
-        ("pyberth.requirements", requirements.to_owned()),
-        ("pyberth.base", base.to_owned()),
-    ]);
-    let opts = BuildImageOptionsBuilder::default().dockerfile("Dockerfile").t(tag).labels(&labels).rm(true).build();
-    let docker = docker().await;
-    let mut build = docker.build_image(opts, None, Some(bollard::body_full(context.into())));
-    while let Some(step) = build.next().await {
-        let step = step.expect("build");
-        assert!(step.error_detail.is_none(), "build failed: {:?}", step.error_detail);
-    }
-    docker.inspect_image(tag).await.expect("built").id.expect("id")
+/// Two sessions asking for one cold set at once: one installer, both import it.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_identical_installs_build_once() {
+    let store = PrivateStore::new("concurrent");
+    let s = Server::start("deps-concurrent", &[store.env()]).await;
+    let installers = Installers::watch(&s.instance).await;
+    let ask = |name: &'static str| {
+        s.run_with(json!({ "session": name, "code": "import tomli\ntomli.__name__", "packages": ["tomli"] }))
+    };
+    let ((a, sa), (b, sb)) = tokio::join!(ask("a"), ask("b"));
+    assert_eq!(a.is_error, Some(false), "{}", text(&a));
+    assert_eq!(b.is_error, Some(false), "{}", text(&b));
+    assert_eq!((sa["result"].as_str(), sb["result"].as_str()), (Some("'tomli'"), Some("'tomli'")));
+    assert_eq!(installers.seen().await, 1, "one install for both");
+    s.stop().await;
 }
 
-/// `pyberth layers list` shows what each layer adds to the sandbox image, not the whole image
-/// every layer shares (~170 MB each, so a list of small packages read as gigabytes), and
-/// never an untagged row: an image whose tag a later build of the same set took is counted on
-/// stderr, where prune is named, not listed as a layer.
+/// The store's boundary, from inside: a session cannot list which sets exist, guess one, find
+/// names in its mount table, nor write into the store; the set it asked for it reads.
 #[tokio::test(flavor = "multi_thread")]
-async fn layers_list_shows_each_layers_own_size_and_no_untagged_rows() {
+async fn a_session_cannot_list_guess_or_write_the_layer_store() {
+    let store = PrivateStore::new("attack");
+    let s = Server::start("deps-attack", &[store.env()]).await;
+    // Another caller's set: "victim" asks for tomli; its directory name is what an attacker wants.
+    let (r, _) = s.run_with(json!({ "session": "victim", "code": "import tomli", "packages": ["tomli"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let dir = s.ok("victim", "import tomli, os\nos.path.dirname(os.path.dirname(tomli.__file__))").await["result"]
+        .as_str()
+        .expect("path")
+        .trim_matches('\'')
+        .to_owned();
+    assert!(dir.starts_with("/opt/pyberth/layers/") && dir.ends_with("/site"), "{dir}");
+    let name = dir.trim_start_matches("/opt/pyberth/layers/").trim_end_matches("/site").to_owned();
+    assert_eq!(name.len(), 32, "{name}");
+
+    let attack = r#"
+import os, glob, itertools
+out = {}
+try:
+    out["list"] = os.listdir("/opt/pyberth/layers")
+except OSError as e:
+    out["list"] = type(e).__name__
+out["glob"] = glob.glob("/opt/pyberth/layers/*")
+# Names an attacker could try: short hex, keys-like strings, the usual suspects.
+tries = ["0" * 32, "six", "tomli", "site", ".tmp-", "meta.json"] + ["%02x" % i for i in range(256)]
+out["guessed"] = [t for t in tries if os.path.exists("/opt/pyberth/layers/" + t)]
+out["mountinfo"] = open("/proc/self/mountinfo").read()
+try:
+    open("/opt/pyberth/layers/planted", "w").write("x")
+    out["write"] = "written"
+except OSError as e:
+    out["write"] = type(e).__name__
+try:
+    os.mkdir("/opt/pyberth/layers/planted")
+    out["mkdir"] = "made"
+except OSError as e:
+    out["mkdir"] = type(e).__name__
+out
+"#;
+    let sc = s.ok("attacker", attack).await;
+    let result = sc["result"].as_str().expect("result").to_owned();
+    assert!(result.contains("'list': 'PermissionError'"), "the store's root cannot be listed: {result}");
+    assert!(result.contains("'glob': []"), "{result}");
+    assert!(result.contains("'guessed': []"), "{result}");
+    assert!(!result.contains(&name), "the set's name appears nowhere: {result}");
+    assert!(result.contains("'write': 'PermissionError'") || result.contains("'write': 'OSError'"), "{result}");
+    assert!(!result.contains("'mkdir': 'made'"), "{result}");
+    // The mount is read-only even for a writable name.
+    let sc = s.ok("attacker", &format!("import os\nos.access('{dir}', os.W_OK)")).await;
+    assert_eq!(sc["result"], "False");
+    // The metadata of a set is root's alone, even for the session that asked for it.
+    let sc =
+        s.ok("victim", &format!("import os\nos.access('{}/meta.json', os.R_OK)", dir.trim_end_matches("/site"))).await;
+    assert_eq!(sc["result"], "False");
+    s.stop().await;
+}
+
+/// `pyberth layers list` and `prune` on a store: prune removes least recently used sets no
+/// session holds, keeps the one a live session uses, and a server's --layer-cache-mb prunes
+/// by itself after an install. A store of its own: nothing else on the engine is pruned.
+#[tokio::test(flavor = "multi_thread")]
+async fn layers_list_and_prune_work_on_the_store_and_spare_sets_in_use() {
+    let store = PrivateStore::new("prune");
     let pyberth = |args: &[&str]| {
         std::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
             .args(args)
             .env("PYBERTH_STATE_DIR", state_dir())
+            .env(store.env().0, store.env().1)
             .output()
             .expect("pyberth")
     };
-    let built = pyberth(&["image", "build"]);
-    assert!(built.status.success(), "{}", String::from_utf8_lossy(&built.stderr));
-    let base = String::from_utf8_lossy(&pyberth(&["image", "tag"]).stdout).trim().to_owned();
-    let set = format!("pyberth-list-test-{}", std::process::id());
-    let _layers = OwnLayers::new(&[&set]);
-    let tag = format!("pyberth-layer:list-test-{}", std::process::id());
-    // Two builds of one tag: the first is left untagged.
-    let lost = stand_in_layer(&base, &tag, &set, 300_000, b'a').await;
-    let kept = stand_in_layer(&base, &tag, &set, 200_000, b'b').await;
-    assert_ne!(lost, kept);
+    let s = Server::start("deps-prune", &[store.env()]).await;
+    for (session, package) in [("gone", "tomli"), ("kept", "iniconfig")] {
+        let (r, _) = s.run_with(json!({ "session": session, "code": "1", "packages": [package] })).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    }
+    let r = s.call("close_session", json!({ "session": "gone" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
 
     let out = pyberth(&["layers", "list"]);
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let rows: Vec<Vec<&str>> = stdout.lines().map(|l| l.split('\t').collect()).collect();
-    for row in &rows {
-        assert_eq!(row.len(), 3, "tag, own size, requirements: {row:?}");
-        assert!(row[0].starts_with("pyberth-layer:"), "a row without a tag: {row:?}");
-    }
-    assert!(!stdout.contains("<none>") && !stdout.contains(&lost), "the untagged image is not listed: {stdout}");
-    assert!(stderr.contains("untagged layer image") && stderr.contains("prune"), "{stderr}");
-    let ours: Vec<&Vec<&str>> = rows.iter().filter(|r| r[2] == set).collect();
-    assert_eq!(ours.len(), 1, "{stdout}");
-    assert_eq!(ours[0][0], tag);
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows.iter().all(|r| r.len() == 3 && r[0].len() == 20 && r[1].ends_with("kB")), "{stdout}");
 
-    // Its own size: the image's size less its base's, as `docker images` would print it.
-    let size = |image: String| async move { docker().await.inspect_image(&image).await.expect("inspect").size };
-    let own = size(tag.clone()).await.expect("size") - size(base.clone()).await.expect("size");
-    assert!((200_000..260_000).contains(&own), "the stand-in adds its one file: {own} bytes");
-    let (value, unit) = ours[0][1].split_once(' ').expect("a size and its unit");
-    assert_eq!(unit, "kB", "{}", ours[0][1]);
-    let (whole, tenth) = value.split_once('.').expect("one decimal");
-    let shown: i64 = whole.parse::<i64>().expect("kB") * 1000 + tenth.parse::<i64>().expect("tenths") * 100;
-    assert!(shown <= own && own < shown + 100, "shown {} for {own} bytes", ours[0][1]);
+    let out = pyberth(&["layers", "prune"]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("(tomli)") && !stderr.contains("(iniconfig)"), "the set in use stays: {stderr}");
+    let listed = String::from_utf8_lossy(&pyberth(&["layers", "list"]).stdout).into_owned();
+    assert!(listed.contains("iniconfig") && !listed.contains("tomli"), "{listed}");
+    // The session still imports its set.
+    assert_eq!(s.ok("kept", "import iniconfig\niniconfig.__name__").await["result"], "'iniconfig'");
+    s.stop().await;
+
+    // A server that keeps no cache (0) prunes what no session uses after its next install.
+    let s = Server::start("deps-prune-2", &[store.env(), ("PYBERTH_LAYER_CACHE_MB", "0")]).await;
+    let (r, _) = s.run_with(json!({ "session": "x", "code": "1", "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let listed = String::from_utf8_lossy(&pyberth(&["layers", "list"]).stdout).into_owned();
+    assert!(listed.contains("six") && !listed.contains("iniconfig"), "{listed}");
+    s.stop().await;
+}
+
+/// An sdist whose build writes straight into the install target: a symlink out of the tree,
+/// a setuid executable, a fifo (a device node needs CAP_MKNOD, which the installer lacks; the
+/// re-packer drops devices as fifos, `tree.rs` unit tests). The stored set has none of them.
+const HOSTILE_SETUP: &str = r##"
+import os
+from setuptools import setup
+# The build runs in the installer, which can write the install target: plant what a hostile
+# tree could hold (pip --target leaves files already there alone).
+site = "/workspace/site"
+os.makedirs(site, exist_ok=True)
+for name, make in [
+    ("evil_link", lambda p: os.symlink("/etc/passwd", p)),
+    ("evil_rel", lambda p: os.symlink("../../../../etc", p)),
+    ("evil_fifo", os.mkfifo),
+]:
+    try:
+        make(os.path.join(site, name))
+    except OSError:
+        pass
+p = os.path.join(site, "evil_suid")
+try:
+    with open(p, "w") as f:
+        f.write("#!/bin/sh\n")
+    os.chmod(p, 0o6777)
+except OSError:
+    pass
+with open(os.path.join(site, "planted_marker.py"), "w") as f:
+    f.write("PLANTED = True\n")
+setup(name="pyberth-hostile", version="1.0", py_modules=["pyberth_hostile"])
+"##;
+
+/// A package index of the test's own: a container on the default network serving one sdist
+/// over HTTPS (pip ignores plain HTTP hosts) with a certificate made here and added to the CA
+/// bundle the server is given; everything else (setuptools for the build) comes from the real
+/// index as an extra index.
+struct LocalIndex {
+    id: String,
+    url: String,
+    bundle: std::path::PathBuf,
+}
+
+const SERVE_PY: &str = r#"import functools, http.server, os, ssl, time
+while not os.path.exists("/tmp/idx/ready"):
+    time.sleep(0.05)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain("/tmp/idx/cert.pem", "/tmp/idx/key.pem")
+h = functools.partial(http.server.SimpleHTTPRequestHandler, directory="/tmp/idx")
+s = http.server.ThreadingHTTPServer(("0.0.0.0", 8443), h)
+s.socket = ctx.wrap_socket(s.socket, server_side=True)
+s.serve_forever()
+"#;
+
+impl LocalIndex {
+    async fn start(instance: &str) -> LocalIndex {
+        use bollard::models::ContainerCreateBody;
+        use bollard::query_parameters::{CreateContainerOptionsBuilder, UploadToContainerOptionsBuilder};
+        let mut sdist = tar::Builder::new(Vec::new());
+        for (name, body) in [
+            ("pyberth_hostile-1.0/setup.py", HOSTILE_SETUP.as_bytes()),
+            ("pyberth_hostile-1.0/pyberth_hostile.py", b"VALUE = 42\n".as_slice()),
+            (
+                "pyberth_hostile-1.0/PKG-INFO",
+                b"Metadata-Version: 1.0\nName: pyberth-hostile\nVersion: 1.0\n".as_slice(),
+            ),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(body.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            sdist.append_data(&mut h, name, body).expect("sdist");
+        }
+        let mut gz = flate2_free_gzip(&sdist.into_inner().expect("sdist"));
+        let page = "<html><body><a href=\"../../files/pyberth_hostile-1.0.tar.gz\">pyberth_hostile-1.0.tar.gz</a></body></html>";
+        let mut site = tar::Builder::new(Vec::new());
+        for (name, body) in [
+            ("idx/simple/pyberth-hostile/index.html", page.as_bytes().to_vec()),
+            ("idx/files/pyberth_hostile-1.0.tar.gz", std::mem::take(&mut gz)),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(body.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            site.append_data(&mut h, name, &body[..]).expect("index");
+        }
+        let docker = docker().await;
+        let image = pyberth::docker::image::tag_for(&crate::common::server_settings());
+        let labels = HashMap::from([
+            ("pyberth.managed".to_owned(), "1".to_owned()),
+            ("pyberth.instance".to_owned(), instance.to_owned()),
+            ("pyberth.host".to_owned(), "test".to_owned()),
+        ]);
+        let body = ContainerCreateBody {
+            image: Some(image),
+            cmd: Some(["python3", "-c", SERVE_PY].map(str::to_owned).to_vec()),
+            labels: Some(labels),
+            ..Default::default()
+        };
+        let name = format!("{instance}-index");
+        let opts = CreateContainerOptionsBuilder::default().name(&name).build();
+        let id = docker.create_container(Some(opts), body).await.expect("index container").id;
+        let opts = UploadToContainerOptionsBuilder::default().path("/tmp").build();
+        docker
+            .upload_to_container(&id, Some(opts), bollard::body_full(site.into_inner().expect("tar").into()))
+            .await
+            .expect("upload");
+        docker.start_container(&id, None).await.expect("start");
+        let ip = docker
+            .inspect_container(&id, None)
+            .await
+            .expect("inspect")
+            .network_settings
+            .and_then(|n| n.networks)
+            .and_then(|n| n.get("bridge").and_then(|b| b.ip_address.clone()))
+            .filter(|ip| !ip.is_empty())
+            .expect("an address on the default network");
+        // A certificate for that address, then the go-ahead.
+        let dir = std::env::temp_dir().join(format!("{instance}-tls"));
+        std::fs::create_dir_all(&dir).expect("tls dir");
+        let made = std::process::Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=pyberth-test-index"])
+            .arg("-addext")
+            .arg(format!("subjectAltName=IP:{ip}"))
+            .arg("-keyout")
+            .arg(dir.join("key.pem"))
+            .arg("-out")
+            .arg(dir.join("cert.pem"))
+            .output()
+            .expect("openssl");
+        assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+        let cert = std::fs::read(dir.join("cert.pem")).expect("cert");
+        let mut tls = tar::Builder::new(Vec::new());
+        for (name, body) in [
+            ("idx/cert.pem", cert.clone()),
+            ("idx/key.pem", std::fs::read(dir.join("key.pem")).expect("key")),
+            ("idx/ready", Vec::new()),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(body.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            tls.append_data(&mut h, name, &body[..]).expect("tls");
+        }
+        let opts = UploadToContainerOptionsBuilder::default().path("/tmp").build();
+        docker
+            .upload_to_container(&id, Some(opts), bollard::body_full(tls.into_inner().expect("tar").into()))
+            .await
+            .expect("upload");
+        let mut bundle = std::fs::read("/etc/ssl/certs/ca-certificates.crt").unwrap_or_default();
+        bundle.extend_from_slice(&cert);
+        let bundle_path = dir.join("bundle.pem");
+        std::fs::write(&bundle_path, bundle).expect("bundle");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        LocalIndex { id, url: format!("https://{ip}:8443/simple"), bundle: bundle_path }
+    }
+
+    async fn stop(self) {
+        if let Some(dir) = self.bundle.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        let opts = bollard::query_parameters::RemoveContainerOptionsBuilder::default().force(true).build();
+        let _ = docker().await.remove_container(&self.id, Some(opts)).await;
+    }
+}
+
+/// A gzip stream with stored (uncompressed) deflate blocks: pip reads `.tar.gz` only, and the
+/// crate has no compressor; a stored block needs none.
+fn flate2_free_gzip(data: &[u8]) -> Vec<u8> {
+    let mut out = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 255];
+    let chunks: Vec<&[u8]> = if data.is_empty() { vec![&[][..]] } else { data.chunks(65535).collect() };
+    for (i, chunk) in chunks.iter().enumerate() {
+        out.push(u8::from(i + 1 == chunks.len()));
+        let len = u16::try_from(chunk.len()).expect("chunk");
+        out.extend_from_slice(&len.to_le_bytes());
+        out.extend_from_slice(&(!len).to_le_bytes());
+        out.extend_from_slice(chunk);
+    }
+    out.extend_from_slice(&crc32(data).to_le_bytes());
+    out.extend_from_slice(&u32::try_from(data.len()).expect("size").to_le_bytes());
+    out
+}
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for b in data {
+        crc ^= u32::from(*b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hostile_package_tree_is_stored_sanitized() {
+    let store = PrivateStore::new("hostile");
+    let instance = crate::common::instance_name("deps-hostile");
+    let index = LocalIndex::start(&instance).await;
+    let bundle = index.bundle.to_string_lossy().into_owned();
+    let env = [
+        store.env(),
+        ("PYBERTH_INDEX_URL", index.url.as_str()),
+        ("PYBERTH_EXTRA_INDEX_URL", "https://pypi.org/simple"),
+        ("PYBERTH_CA_BUNDLE", bundle.as_str()),
+    ];
+    let s = Server::start_as(&instance, &env).await;
+    let (r, sc) = s.run_with(json!({ "session": "h", "code": "import pyberth_hostile\npyberth_hostile.VALUE", "packages": ["pyberth-hostile"] })).await;
+    let message = text(&r);
+    index.stop().await;
+    assert_eq!(r.is_error, Some(false), "{message}");
+    assert_eq!(sc["result"], "42");
+    let check = r#"
+import os, pyberth_hostile
+site = os.path.dirname(pyberth_hostile.__file__)
+out = {n: os.path.lexists(os.path.join(site, n)) for n in ("evil_link", "evil_rel", "evil_fifo")}
+p = os.path.join(site, "evil_suid")
+out["suid_mode"] = oct(os.stat(p).st_mode & 0o7777) if os.path.exists(p) else None
+out["owner"] = os.stat(pyberth_hostile.__file__).st_uid
+import planted_marker
+out["planted"] = planted_marker.PLANTED
+out
+"#;
+    let result = s.ok("h", check).await["result"].as_str().expect("result").to_owned();
+    // The build did plant its files (a regular one is kept), and what is hostile is gone.
+    let want = ["'planted': True", "'evil_link': False", "'evil_rel': False", "'evil_fifo': False", "'owner': 0"];
+    for w in want {
+        assert!(result.contains(w), "{w}: {result}");
+    }
+    assert!(result.contains("'suid_mode': '0o755'"), "setuid and setgid stripped, not writable: {result}");
+    s.stop().await;
 }

@@ -1,49 +1,40 @@
 //! Dependency layers (docs/design.md D6): a requirement set installed once, by a short-lived
-//! installer container that alone has network access, and kept as an image built on our own
-//! sandbox image that adds only the installed tree under `/opt/pyberth/site`. Session
-//! containers are never committed: no container ever starts from a root filesystem that
+//! installer container that alone has network access, re-packed as hostile input and kept as
+//! one directory of the layer store (`store.rs`), a volume every session mounts read-only. A
+//! session asking for a set gets that directory put on its `sys.path` by its agent: no image
+//! build, no container create, no copy. No container ever starts from a root filesystem that
 //! untrusted code shaped (docs/threat-model.md §4).
 //!
-//! The installer container lives in `installer.rs`, the hostile-tree re-pack in `tree.rs`;
-//! this file keys, stores, lists and prunes layers.
+//! The installer container lives in `installer.rs`, the hostile-tree re-pack in `tree.rs`, the
+//! store volume and its writers in `store.rs`; this file keys, stores, lists and prunes sets.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use bollard::Docker;
-use bollard::models::{ContainerCreateBody, HostConfig};
-use bollard::query_parameters::{
-    BuildImageOptionsBuilder, CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
-    ListImagesOptionsBuilder, RemoveImageOptionsBuilder, UploadToContainerOptionsBuilder,
-};
-use futures::{StreamExt, TryStreamExt};
+use bollard::query_parameters::{ListImagesOptionsBuilder, RemoveImageOptionsBuilder};
+use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
 mod installer;
+pub mod store;
 mod tree;
 
 pub use installer::evaluate_markers;
+pub use store::{STORE_DIR, Store};
 pub use tree::safe_relative;
 
-use super::container::{self, Owner};
-use super::{Error as DockerError, LABEL_IMAGE, LABEL_INSTANCE, LABEL_MANAGED};
+use super::container::Owner;
+use super::{Error as DockerError, LABEL_IMAGE};
 use crate::config::SandboxConfig;
 use crate::docker::image::Progress;
 
-/// Repository of layer images.
+/// Repository of the layer images of pyberth before the store; `layers prune` removes them.
 pub const LAYER_REPO: &str = "pyberth-layer";
-/// Label holding a layer's requirement set, one per line.
-pub const LABEL_REQUIREMENTS: &str = "pyberth.requirements";
-/// Label holding the image a layer is built on.
-pub const LABEL_BASE: &str = "pyberth.base";
-/// Where a layer's packages live in its image.
-pub const LAYER_SITE: &str = "/opt/pyberth/site";
-/// Where a session's live volume is mounted; installs land in `site/` below it.
-pub const LIVE_DIR: &str = "/opt/pyberth/live";
 /// Largest installed tree accepted from an installer.
 const MAX_TREE: u64 = 4 << 30;
-/// Chunk size of the build context streamed to the engine.
+/// Chunk size of the tree streamed to the store.
 const CHUNK: usize = 256 << 10;
 
 /// Why an install failed.
@@ -116,26 +107,110 @@ pub fn layer_key(base_image_id: &str, requirements: &[String], index: &IndexSett
     h.finalize().iter().take(10).map(|b| format!("{b:02x}")).collect()
 }
 
-/// What a layer is built from, and its name.
+/// A set's metadata, kept root-only in its directory (`meta.json`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Meta {
+    /// Content key ([`layer_key`]).
+    pub key: String,
+    /// Canonical requirements.
+    pub requirements: Vec<String>,
+    /// The image it was installed for.
+    pub base: String,
+    /// Bytes of its files.
+    pub size: u64,
+    /// Creation time, seconds since the epoch.
+    pub created: i64,
+}
+
+/// What a layer is installed from, and where it goes.
 struct LayerSpec<'a> {
-    /// The image it is built on.
+    /// The image it is installed with.
     base: &'a str,
     /// The canonical requirement set it holds.
     requirements: &'a [String],
-    /// Its image tag.
-    tag: &'a str,
+    /// Its content key.
+    key: &'a str,
+    store: &'a Store,
+    owner: &'a Owner,
 }
 
-/// A layer ready for use.
-#[derive(Debug, Clone)]
+/// A layer ready for use. Serializable, for records of a session's layers (a session adopted
+/// by a later server attaches them again to every new interpreter).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Layer {
-    /// Image tag.
-    pub tag: String,
+    /// Content key.
+    pub key: String,
+    /// Where sessions find its packages (`STORE_DIR/<name>/site`).
+    pub site: String,
     /// Whether it already existed (no installer ran).
     pub cached: bool,
 }
 
-/// The layer for `requirements` on `base`, built if absent.
+/// The sets this process knows the store holds, by directory name: read once from the store,
+/// then kept as sets are stored and pruned. A set another server stored since is not known
+/// here; installing it again ends with the rename finding it there ([`store::Stored::Exists`]).
+/// With each set's size, so an install prunes (which reads the store) only when over the cap.
+static KNOWN: std::sync::Mutex<Option<(String, HashMap<String, u64>)>> = std::sync::Mutex::new(None);
+
+fn known(store: &Store, dir: &str) -> Option<bool> {
+    let k = KNOWN.lock().ok()?;
+    let (volume, dirs) = k.as_ref()?;
+    (volume == &store.volume).then(|| dirs.contains_key(dir))
+}
+
+/// The bytes of the sets this process knows of.
+fn known_bytes(store: &Store) -> Option<u64> {
+    let k = KNOWN.lock().ok()?;
+    let (volume, dirs) = k.as_ref()?;
+    (volume == &store.volume).then(|| dirs.values().sum())
+}
+
+fn set_known(store: &Store, dirs: HashMap<String, u64>) {
+    if let Ok(mut k) = KNOWN.lock() {
+        *k = Some((store.volume.clone(), dirs));
+    }
+}
+
+fn mark_known(store: &Store, dir: &str, present: Option<u64>) {
+    if let Ok(mut k) = KNOWN.lock()
+        && let Some((volume, dirs)) = k.as_mut()
+        && volume == &store.volume
+    {
+        if let Some(size) = present {
+            dirs.insert(dir.to_owned(), size);
+        } else {
+            dirs.remove(dir);
+        }
+    }
+}
+
+/// Reads the store's listing now if this process has not yet, so the first ask for a cached
+/// set is not the one that waits for it (one reader container, `image` to run it).
+pub async fn preload(docker: &Docker, image: &str, owner: &Owner) {
+    let read = async {
+        let store = Store::get(docker).await?;
+        if known(&store, "").is_none() {
+            set_known(&store, sizes(store::index(docker, &store, image, owner).await?));
+        }
+        Ok::<(), Error>(())
+    };
+    if let Err(e) = read.await {
+        tracing::debug!(error = %e, "cannot read the layer store's listing yet");
+    }
+}
+
+/// Forgets that the set at `site` is in the store (a session found it gone: another server
+/// pruned it), so the next ask installs it again.
+pub fn forget(site: &str) {
+    let dir = site.trim_start_matches(STORE_DIR).trim_start_matches('/').trim_end_matches("/site");
+    if let Ok(mut k) = KNOWN.lock()
+        && let Some((_, dirs)) = k.as_mut()
+    {
+        dirs.remove(dir);
+    }
+}
+
+/// The layer for `requirements` on `base`, installed if absent.
 pub async fn ensure(
     docker: &Docker,
     cfg: &SandboxConfig,
@@ -145,175 +220,135 @@ pub async fn ensure(
     index: &IndexSettings,
     progress: Progress<'_>,
 ) -> Result<Layer, Error> {
+    let store = Store::get(docker).await?;
     let base_id = docker.inspect_image(base).await?.id.unwrap_or_else(|| base.to_owned());
-    let tag = format!("{LAYER_REPO}:{}", layer_key(&base_id, requirements, index));
-    if super::image::exists(docker, &tag).await? {
-        return Ok(Layer { tag, cached: true });
+    let key = layer_key(&base_id, requirements, index);
+    let dir = store.dir_name(&key);
+    let present = match known(&store, &dir) {
+        Some(p) => p,
+        None => {
+            let dirs = sizes(store::index(docker, &store, base, owner).await?);
+            let p = dirs.contains_key(&dir);
+            set_known(&store, dirs);
+            p
+        }
+    };
+    let site = store.site_path(&key);
+    if present {
+        return Ok(Layer { key, site, cached: true });
     }
     progress(&format!("installing {} into a new layer", requirements.join(" ")));
     let started = Instant::now();
-    installer::install(docker, cfg, owner, &LayerSpec { base, requirements, tag: &tag }, index, progress).await?;
-    progress(&format!("layer {tag} ready in {:.1} s", started.elapsed().as_secs_f64()));
-    Ok(Layer { tag, cached: false })
+    let spec = LayerSpec { base, requirements, key: &key, store: &store, owner };
+    // `build_layer` records it as known, with its size.
+    installer::install(docker, cfg, owner, &spec, index, progress).await?;
+    progress(&format!("layer {key} ready in {:.1} s", started.elapsed().as_secs_f64()));
+    Ok(Layer { key, site, cached: false })
 }
 
-/// Builds the layer from the stopped installer `installer`. Its tree streams through a
-/// re-packer on a blocking thread (the `tar` crate is synchronous) into the build's request
-/// body; bounded channels join the three, so neither memory nor a runtime worker holds it.
+/// Each set's size, from the store's listing.
+fn sizes(index: HashMap<String, Option<serde_json::Value>>) -> HashMap<String, u64> {
+    index
+        .into_iter()
+        .map(|(dir, meta)| (dir, meta.and_then(|m| m.get("size").and_then(serde_json::Value::as_u64)).unwrap_or(0)))
+        .collect()
+}
+
+/// Whether the sets this process knows of may exceed `keep_bytes` (0: keep none), so a prune
+/// is worth reading the store for. Unknown: yes.
+pub async fn over(docker: &Docker, keep_bytes: u64) -> bool {
+    match Store::get(docker).await {
+        Ok(store) => known_bytes(&store).is_none_or(|b| keep_bytes == 0 || b > keep_bytes),
+        Err(_) => true,
+    }
+}
+
+fn now_s() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Stores the tree of the stopped installer `installer` as the set of `spec`. The tree
+/// streams through a re-packer on a blocking thread (the `tar` crate is synchronous) into the
+/// store's upload; bounded channels join the three, so neither memory nor a runtime worker
+/// holds it. Two servers storing one set at once: the first rename wins, the other copy goes.
 async fn build_layer(docker: &Docker, installer: &str, spec: &LayerSpec<'_>) -> Result<(), Error> {
     let (tree_tx, tree_rx) = mpsc::channel(4);
     let (context_tx, context_rx) = mpsc::channel(4);
-    let base = spec.base.to_owned();
-    // Awaited below; if this future is dropped instead, both its channels close and it ends.
-    let repacker = tokio::task::spawn_blocking(move || tree::repack(&base, tree_rx, context_tx));
-    let labels = HashMap::from([
-        (LABEL_IMAGE, "layer".to_owned()),
-        (LABEL_REQUIREMENTS, spec.requirements.join("\n")),
-        (LABEL_BASE, spec.base.to_owned()),
-    ]);
-    let opts = BuildImageOptionsBuilder::default()
-        .dockerfile("Dockerfile")
-        .t(spec.tag)
-        .labels(&labels)
-        .rm(true)
-        .forcerm(true)
-        .build();
-    let build = async {
-        let body = bollard::body_try_stream(tree::context_body(context_rx));
-        let mut stream = docker.build_image(opts, None, Some(body));
-        while let Some(item) = stream.next().await {
-            match item {
-                Ok(info) => {
-                    if let Some(detail) = info.error_detail.and_then(|d| d.message) {
-                        return Err(DockerError::Build(detail).into());
-                    }
-                }
-                Err(bollard::errors::Error::DockerStreamError { error }) => {
-                    return Err(DockerError::Build(error).into());
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(())
+    let tmp = store::tmp_name()?;
+    let meta = Meta {
+        key: spec.key.to_owned(),
+        requirements: spec.requirements.to_vec(),
+        base: spec.base.to_owned(),
+        size: 0,
+        created: now_s(),
     };
-    let (downloaded, built) = tokio::join!(tree::download_tree(docker, installer, tree_tx), build);
-    let (packed, build_gone) =
+    let tmp_name = tmp.clone();
+    // Awaited below; if this future is dropped instead, both its channels close and it ends.
+    let repacker = tokio::task::spawn_blocking(move || tree::repack(&tmp_name, meta, tree_rx, context_tx));
+    let body = tree::context_body(context_rx).boxed();
+    let put = store::put(docker, spec.store, spec.base, spec.owner, &tmp, spec.key, body);
+    let (downloaded, stored) = tokio::join!(tree::download_tree(docker, installer, tree_tx), put);
+    let (packed, upload_gone) =
         repacker.await.map_err(|e| Error::Failed(format!("install failed: the re-packer stopped: {e}")))?;
     // The first failure is the cause; the others follow from the channels it closed.
     downloaded?;
     match packed {
-        Ok(()) => built,
-        Err(_) if build_gone && built.is_err() => built,
+        Ok(size) => {
+            stored?;
+            mark_known(spec.store, &spec.store.dir_name(spec.key), Some(size));
+            Ok(())
+        }
+        Err(_) if upload_gone && stored.is_err() => stored.map(|_| ()),
         Err(e) => Err(Error::Failed(format!("install failed: {e}"))),
     }
 }
 
-/// Copies a layer's packages into a running session's live volume, streamed from a stopped
-/// container of the layer image straight into the session (no network, no installer).
-pub async fn copy_into(docker: &Docker, layer_tag: &str, session_container: &str, owner: &Owner) -> Result<(), Error> {
-    let name = format!("pyberth-{}-copy-{}", owner.instance, installer::next_serial());
-    let labels = HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
-        (super::LABEL_HOST.to_owned(), owner.host.clone()),
-    ]);
-    let body = ContainerCreateBody {
-        image: Some(layer_tag.into()),
-        cmd: Some(vec!["true".into()]),
-        labels: Some(labels),
-        network_disabled: Some(true),
-        host_config: Some(HostConfig { network_mode: Some("none".into()), ..Default::default() }),
-        ..Default::default()
-    };
-    let holder =
-        docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
-    let result = async {
-        let opts = DownloadFromContainerOptionsBuilder::default().path(LAYER_SITE).build();
-        let tree = docker.download_from_container(&holder.id, Some(opts)).map_err(std::io::Error::other);
-        let opts = UploadToContainerOptionsBuilder::default().path(LIVE_DIR).build();
-        docker.upload_to_container(session_container, Some(opts), bollard::body_try_stream(tree)).await?;
-        Ok(())
-    }
-    .await;
-    container::remove_container(docker, &holder.id).await;
-    result
-}
-
-/// A layer image, for listings.
+/// A set of the store, for listings.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LayerInfo {
-    /// Tag; the image id when it has none (`dangling`).
-    pub tag: String,
+    /// Its directory's name in the store.
+    pub dir: String,
+    /// Content key (empty when its metadata is unreadable).
+    pub key: String,
     /// Requirements it holds.
     pub requirements: Vec<String>,
-    /// Size in bytes (including the shared base).
-    pub size: i64,
-    /// Its own bytes: what it adds to the image it is built on (None: that image is not in
-    /// its history, so it cannot be told apart).
-    pub own_size: Option<i64>,
+    /// Bytes of its files.
+    pub size: u64,
     /// Creation time, seconds since the epoch.
     pub created: i64,
-    /// The image it is built on.
+    /// Last use recorded in the state dir, else its creation.
+    pub used: i64,
+    /// The image it was installed for.
     pub base: String,
-    /// It has no tag: a later build of the same key took it (two servers building the same
-    /// set at once), so nothing will ever use it again.
-    pub dangling: bool,
 }
 
-/// All layer images, newest first, dangling ones included (with their id as tag).
-pub async fn list(docker: &Docker) -> Result<Vec<LayerInfo>, DockerError> {
-    let label = format!("{LABEL_IMAGE}=layer");
-    let filters = HashMap::from([("label", vec![label.as_str()])]);
-    let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
-    let mut base_ids: HashMap<String, Option<String>> = HashMap::new();
-    let mut out = Vec::new();
-    for i in docker.list_images(Some(opts)).await? {
-        let base = i.labels.get(LABEL_BASE).cloned().unwrap_or_default();
-        if !base_ids.contains_key(&base) {
-            let id = docker.inspect_image(&base).await.ok().and_then(|b| b.id);
-            base_ids.insert(base.clone(), id);
-        }
-        let base_id = base_ids.get(&base).cloned().flatten();
-        // Docker before 25 lists an untagged image as `<none>:<none>`; later ones with no tag.
-        let tag = i.repo_tags.iter().find(|t| t.as_str() != "<none>:<none>").cloned();
-        out.push(LayerInfo {
-            dangling: tag.is_none(),
-            own_size: own_size(docker, &i.id, base_id.as_deref()).await,
-            tag: tag.unwrap_or_else(|| i.id.clone()),
-            requirements: i
-                .labels
-                .get(LABEL_REQUIREMENTS)
-                .map(|r| r.lines().map(str::to_owned).collect())
-                .unwrap_or_default(),
-            size: i.size,
-            created: i.created,
-            base,
-        });
-    }
-    Ok(out)
-}
-
-/// The bytes an image adds to the image it was built on: the sizes in its history down to
-/// that image, found by id (`base_id`) or, when the base tag has moved on since (a rebuilt
-/// sandbox image), as the first tagged ancestor.
-async fn own_size(docker: &Docker, id: &str, base_id: Option<&str>) -> Option<i64> {
-    let history = docker.image_history(id).await.ok()?;
-    let mut own = 0;
-    for (n, step) in history.iter().enumerate() {
-        if n > 0 && (Some(step.id.as_str()) == base_id || !step.tags.is_empty()) {
-            return Some(own);
-        }
-        own += step.size;
-    }
-    None
-}
-
-/// Layers ordered most recently used first, by the use record in `state_dir` (falling back
-/// to creation time for layers never used since the record began).
-pub async fn list_by_use(docker: &Docker, state_dir: &std::path::Path) -> Result<Vec<LayerInfo>, DockerError> {
+/// The store's sets, most recently used first, by the use record in `state_dir`.
+pub async fn list_by_use(
+    docker: &Docker,
+    image: &str,
+    owner: &Owner,
+    state_dir: &std::path::Path,
+) -> Result<Vec<LayerInfo>, Error> {
+    let store = Store::open(docker).await?;
+    let index = store::index(docker, &store, image, owner).await?;
+    set_known(&store, sizes(index.clone()));
     let used = read_uses(state_dir);
-    let mut out = list(docker).await?;
-    out.sort_by_key(|l| std::cmp::Reverse(used.get(&l.tag).copied().unwrap_or(l.created)));
+    let mut out: Vec<LayerInfo> = index
+        .into_iter()
+        .map(|(dir, meta)| {
+            let meta = meta.and_then(|m| serde_json::from_value::<Meta>(m).ok());
+            let (key, requirements, size, created, base) = match meta {
+                Some(m) => (m.key, m.requirements, m.size, m.created, m.base),
+                None => (String::new(), Vec::new(), 0, 0, String::new()),
+            };
+            let used = used.get(&key).copied().unwrap_or(created);
+            LayerInfo { dir, key, requirements, size, created, used, base }
+        })
+        .collect();
+    out.sort_by_key(|l| std::cmp::Reverse(l.used));
     Ok(out)
 }
 
@@ -334,12 +369,9 @@ fn read_uses(state_dir: &std::path::Path) -> HashMap<String, i64> {
 /// Records that a layer was used now. A lost update between two servers only blurs the
 /// LRU order, so a write to a fresh temp file and a rename is enough; never through a
 /// symlink planted in the state dir (`state_dir::replace`).
-pub fn touch(state_dir: &std::path::Path, tag: &str) {
+pub fn touch(state_dir: &std::path::Path, key: &str) {
     let mut used = read_uses(state_dir);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-    used.insert(tag.to_owned(), now.unwrap_or(0));
+    used.insert(key.to_owned(), now_s());
     let written = serde_json::to_vec(&used)
         .map_err(std::io::Error::other)
         .and_then(|b| crate::state_dir::replace(&uses_path(state_dir), &b));
@@ -348,32 +380,102 @@ pub fn touch(state_dir: &std::path::Path, tag: &str) {
     }
 }
 
-/// Removes layers, least recently used first, until the layers' own bytes (size beyond their base) are at
-/// most `keep_bytes`; 0 removes all. Layers a container still uses are kept by the engine.
-/// Returns the removed tags.
-pub async fn prune(docker: &Docker, state_dir: &std::path::Path, keep_bytes: u64) -> Result<Vec<String>, DockerError> {
-    let layers = list_by_use(docker, state_dir).await?;
-    let mut own = Vec::with_capacity(layers.len());
-    let mut base_sizes: HashMap<String, i64> = HashMap::new();
-    for l in &layers {
-        if !base_sizes.contains_key(&l.base) {
-            let size = docker.inspect_image(&l.base).await.ok().and_then(|i| i.size).unwrap_or(0);
-            base_sizes.insert(l.base.clone(), size);
+/// The file where instance `instance` records the sets its sessions use.
+fn in_use_path(state_dir: &std::path::Path, instance: &str) -> std::path::PathBuf {
+    state_dir.join(format!("layers-in-use-{instance}.json"))
+}
+
+/// Records the sets (keys) the sessions of `instance` use now, for prunes by any server or
+/// `pyberth layers prune` on this host: a set removed under a session breaks its imports.
+pub fn record_in_use(state_dir: &std::path::Path, instance: &str, keys: &[String]) {
+    let path = in_use_path(state_dir, instance);
+    let written = if keys.is_empty() {
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
         }
-        own.push(u64::try_from(l.size - base_sizes[&l.base]).unwrap_or(0));
+    } else {
+        serde_json::to_vec(keys).map_err(std::io::Error::other).and_then(|b| crate::state_dir::replace(&path, &b))
+    };
+    if let Err(e) = written {
+        tracing::warn!(error = %e, "cannot record the layers in use");
     }
-    let mut total: u64 = own.iter().sum();
-    let mut removed = Vec::new();
-    for (l, bytes) in layers.iter().zip(own).rev() {
+}
+
+/// The sets in use by any live instance's sessions: the records of instances that still have
+/// a container on the engine (an instance without one has no session holding a set; its
+/// record is left from a crash and is removed).
+async fn in_use(docker: &Docker, state_dir: &std::path::Path) -> Result<HashSet<String>, DockerError> {
+    let inventory = super::container::inventory(docker).await?;
+    let alive: HashSet<&str> =
+        inventory.containers.iter().filter_map(|c| c.labels.get(super::LABEL_INSTANCE).map(String::as_str)).collect();
+    let mut keys = HashSet::new();
+    let Ok(entries) = std::fs::read_dir(state_dir) else { return Ok(keys) };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(instance) = name.strip_prefix("layers-in-use-").and_then(|n| n.strip_suffix(".json")) else {
+            continue;
+        };
+        if !alive.contains(instance) {
+            let _ = std::fs::remove_file(entry.path());
+            continue;
+        }
+        let listed: Vec<String> = crate::state_dir::read(&entry.path(), MAX_USES)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        keys.extend(listed);
+    }
+    Ok(keys)
+}
+
+/// Removes sets, least recently used first, until their bytes are at most `keep_bytes` (0
+/// removes all), never one a session uses (`in_use`) nor one of `protect`. Returns the
+/// removed sets.
+pub async fn prune(
+    docker: &Docker,
+    image: &str,
+    owner: &Owner,
+    state_dir: &std::path::Path,
+    keep_bytes: u64,
+    protect: &[String],
+) -> Result<Vec<LayerInfo>, Error> {
+    let layers = list_by_use(docker, image, owner, state_dir).await?;
+    let mut held = in_use(docker, state_dir).await?;
+    held.extend(protect.iter().cloned());
+    let mut total: u64 = layers.iter().map(|l| l.size).sum();
+    let mut doomed = Vec::new();
+    for l in layers.iter().rev() {
         if keep_bytes > 0 && total <= keep_bytes {
             break;
         }
-        match docker.remove_image(&l.tag, Some(RemoveImageOptionsBuilder::default().build()), None).await {
-            Ok(_) => {
-                total = total.saturating_sub(bytes);
-                removed.push(l.tag.clone());
-            }
-            Err(e) => tracing::info!(layer = %l.tag, error = %e, "layer kept"),
+        if held.contains(&l.key) {
+            continue;
+        }
+        total = total.saturating_sub(l.size);
+        doomed.push(l.clone());
+    }
+    let store = Store::get(docker).await?;
+    let dirs: Vec<String> = doomed.iter().map(|l| l.dir.clone()).collect();
+    let removed: HashSet<String> = store::remove(docker, &store, image, owner, &dirs).await?.into_iter().collect();
+    for dir in &removed {
+        mark_known(&store, dir, None);
+    }
+    Ok(doomed.into_iter().filter(|l| removed.contains(&l.dir)).collect())
+}
+
+/// Removes the layer images of pyberth before the store (`pyberth-layer:*`); returns their
+/// names. One a container still uses is kept by the engine.
+pub async fn prune_old_images(docker: &Docker) -> Result<Vec<String>, DockerError> {
+    let label = format!("{LABEL_IMAGE}=layer");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
+    let mut removed = Vec::new();
+    for i in docker.list_images(Some(opts)).await? {
+        let name = i.repo_tags.iter().find(|t| t.starts_with(LAYER_REPO)).cloned().unwrap_or(i.id);
+        match docker.remove_image(&name, Some(RemoveImageOptionsBuilder::default().build()), None).await {
+            Ok(_) => removed.push(name),
+            Err(e) => tracing::info!(image = %name, error = %e, "old layer image kept"),
         }
     }
     Ok(removed)
@@ -404,6 +506,10 @@ mod tests {
             b.append(&h, &[][..]).expect("append");
         }
         b.into_inner().expect("tar")
+    }
+
+    fn meta() -> Meta {
+        Meta { key: "k".into(), requirements: vec!["six".into()], base: "b".into(), size: 0, created: 1 }
     }
 
     fn names(ctx: &[u8]) -> Vec<(String, u32)> {
@@ -470,7 +576,7 @@ mod tests {
     async fn stream(chunks: Vec<std::io::Result<Bytes>>) -> (Vec<std::io::Result<Bytes>>, Result<(), String>) {
         let (tree_tx, tree_rx) = mpsc::channel(4);
         let (context_tx, context_rx) = mpsc::channel(4);
-        let repacker = tokio::task::spawn_blocking(move || tree::repack("base", tree_rx, context_tx));
+        let repacker = tokio::task::spawn_blocking(move || tree::repack(".tmp-x", meta(), tree_rx, context_tx));
         let feed = async move {
             for c in chunks {
                 if tree_tx.send(c).await.is_err() {
@@ -480,14 +586,14 @@ mod tests {
         };
         let ((), body) = tokio::join!(feed, tree::context_body(context_rx).collect::<Vec<_>>());
         let (packed, _) = repacker.await.expect("re-packer");
-        (body, packed)
+        (body, packed.map(|_| ()))
     }
 
     #[tokio::test]
     async fn the_streamed_context_is_the_whole_context_and_a_cut_tree_never_ends_cleanly() {
         // Bigger than a chunk both ways, fed in odd-sized pieces.
         let tree = tree_with_file(CHUNK + 12345);
-        let whole = context_from_tree("base", &tree[..], Vec::new()).expect("context");
+        let whole = context_from_tree(".tmp-x", &mut meta(), &tree[..], Vec::new()).expect("context");
         let pieces = |t: &[u8]| t.chunks(7000).map(|c| Ok(Bytes::copy_from_slice(c))).collect::<Vec<_>>();
         let (body, packed) = stream(pieces(&tree)).await;
         assert_eq!(packed, Ok(()));
@@ -507,7 +613,7 @@ mod tests {
     fn a_refused_tree_leaves_no_end_of_archive_marker() {
         let bad = tree(&[("site/", tar::EntryType::Directory, ""), ("other/x.py", tar::EntryType::Regular, "")]);
         let mut sink = Vec::new();
-        assert!(context_from_tree("base", &bad[..], &mut sink).is_err());
+        assert!(context_from_tree(".tmp-x", &mut meta(), &bad[..], &mut sink).is_err());
         assert!(!sink.is_empty(), "what came before was written");
         assert!(!sink.ends_with(&[0u8; 1024]), "a refused tree must not look whole to the engine");
     }
@@ -521,16 +627,19 @@ mod tests {
             ("site/escape", tar::EntryType::Symlink, "../../etc/passwd"),
             ("site/abs", tar::EntryType::Symlink, "/etc/passwd"),
             ("site/fifo", tar::EntryType::Fifo, ""),
+            // A hard link names its target from the archive's root: into another set, dropped.
+            ("site/hard", tar::EntryType::Link, "site/../other/site/x.py"),
         ]);
-        let ctx = context_from_tree("base", &ok[..], Vec::new()).expect("context");
+        let ctx = context_from_tree(".tmp-x", &mut meta(), &ok[..], Vec::new()).expect("context");
         let got = names(&ctx);
         let paths: Vec<&str> = got.iter().map(|(p, _)| p.as_str()).collect();
-        assert_eq!(paths, ["Dockerfile", "site/", "site/six.py", "site/link.py"]);
+        assert_eq!(paths, [".tmp-x", ".tmp-x/site/", ".tmp-x/site/six.py", ".tmp-x/site/link.py", ".tmp-x/meta.json"]);
         assert_eq!(got[2].1, 0o644, "readable by the code's uid");
         assert_eq!(got[1].1, 0o755);
+        assert_eq!(got[4].1, 0o600, "the metadata is root's alone");
         for bad in ["site/../../etc/x", "other/x.py"] {
             let t = tree(&[(bad, tar::EntryType::Regular, "")]);
-            assert!(context_from_tree("base", &t[..], Vec::new()).is_err(), "{bad}");
+            assert!(context_from_tree(".tmp-x", &mut meta(), &t[..], Vec::new()).is_err(), "{bad}");
         }
     }
 }

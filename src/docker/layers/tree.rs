@@ -1,6 +1,7 @@
 //! The installed tree is hostile input (docs/threat-model.md §4): it is streamed out of the
 //! installer, re-packed with links out, devices, setuid bits and unsafe paths removed, and
-//! only then stored.
+//! only then stored: as one `.tmp-*` directory of the layer store (`store.rs`), holding
+//! `site/` and, last, the set's `meta.json`.
 
 use std::io::{Read, Write};
 
@@ -10,7 +11,7 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 use tokio::sync::mpsc;
 
-use super::{CHUNK, Error, LAYER_SITE, MAX_TREE};
+use super::{CHUNK, Error, MAX_TREE, Meta};
 
 /// Forwards the installer's `/workspace/site`, a tar, to the re-packer, bounded in size. A
 /// failure reaches the re-packer as an error, never as an early end: a tree cut short must
@@ -63,13 +64,13 @@ impl Read for TreeReader {
     }
 }
 
-/// The build context as chunks down a channel, from the blocking re-packer. `None` marks the
+/// The re-packed tree as chunks down a channel, from the blocking re-packer. `None` marks the
 /// end, sent only by `finish`: a body that stops without it, because the re-packer failed or
-/// panicked, ends in an error, so the engine never builds from part of a tree.
+/// panicked, ends in an error, so the engine never stores part of a tree.
 struct ContextWriter {
     tx: mpsc::Sender<std::io::Result<Option<Bytes>>>,
     buf: Vec<u8>,
-    /// The build stopped reading (it failed on its own).
+    /// The upload stopped reading (it failed on its own).
     gone: bool,
 }
 
@@ -77,7 +78,7 @@ impl ContextWriter {
     fn send(&mut self, item: std::io::Result<Option<Bytes>>) -> std::io::Result<()> {
         self.tx.blocking_send(item).map_err(|_| {
             self.gone = true;
-            std::io::Error::other("the build stopped reading its context")
+            std::io::Error::other("the upload stopped reading the tree")
         })
     }
 
@@ -105,23 +106,24 @@ impl Write for ContextWriter {
     }
 }
 
-/// Re-packs the tree arriving on `tree` into a build context sent down `context` (on a
-/// blocking thread). Also says whether the build stopped reading.
+/// Re-packs the tree arriving on `tree` into the upload sent down `context` (on a blocking
+/// thread); returns the tree's size. Also says whether the upload stopped reading.
 pub(super) fn repack(
-    base: &str,
+    tmp: &str,
+    mut meta: Meta,
     tree: mpsc::Receiver<std::io::Result<Bytes>>,
     context: mpsc::Sender<std::io::Result<Option<Bytes>>>,
-) -> (Result<(), String>, bool) {
+) -> (Result<u64, String>, bool) {
     let mut out = ContextWriter { tx: context, buf: Vec::with_capacity(CHUNK), gone: false };
     let tree = TreeReader { rx: tree, cur: Bytes::new() };
-    let packed = context_from_tree(base, tree, &mut out).and_then(|w| w.finish().map_err(|e| e.to_string()));
+    let packed = context_from_tree(tmp, &mut meta, tree, &mut out).and_then(|w| w.finish().map_err(|e| e.to_string()));
     if let Err(e) = &packed {
         let _ = out.tx.blocking_send(Err(std::io::Error::other(e.clone())));
     }
-    (packed, out.gone)
+    (packed.map(|()| meta.size), out.gone)
 }
 
-/// The request body of a build, from the re-packer's chunks.
+/// The request body of the upload, from the re-packer's chunks.
 pub(super) fn context_body(
     rx: mpsc::Receiver<std::io::Result<Option<Bytes>>>,
 ) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
@@ -153,14 +155,16 @@ impl<W: Write> Write for Cut<W> {
     }
 }
 
-/// Re-packs the installer's tree into a build context written to `out`. The tree came from a
-/// container that ran untrusted install hooks, so it is treated as hostile: entries must stay
-/// under `site/`, links may not point out of it, devices and fifos are dropped, and modes are
-/// made readable (never setuid) so the code's uid can import what root's COPY wrote. On
-/// failure `out` gets no end-of-archive marker.
-pub(super) fn context_from_tree<W: Write>(base: &str, tree: impl Read, out: W) -> Result<W, String> {
+/// Re-packs the installer's tree into the store upload written to `out`: `tmp/`, `tmp/site/…`,
+/// then `tmp/meta.json` (root-only) with the tree's size. The tree came from a container that
+/// ran untrusted install hooks, so it is treated as hostile: entries must stay under `site/`,
+/// links may not point out of it, devices and fifos are dropped, every entry is root's and
+/// modes are made readable (never setuid, never writable but by root) so the code's uid can
+/// import it. On failure `out` gets no end-of-archive marker, and no `meta.json`: the store
+/// discards what arrived.
+pub(super) fn context_from_tree<W: Write>(tmp: &str, meta: &mut Meta, tree: impl Read, out: W) -> Result<W, String> {
     let mut out = tar::Builder::new(Cut { inner: out, cut: false });
-    match append_tree(base, tree, &mut out) {
+    match append_tree(tmp, meta, tree, &mut out) {
         Ok(()) => out.into_inner().map(|c| c.inner).map_err(|e| e.to_string()),
         Err(e) => {
             out.get_mut().cut = true;
@@ -169,14 +173,17 @@ pub(super) fn context_from_tree<W: Write>(base: &str, tree: impl Read, out: W) -
     }
 }
 
-fn append_tree<W: Write>(base: &str, tree: impl Read, out: &mut tar::Builder<W>) -> Result<(), String> {
-    let dockerfile = format!("FROM {base}\nCOPY site {LAYER_SITE}\n");
+fn append_tree<W: Write>(tmp: &str, meta: &mut Meta, tree: impl Read, out: &mut tar::Builder<W>) -> Result<(), String> {
+    let root = std::path::Path::new(tmp);
     let mut h = tar::Header::new_gnu();
-    h.set_size(dockerfile.len() as u64);
-    h.set_mode(0o644);
-    h.set_mtime(0);
+    h.set_entry_type(tar::EntryType::Directory);
+    h.set_size(0);
+    h.set_mode(0o755);
+    // Now: the store's writer removes `.tmp-*` directories older than an hour as leftovers.
+    h.set_mtime(u64::try_from(meta.created).unwrap_or(0));
     h.set_cksum();
-    out.append_data(&mut h, "Dockerfile", dockerfile.as_bytes()).map_err(|e| e.to_string())?;
+    out.append_data(&mut h, root, &[][..]).map_err(|e| e.to_string())?;
+    let mut size = 0u64;
     let mut ar = tar::Archive::new(tree);
     for entry in ar.entries().map_err(|e| e.to_string())? {
         let mut entry = entry.map_err(|e| e.to_string())?;
@@ -186,27 +193,56 @@ fn append_tree<W: Write>(base: &str, tree: impl Read, out: &mut tar::Builder<W>)
         }
         let kind = entry.header().entry_type();
         let mut header = entry.header().clone();
-        match kind {
-            tar::EntryType::Regular | tar::EntryType::Directory => {}
-            tar::EntryType::Symlink | tar::EntryType::Link => {
+        let in_site = |p: &std::path::Path| {
+            safe_relative(p) && p.components().next().and_then(|c| c.as_os_str().to_str()) == Some("site")
+        };
+        // Where a kept link points, as written into the store's tar.
+        let link = match kind {
+            tar::EntryType::Regular | tar::EntryType::Directory => None,
+            tar::EntryType::Symlink => {
                 let target = entry.link_name().map_err(|e| e.to_string())?.unwrap_or_default().into_owned();
                 let resolved = path.parent().unwrap_or(std::path::Path::new("")).join(&target);
-                if target.is_absolute() || !safe_relative(&normalize(&resolved)) {
+                if target.is_absolute() || !in_site(&normalize(&resolved)) {
                     continue; // a link out of the tree is dropped, never followed
                 }
+                Some(target) // relative to the link: the same under the set's directory
+            }
+            tar::EntryType::Link => {
+                // A hard link names its target from the archive's root, which is the store's
+                // root on upload: kept only inside `site/`, and re-rooted with the tree.
+                let target = entry.link_name().map_err(|e| e.to_string())?.unwrap_or_default().into_owned();
+                if target.is_absolute() || !in_site(&normalize(&target)) {
+                    continue;
+                }
+                Some(root.join(normalize(&target)))
             }
             _ => continue,
-        }
+        };
         let mode = header.mode().unwrap_or(0o644) & 0o777;
         let mode = if kind == tar::EntryType::Directory || mode & 0o111 != 0 { mode | 0o555 } else { mode | 0o444 };
         header.set_mode(mode & 0o755);
         header.set_uid(0);
         header.set_gid(0);
         header.set_cksum();
+        if let Some(target) = link {
+            header.set_size(0);
+            out.append_link(&mut header, root.join(&path), target).map_err(|e| e.to_string())?;
+            continue;
+        }
+        if kind == tar::EntryType::Regular {
+            size += header.size().unwrap_or(0);
+        }
         // Streamed, not read whole: one file of a tree may be gigabytes.
-        out.append_data(&mut header, &path, &mut entry).map_err(|e| e.to_string())?;
+        out.append_data(&mut header, root.join(&path), &mut entry).map_err(|e| e.to_string())?;
     }
-    Ok(())
+    meta.size = size;
+    let json = serde_json::to_vec(&*meta).map_err(|e| e.to_string())?;
+    let mut h = tar::Header::new_gnu();
+    h.set_size(json.len() as u64);
+    h.set_mode(0o600);
+    h.set_mtime(0);
+    h.set_cksum();
+    out.append_data(&mut h, root.join(super::store::META), &json[..]).map_err(|e| e.to_string())
 }
 
 fn normalize(p: &std::path::Path) -> std::path::PathBuf {

@@ -43,9 +43,10 @@ struct Record {
     image: String,
     container: String,
     volume: String,
-    live: String,
     uid: u32,
-    layer_packages: Vec<String>,
+    /// The sets on its path, attached again to every new interpreter.
+    #[serde(default)]
+    layers: Vec<crate::docker::layers::Layer>,
     packages: Vec<String>,
     env: BTreeMap<String, String>,
     python: String,
@@ -94,9 +95,8 @@ impl Session {
             image: self.image.clone(),
             container: created.id,
             volume: created.volume,
-            live: created.live,
             uid: created.uid,
-            layer_packages: self.layer_packages.iter().cloned().collect(),
+            layers: self.layers(),
             packages: self.requirements(),
             env: self.env(),
             python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
@@ -139,7 +139,7 @@ impl Session {
         owner: container::Owner,
         record: Record,
     ) -> Arc<Self> {
-        let created = Created { id: record.container, volume: record.volume, live: record.live, uid: record.uid };
+        let created = Created { id: record.container, volume: record.volume, uid: record.uid };
         let inner = Inner {
             container: created.clone(),
             agent: None,
@@ -165,7 +165,7 @@ impl Session {
             created: SystemTime::now(),
             runs: AtomicU64::new(0),
             closed: AtomicBool::new(false),
-            layer_packages: record.layer_packages.into_iter().collect(),
+            layers: std::sync::Mutex::new(record.layers),
             packages: std::sync::Mutex::new(record.packages.into_iter().collect()),
             env: std::sync::Mutex::new(record.env),
             waiting: AtomicUsize::new(0),
@@ -231,7 +231,6 @@ impl Registry {
                 kept_ids.insert(id);
             }
             kept_volumes.insert(record.volume.clone());
-            kept_volumes.insert(record.live.clone());
             let (name, id) = (record.name.clone(), record.container.clone());
             // It stays its instance's: a container it is given later carries the same labels,
             // kept alive by the lock and heartbeat this server now holds for that instance.
@@ -249,6 +248,10 @@ impl Registry {
         }
         for (name, _) in found.volumes.iter().filter(|(n, l)| of_adopted(l) && !kept_volumes.contains(n)) {
             container::remove_leftover_volume(&self.docker, name).await;
+        }
+        if adopted > 0 {
+            // Their sets are in use: no prune may take them.
+            self.record_layers();
         }
         Ok(adopted)
     }
