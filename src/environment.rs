@@ -75,6 +75,9 @@ pub struct EnvironmentSpec {
     /// Host folders mounted read-only.
     #[serde(default)]
     pub mounts: Vec<MountSpec>,
+    /// Packages its installs may build from source, beside the server's `allow_sdist`.
+    #[serde(default)]
+    pub allow_sdist: Vec<String>,
 }
 
 /// A resolved environment.
@@ -97,8 +100,27 @@ pub struct Environments {
     default: String,
 }
 
-/// The built-in environments: the configured default and two Python versions that also build
-/// offline (Debian bookworm has 3.11, trixie 3.13).
+/// The built-in data-science environment.
+pub const DATASCIENCE: &str = "datascience";
+
+/// What the `datascience` environment preinstalls: the usual analysis stack and readers of
+/// the common formats, pinned so that every server builds the same set (one layer key), with
+/// wheels for CPython 3.11 to 3.13 on x86_64 and aarch64 Linux.
+pub const DATASCIENCE_PACKAGES: [&str; 8] = [
+    "matplotlib==3.11.2",
+    "numpy==2.4.6",
+    "openpyxl==3.1.5",
+    "pandas==3.1.1",
+    "pyarrow==26.0.1",
+    "scikit-learn==1.9.1",
+    "scipy==1.17.1",
+    "tabulate==0.10.0",
+];
+
+/// The built-in environments: the configured default, two Python versions that also build
+/// offline (Debian bookworm has 3.11, trixie 3.13), and `datascience` (the default's Python
+/// with [`DATASCIENCE_PACKAGES`] as one dependency layer, built on first use or by
+/// `pyberth image build --environment datascience`).
 fn builtins(cfg: &SandboxConfig) -> Vec<(&'static str, EnvironmentSpec)> {
     let spec = |description: String, base: &str, debian: &str| EnvironmentSpec {
         description: Some(description),
@@ -116,6 +138,21 @@ fn builtins(cfg: &SandboxConfig) -> Vec<(&'static str, EnvironmentSpec)> {
         (
             "python3.13",
             spec("Python 3.13 (python:3.13-slim, offline: Debian trixie)".into(), "python:3.13-slim", "trixie"),
+        ),
+        (
+            DATASCIENCE,
+            EnvironmentSpec {
+                packages: DATASCIENCE_PACKAGES.iter().map(|p| (*p).to_owned()).collect(),
+                ..spec(
+                    "Data science: the default environment's Python with numpy, pandas, matplotlib (figures come \
+                     back as images), scipy, scikit-learn, pyarrow (Parquet, Arrow), openpyxl (Excel) and tabulate \
+                     preinstalled. The first session builds it once (about a minute, with progress) unless the \
+                     operator ran `pyberth image build --environment datascience`"
+                        .into(),
+                    &cfg.base_image,
+                    &cfg.fallback_release,
+                )
+            },
         ),
     ]
 }
@@ -238,6 +275,8 @@ impl Environments {
                     description: spec.description.clone().or(builtin.description),
                     base: spec.base.clone().or(builtin.base),
                     debian: spec.debian.clone().or(builtin.debian),
+                    // A built-in's packages stay unless the operator names others.
+                    packages: if spec.packages.is_empty() { builtin.packages } else { spec.packages.clone() },
                     ..spec.clone()
                 },
                 None => spec.clone(),
@@ -312,6 +351,12 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
     }
     if let Some(v) = spec.timeout_s {
         cfg.timeout_s = v;
+    }
+    // The environment's allowances add to the server's.
+    for p in &spec.allow_sdist {
+        if !cfg.allow_sdist.contains(p) {
+            cfg.allow_sdist.push(p.clone());
+        }
     }
     cfg.max_timeout_s = cfg.max_timeout_s.max(cfg.timeout_s);
     cfg.mounts = spec.mounts.iter().map(|m| check_mount(name, m)).collect::<Result<_, _>>()?;

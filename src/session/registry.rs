@@ -161,7 +161,7 @@ impl Registry {
         };
         let _guard = lock.lock().await;
         let layer =
-            layers::ensure(&self.docker, &self.cfg, &self.instance.owner, &base, requirements, &self.index, progress)
+            layers::ensure(&self.docker, &env.cfg, &self.instance.owner, &base, requirements, &self.index, progress)
                 .await?;
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.
