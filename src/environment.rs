@@ -447,6 +447,24 @@ mod tests {
     }
 
     #[test]
+    fn datascience_is_built_in_pinned_and_allowances_add_to_the_servers() {
+        let envs = Environments::from_config(&cfg_with("allow_sdist = [\"a\"]\n")).expect("valid");
+        let ds = envs.get(Some(DATASCIENCE)).expect("built in");
+        assert_eq!(ds.packages.len(), DATASCIENCE_PACKAGES.len());
+        assert!(ds.packages.iter().all(|p| p.contains("==")), "pinned: {:?}", ds.packages);
+        assert_eq!(ds.cfg.base_image, envs.get(None).expect("default").cfg.base_image, "the default's Python");
+        let file = "allow_sdist = [\"a\"]\n[environments.datascience]\nallow_sdist = [\"b\"]\nmemory_mb = 2048\n";
+        let envs = Environments::from_config(&cfg_with(file)).expect("valid");
+        let ds = envs.get(Some(DATASCIENCE)).expect("overridden");
+        assert_eq!(ds.packages.len(), DATASCIENCE_PACKAGES.len(), "its packages stay when none are named");
+        assert_eq!(ds.cfg.allow_sdist, ["a", "b"]);
+        assert_eq!(envs.get(None).expect("default").cfg.allow_sdist, ["a"]);
+        let e = Environments::from_config(&cfg_with("[environments.x]\nallow_sdist = [\"-e .\"]\n"))
+            .expect_err("not a name");
+        assert!(e.contains("environments.x") && e.contains("allow_sdist"), "{e}");
+    }
+
+    #[test]
     fn bad_entries_are_refused_naming_them() {
         for (file, why) in [
             ("[environments.x]\nmounts = [{ host = \"/no/such/dir\", path = \"/data\" }]\n", "environments.x.mounts"),
