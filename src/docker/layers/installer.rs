@@ -57,7 +57,7 @@ why=""
 if [ "$PB_UV" = none ]; then
   why="uv is turned off (--installer-uv none)"
 elif [ "$PB_SHARED" != 1 ]; then
-  why="no wheels-only install has fetched uv on this base and index yet"
+  why="$PB_SHARED_WHY"
 elif [ -x "$T/uv/bin/uv" ]; then
   uv="$T/uv/bin/uv"
 elif [ "$PB_WRITE" != 1 ]; then
@@ -227,6 +227,14 @@ async fn install_as(
             "UV_HTTP_RETRIES=1".into(),
             format!("PB_UV={}", cfg.installer_uv),
             format!("PB_SHARED={}", flag(shared.is_some())),
+            format!(
+                "PB_SHARED_WHY={}",
+                if wheels_only {
+                    "the installer's tool volume is unavailable (see the server's log)"
+                } else {
+                    "no wheels-only install has fetched uv on this base and index yet"
+                }
+            ),
             format!("PB_WRITE={}", flag(shared.is_some() && wheels_only)),
             format!("PB_CACHE_KB={}", cfg.installer_cache_mb.saturating_mul(1024)),
             format!("PB_ONLY_BINARY={}", flag(wheels_only)),
@@ -626,7 +634,7 @@ fn explain(tail: &[String], index: &IndexSettings, wheels_only: bool) -> Error {
     } else if let Some(p) = no_wheel_package(&all) {
         format!("{p} ships no wheel for this Python and platform, only source; {}", opt_in(&p))
     } else if let Some(p) = between(&all, "Because ", " was not found in the package registry") {
-        format!("no package named {p} on the index {index_name}: check the name")
+        format!("no such package on the index {index_name}: {p} (check the name)")
     } else if let Some(r) = between(&all, "there is no version of ", " and ") {
         format!("no version of {r} on the index {index_name}: relax the version constraint")
     } else if let Some(r) = between(&all, "satisfies the requirement ", " (from versions: none)") {
@@ -635,12 +643,12 @@ fn explain(tail: &[String], index: &IndexSettings, wheels_only: bool) -> Error {
             let name = r.split(|c: char| "=<>!~;[ ".contains(c)).next().unwrap_or(r);
             let name = crate::deps::normalize_name(name);
             format!(
-                "no package named {name} on the index {index_name}, or none of its versions ships a wheel for \
-                 this Python and platform. If it ships only source, {}",
+                "no such package on the index {index_name}: {name} (check the name), or none of its versions \
+                 ships a wheel for this Python and platform. If it ships only source, {}",
                 opt_in(&name)
             )
         } else {
-            format!("no package named {r} on the index {index_name}: check the name")
+            format!("no such package on the index {index_name}: {r} (check the name)")
         }
     } else if let Some(r) = between(&all, "satisfies the requirement ", " (from versions:") {
         format!("no version of {r} on the index {index_name}: relax the version constraint")
@@ -745,7 +753,7 @@ ERROR: No matching distribution found for idna==999.0";
         assert!(w.starts_with("docopt ships no wheel"), "{w}");
         assert!(w.contains("--allow-sdist docopt") && w.contains("allow_sdist = [\"docopt\"]"), "{w}");
         let w = what(UV_NOT_FOUND, true);
-        assert!(w.contains("no package named no-such-package-pyberth-xyz on the index https://pypi.org/simple"), "{w}");
+        assert!(w.contains("no such package on the index https://pypi.org/simple: no-such-package-pyberth-xyz"), "{w}");
         let w = what(UV_NO_VERSION, true);
         assert!(w.contains("no version of idna==999.0"), "{w}");
         let w = what(UV_CONFLICT, true);
@@ -759,9 +767,11 @@ ERROR: No matching distribution found for idna==999.0";
     #[test]
     fn pip_failures_name_the_requirement_and_the_opt_in_when_wheels_only() {
         let w = what(PIP_NO_WHEEL, true);
-        assert!(w.contains("no package named docopt") && w.contains("--allow-sdist docopt"), "{w}");
+        assert!(w.contains("no such package on the index https://pypi.org/simple: docopt"), "{w}");
+        assert!(w.contains("--allow-sdist docopt"), "{w}");
         let w = what(PIP_NO_WHEEL, false);
-        assert!(w.contains("no package named docopt") && !w.contains("allow-sdist"), "{w}");
+        assert!(w.contains("no such package on the index https://pypi.org/simple: docopt"), "{w}");
+        assert!(!w.contains("allow-sdist"), "{w}");
         let w = what(PIP_NO_VERSION, true);
         assert!(w.contains("no version of idna==999.0"), "{w}");
         assert_eq!(no_wheel_package("Because docopt==0.6.2 has no usable wheels and"), Some("docopt".into()));
