@@ -704,7 +704,7 @@ async fn installer_rows(cfg: &SandboxConfig, docker: &Docker, img: &str, table: 
         // Warm-up: the sandbox image's first session, and uv in the tool volume.
         forget_layers(docker, "tomli").await;
         server.run("warm", "import tomli", &["tomli"]).await?;
-        let uv = tool_volume(docker, img, &cfg.installer_uv).await;
+        let uv = tool_volume(docker, img, cfg).await;
         let mut rows = Vec::new();
         for (package, code) in [("idna", "import idna"), ("pandas", "import pandas")] {
             let floor = floor_install(docker, img, cfg, uv.as_deref(), package, true).await?;
@@ -728,23 +728,27 @@ async fn installer_rows(cfg: &SandboxConfig, docker: &Docker, img: &str, table: 
     }
     .await;
     server.stop().await;
-    if uv_missing(docker, img, &cfg.installer_uv).await {
+    if tool_volume(docker, img, cfg).await.is_none() {
         table.text("installer floors", "pip".into(), "no uv in the tool volume: the uv floors ran pip".into());
     }
     result
 }
 
-/// The shared installer volume of `img` holding uv fetched by `requirement`, if there is one.
-async fn tool_volume(docker: &Docker, img: &str, requirement: &str) -> Option<String> {
+/// The installer's shared volume the bench server uses on `img` (base image, index and uv
+/// requirement, as its labels record them), if there is one.
+async fn tool_volume(docker: &Docker, img: &str, cfg: &SandboxConfig) -> Option<String> {
     let id = docker.inspect_image(img).await.ok()?.id?;
-    let (base, uv) = (format!("pyberth.base-id={id}"), format!("pyberth.installer-uv={requirement}"));
-    let filters = HashMap::from([("label", vec!["pyberth.installer-volume", base.as_str(), uv.as_str()])]);
+    let labels = [
+        format!("pyberth.base-id={id}"),
+        format!("pyberth.installer-uv={}", cfg.installer_uv),
+        format!("pyberth.installer-index={}", cfg.index_url().unwrap_or_else(|| "default".into())),
+        format!("pyberth.installer-extra-index={}", cfg.extra_index_url().unwrap_or_else(|| "none".into())),
+    ];
+    let mut wanted = vec!["pyberth.installer-volume"];
+    wanted.extend(labels.iter().map(String::as_str));
+    let filters = HashMap::from([("label", wanted)]);
     let opts = bollard::query_parameters::ListVolumesOptionsBuilder::default().filters(&filters).build();
     docker.list_volumes(Some(opts)).await.ok()?.volumes?.into_iter().next().map(|v| v.name)
-}
-
-async fn uv_missing(docker: &Docker, img: &str, requirement: &str) -> bool {
-    tool_volume(docker, img, requirement).await.is_none()
 }
 
 /// One install of `package` in a plain container of `img`, timed from create to exit: uv from

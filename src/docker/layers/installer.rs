@@ -315,6 +315,12 @@ async fn shared_volume(
                 (LABEL_UID.to_owned(), uid.to_string()),
                 (LABEL_BASE_ID.to_owned(), base_id.clone()),
                 ("pyberth.installer-uv".to_owned(), cfg.installer_uv.clone()),
+                // What else the key holds, for those who look for a volume by its labels (the bench).
+                ("pyberth.installer-index".to_owned(), index.index_url.clone().unwrap_or_else(|| "default".into())),
+                (
+                    "pyberth.installer-extra-index".to_owned(),
+                    index.extra_index_url.clone().unwrap_or_else(|| "none".into()),
+                ),
                 (super::LABEL_BASE.to_owned(), base.to_owned()),
             ]);
             let request = VolumeCreateRequest { name: Some(name.clone()), labels: Some(labels), ..Default::default() };
