@@ -66,6 +66,25 @@ async fn uv_installs_and_a_second_set_takes_the_shared_wheel_from_the_download_c
     assert!(uv_count(&second, "Prepared") < 2, "tomli-w must come from the download cache: {second:#?}");
 }
 
+/// The download cache is bounded: an install that leaves it above `--installer-cache-mb`
+/// empties it (here 1 MiB, which any cache holding a wheel passes), and installs go on.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_download_cache_is_emptied_past_its_bound() {
+    let set = "tomli-w==1.1.0";
+    forget(&[set]).await;
+    let _layers = OwnLayers::new(&[set]);
+    let s = Server::start("inst-cache-bound", &[("PYBERTH_INSTALLER_CACHE_MB", "1")]).await;
+    let r = s.call("install_packages", json!({ "packages": [set], "session": "c" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(s.ok("c", "import tomli_w\ntomli_w.__name__").await["result"], "'tomli_w'");
+    let log = s.stop().await;
+    let lines = install_lines(&log, "installer for tomli-w==1.1.0:");
+    assert!(
+        lines.iter().any(|l| l.contains("the download cache holds") && l.contains("over its bound of 1 MiB: emptied")),
+        "{lines:#?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn pip_installs_when_uv_cannot_be_had_and_says_why() {
     // A uv requirement the index has no wheel for: the fetch fails, pip takes over. Its tool
