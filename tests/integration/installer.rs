@@ -67,22 +67,37 @@ async fn uv_installs_and_a_second_set_takes_the_shared_wheel_from_the_download_c
 }
 
 /// The download cache is bounded: an install that leaves it above `--installer-cache-mb`
-/// empties it (here 1 MiB, which any cache holding a wheel passes), and installs go on.
+/// empties it (here 1 MiB, which Pygments alone passes), and installs go on. The
+/// server asks for uv by another requirement, so its volume (and cache) is its own: emptying
+/// the suite's shared cache would race the test that proves a cache hit.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_download_cache_is_emptied_past_its_bound() {
-    let set = "tomli-w==1.1.0";
+    let set = "pygments==2.18.0";
     forget(&[set]).await;
     let _layers = OwnLayers::new(&[set]);
-    let s = Server::start("inst-cache-bound", &[("PYBERTH_INSTALLER_CACHE_MB", "1")]).await;
+    let env = [("PYBERTH_INSTALLER_CACHE_MB", "1"), ("PYBERTH_INSTALLER_UV", "uv>=0.1")];
+    let s = Server::start("inst-cache-bound", &env).await;
     let r = s.call("install_packages", json!({ "packages": [set], "session": "c" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
-    assert_eq!(s.ok("c", "import tomli_w\ntomli_w.__name__").await["result"], "'tomli_w'");
+    assert_eq!(s.ok("c", "import pygments\npygments.__version__").await["result"], "'2.18.0'");
     let log = s.stop().await;
-    let lines = install_lines(&log, "installer for tomli-w==1.1.0:");
+    let lines = install_lines(&log, "installer for pygments==2.18.0:");
     assert!(
         lines.iter().any(|l| l.contains("the download cache holds") && l.contains("over its bound of 1 MiB: emptied")),
         "{lines:#?}"
     );
+    remove_tool_volumes("uv>=0.1").await;
+}
+
+/// Removes the installer volumes of servers that fetch uv by `requirement` (a test's own).
+async fn remove_tool_volumes(requirement: &str) {
+    let label = format!("pyberth.installer-uv={requirement}");
+    let filters = std::collections::HashMap::from([("label", vec![label.as_str()])]);
+    let opts = bollard::query_parameters::ListVolumesOptionsBuilder::default().filters(&filters).build();
+    let found = docker().await.list_volumes(Some(opts)).await.expect("volumes").volumes.unwrap_or_default();
+    for v in found {
+        let _ = docker().await.remove_volume(&v.name, None::<bollard::query_parameters::RemoveVolumeOptions>).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -103,12 +118,7 @@ async fn pip_installs_when_uv_cannot_be_had_and_says_why() {
     });
     assert!(notice.contains("uv==0.0.999"), "it names the uv it could not fetch: {notice}");
     // The tool volume of that requirement is this test's alone.
-    let filters = std::collections::HashMap::from([("label", vec!["pyberth.installer-uv=uv==0.0.999"])]);
-    let opts = bollard::query_parameters::ListVolumesOptionsBuilder::default().filters(&filters).build();
-    let found = docker().await.list_volumes(Some(opts)).await.expect("volumes").volumes.unwrap_or_default();
-    for v in found {
-        let _ = docker().await.remove_volume(&v.name, None::<bollard::query_parameters::RemoveVolumeOptions>).await;
-    }
+    remove_tool_volumes("uv==0.0.999").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
