@@ -195,6 +195,25 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_LAYER_CACHE_MB", default_value_t = 10240)]
     pub layer_cache_mb: u64,
 
+    /// Packages the installer may build from source (sdists), comma-separated, or `:all:`.
+    /// Installs are wheels only otherwise: building an sdist runs the package's own code in
+    /// the installer, which has the network. A set naming an allowed package is installed
+    /// with sdists allowed for its whole resolution, and without the shared download cache.
+    #[arg(long, env = "PYBERTH_ALLOW_SDIST", value_delimiter = ',', value_name = "PKG,...")]
+    #[serde(default)]
+    pub allow_sdist: Vec<String>,
+
+    /// The uv the installer fetches from the package index, once per base image and index,
+    /// into a tool volume only installers mount (a requirement such as uv==0.13.9); `none`:
+    /// install with pip. When uv cannot be had, installs fall back to pip and say why.
+    #[arg(long, env = "PYBERTH_INSTALLER_UV", default_value = "uv")]
+    pub installer_uv: String,
+
+    /// Bound of the download cache installers share (wheels-only installs only), MiB: after
+    /// an install that leaves it larger, it is emptied. 0: no shared cache.
+    #[arg(long, env = "PYBERTH_INSTALLER_CACHE_MB", default_value_t = 2048)]
+    pub installer_cache_mb: u64,
+
     /// Most packages accepted in one request.
     #[arg(long, env = "PYBERTH_MAX_PACKAGES", default_value_t = 50)]
     pub max_packages: usize,
@@ -368,6 +387,19 @@ impl SandboxConfig {
             )?;
         }
 
+        for p in &self.allow_sdist {
+            check(
+                p == ":all:" || crate::deps::parse(p).is_ok_and(|r| r.canonical == r.name),
+                "--allow-sdist",
+                format!("{p:?} is not a package name (or :all:)"),
+            )?;
+        }
+        check(
+            self.installer_uv == "none"
+                || crate::deps::parse(&self.installer_uv).is_ok_and(|r| r.name == "uv" && !r.canonical.contains(';')),
+            "--installer-uv",
+            "must be none, or a requirement on uv such as uv or uv==0.13.9",
+        )?;
         for (key, url) in [("--index-url", self.index_url()), ("--extra-index-url", self.extra_index_url())] {
             if let Some(url) = url {
                 check(

@@ -82,6 +82,9 @@ pub struct EnvironmentSpec {
     /// own), by host: `"api.example.com" = { Authorization = "Bearer ${EXAMPLE_TOKEN}" }`.
     /// `${VAR}` is read from the server's environment: the code never sees the value.
     pub egress_headers: Option<BTreeMap<String, BTreeMap<String, String>>>,
+    /// Packages its installs may build from source, beside the server's `allow_sdist`.
+    #[serde(default)]
+    pub allow_sdist: Vec<String>,
 }
 
 /// A resolved environment.
@@ -108,8 +111,27 @@ pub struct Environments {
     default: String,
 }
 
-/// The built-in environments: the configured default and two Python versions that also build
-/// offline (Debian bookworm has 3.11, trixie 3.13).
+/// The built-in data-science environment.
+pub const DATASCIENCE: &str = "datascience";
+
+/// What the `datascience` environment preinstalls: the usual analysis stack and readers of
+/// the common formats, pinned so that every server builds the same set (one layer key), with
+/// wheels for CPython 3.11 to 3.13 on x86_64 and aarch64 Linux.
+pub const DATASCIENCE_PACKAGES: [&str; 8] = [
+    "matplotlib==3.11.2",
+    "numpy==2.4.6",
+    "openpyxl==3.1.5",
+    "pandas==3.1.1",
+    "pyarrow==26.0.1",
+    "scikit-learn==1.9.1",
+    "scipy==1.17.1",
+    "tabulate==0.10.0",
+];
+
+/// The built-in environments: the configured default, two Python versions that also build
+/// offline (Debian bookworm has 3.11, trixie 3.13), and `datascience` (the default's Python
+/// with [`DATASCIENCE_PACKAGES`] as one dependency layer, built on first use or by
+/// `pyberth image build --environment datascience`).
 fn builtins(cfg: &SandboxConfig) -> Vec<(&'static str, EnvironmentSpec)> {
     let spec = |description: String, base: &str, debian: &str| EnvironmentSpec {
         description: Some(description),
@@ -127,6 +149,21 @@ fn builtins(cfg: &SandboxConfig) -> Vec<(&'static str, EnvironmentSpec)> {
         (
             "python3.13",
             spec("Python 3.13 (python:3.13-slim, offline: Debian trixie)".into(), "python:3.13-slim", "trixie"),
+        ),
+        (
+            DATASCIENCE,
+            EnvironmentSpec {
+                packages: DATASCIENCE_PACKAGES.iter().map(|p| (*p).to_owned()).collect(),
+                ..spec(
+                    "Data science: the default environment's Python with numpy, pandas, matplotlib (figures come \
+                     back as images), scipy, scikit-learn, pyarrow (Parquet, Arrow), openpyxl (Excel) and tabulate \
+                     preinstalled. The first session builds it once (about a minute, with progress) unless the \
+                     operator ran `pyberth image build --environment datascience`"
+                        .into(),
+                    &cfg.base_image,
+                    &cfg.fallback_release,
+                )
+            },
         ),
     ]
 }
@@ -249,6 +286,8 @@ impl Environments {
                     description: spec.description.clone().or(builtin.description),
                     base: spec.base.clone().or(builtin.base),
                     debian: spec.debian.clone().or(builtin.debian),
+                    // A built-in's packages stay unless the operator names others.
+                    packages: if spec.packages.is_empty() { builtin.packages } else { spec.packages.clone() },
                     ..spec.clone()
                 },
                 None => spec.clone(),
@@ -323,6 +362,12 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
     }
     if let Some(v) = spec.timeout_s {
         cfg.timeout_s = v;
+    }
+    // The environment's allowances add to the server's.
+    for p in &spec.allow_sdist {
+        if !cfg.allow_sdist.contains(p) {
+            cfg.allow_sdist.push(p.clone());
+        }
     }
     cfg.max_timeout_s = cfg.max_timeout_s.max(cfg.timeout_s);
     cfg.mounts = spec.mounts.iter().map(|m| check_mount(name, m)).collect::<Result<_, _>>()?;
@@ -458,6 +503,24 @@ mod tests {
         assert!(offline.starts_with("Debian bookworm's Python 3.11 (the offline base"), "{offline}");
         assert_eq!(built_on(&cfg, &["python:3.12-slim"]).as_deref(), Some("Python 3.12 from python:3.12-slim"));
         assert_eq!(built_on(&cfg, &["something:else"]), None, "an unknown base is not guessed");
+    }
+
+    #[test]
+    fn datascience_is_built_in_pinned_and_allowances_add_to_the_servers() {
+        let envs = Environments::from_config(&cfg_with("allow_sdist = [\"a\"]\n")).expect("valid");
+        let ds = envs.get(Some(DATASCIENCE)).expect("built in");
+        assert_eq!(ds.packages.len(), DATASCIENCE_PACKAGES.len());
+        assert!(ds.packages.iter().all(|p| p.contains("==")), "pinned: {:?}", ds.packages);
+        assert_eq!(ds.cfg.base_image, envs.get(None).expect("default").cfg.base_image, "the default's Python");
+        let file = "allow_sdist = [\"a\"]\n[environments.datascience]\nallow_sdist = [\"b\"]\nmemory_mb = 2048\n";
+        let envs = Environments::from_config(&cfg_with(file)).expect("valid");
+        let ds = envs.get(Some(DATASCIENCE)).expect("overridden");
+        assert_eq!(ds.packages.len(), DATASCIENCE_PACKAGES.len(), "its packages stay when none are named");
+        assert_eq!(ds.cfg.allow_sdist, ["a", "b"]);
+        assert_eq!(envs.get(None).expect("default").cfg.allow_sdist, ["a"]);
+        let e = Environments::from_config(&cfg_with("[environments.x]\nallow_sdist = [\"-e .\"]\n"))
+            .expect_err("not a name");
+        assert!(e.contains("environments.x") && e.contains("allow_sdist"), "{e}");
     }
 
     #[test]

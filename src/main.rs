@@ -78,7 +78,8 @@ enum ImageAction {
         /// Build the image of every environment (offline too: each one's Debian base).
         #[arg(long, conflicts_with = "environment")]
         all: bool,
-        /// Build this environment's image (default: the default environment's).
+        /// Build this environment's image (default: the default environment's), and the layer
+        /// of the packages it preinstalls (e.g. `--environment datascience`).
         #[arg(long, value_name = "NAME")]
         environment: Option<String>,
     },
@@ -237,7 +238,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Image { action: ImageAction::Build { cfg, force, all, environment } } => {
             cfg.validate()?;
-            cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
+            let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
             let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
             let docker = docker::connect(cfg.docker_host.as_deref()).await?;
             let progress = |line: &str| eprintln!("{line}");
@@ -246,6 +247,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             } else {
                 vec![envs.get(environment.as_deref()).map_err(anyhow::Error::msg)?]
             };
+            let mut instance = None;
             for env in targets {
                 let tag = image::tag_for(&env.cfg);
                 if force || !image::exists(&docker, &tag).await? {
@@ -254,6 +256,36 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 } else {
                     eprintln!("environment {}: {tag} is up to date", env.name);
                 }
+                // `--all` stays offline-capable: packages come from the index, so only for an
+                // environment named on its own.
+                if env.packages.is_empty() || all {
+                    continue;
+                }
+                // Its packages too, as the layer its first session would otherwise install
+                // (`datascience`): the installer's containers carry a live instance's labels.
+                let owner = match &instance {
+                    Some(i) => i,
+                    None => instance.insert(
+                        pyberth::instance::Instance::acquire(&state_dir, None)
+                            .with_context(|| format!("cannot take an instance lock in {}", state_dir.display()))?,
+                    ),
+                };
+                let base = image::ensure(&docker, &env.cfg, &progress).await?;
+                let index = layers::IndexSettings::from_config(&env.cfg).context("cannot read the CA bundle")?;
+                let egress = pyberth::egress::Manager::new(
+                    docker.clone(),
+                    owner.owner.clone(),
+                    env.cfg.clone(),
+                    index.ca_bundle.clone(),
+                );
+                let layer =
+                    layers::ensure(&docker, &env.cfg, &owner.owner, &base, &env.packages, &index, &egress, &progress)
+                        .await;
+                egress.shutdown().await;
+                let layer =
+                    layer.with_context(|| format!("environment {}: its packages could not be installed", env.name))?;
+                let state = if layer.cached { "is up to date" } else { "is built" };
+                eprintln!("environment {}: layer {} ({}) {state}", env.name, layer.key, env.packages.join(" "));
             }
             Ok(())
         }

@@ -764,6 +764,11 @@ impl Manager {
         })
     }
 
+    /// What the proxy refused or could not reach for the install on `net`, in its words.
+    pub async fn installer_refused(&self, net: &InstallerNet) -> Vec<String> {
+        self.totals(INSTALLER, &net.key).await.map(|t| t.denied).unwrap_or_default()
+    }
+
     /// After the installer container is gone: its network removed.
     pub async fn detach_installer(&self, net: InstallerNet) {
         self.detach(INSTALLER, &net.key).await;

@@ -170,9 +170,17 @@ impl Registry {
             shared(&mut installs, requirements.to_vec(), Default::default)
         };
         let _guard = lock.lock().await;
-        let layer =
-            layers::ensure(&self.docker, &self.cfg, &self.instance.owner, &base, requirements, &self.index, progress)
-                .await?;
+        let layer = layers::ensure(
+            &self.docker,
+            &env.cfg,
+            &self.instance.owner,
+            &base,
+            requirements,
+            &self.index,
+            &self.egress,
+            progress,
+        )
+        .await?;
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.
         let (dir, key) = (state_dir.clone(), layer.key.clone());

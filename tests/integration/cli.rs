@@ -142,7 +142,6 @@ async fn a_project_runs_its_pytest_suite_and_the_report_comes_back() {
     )
     .expect("tests");
     let out = dir.join("out");
-    let _layers = crate::common::OwnLayers::new(&["pytest"]);
     let args = [
         "--with",
         "pytest",

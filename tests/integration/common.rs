@@ -10,9 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bollard::Docker;
-use bollard::query_parameters::{
-    ListContainersOptionsBuilder, ListImagesOptionsBuilder, ListVolumesOptionsBuilder, RemoveImageOptionsBuilder,
-};
+use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder};
 use rmcp::model::{CallToolRequestParams, CallToolResult, LoggingMessageNotificationParam, ProgressNotificationParam};
 use rmcp::service::{NotificationContext, RunningService};
 use rmcp::{ClientHandler, RoleClient, ServiceExt};
@@ -267,60 +265,34 @@ impl Drop for Server {
     }
 }
 
-/// The layer images a test makes for itself: requirement sets no other test asks for, so
-/// removing them never pulls a layer from under another test. They go when the guard does,
-/// whether the test passed or failed, with any untagged twin (a build of the same set that
-/// lost the race for its tag): a run leaves no layer behind.
-pub struct OwnLayers {
-    sets: Vec<String>,
-    since: i64,
-}
+/// A layer store volume of one test's own, removed at the end: a test that must see an
+/// install run (not the shared store's cached set) gives its server this store.
+pub struct PrivateStore(String);
 
-impl OwnLayers {
-    /// `sets` as the layers' `pyberth.requirements` label holds them: canonical requirements,
-    /// one per line.
-    pub fn new(sets: &[&str]) -> OwnLayers {
-        let since = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-            .unwrap_or(0);
-        OwnLayers { sets: sets.iter().map(|s| (*s).to_owned()).collect(), since }
+impl PrivateStore {
+    pub fn new(tag: &str) -> PrivateStore {
+        PrivateStore(format!("pyberth-layers-test-{tag}-{}", std::process::id()))
+    }
+
+    /// The server environment that uses it.
+    pub fn env(&self) -> (&'static str, &str) {
+        ("PYBERTH_LAYER_STORE", self.0.as_str())
     }
 }
 
-impl Drop for OwnLayers {
+impl Drop for PrivateStore {
     fn drop(&mut self) {
-        let (sets, since) = (std::mem::take(&mut self.sets), self.since);
+        let name = self.0.clone();
         // Drop cannot await: the removal runs on a runtime of its own, on a thread of its own.
-        let removal = std::thread::spawn(move || {
+        let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-            runtime.block_on(remove_layers(&sets, since))
-        });
-        if let Ok(Err(left)) = removal.join() {
-            eprintln!("layers left behind: {left}");
-        }
+            runtime.block_on(async {
+                let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+                let _ = docker().await.remove_volume(&name, Some(opts)).await;
+            });
+        })
+        .join();
     }
-}
-
-/// Removes the layer images holding one of `sets` made since `since` (seconds since the epoch).
-pub async fn remove_layers(sets: &[String], since: i64) -> Result<(), String> {
-    let docker = docker().await;
-    let mut left = Vec::new();
-    for set in sets {
-        let label = format!("pyberth.requirements={set}");
-        let filters = HashMap::from([("label", vec!["pyberth.image=layer", label.as_str()])]);
-        let opts = ListImagesOptionsBuilder::default().filters(&filters).build();
-        let images = docker.list_images(Some(opts)).await.map_err(|e| e.to_string())?;
-        // A second of slack: the engine stamps the image, the test read its own clock.
-        for image in images.into_iter().filter(|i| i.created >= since - 1) {
-            let name = image.repo_tags.iter().find(|t| t.as_str() != "<none>:<none>").unwrap_or(&image.id);
-            let opts = RemoveImageOptionsBuilder::default().build();
-            if let Err(e) = docker.remove_image(name, Some(opts), None).await {
-                left.push(format!("{name} ({set}): {e}"));
-            }
-        }
-    }
-    if left.is_empty() { Ok(()) } else { Err(left.join("; ")) }
 }
 
 /// The settings a server started by these tests has: the defaults, under the variables of the

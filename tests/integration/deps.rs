@@ -5,11 +5,11 @@
 
 use std::collections::HashMap;
 
-use bollard::query_parameters::{EventsOptionsBuilder, RemoveVolumeOptionsBuilder};
+use bollard::query_parameters::EventsOptionsBuilder;
 use futures::StreamExt;
 use serde_json::json;
 
-use crate::common::{Server, containers_of, docker, state_dir, text};
+use crate::common::{PrivateStore, Server, containers_of, docker, state_dir, text};
 
 /// Counts the installer containers an instance creates from now on. A live subscription, not a
 /// replay: this engine keeps only its last few hundred events, fewer than a loaded suite makes
@@ -51,35 +51,6 @@ impl Installers {
 impl Drop for Installers {
     fn drop(&mut self) {
         self.task.abort();
-    }
-}
-
-/// A layer store volume of one test's own, removed at the end.
-struct PrivateStore(String);
-
-impl PrivateStore {
-    fn new(tag: &str) -> PrivateStore {
-        PrivateStore(format!("pyberth-layers-test-{tag}-{}", std::process::id()))
-    }
-
-    /// The server environment that uses it.
-    fn env(&self) -> (&'static str, &str) {
-        ("PYBERTH_LAYER_STORE", self.0.as_str())
-    }
-}
-
-impl Drop for PrivateStore {
-    fn drop(&mut self) {
-        let name = self.0.clone();
-        // Drop cannot await: the removal runs on a runtime of its own, on a thread of its own.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-            runtime.block_on(async {
-                let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
-                let _ = docker().await.remove_volume(&name, Some(opts)).await;
-            });
-        })
-        .join();
     }
 }
 
@@ -597,6 +568,11 @@ async fn a_hostile_package_tree_is_stored_sanitized() {
         ("PYBERTH_INDEX_URL", index.url.as_str()),
         ("PYBERTH_EXTRA_INDEX_URL", "https://pypi.org/simple"),
         ("PYBERTH_CA_BUNDLE", bundle.as_str()),
+        // The test's self-signed certificate is its own CA, which pip accepts and uv's webpki
+        // refuses (CaUsedAsEndEntity): the subject here is the tree, not TLS.
+        ("PYBERTH_INSTALLER_UV", "none"),
+        // It is an sdist: its build code plants the hostile tree.
+        ("PYBERTH_ALLOW_SDIST", "pyberth-hostile"),
     ];
     let s = Server::start_as(&instance, &env).await;
     let (r, sc) = s.run_with(json!({ "session": "h", "code": "import pyberth_hostile\npyberth_hostile.VALUE", "packages": ["pyberth-hostile"] })).await;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::common::{OwnLayers, Server, docker, server_settings, state_dir, text};
+use crate::common::{Server, docker, server_settings, state_dir, text};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_python_versions_run_side_by_side() {
@@ -63,7 +63,6 @@ async fn an_operator_environment_brings_packages_and_a_read_only_folder() {
     .expect("config");
     let config = config.to_string_lossy().into_owned();
     // toml, not six: deps.rs builds that layer, and removes it.
-    let _layers = OwnLayers::new(&["toml"]);
     let s = Server::start("science", &[("PYBERTH_CONFIG", &config)]).await;
 
     let listed = s.call("list_environments", json!({})).await.structured_content.expect("sc");

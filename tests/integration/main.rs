@@ -14,6 +14,8 @@ mod lifecycle;
 mod liveness;
 // Dependency layers: installs, cache hits, live installs, failures.
 mod deps;
+// The installer: uv, pip fallback, the download cache, wheels only, the datascience environment.
+mod installer;
 // The workspace: files, run_file, save_as, resources, figures, environment variables.
 mod workspace;
 // Long-running work: live output, jobs, cancellation, busy queue, per-run figures.

@@ -199,7 +199,6 @@ async fn environment_variables_per_run_and_per_session() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_figure_comes_back_as_an_image() {
-    let _layers = crate::common::OwnLayers::new(&["matplotlib"]);
     let s = Server::start("ws-figures", &[]).await;
     let code = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.figure()\nplt.bar([1, 2], [3, 4])\nprint('two figures')";
     let (r, sc) = s.run_with(json!({ "code": code, "packages": ["matplotlib"], "timeout_s": 120 })).await;

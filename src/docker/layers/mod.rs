@@ -107,6 +107,22 @@ pub fn layer_key(base_image_id: &str, requirements: &[String], index: &IndexSett
     h.finalize().iter().take(10).map(|b| format!("{b:02x}")).collect()
 }
 
+/// The key a set is stored under: [`layer_key`], and, when the install may build some of
+/// its packages from source (`allow_sdist`), which ones. A set built from source is another
+/// set: an environment allowing only wheels never gets it from the store.
+fn set_key(base_image_id: &str, requirements: &[String], index: &IndexSettings, sdists: &[String]) -> String {
+    let key = layer_key(base_image_id, requirements, index);
+    if sdists.is_empty() {
+        return key;
+    }
+    let mut h = Sha256::new();
+    for part in [key.as_str(), "sdist", &sdists.join("\n")] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    h.finalize().iter().take(10).map(|b| format!("{b:02x}")).collect()
+}
+
 /// A set's metadata, kept root-only in its directory (`meta.json`).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Meta {
@@ -132,6 +148,8 @@ struct LayerSpec<'a> {
     key: &'a str,
     store: &'a Store,
     owner: &'a Owner,
+    /// Gives the installer its network: only the index hosts, through the egress proxy.
+    egress: &'a crate::egress::Manager,
 }
 
 /// A layer ready for use. Serializable, for records of a session's layers (a session adopted
@@ -211,6 +229,7 @@ pub fn forget(site: &str) {
 }
 
 /// The layer for `requirements` on `base`, installed if absent.
+#[allow(clippy::too_many_arguments)] // what a set is, where it goes, and the installer network
 pub async fn ensure(
     docker: &Docker,
     cfg: &SandboxConfig,
@@ -218,11 +237,12 @@ pub async fn ensure(
     base: &str,
     requirements: &[String],
     index: &IndexSettings,
+    egress: &crate::egress::Manager,
     progress: Progress<'_>,
 ) -> Result<Layer, Error> {
     let store = Store::get(docker).await?;
     let base_id = docker.inspect_image(base).await?.id.unwrap_or_else(|| base.to_owned());
-    let key = layer_key(&base_id, requirements, index);
+    let key = set_key(&base_id, requirements, index, &installer::sdist_allowed(cfg, requirements));
     let dir = store.dir_name(&key);
     let present = match known(&store, &dir) {
         Some(p) => p,
@@ -239,7 +259,7 @@ pub async fn ensure(
     }
     progress(&format!("installing {} into a new layer", requirements.join(" ")));
     let started = Instant::now();
-    let spec = LayerSpec { base, requirements, key: &key, store: &store, owner };
+    let spec = LayerSpec { base, requirements, key: &key, store: &store, owner, egress };
     // `build_layer` records it as known, with its size.
     installer::install(docker, cfg, owner, &spec, index, progress).await?;
     progress(&format!("layer {key} ready in {:.1} s", started.elapsed().as_secs_f64()));
@@ -553,6 +573,8 @@ mod tests {
         assert_ne!(k, layer_key("sha256:a", &["attrs".to_owned()], &idx));
         let other = IndexSettings { index_url: Some("https://mirror/simple".into()), ..Default::default() };
         assert_ne!(k, layer_key("sha256:a", &reqs, &other));
+        assert_eq!(set_key("sha256:a", &reqs, &idx, &[]), k, "wheels only: the key as before");
+        assert_ne!(set_key("sha256:a", &reqs, &idx, &["attrs".to_owned()]), k, "built from source: another set");
     }
 
     /// A tree of `site/` plus one file of `size` bytes.
