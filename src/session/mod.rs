@@ -19,6 +19,7 @@ mod extras;
 pub(crate) mod jobs;
 pub(crate) mod registry;
 mod run;
+pub(crate) mod snapshot;
 mod transfer;
 mod watch;
 
@@ -161,6 +162,12 @@ pub struct SessionInfo {
     pub age_s: u64,
     /// Seconds until it is closed for idleness.
     pub expires_in_s: u64,
+    /// `running`, or `hibernated`: saved and its container removed; the next call wakes it.
+    pub state: String,
+    /// Seconds until an idle running session is hibernated (absent when hibernated, or when
+    /// hibernation is off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hibernates_in_s: Option<u64>,
 }
 
 /// What only the holder of the session's async mutex may touch.
@@ -177,11 +184,21 @@ struct Inner {
     pending: Vec<String>,
     /// The interpreter's state was lost between calls, for the next run to tell.
     pending_lost: bool,
+    /// Set while the session is hibernated: its snapshot; the container is gone.
+    sleeping: Option<snapshot::Saved>,
 }
 
 impl Inner {
     fn new(container: Created, agent: Agent) -> Self {
-        Self { container, agent: Some(agent), lease: None, watched: false, pending: Vec::new(), pending_lost: false }
+        Self {
+            container,
+            agent: Some(agent),
+            lease: None,
+            watched: false,
+            pending: Vec::new(),
+            pending_lost: false,
+            sleeping: None,
+        }
     }
 }
 
@@ -221,6 +238,11 @@ pub struct Session {
     /// Python version of the interpreter, set at each greeting. Outside [`Inner`] so that
     /// listings can read it while a run holds the session.
     python: std::sync::Mutex<String>,
+    /// Where a wake takes its container from, when the warm pool holds containers of the
+    /// session's image.
+    pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
+    /// The hibernation snapshot's volume while the session sleeps; readable without the lock.
+    asleep: std::sync::Mutex<Option<String>>,
 }
 
 /// Whose a new session is and what it is called.
@@ -315,6 +337,8 @@ impl Session {
             env: std::sync::Mutex::new(BTreeMap::new()),
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(prepared.python),
+            pool: std::sync::OnceLock::new(),
+            asleep: std::sync::Mutex::new(None),
         })
     }
 
@@ -366,6 +390,11 @@ impl Session {
             idle_s: idle.as_secs(),
             age_s: self.created.elapsed().map(|d| d.as_secs()).unwrap_or(0),
             expires_in_s: self.cfg.idle_ttl().saturating_sub(idle).as_secs(),
+            state: if self.is_asleep() { "hibernated" } else { "running" }.into(),
+            hibernates_in_s: match self.cfg.hibernate_after() {
+                Some(after) if !self.is_asleep() => Some(after.saturating_sub(idle).as_secs()),
+                _ => None,
+            },
         }
     }
 
@@ -383,6 +412,10 @@ impl Session {
     async fn ensure_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed);
+        }
+        if inner.sleeping.is_some() {
+            // Boxed: a wake restores, and a failed restore starts a fresh agent through here.
+            Box::pin(self.wake(inner)).await?;
         }
         if inner.agent.is_some() {
             return Ok(None);
@@ -634,6 +667,9 @@ impl Session {
         if let Some(c) = created {
             container::destroy(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
+        }
+        if let Some(volume) = self.asleep_volume() {
+            crate::docker::snapshot::remove_volume(&self.docker, &volume).await;
         }
     }
 }

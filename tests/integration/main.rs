@@ -37,3 +37,5 @@ mod sandbox;
 mod slow_client;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;
+// Durable sessions: snapshots, restore, fork, hibernation, why a session ended.
+mod durable;
