@@ -92,6 +92,9 @@ pub(crate) struct BenchArgs {
     /// Sizes of stdout to stream through one run, MiB.
     #[arg(long, value_delimiter = ',', default_value = "10,100")]
     pub stdout_mib: Vec<usize>,
+    /// Measure only the durable-session figures (snapshot, restore, fork, hibernate, wake).
+    #[arg(long)]
+    pub durable_only: bool,
 }
 
 /// `pyberth serve` as a child speaking over pipes, with extra environment.
@@ -190,6 +193,12 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
     let runs = args.runs.max(10);
     let runtime = cfg.runtime.clone();
 
+    if args.durable_only {
+        durable(&docker, &cfg, &img, &format!("bench-{}", std::process::id()), &mut table).await?;
+        table.print();
+        return Ok(());
+    }
+
     // Floors: the engine alone, under the runtime sandboxes get.
     let container = floor_container(&docker, &img, runtime.as_deref()).await?;
     let floors = floors(&docker, &img, &container, runs, &mut table).await;
@@ -260,6 +269,7 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
     plain.stop().await;
 
     output_volume(&cfg, &instance, &args, &mut table).await?;
+    durable(&docker, &cfg, &img, &instance, &mut table).await?;
     table.print();
 
     // Both runtimes side by side, on what a runtime changes, when the engine has gVisor.
@@ -684,6 +694,157 @@ async fn exec_to_end(docker: &Docker, container: &str, cmd: Vec<&str>) -> anyhow
             frame?;
         }
     }
+    Ok(())
+}
+
+impl Server {
+    /// One tool call that must succeed; returns its text and structured content.
+    async fn tool(&self, tool: &'static str, args: serde_json::Value) -> anyhow::Result<(String, serde_json::Value)> {
+        let params = CallToolRequestParams::new(tool).with_arguments(args.as_object().cloned().unwrap_or_default());
+        let r = self.client.call_tool(params).await.with_context(|| format!("{tool} failed at the protocol level"))?;
+        let text: String = r.content.iter().filter_map(|c| c.as_text()).map(|t| t.text.as_str()).collect();
+        if r.is_error != Some(false) {
+            bail!("{tool} returned an error: {}", text.chars().take(500).collect::<String>());
+        }
+        Ok((text, r.structured_content.unwrap_or_default()))
+    }
+}
+
+/// The id of a bench session's container, by its labels.
+async fn session_container(docker: &Docker, instance: &str, session: &str) -> anyhow::Result<String> {
+    let labels = [format!("{LABEL_INSTANCE}={instance}"), format!("pyberth.session={session}")];
+    let filters = HashMap::from([("label", labels.iter().map(String::as_str).collect::<Vec<_>>())]);
+    let opts = ListContainersOptionsBuilder::default().filters(&filters).build();
+    let found = docker.list_containers(Some(opts)).await?;
+    found.into_iter().find_map(|c| c.id).with_context(|| format!("no container for session {session}"))
+}
+
+/// Durable sessions (issue 18): a snapshot and a restore of a session holding 200 MiB of
+/// variables and 100 MiB of workspace files, beside the floor of a plain `docker cp` of the
+/// same files out of and into a container; a fork of a small session; hibernate and wake.
+/// numpy is not in the sandbox image (built offline from Debian packages), so the variables
+/// are 200 bytes objects of 1 MiB each: pickle copies both the same way (one buffer each).
+async fn durable(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    img: &str,
+    instance: &str,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    let env = [
+        ("PYBERTH_POOL_SIZE", "2".to_owned()),
+        ("PYBERTH_MEMORY_MB", "3072".to_owned()),
+        ("PYBERTH_SNAPSHOT_CACHE_MB", "4096".to_owned()),
+        ("PYBERTH_HIBERNATE_AFTER_S", "1".to_owned()),
+    ];
+    let server = Server::start(cfg, &format!("{instance}-durable"), &env).await?;
+    let big = "import os\nblobs = [os.urandom(1 << 20) for _ in range(200)]\nos.makedirs('files', exist_ok=True)\n\
+               for i in range(100):\n    open('files/f%03d' % i, 'wb').write(os.urandom(1 << 20))";
+    // Runs keep the session awake meanwhile: hibernation waits for 1 s of idleness.
+    server.run("big", big, &[]).await?;
+    let mut snaps = Vec::new();
+    let mut restores = Vec::new();
+    let (mut copies, mut globals) = (Vec::new(), Vec::new());
+    let mut state_mib = 0.0;
+    for i in 0..3 {
+        let t = Instant::now();
+        let (_, sc) = server.tool("snapshot_session", json!({"session": "big", "name": format!("big{i}")})).await?;
+        snaps.push(t.elapsed());
+        state_mib = sc["state_bytes"].as_f64().unwrap_or(0.0) / f64::from(1u32 << 20);
+        let t = Instant::now();
+        let (_, rc) = server
+            .tool("restore_session", json!({"snapshot": format!("big{i}"), "session": format!("copy{i}")}))
+            .await?;
+        restores.push(t.elapsed());
+        copies.push(Duration::from_millis(rc["copy_ms"].as_u64().unwrap_or(0)));
+        globals.push(Duration::from_millis(rc["globals_ms"].as_u64().unwrap_or(0)));
+        server.tool("close_session", json!({"session": format!("copy{i}")})).await?;
+        server.tool("delete_snapshot", json!({"snapshot": format!("big{i}")})).await?;
+        server.run("big", "len(blobs)", &[]).await?;
+    }
+    let total_mib = state_mib + 100.0;
+    let (snap_p50, _) =
+        table.add("snapshot_session: 200 MiB of variables + 100 MiB of files", &mut snaps, String::new());
+    table.note(format!(
+        "{:.0} MiB/s ({state_mib:.0} MiB of state; bytes objects, numpy is not in the image); target 1000 ms",
+        total_mib / (snap_p50 / 1e3)
+    ));
+    table.add("restore_session of it, whole call", &mut restores, "new session from the warm pool".into());
+    let (copy_p50, _) = table.add("  of which copying state and files into the workspace", &mut copies, String::new());
+    table.note(format!("{:.0} MiB/s", total_mib / (copy_p50 / 1e3)));
+    table.add("  of which loading the globals", &mut globals, "target 300 ms".into());
+
+    // The floor: the engine's archive API moving the same files, out of the session's
+    // container and into another one (what `docker cp` does both ways).
+    let id = session_container(docker, &format!("{instance}-durable"), "big").await?;
+    let floor = floor_container(docker, img, cfg.runtime.as_deref()).await?;
+    let (mut outs, mut ins) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let t = Instant::now();
+        let opts =
+            bollard::query_parameters::DownloadFromContainerOptionsBuilder::default().path("/workspace/files").build();
+        let mut tar = Vec::new();
+        let mut stream = docker.download_from_container(&id, Some(opts));
+        while let Some(chunk) = stream.next().await {
+            tar.extend_from_slice(&chunk?);
+        }
+        outs.push(t.elapsed());
+        let t = Instant::now();
+        let opts = bollard::query_parameters::UploadToContainerOptionsBuilder::default().path("/tmp").build();
+        docker.upload_to_container(&floor, Some(opts), bollard::body_full(tar.into())).await?;
+        ins.push(t.elapsed());
+    }
+    remove(docker, &floor).await;
+    let (out_p50, _) = table.add("floor: docker cp of the 100 MiB of files out", &mut outs, String::new());
+    table.note(format!("{:.0} MiB/s", 100.0 / (out_p50 / 1e3)));
+    let (in_p50, _) = table.add("floor: docker cp of the 100 MiB of files in", &mut ins, String::new());
+    table.note(format!("{:.0} MiB/s", 100.0 / (in_p50 / 1e3)));
+    server.tool("close_session", json!({"session": "big"})).await?;
+
+    // A small session: fork, then hibernate and wake.
+    server
+        .run("small", "import json\nclass P:\n    pass\np = P()\nd = {'a': 1}\nopen('x.txt', 'w').write('x')", &[])
+        .await?;
+    let mut forks = Vec::new();
+    let mut fork_snap = Vec::new();
+    for i in 0..5 {
+        let t = Instant::now();
+        let (_, fc) =
+            server.tool("fork_session", json!({"session": "small", "new_session": format!("fork{i}")})).await?;
+        forks.push(t.elapsed());
+        fork_snap.push(Duration::from_millis(fc["snapshot_ms"].as_u64().unwrap_or(0)));
+        server.tool("close_session", json!({"session": format!("fork{i}")})).await?;
+        server.run("small", "1", &[]).await?;
+    }
+    table.add(
+        "fork_session of a small session",
+        &mut forks,
+        "snapshot + restore into a pooled container; target 500 ms".into(),
+    );
+    table.add("  of which the snapshot", &mut fork_snap, String::new());
+    let mut wakes = Vec::new();
+    let mut server_wakes = Vec::new();
+    for _ in 0..5 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (text, _) = server.tool("list_sessions", json!({})).await?;
+            if text.contains("small: hibernated") {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the small session did not hibernate");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let t = Instant::now();
+        let text = server.run("small", "d['a']", &[]).await?;
+        wakes.push(t.elapsed());
+        let woken = text.split("woken in ").nth(1).and_then(|r| r.split(' ').next()).and_then(|n| n.parse().ok());
+        server_wakes.push(Duration::from_millis(woken.unwrap_or(0)));
+    }
+    table.add("wake of a hibernated small session: first run_python", &mut wakes, "target 300 ms".into());
+    table.add("  of which the wake (container from the pool, restore)", &mut server_wakes, String::new());
+    server.stop().await;
     Ok(())
 }
 

@@ -147,9 +147,21 @@ fn body(
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) })
 }
 
-/// Creates the volume of a new snapshot, labelled with its owner (this instance, so that it
-/// goes with the instance's other leftovers) and the principal it belongs to.
-pub async fn create_volume(docker: &Docker, owner: &Owner, principal: &str, id: &str) -> Result<String, Error> {
+/// A snapshot's storage: its volume, and the created (never started) container through
+/// whose archive API the engine reaches it, kept for the snapshot's life so that a restore
+/// makes no container of its own.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    /// The volume.
+    pub volume: String,
+    /// The helper container.
+    pub helper: String,
+}
+
+/// Creates the storage of a new snapshot: a volume labelled with its owner (this instance,
+/// so that it goes with the instance's other leftovers) and the principal it belongs to, and
+/// its helper container, of `image`.
+pub async fn create(docker: &Docker, owner: &Owner, principal: &str, id: &str, image: &str) -> Result<Stored, Error> {
     let name = format!("pyberth-{}-snap-{id}", owner.instance);
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
@@ -160,20 +172,25 @@ pub async fn create_volume(docker: &Docker, owner: &Owner, principal: &str, id: 
     ]);
     let request = VolumeCreateRequest { name: Some(name.clone()), labels: Some(labels), ..Default::default() };
     docker.create_volume(request).await?;
-    Ok(name)
+    match helper(docker, owner, image, &name).await {
+        Ok(helper) => Ok(Stored { volume: name, helper }),
+        Err(e) => {
+            container::remove_volume(docker, &name).await;
+            Err(e)
+        }
+    }
 }
 
-/// Removes a snapshot's volume.
-pub async fn remove_volume(docker: &Docker, name: &str) {
-    container::remove_volume(docker, name).await;
+/// Removes a snapshot's helper container, then its volume.
+pub async fn remove(docker: &Docker, stored: &Stored) {
+    container::remove_container(docker, &stored.helper).await;
+    container::remove_volume(docker, &stored.volume).await;
 }
 
 /// A created, never started container of `image` with the volume at [`MOUNT`]: what the
 /// archive API needs to reach a volume. No network, no capabilities, nothing runs in it.
 async fn helper(docker: &Docker, owner: &Owner, image: &str, volume: &str) -> Result<String, Error> {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static SERIAL: AtomicU64 = AtomicU64::new(0);
-    let name = format!("{volume}-io-{}", SERIAL.fetch_add(1, Ordering::Relaxed));
+    let name = format!("{volume}-io");
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
         (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
@@ -203,49 +220,26 @@ async fn helper(docker: &Docker, owner: &Owner, image: &str, volume: &str) -> Re
     Ok(docker.create_container(Some(opts), body).await?.id)
 }
 
-/// Writes a tar (streamed from `rx`) into the snapshot volume.
+/// Writes a tar (streamed from `rx`) into the snapshot's volume.
 pub async fn write(
     docker: &Docker,
-    owner: &Owner,
-    image: &str,
-    volume: &str,
+    stored: &Stored,
     rx: mpsc::Receiver<Result<Bytes, std::io::Error>>,
 ) -> Result<(), Error> {
-    let id = helper(docker, owner, image, volume).await?;
     let opts = UploadToContainerOptionsBuilder::default().path(MOUNT).build();
-    let sent = docker.upload_to_container(&id, Some(opts), bollard::body_try_stream(body(rx))).await;
-    container::remove_container(docker, &id).await;
-    Ok(sent?)
+    Ok(docker.upload_to_container(&stored.helper, Some(opts), bollard::body_try_stream(body(rx))).await?)
 }
 
 /// Streams the snapshot volume's tar (entries named `snap/...`) into `tx`.
-pub async fn read(
-    docker: &Docker,
-    owner: &Owner,
-    image: &str,
-    volume: &str,
-    tx: mpsc::Sender<Bytes>,
-) -> Result<(), Error> {
-    let id = helper(docker, owner, image, volume).await?;
+pub async fn read(docker: &Docker, stored: &Stored, tx: mpsc::Sender<Bytes>) -> Result<(), Error> {
     let opts = DownloadFromContainerOptionsBuilder::default().path(MOUNT).build();
-    let mut stream = docker.download_from_container(&id, Some(opts));
-    let mut result = Ok(());
+    let mut stream = docker.download_from_container(&stored.helper, Some(opts));
     while let Some(chunk) = stream.next().await {
-        match chunk {
-            Ok(c) => {
-                if tx.send(c).await.is_err() {
-                    break; // the reader stopped; its error says why
-                }
-            }
-            Err(e) => {
-                result = Err(e.into());
-                break;
-            }
+        if tx.send(chunk?).await.is_err() {
+            break; // the reader stopped; its error says why
         }
     }
-    drop(stream);
-    container::remove_container(docker, &id).await;
-    result
+    Ok(())
 }
 
 /// Uploads a tar (streamed from `rx`) into the workspace of a session container.

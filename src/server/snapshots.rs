@@ -16,7 +16,7 @@ use super::error::{ToolError, ToolResult};
 use super::render::structured;
 use super::{Caller, SandboxServer};
 use crate::checks::session_name;
-use crate::docker::snapshot::{Bounds, remove_volume};
+use crate::docker::snapshot::{Bounds, remove};
 use crate::output::one_line;
 use crate::protocol::Lost;
 use crate::session::Session;
@@ -128,6 +128,10 @@ pub(super) struct RestoreOutput {
     pub lost: Vec<Lost>,
     /// Time the restore took, ms (for a fork, the snapshot's time is in `snapshot_ms`).
     pub took_ms: u64,
+    /// Of `took_ms`, copying the files into the new workspace, ms.
+    pub copy_ms: u64,
+    /// Of `took_ms`, loading the interpreter state, ms.
+    pub globals_ms: u64,
     /// For a fork: time its snapshot took, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snapshot_ms: Option<u64>,
@@ -161,6 +165,10 @@ fn lost_lines(text: &mut String, lost: &[Lost], heading: &str) {
     if lost.len() > SHOWN {
         text.push_str(&format!("  ... and {} more (structured content: lost)\n", lost.len() - SHOWN));
     }
+}
+
+fn ms(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn no_snapshot(name: &str) -> ToolError {
@@ -237,7 +245,7 @@ impl SandboxServer {
         let saved = self.take(&session).await?;
         let cap = self.cfg.snapshot_cache_mb << 20;
         if saved.summary.bytes() > cap {
-            remove_volume(self.registry.docker(), &saved.volume).await;
+            remove(self.registry.docker(), &saved.store).await;
             return Err(format!(
                 "the snapshot holds {} MiB, over --snapshot-cache-mb {}: make the workspace smaller",
                 saved.summary.bytes() >> 20,
@@ -246,11 +254,11 @@ impl SandboxServer {
             .into());
         }
         if let Some(old) = self.registry.snapshots.insert(&who, &snap, &session_name_, saved) {
-            remove_volume(self.registry.docker(), &old.saved.volume).await;
+            remove(self.registry.docker(), &old.saved.store).await;
         }
         for gone in self.registry.snapshots.prune(cap, &who, &snap) {
             tracing::info!(snapshot = %gone.name, bytes = gone.saved.summary.bytes(), "snapshot cache over its size; pruned");
-            remove_volume(self.registry.docker(), &gone.saved.volume).await;
+            remove(self.registry.docker(), &gone.saved.store).await;
         }
         let entry = self.registry.snapshots.get(&who, &snap).ok_or_else(|| no_snapshot(&snap))?;
         let out = describe(&entry, true);
@@ -306,7 +314,7 @@ impl SandboxServer {
         Caller(who): Caller,
     ) -> ToolResult {
         let entry = self.registry.snapshots.remove(&who, &args.snapshot).ok_or_else(|| no_snapshot(&args.snapshot))?;
-        remove_volume(self.registry.docker(), &entry.saved.volume).await;
+        remove(self.registry.docker(), &entry.saved.store).await;
         Ok(rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
             "snapshot {:?} deleted",
             entry.name
@@ -329,7 +337,9 @@ impl SandboxServer {
             bytes: r.bytes,
             restored: r.restored,
             lost: r.lost,
-            took_ms: u64::try_from(r.took.as_millis()).unwrap_or(u64::MAX),
+            took_ms: ms(r.took),
+            copy_ms: ms(r.copy),
+            globals_ms: ms(r.globals),
             snapshot_ms: None,
         };
         let text = restore_text(&out, "snapshot");
@@ -348,7 +358,7 @@ impl SandboxServer {
         let session = self.registry.get(&who, &from)?;
         let saved = self.take(&session).await?;
         let restored = self.restore_into(&who, &name, &saved).await;
-        remove_volume(self.registry.docker(), &saved.volume).await;
+        remove(self.registry.docker(), &saved.store).await;
         let (_, r) = restored?;
         let out = RestoreOutput {
             session: name,
@@ -358,7 +368,9 @@ impl SandboxServer {
             bytes: r.bytes,
             restored: r.restored,
             lost: r.lost,
-            took_ms: u64::try_from(r.took.as_millis()).unwrap_or(u64::MAX),
+            took_ms: ms(r.took),
+            copy_ms: ms(r.copy),
+            globals_ms: ms(r.globals),
             snapshot_ms: Some(u64::try_from(saved.took.as_millis()).unwrap_or(u64::MAX)),
         };
         let text = restore_text(&out, "session");

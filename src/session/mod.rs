@@ -242,7 +242,7 @@ pub struct Session {
     /// session's image.
     pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
     /// The hibernation snapshot's volume while the session sleeps; readable without the lock.
-    asleep: std::sync::Mutex<Option<String>>,
+    asleep: std::sync::Mutex<Option<crate::docker::snapshot::Stored>>,
 }
 
 /// Whose a new session is and what it is called.
@@ -668,8 +668,8 @@ impl Session {
             container::destroy(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
         }
-        if let Some(volume) = self.asleep_volume() {
-            crate::docker::snapshot::remove_volume(&self.docker, &volume).await;
+        if let Some(stored) = self.asleep_store() {
+            crate::docker::snapshot::remove(&self.docker, &stored).await;
         }
     }
 }

@@ -680,7 +680,7 @@ impl Registry {
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         let snapshots = self.snapshots.drain();
         futures::future::join_all(
-            snapshots.iter().map(|e| crate::docker::snapshot::remove_volume(&self.docker, &e.saved.volume)),
+            snapshots.iter().map(|e| crate::docker::snapshot::remove(&self.docker, &e.saved.store)),
         )
         .await;
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {

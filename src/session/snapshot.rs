@@ -55,8 +55,8 @@ impl Grade {
 /// A snapshot in the store.
 #[derive(Debug, Clone)]
 pub(crate) struct Saved {
-    /// Its volume.
-    pub(crate) volume: String,
+    /// Its volume and helper container.
+    pub(crate) store: store::Stored,
     /// The environment of the session it was taken from.
     pub(crate) environment: String,
     /// Requirements that session had (a restore starts from the layer holding them).
@@ -88,6 +88,10 @@ pub(crate) struct Restored {
     pub(crate) bytes: u64,
     /// Time taken.
     pub(crate) took: Duration,
+    /// Of which copying the files (and the state's files) into the workspace.
+    pub(crate) copy: Duration,
+    /// Of which the agent loading the state.
+    pub(crate) globals: Duration,
 }
 
 /// The part of `meta.json` the server reads: what was saved and what was not.
@@ -121,13 +125,14 @@ impl Session {
             inner.pending.push(n);
             inner.pending_lost = true;
         }
-        let volume = store::create_volume(&self.docker, &self.owner, &self.principal, id)
+        let volume = store::create(&self.docker, &self.owner, &self.principal, id, &self.image)
             .await
             .map_err(|e| format!("cannot create the snapshot's volume: {e}"))?;
+        let created = started.elapsed();
         let (grade, summary, why) = match self.stream_snapshot(inner, &volume, bounds, false).await {
             Ok(summary) => (Grade::FilesAndGlobals, summary, None),
             Err(Streamed::Agent(why)) if why.contains("would be larger than") => {
-                store::remove_volume(&self.docker, &volume).await;
+                store::remove(&self.docker, &volume).await;
                 return Err(format!(
                     "the session holds more than --snapshot-cache-mb ({} MiB) to save: make its workspace or its \
                      variables smaller",
@@ -138,11 +143,11 @@ impl Session {
                 // The state could not be saved (out of memory, an agent that stopped): the
                 // files alone, into an empty volume, and the reason is told.
                 tracing::warn!(session = %self.name, %why, "interpreter state not saved; saving the files only");
-                store::remove_volume(&self.docker, &volume).await;
-                let again = store::create_volume(&self.docker, &self.owner, &self.principal, id).await;
-                if let Err(e) = again {
-                    return Err(format!("cannot create the snapshot's volume: {e}"));
-                }
+                store::remove(&self.docker, &volume).await;
+                let volume = match store::create(&self.docker, &self.owner, &self.principal, id, &self.image).await {
+                    Ok(v) => v,
+                    Err(e) => return Err(format!("cannot create the snapshot's volume: {e}")),
+                };
                 if let Some(n) = self.ensure_agent(inner).await.map_err(|e| e.to_string())? {
                     inner.pending.push(n);
                     inner.pending_lost = true;
@@ -150,13 +155,13 @@ impl Session {
                 match self.stream_snapshot(inner, &volume, bounds, true).await {
                     Ok(summary) => (Grade::Files, summary, Some(why)),
                     Err(e) => {
-                        store::remove_volume(&self.docker, &volume).await;
+                        store::remove(&self.docker, &volume).await;
                         return Err(e.to_string());
                     }
                 }
             }
             Err(e) => {
-                store::remove_volume(&self.docker, &volume).await;
+                store::remove(&self.docker, &volume).await;
                 return Err(e.to_string());
             }
         };
@@ -175,8 +180,15 @@ impl Session {
             (None, None) => (Vec::new(), Vec::new()),
         };
         lost = cut_lost(lost);
+        tracing::debug!(
+            session = %self.name,
+            store_ms = created.as_millis() as f64,
+            total_ms = started.elapsed().as_millis() as f64,
+            bytes = summary.bytes(),
+            "snapshot taken"
+        );
         Ok(Saved {
-            volume,
+            store: volume,
             environment: self.environment.clone(),
             requirements: self.requirements(),
             env: self.env(),
@@ -193,7 +205,7 @@ impl Session {
     async fn stream_snapshot(
         &self,
         inner: &mut Inner,
-        volume: &str,
+        volume: &store::Stored,
         bounds: Bounds,
         files_only: bool,
     ) -> Result<Summary, Streamed> {
@@ -206,7 +218,7 @@ impl Session {
             }
             checked
         });
-        let stored = store::write(&self.docker, &self.owner, &self.image, volume, rx);
+        let stored = store::write(&self.docker, volume, rx);
         // The agent's bound counts tar bytes (headers and padding too), the checker's content
         // bytes: the agent stops first, ends its archive and says why, and keeps its state.
         let max_bytes = bounds.bytes;
@@ -286,6 +298,7 @@ impl Session {
     }
 
     async fn restore_steps(&self, inner: &mut Inner, saved: &Saved) -> Result<Restored, String> {
+        let copying = Instant::now();
         let (id, uid) = (inner.container.id.clone(), inner.container.uid);
         let (tx, reader) = store::chunk_reader();
         let (mut writer, rx) = store::chunk_writer();
@@ -297,7 +310,7 @@ impl Session {
             }
             checked
         });
-        let read = store::read(&self.docker, &self.owner, &self.image, &saved.volume, tx);
+        let read = store::read(&self.docker, &saved.store, tx);
         let upload = store::upload_workspace(&self.docker, &id, rx);
         let (read, upload) = tokio::join!(read, upload);
         checker.await.map_err(|e| format!("the snapshot checker stopped: {e}"))??;
@@ -307,11 +320,13 @@ impl Session {
             files: saved.summary.files,
             bytes: saved.summary.workspace_bytes,
             lost: saved.lost.clone(),
+            copy: copying.elapsed(),
             ..Restored::default()
         };
         if saved.grade == Grade::Files {
             return Ok(restored);
         }
+        let loading = Instant::now();
         let id = self.submit(inner, &|id| Request::Restore { id }).await.map_err(|e| e.to_string())?;
         let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };
         let answer = agent
@@ -336,6 +351,7 @@ impl Session {
         // The agent's list includes the snapshot's own losses; it is the code's answer, so cut.
         restored.restored = names.into_iter().take(MAX_NAMES).map(cut).collect();
         restored.lost = cut_lost(lost);
+        restored.globals = loading.elapsed();
         Ok(restored)
     }
 
@@ -376,7 +392,7 @@ impl Session {
         inner.agent = None;
         inner.lease = None;
         if let Ok(mut asleep) = self.asleep.lock() {
-            *asleep = Some(saved.volume.clone());
+            *asleep = Some(saved.store.clone());
         }
         inner.sleeping = Some(saved);
         Ok(true)
@@ -439,15 +455,15 @@ impl Session {
                 inner.pending_lost = true;
             }
         }
-        store::remove_volume(&self.docker, &saved.volume).await;
+        store::remove(&self.docker, &saved.store).await;
         if let Ok(mut asleep) = self.asleep.lock() {
             *asleep = None;
         }
         Ok(())
     }
 
-    /// The hibernation snapshot's volume, if the session sleeps (removed by close).
-    pub(super) fn asleep_volume(&self) -> Option<String> {
+    /// The hibernation snapshot's storage, if the session sleeps (removed by close).
+    pub(super) fn asleep_store(&self) -> Option<store::Stored> {
         self.asleep.lock().ok().and_then(|a| a.clone())
     }
 }
