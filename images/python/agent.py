@@ -106,11 +106,13 @@ class PackSink:
         self.id = req_id
         self.buf = bytearray()
 
+    chunk = PACK_CHUNK
+
     def write(self, data):
         self.buf += data
-        while len(self.buf) >= PACK_CHUNK:
-            self.send(bytes(self.buf[:PACK_CHUNK]))
-            del self.buf[:PACK_CHUNK]
+        while len(self.buf) >= self.chunk:
+            self.send(bytes(self.buf[:self.chunk]))
+            del self.buf[:self.chunk]
         return len(data)
 
     def send(self, data):
@@ -280,10 +282,13 @@ def forwarder(events_fd, msg_r, streams):
             pending += chunk or b""
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                try:
-                    kind = json.loads(line).get("ev")
-                except ValueError:
-                    continue
+                if line.startswith(b'{"ev":"file","id":'):
+                    kind = "file"  # a piece of an archive, up to megabytes: not parsed again
+                else:
+                    try:
+                        kind = json.loads(line).get("ev")
+                    except ValueError:
+                        continue
                 if kind == "begin":
                     run_id = json.loads(line).get("id")
                     continue
@@ -887,6 +892,7 @@ class Agent:
         return listing
 
 SNAPSHOT_VERSION = 1
+SNAPSHOT_CHUNK = 4 << 20  # archive bytes per piece of a snapshot: 5.6 MB lines, far below the 16 MiB cap
 RESTORE_DIR = ".pyberth-restore"  # where the server puts a snapshot's state for `restore`
 MAX_LOST = 1000  # names listed as not saved or not restored
 
@@ -1048,6 +1054,7 @@ class Durable:
         meta, blobs = self.state()
         meta_bytes = json.dumps(meta, separators=(",", ":")).encode("utf-8")
         sink = PackSink(self.agent.channel, msg.get("id"))
+        sink.chunk = SNAPSHOT_CHUNK
         dir_fd = os.open(WORKSPACE, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         tar = tarfile.open(fileobj=sink, mode="w|", format=tarfile.GNU_FORMAT)
         try:
