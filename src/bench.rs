@@ -797,6 +797,10 @@ async fn durable(
         }
     }
     remove(docker, &floor).await;
+    let (in_p50, _) = table.add("floor: docker cp of 100 MiB of files into a container", &mut ins, String::new());
+    table.note(format!("{:.0} MiB/s", 100.0 / (in_p50 / 1e3)));
+    let (out_p50, _) = table.add("floor: docker cp of them out of it", &mut outs, String::new());
+    table.note(format!("{:.0} MiB/s", 100.0 / (out_p50 / 1e3)));
     server.tool("close_session", json!({"session": "big"})).await?;
 
     // A small session: fork, then hibernate and wake.

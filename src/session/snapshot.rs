@@ -380,6 +380,11 @@ impl Session {
         if inner.sleeping.is_some() || self.closed.load(Ordering::SeqCst) {
             return Ok(false);
         }
+        // Packages added while it ran live in the container's own volume, which a wake would
+        // not have: such a session stays awake until it expires.
+        if self.requirements().len() != self.layer_packages.len() {
+            return Ok(false);
+        }
         let saved = self.snapshot_locked(&mut inner, id, bounds).await?;
         tracing::info!(
             session = %self.name,
