@@ -657,6 +657,12 @@ impl Session {
     pub async fn reset(&self) -> Result<Option<String>, Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
+        if inner.sleeping.is_some() {
+            // Its files are in the snapshot: woken first, then the interpreter goes.
+            self.ensure_agent(&mut inner).await?;
+            inner.pending.clear();
+            inner.pending_lost = false;
+        }
         self.restart_agent(&mut inner).await
     }
 

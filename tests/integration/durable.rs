@@ -224,6 +224,16 @@ async fn idle_sessions_hibernate_and_wake_with_their_state() {
     assert_eq!(sc["result"], "(10, 5, 'w')", "{sc}");
     let all = text(&r);
     assert!(all.contains("hibernated") && all.contains("fh"), "the notice names what did not come back: {all}");
+    // A reset of a hibernated session keeps its files and drops its variables, as for any other.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !text(&s.call("list_sessions", json!({})).await).contains("nap: hibernated") {
+        assert!(Instant::now() < deadline, "not hibernated again");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let r = s.call("reset_session", json!({"session": "nap"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let after = s.ok("nap", "('total' in globals(), open('w.txt').read())").await;
+    assert_eq!(after["result"], "(False, 'w')", "{after}");
     s.stop().await;
 }
 
