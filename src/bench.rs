@@ -92,9 +92,17 @@ pub(crate) struct BenchArgs {
     /// Sizes of stdout to stream through one run, MiB.
     #[arg(long, value_delimiter = ',', default_value = "10,100")]
     pub stdout_mib: Vec<usize>,
+    /// Measure only the durable-session figures (snapshot, restore, fork, hibernate, wake).
+    #[arg(long)]
+    pub durable_only: bool,
 }
 
 /// `pyberth serve` as a child speaking over pipes, with extra environment.
+/// The layer store of this bench run's servers: cold at the start, removed at the end.
+fn bench_store() -> String {
+    format!("pyberth-layers-bench-{}", std::process::id())
+}
+
 fn serve_command(
     cfg: &SandboxConfig,
     instance: &str,
@@ -111,7 +119,8 @@ fn serve_command(
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
         // The runtime settled at start (`auto` resolved); empty is the engine's default.
-        .env("PYBERTH_RUNTIME", cfg.runtime.as_deref().unwrap_or_default());
+        .env("PYBERTH_RUNTIME", cfg.runtime.as_deref().unwrap_or_default())
+        .env("PYBERTH_LAYER_STORE", bench_store());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -190,6 +199,12 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
     let runs = args.runs.max(10);
     let runtime = cfg.runtime.clone();
 
+    if args.durable_only {
+        durable(&docker, &cfg, &img, &format!("bench-{}", std::process::id()), &mut table).await?;
+        table.print();
+        return Ok(());
+    }
+
     // Floors: the engine alone, under the runtime sandboxes get.
     let container = floor_container(&docker, &img, runtime.as_deref()).await?;
     let floors = floors(&docker, &img, &container, runs, &mut table).await;
@@ -236,16 +251,12 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
         table.note(format!("{:.2}x container create+start", p50 / create_p50));
     }
 
-    // Dependency layers: a cold install, then the same set from the cache (the installer needs
-    // the network, which gVisor registered with --network=none does not give).
-    let offline = engine.gvisor.as_ref().is_some_and(|g| g.name == engine.runtime && g.offline());
-    if offline {
-        table.text("new session with packages=[tomli]", "skipped".into(), format!("{} --network=none", engine.runtime));
-    } else {
-        layers_rows(&docker, &server, &mut table).await?;
-        cached_set_rows(&server, cfg.pool_size, &mut table).await?;
-        installer_rows(&cfg, &docker, &img, &mut table).await?;
-    }
+    // Dependency layers: a cold install, then the same set from the cache. The bench's servers
+    // share a layer store of their own (`bench_store`), so first installs are first; the
+    // installer runs under the engine's default runtime, so under gVisor too.
+    layers_rows(&server, &mut table).await?;
+    cached_set_rows(&server, cfg.pool_size, &mut table).await?;
+    installer_rows(&cfg, &docker, &img, &mut table).await?;
     concurrency_and_memory(&docker, &server, &instance, &args, &mut table).await?;
     server.stop().await;
 
@@ -262,6 +273,9 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
     plain.stop().await;
 
     output_volume(&cfg, &instance, &args, &mut table).await?;
+    durable(&docker, &cfg, &img, &instance, &mut table).await?;
+    let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+    let _ = docker.remove_volume(&bench_store(), Some(opts)).await;
     table.print();
 
     // Both runtimes side by side, on what a runtime changes, when the engine has gVisor.
@@ -275,15 +289,14 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
 }
 
 /// A cold install, then the same set from the cache.
-async fn layers_rows(docker: &Docker, server: &Server, table: &mut Table) -> anyhow::Result<()> {
-    forget_layers(docker, "tomli").await;
+async fn layers_rows(server: &Server, table: &mut Table) -> anyhow::Result<()> {
     let t = Instant::now();
     server.run("deps-cold", "import tomli", &["tomli"]).await?;
     let mut cold = [t.elapsed()];
     table.add(
         "new session with packages=[tomli], first install",
         &mut cold,
-        "installer container + layer build".into(),
+        "installer container + store write".into(),
     );
     let mut hits = Vec::new();
     for i in 0..5 {
@@ -598,16 +611,6 @@ async fn containers_memory(docker: &Docker, instance: &str) -> anyhow::Result<(u
     Ok((known.len(), known.iter().sum()))
 }
 
-async fn forget_layers(docker: &Docker, requirements: &str) {
-    let label = format!("pyberth.requirements={requirements}");
-    let filters = HashMap::from([("label", vec![label.as_str()])]);
-    let opts = bollard::query_parameters::ListImagesOptionsBuilder::default().filters(&filters).build();
-    for image in docker.list_images(Some(opts)).await.unwrap_or_default() {
-        let opts = bollard::query_parameters::RemoveImageOptionsBuilder::default().force(true).build();
-        let _ = docker.remove_image(&image.id, Some(opts), None).await;
-    }
-}
-
 fn bench_labels() -> HashMap<String, String> {
     HashMap::from([(LABEL_MANAGED.to_owned(), "1".to_owned()), ("pyberth.bench".to_owned(), "floor".to_owned())])
 }
@@ -749,13 +752,11 @@ async fn installer_rows(cfg: &SandboxConfig, docker: &Docker, img: &str, table: 
     let server = Server::start(cfg, &instance, &env).await?;
     let result = async {
         // Warm-up: the sandbox image's first session, and uv in the tool volume.
-        forget_layers(docker, "tomli").await;
         server.run("warm", "import tomli", &["tomli"]).await?;
         let uv = tool_volume(docker, img, cfg).await;
         let mut rows = Vec::new();
         for (package, code) in [("idna", "import idna"), ("pandas", "import pandas")] {
             let floor = floor_install(docker, img, cfg, uv.as_deref(), package, true).await?;
-            forget_layers(docker, package).await;
             let t = Instant::now();
             server.run(&format!("first-{package}"), code, &[package]).await?;
             rows.push((package, floor, t.elapsed()));
@@ -865,6 +866,159 @@ async fn floor_install(
     let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
     let _ = docker.remove_container(&c.id, Some(opts)).await;
     run
+}
+
+impl Server {
+    /// One tool call that must succeed; returns its text and structured content.
+    async fn tool(&self, tool: &'static str, args: serde_json::Value) -> anyhow::Result<(String, serde_json::Value)> {
+        let params = CallToolRequestParams::new(tool).with_arguments(args.as_object().cloned().unwrap_or_default());
+        let r = self.client.call_tool(params).await.with_context(|| format!("{tool} failed at the protocol level"))?;
+        let text: String = r.content.iter().filter_map(|c| c.as_text()).map(|t| t.text.as_str()).collect();
+        if r.is_error != Some(false) {
+            bail!("{tool} returned an error: {}", text.chars().take(500).collect::<String>());
+        }
+        Ok((text, r.structured_content.unwrap_or_default()))
+    }
+}
+
+/// Durable sessions (issue 18): a snapshot and a restore of a session holding 200 MiB of
+/// variables and 100 MiB of workspace files, beside the floor of a plain `docker cp` of the
+/// same files out of and into a container; a fork of a small session; hibernate and wake.
+/// numpy is not in the sandbox image (built offline from Debian packages), so the variables
+/// are 200 bytes objects of 1 MiB each: pickle copies both the same way (one buffer each).
+async fn durable(
+    docker: &Docker,
+    cfg: &SandboxConfig,
+    img: &str,
+    instance: &str,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    let env = [
+        ("PYBERTH_POOL_SIZE", "2".to_owned()),
+        ("PYBERTH_MEMORY_MB", "3072".to_owned()),
+        ("PYBERTH_SNAPSHOT_CACHE_MB", "4096".to_owned()),
+        ("PYBERTH_HIBERNATE_AFTER_S", "1".to_owned()),
+    ];
+    let server = Server::start(cfg, &format!("{instance}-durable"), &env).await?;
+    let big = "import os\nblobs = [os.urandom(1 << 20) for _ in range(200)]\nos.makedirs('files', exist_ok=True)\n\
+               for i in range(100):\n    open('files/f%03d' % i, 'wb').write(os.urandom(1 << 20))";
+    // Runs keep the session awake meanwhile: hibernation waits for 1 s of idleness.
+    server.run("big", big, &[]).await?;
+    let mut snaps = Vec::new();
+    let mut restores = Vec::new();
+    let (mut copies, mut globals) = (Vec::new(), Vec::new());
+    let mut state_mib = 0.0;
+    for i in 0..3 {
+        let t = Instant::now();
+        let (_, sc) = server.tool("snapshot_session", json!({"session": "big", "name": format!("big{i}")})).await?;
+        snaps.push(t.elapsed());
+        state_mib = sc["state_bytes"].as_f64().unwrap_or(0.0) / f64::from(1u32 << 20);
+        let t = Instant::now();
+        let (_, rc) = server
+            .tool("restore_session", json!({"snapshot": format!("big{i}"), "session": format!("copy{i}")}))
+            .await?;
+        restores.push(t.elapsed());
+        copies.push(Duration::from_millis(rc["copy_ms"].as_u64().unwrap_or(0)));
+        globals.push(Duration::from_millis(rc["globals_ms"].as_u64().unwrap_or(0)));
+        server.tool("close_session", json!({"session": format!("copy{i}")})).await?;
+        server.tool("delete_snapshot", json!({"snapshot": format!("big{i}")})).await?;
+        server.run("big", "len(blobs)", &[]).await?;
+    }
+    let total_mib = state_mib + 100.0;
+    let (snap_p50, _) =
+        table.add("snapshot_session: 200 MiB of variables + 100 MiB of files", &mut snaps, String::new());
+    table.note(format!(
+        "{:.0} MiB/s ({state_mib:.0} MiB of state; bytes objects, numpy is not in the image); target 1000 ms",
+        total_mib / (snap_p50 / 1e3)
+    ));
+    table.add("restore_session of it, whole call", &mut restores, "new session from the warm pool".into());
+    let (copy_p50, _) = table.add("  of which copying state and files into the workspace", &mut copies, String::new());
+    table.note(format!("{:.0} MiB/s", total_mib / (copy_p50 / 1e3)));
+    table.add("  of which loading the globals", &mut globals, "target 300 ms".into());
+
+    // The floor: the engine's archive API moving the same amount of files (100 of 1 MiB) into
+    // a container and out of it again, as `docker cp` does both ways.
+    let mut files = tar::Builder::new(Vec::new());
+    for i in 0..100u32 {
+        let data: Vec<u8> =
+            (0..1u32 << 20).map(|b| (b.wrapping_mul(2_654_435_761).wrapping_add(i) >> 13).to_le_bytes()[0]).collect();
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        files.append_data(&mut h, format!("files/f{i:03}"), &data[..])?;
+    }
+    let files = bytes::Bytes::from(files.into_inner()?);
+    let floor = floor_container(docker, img, cfg.runtime.as_deref()).await?;
+    let (mut outs, mut ins) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        let t = Instant::now();
+        let opts = bollard::query_parameters::UploadToContainerOptionsBuilder::default().path("/tmp").build();
+        docker.upload_to_container(&floor, Some(opts), bollard::body_full(files.clone())).await?;
+        ins.push(t.elapsed());
+        let t = Instant::now();
+        let opts = bollard::query_parameters::DownloadFromContainerOptionsBuilder::default().path("/tmp/files").build();
+        let mut got = 0usize;
+        let mut stream = docker.download_from_container(&floor, Some(opts));
+        while let Some(chunk) = stream.next().await {
+            got += chunk?.len();
+        }
+        outs.push(t.elapsed());
+        if got < 100 << 20 {
+            bail!("the floor's download held {got} bytes");
+        }
+    }
+    remove(docker, &floor).await;
+    let (in_p50, _) = table.add("floor: docker cp of 100 MiB of files into a container", &mut ins, String::new());
+    table.note(format!("{:.0} MiB/s", 100.0 / (in_p50 / 1e3)));
+    let (out_p50, _) = table.add("floor: docker cp of them out of it", &mut outs, String::new());
+    table.note(format!("{:.0} MiB/s", 100.0 / (out_p50 / 1e3)));
+    server.tool("close_session", json!({"session": "big"})).await?;
+
+    // A small session: fork, then hibernate and wake.
+    server
+        .run("small", "import json\nclass P:\n    pass\np = P()\nd = {'a': 1}\nopen('x.txt', 'w').write('x')", &[])
+        .await?;
+    let mut forks = Vec::new();
+    let mut fork_snap = Vec::new();
+    for i in 0..5 {
+        let t = Instant::now();
+        let (_, fc) =
+            server.tool("fork_session", json!({"session": "small", "new_session": format!("fork{i}")})).await?;
+        forks.push(t.elapsed());
+        fork_snap.push(Duration::from_millis(fc["snapshot_ms"].as_u64().unwrap_or(0)));
+        server.tool("close_session", json!({"session": format!("fork{i}")})).await?;
+        server.run("small", "1", &[]).await?;
+    }
+    table.add(
+        "fork_session of a small session",
+        &mut forks,
+        "snapshot + restore into a pooled container; target 500 ms".into(),
+    );
+    table.add("  of which the snapshot", &mut fork_snap, String::new());
+    let mut wakes = Vec::new();
+    let mut server_wakes = Vec::new();
+    for _ in 0..5 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (text, _) = server.tool("list_sessions", json!({})).await?;
+            if text.contains("small: hibernated") {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the small session did not hibernate");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let t = Instant::now();
+        let text = server.run("small", "d['a']", &[]).await?;
+        wakes.push(t.elapsed());
+        let woken = text.split("woken in ").nth(1).and_then(|r| r.split(' ').next()).and_then(|n| n.parse().ok());
+        server_wakes.push(Duration::from_millis(woken.unwrap_or(0)));
+    }
+    table.add("wake of a hibernated small session: first run_python", &mut wakes, "target 300 ms".into());
+    table.add("  of which the wake (container from the pool, restore)", &mut server_wakes, String::new());
+    server.stop().await;
+    Ok(())
 }
 
 #[cfg(test)]

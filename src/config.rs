@@ -150,8 +150,18 @@ pub struct SandboxConfig {
     pub interrupt_grace_s: f64,
 
     /// Idle sessions are closed after this many seconds.
-    #[arg(long, env = "PYBERTH_IDLE_TTL", default_value_t = 900)]
+    #[arg(long, env = "PYBERTH_IDLE_TTL", default_value_t = 86400)]
     pub idle_ttl_s: u64,
+
+    /// Seconds idle after which a session is hibernated: snapshotted (files and what of its
+    /// interpreter state pickles) and its container removed; the next call wakes it. 0: never.
+    #[arg(long, env = "PYBERTH_HIBERNATE_AFTER_S", default_value_t = 600)]
+    pub hibernate_after_s: u64,
+
+    /// Total size of the snapshots kept (snapshot_session, fork_session), MiB; least recently
+    /// used snapshots are removed above it.
+    #[arg(long, env = "PYBERTH_SNAPSHOT_CACHE_MB", default_value_t = 4096)]
+    pub snapshot_cache_mb: u64,
 
     /// Most sessions one caller (principal) may have open at once.
     #[arg(long, env = "PYBERTH_MAX_SESSIONS", default_value_t = 32)]
@@ -449,6 +459,11 @@ impl SandboxConfig {
         Duration::from_secs(self.idle_ttl_s)
     }
 
+    /// Idle time before a session hibernates; `None` when hibernation is off.
+    pub fn hibernate_after(&self) -> Option<Duration> {
+        (self.hibernate_after_s > 0).then(|| Duration::from_secs(self.hibernate_after_s))
+    }
+
     /// How long a stopped heartbeat waits before its instance counts as dead.
     pub fn leftover_grace(&self) -> Duration {
         Duration::from_secs(self.leftover_grace_s)
@@ -598,7 +613,8 @@ mod tests {
         c.validate().expect("defaults");
         assert_eq!(c.timeout_s, 60);
         assert_eq!(c.output_cap, 1 << 20);
-        assert_eq!(c.idle_ttl_s, 900);
+        assert_eq!(c.idle_ttl_s, 86400);
+        assert_eq!(c.hibernate_after_s, 600);
     }
 
     #[test]

@@ -125,6 +125,23 @@ pub enum Request<'a> {
         /// Request id.
         id: u64,
     },
+    /// Save the interpreter's state and pack it with the whole workspace as one tar
+    /// (`state/meta.json`, `state/*.pkl`, `workspace/...`), as the code's uid, answered as
+    /// [`Request::Pack`] is: `file` pieces with `more`, then one `file` without.
+    Snapshot {
+        /// Request id.
+        id: u64,
+        /// Most bytes of tar (headers and padding included).
+        max_bytes: u64,
+        /// Most entries of any kind.
+        max_entries: u64,
+    },
+    /// Restore the state the server unpacked into `/workspace/.pyberth-restore`, then remove
+    /// it. Answered by [`Event::Restored`].
+    Restore {
+        /// Request id.
+        id: u64,
+    },
 }
 
 impl Request<'_> {
@@ -196,6 +213,15 @@ pub struct FileEntry {
     pub allocated: Option<u64>,
     /// file, dir or link.
     pub kind: String,
+}
+
+/// A name a snapshot or a restore could not keep, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, schemars::JsonSchema)]
+pub(crate) struct Lost {
+    /// The global's name.
+    pub name: String,
+    /// Why (the exception, or what kind of object it was).
+    pub why: String,
 }
 
 /// An installed distribution.
@@ -283,6 +309,17 @@ pub(crate) enum Event {
         id: u64,
         /// Installed distributions.
         packages: Vec<Package>,
+    },
+    /// Answer to [`Request::Restore`].
+    Restored {
+        /// Request id.
+        id: u64,
+        /// Names that came back.
+        #[serde(default)]
+        restored: Vec<String>,
+        /// Names that did not, with why.
+        #[serde(default)]
+        lost: Vec<Lost>,
     },
     /// Answer to a file request.
     File {

@@ -107,11 +107,13 @@ class PackSink:
         self.id = req_id
         self.buf = bytearray()
 
+    chunk = PACK_CHUNK
+
     def write(self, data):
         self.buf += data
-        while len(self.buf) >= PACK_CHUNK:
-            self.send(bytes(self.buf[:PACK_CHUNK]))
-            del self.buf[:PACK_CHUNK]
+        while len(self.buf) >= self.chunk:
+            self.send(bytes(self.buf[:self.chunk]))
+            del self.buf[:self.chunk]
         return len(data)
 
     def send(self, data):
@@ -309,10 +311,13 @@ def forwarder(events_fd, msg_r, streams):
             pending += chunk or b""
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                try:
-                    kind = json.loads(line).get("ev")
-                except ValueError:
-                    continue
+                if line.startswith(b'{"ev":"file","id":'):
+                    kind = "file"  # a piece of an archive, up to megabytes: not parsed again
+                else:
+                    try:
+                        kind = json.loads(line).get("ev")
+                    except ValueError:
+                        continue
                 if kind == "begin":
                     run_id = json.loads(line).get("id")
                     continue
@@ -402,6 +407,8 @@ class Agent:
         self.current = None
         self.cells = 0
         self.main_ident = threading.get_ident()
+        # Source of each function and class a cell defined, by name, for snapshots (Durable).
+        self.definitions = {}
         module = types.ModuleType("__main__")
         module.__builtins__ = builtins
         builtins.display = self.display
@@ -470,6 +477,8 @@ class Agent:
                     self.channel.send({"ev": "attached", "id": msg.get("id"), "missing": missing})
                 elif op == "packages":
                     self.channel.send({"ev": "packages", "id": msg.get("id"), "packages": distributions()})
+                elif op in ("snapshot", "restore"):
+                    Durable(self).serve(msg)
                 elif op == "shutdown":
                     return
                 else:
@@ -835,6 +844,7 @@ class Agent:
             tail = compile(last, filename, "eval") if last is not None else None
         except (SyntaxError, ValueError, OverflowError, RecursionError) as exc:
             return {"status": "error", "error": format_exception(exc, compiling=True)}
+        Durable.record(self, tree, code, self.cells)
         try:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             exec(body, self.namespace)
@@ -909,6 +919,290 @@ class Agent:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
         return listing
+
+SNAPSHOT_VERSION = 1
+SNAPSHOT_CHUNK = 4 << 20  # archive bytes per piece of a snapshot: 5.6 MB lines, far below the 16 MiB cap
+RESTORE_DIR = ".pyberth-restore"  # where the server puts a snapshot's state for `restore`
+MAX_LOST = 1000  # names listed as not saved or not restored
+
+
+class NullSink:
+    """A file that only counts: pickling into it tells whether a value pickles."""
+
+    def write(self, data):
+        return len(data)
+
+
+class Durable:
+    """Snapshots of the interpreter (`snapshot`) and their restoration (`restore`).
+
+    Saved, in this order of restoration: modules bound to names (re-imported by name);
+    functions and classes imported from elsewhere (pickled, by reference); the source of
+    every function and class a cell defined (pickle stores those by reference to
+    `__main__`, so their definitions are executed again before anything is unpickled that
+    refers to them); every other global, pickled together so that objects shared between
+    names stay shared. What does not pickle (open files, sockets, threads, locks, lambdas,
+    closures, objects that refuse) is listed by name with the reason, never dropped silently.
+    Standard library `pickle` only: the agent runs on every base image, and a serializer
+    imported into the code's interpreter would clash with the code's own copy."""
+
+    def __init__(self, agent):
+        self.agent = agent
+
+    @staticmethod
+    def record(agent, tree, code, cell):
+        """Keeps the source of each function and class the cell defines at its top level
+        (also inside if/try/with/for/while), with its decorators, by name."""
+        lines = code.splitlines(True)
+
+        def walk(body):
+            for node in body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                    end = getattr(node, "end_lineno", None) or len(lines)
+                    source = "".join(lines[first - 1:end])
+                    indent = len(source) - len(source.lstrip(" \t"))
+                    if indent:
+                        source = "".join(line[indent:] if line[:indent].isspace() else line for line in lines[first - 1:end])
+                    agent.definitions[node.name] = (cell, first, source)
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    inner = getattr(node, field, None)
+                    if isinstance(inner, list) and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        walk(inner)
+
+        try:
+            walk(tree.body)
+        except Exception:  # never let bookkeeping fail a run
+            pass
+
+    def serve(self, msg):
+        op = msg.get("op")
+        try:
+            if op == "snapshot":
+                reply = self.snapshot(msg)
+                reply.update({"ev": "file", "id": msg.get("id")})
+            else:
+                reply = self.restore(msg)
+                reply.update({"ev": "restored", "id": msg.get("id")})
+        except Exception as exc:  # MemoryError included: the agent goes on, the request fails
+            if isinstance(exc, OSError) and exc.strerror:
+                message = exc.strerror
+            elif isinstance(exc, (PathError, ValueError)):
+                message = str(exc)
+            else:
+                message = "%s: %s" % (type(exc).__name__, exc)
+            reply = {"ev": "failed", "id": msg.get("id"), "message": clean(message, 500)}
+        self.agent.channel.send(reply)
+
+    # -- snapshot --------------------------------------------------------------------------
+
+    def state(self):
+        """The interpreter's state as (meta, files): meta says what was saved and lost."""
+        pickle = stdlib("pickle")
+        namespace = self.agent.namespace
+        modules, defs, imported, values, lost = {}, [], {}, {}, []
+
+        def lose(name, why):
+            if len(lost) < MAX_LOST:
+                lost.append({"name": clean(name, 200), "why": clean(why, 300)})
+
+        for name, value in list(namespace.items()):
+            if type(name) is not str or (name.startswith("__") and name.endswith("__")):
+                continue
+            if isinstance(value, types.ModuleType):
+                modname = getattr(value, "__name__", None)
+                if isinstance(modname, str) and sys.modules.get(modname) is value:
+                    modules[name] = modname
+                else:
+                    lose(name, "a module that cannot be imported again by name")
+                continue
+            is_def = isinstance(value, (type, types.FunctionType))
+            module = getattr(value, "__module__", None) if is_def else None
+            if is_def and module == "__main__":
+                qual = getattr(value, "__qualname__", "")
+                known = self.agent.definitions.get(name)
+                if qual == "<lambda>":
+                    lose(name, "a lambda: its source is not kept; define it with def to keep it")
+                elif qual != name or known is None:
+                    lose(name, "defined inside other code (%s): only top-level definitions of cells are kept" % qual)
+                else:
+                    defs.append((known[0], known[1], name, known[2]))
+                continue
+            if is_def or isinstance(value, (types.BuiltinFunctionType,)):
+                imported[name] = value
+            else:
+                values[name] = value
+
+        def dumps(group, kind):
+            """Pickles a group whole; when that fails, finds and lists the names that refuse."""
+            try:
+                return pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                pass
+            kept = {}
+            for name, value in group.items():
+                try:
+                    pickle.Pickler(NullSink(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+                    kept[name] = value
+                except Exception as exc:
+                    lose(name, "%s: %s" % (type(exc).__name__, str(exc)[:200]))
+            try:
+                return pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # the group fails though each name alone pickles
+                for name in kept:
+                    lose(name, "%s could not be saved together: %s" % (kind, str(exc)[:200]))
+                return pickle.dumps({}, protocol=pickle.HIGHEST_PROTOCOL)
+
+        imported_blob = dumps(imported, "imported names")
+        values_blob = dumps(values, "variables")
+        defs.sort()
+        lost_names = {entry["name"] for entry in lost}
+        saved = sorted(set(modules) | {d[2] for d in defs} | (set(imported) | set(values)) - lost_names)
+        meta = {
+            "version": SNAPSHOT_VERSION,
+            "python": "%d.%d.%d" % sys.version_info[:3],
+            "cells": self.agent.cells,
+            "modules": modules,
+            "defs": [[cell, line, name, source] for cell, line, name, source in defs],
+            "saved": saved,
+            "lost": lost,
+        }
+        return meta, [("imported.pkl", imported_blob), ("values.pkl", values_blob)]
+
+    def snapshot(self, msg):
+        """A tar of the state (state/meta.json first, then the pickles) and of the whole
+        workspace (workspace/...), packed as `pack` packs, sent as `file` pieces."""
+        tarfile = stdlib("tarfile")
+        limits = {
+            "bytes": msg.get("max_bytes"),
+            "entries": int(msg.get("max_entries") or 100000),
+            "newer": None,
+            "seen": 0,
+            "size": 0,
+        }
+        meta, blobs = self.state()
+        meta_bytes = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+        sink = PackSink(self.agent.channel, msg.get("id"))
+        sink.chunk = SNAPSHOT_CHUNK
+        dir_fd = os.open(WORKSPACE, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        tar = tarfile.open(fileobj=sink, mode="w|", format=tarfile.GNU_FORMAT)
+        try:
+            now = int(time.time())
+            for name, data in [("meta.json", meta_bytes)] + blobs:
+                Agent.pack_cost(limits, tar_cost("state/" + name, len(data)))
+                info = tarfile.TarInfo("state/" + name)
+                info.size, info.mtime, info.mode = len(data), now, 0o600
+                tar.addfile(info, io.BytesIO(data))
+            blobs = None  # the pickles may be large: freed before the workspace is packed
+            info = tarfile.TarInfo("workspace")
+            info.type, info.mtime, info.mode = tarfile.DIRTYPE, now, 0o755
+            tar.addfile(info)
+            self.agent.pack_dir(tarfile, tar, dir_fd, "workspace", limits)
+        finally:
+            os.close(dir_fd)
+            tar.close()
+            sink.close()
+        return {"size": limits["size"]}
+
+    # -- restore ---------------------------------------------------------------------------
+
+    def restore(self, msg):
+        """Restores the state the server unpacked into RESTORE_DIR, then removes it: modules,
+        imported names, definitions (again after the variables when they needed one), then
+        the variables. Answers what came back and what did not, with why."""
+        pickle = stdlib("pickle")
+        shutil = stdlib("shutil")
+        namespace = self.agent.namespace
+        base = workspace_path(RESTORE_DIR)
+        restored, lost = [], []
+
+        def lose(name, why):
+            if len(lost) < MAX_LOST:
+                lost.append({"name": clean(str(name), 200), "why": clean(why, 300)})
+
+        def read(name):
+            rel = RESTORE_DIR + "/" + name
+            fd = open_regular(workspace_path(rel), rel, os.O_RDONLY)
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
+
+        try:
+            meta = json.loads(read("meta.json").decode("utf-8"))
+            if not isinstance(meta, dict) or meta.get("version") != SNAPSHOT_VERSION:
+                raise ValueError("the snapshot's state is of an unknown version")
+            imported_blob, values_blob = read("imported.pkl"), read("values.pkl")
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        for name, modname in sorted((meta.get("modules") or {}).items()):
+            try:
+                namespace[name] = stdlib("importlib").import_module(modname)
+                restored.append(name)
+            except BaseException as exc:
+                lose(name, "import %s failed: %s: %s" % (modname, type(exc).__name__, str(exc)[:200]))
+
+        def load(blob, kind):
+            try:
+                group = pickle.loads(blob)
+                if not isinstance(group, dict):
+                    raise ValueError("not a mapping")
+                return group, None
+            except BaseException as exc:
+                return None, "%s could not be unpickled: %s: %s" % (kind, type(exc).__name__, str(exc)[:200])
+
+        imported, why = load(imported_blob, "imported names")
+        if imported is None:
+            raise ValueError("the snapshot's state is damaged (%s)" % why)
+        for name, value in imported.items():
+            namespace[name] = value
+            restored.append(name)
+        cells = int(meta.get("cells") or 0)
+        pending = []
+        for entry in meta.get("defs") or []:
+            pending.append(entry)
+        waiting = []
+
+        def define(entry):
+            cell, line, name, source = entry
+            filename = "<cell %d>" % int(cell)
+            padded = "\n" * (int(line) - 1) + source
+            linecache.cache[filename] = (len(padded), None, padded.splitlines(True), filename)
+            exec(compile(padded, filename, "exec"), namespace)
+
+        for entry in pending:
+            try:
+                define(entry)
+                restored.append(entry[2])
+                self.agent.definitions[entry[2]] = (entry[0], entry[1], entry[3])
+            except BaseException as exc:
+                waiting.append((entry, exc))
+        values, why = load(values_blob, "variables")
+        if values is None and not waiting:
+            raise ValueError("the snapshot's state is damaged (%s)" % why)
+        retry = []
+        for entry, _ in waiting:
+            try:
+                if values is not None:
+                    namespace.update(values)
+                define(entry)
+                restored.append(entry[2])
+                self.agent.definitions[entry[2]] = (entry[0], entry[1], entry[3])
+            except BaseException as exc:
+                retry.append(entry)
+                lose(entry[2], "its definition failed again: %s: %s" % (type(exc).__name__, str(exc)[:200]))
+        if values is None and waiting:
+            values, why = load(values_blob, "variables")
+        if values is None:
+            for name in meta.get("saved") or []:
+                if name not in namespace:
+                    lose(name, why)
+        else:
+            namespace.update(values)
+            restored.extend(values)
+        for entry in meta.get("lost") or []:
+            if isinstance(entry, dict):
+                lose(entry.get("name", "?"), "not saved: %s" % entry.get("why", "?"))
+        self.agent.cells = max(self.agent.cells, cells)
+        return {"restored": sorted(set(str(n) for n in restored))[:MAX_LOST], "lost": lost}
 
 
 if __name__ == "__main__":

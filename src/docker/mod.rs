@@ -10,6 +10,7 @@ pub mod heartbeat;
 pub mod identity;
 pub mod image;
 pub mod layers;
+pub mod snapshot;
 
 use bollard::Docker;
 

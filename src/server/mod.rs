@@ -4,6 +4,7 @@
 //! - `run.rs`: `run_python`, `install_packages`, `list_packages`;
 //! - `sessions.rs`: `list_sessions`, `reset_session`, `close_session`, `list_variables`;
 //! - `files.rs`, `transfer.rs`, `jobs.rs`, `envs.rs`: the workspace, archives, jobs, environments;
+//! - `snapshots.rs`: snapshots, restore, fork (issue 18);
 //! - `types.rs` the tools' arguments and results, `render.rs` the results' text, `error.rs` the
 //!   one way a tool fails, `live.rs` output while a call works, `fit.rs` the message budget.
 //!
@@ -36,6 +37,7 @@ mod live;
 mod render;
 mod run;
 mod sessions;
+mod snapshots;
 mod transfer;
 mod types;
 
@@ -63,7 +65,8 @@ impl SandboxServer {
                 + Self::files_router()
                 + Self::jobs_router()
                 + Self::envs_router()
-                + Self::transfer_router(),
+                + Self::transfer_router()
+                + Self::snapshots_router(),
         }
     }
 }

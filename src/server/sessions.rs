@@ -15,16 +15,21 @@ use crate::output::one_line;
 
 #[tool_router(router = sessions_router, vis = "pub(super)")]
 impl SandboxServer {
-    /// List your open sessions with their Python version, number of runs, idle time and
-    /// time until they are closed for idleness.
+    /// List your open sessions with their state (running, or hibernated: saved while idle,
+    /// woken by the next call), Python version, number of runs, idle time, and time until
+    /// they hibernate and until they are closed for idleness.
     #[tool(annotations(title = "List sessions", read_only_hint = true), output_schema = schema_for_output::<SessionList>())]
     async fn list_sessions(&self, Parameters(_): Parameters<NoArgs>, Caller(who): Caller) -> ToolResult {
         let list = SessionList { sessions: self.registry.list(&who), max_sessions: self.cfg.max_sessions };
         let mut text = format!("{} of at most {} sessions open\n", list.sessions.len(), list.max_sessions);
         for s in &list.sessions {
+            let sleep = match s.hibernates_in_s {
+                Some(h) => format!(", hibernates in {h} s"),
+                None => String::new(),
+            };
             text.push_str(&format!(
-                "{}: python {}, {} runs, idle {} s, closes in {} s\n",
-                s.session, s.python, s.runs, s.idle_s, s.expires_in_s
+                "{}: {}, python {}, {} runs, idle {} s{sleep}, closes in {} s\n",
+                s.session, s.state, s.python, s.runs, s.idle_s, s.expires_in_s
             ));
         }
         Ok(structured(&list, text))

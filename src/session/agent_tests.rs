@@ -756,3 +756,80 @@ async fn pack_archives_the_workspace_as_the_code_sees_it_and_follows_no_link() {
     }
     assert!(over.as_ref().is_err_and(|e| e.to_string().contains("more than 2 entries")), "{over:?}");
 }
+
+#[tokio::test]
+async fn a_snapshot_restores_into_a_new_agent_and_names_what_it_could_not_keep() {
+    let mut local = spawn().await;
+    let setup = "import os, threading\nn = 5\nclass K:\n    def __init__(self, v):\n        self.v = v\n\
+                 def twice(x):\n    return 2 * x\nk = K(3)\nlam = lambda: 0\nlock = threading.Lock()\n\
+                 open('w.txt', 'w').write('w')";
+    let (_, out) = run(&mut local.agent, setup).await;
+    assert_eq!(out.status, RunStatus::Ok, "{:?}", out.error);
+    let id =
+        local.agent.submit(|id| Request::Snapshot { id, max_bytes: 1 << 20, max_entries: 100 }).await.expect("taken");
+    let mut raw = Vec::new();
+    while let Some(piece) = local.agent.piece(id, STEP).await.expect("a piece") {
+        raw.extend(piece);
+    }
+    let mut state = Vec::new();
+    let mut names = Vec::new();
+    for e in tar::Archive::new(&raw[..]).entries().expect("a tar") {
+        let mut e = e.expect("an entry");
+        let name = e.path().expect("a name").to_string_lossy().into_owned();
+        let mut body = Vec::new();
+        std::io::Read::read_to_end(&mut e, &mut body).expect("a body");
+        if let Some(file) = name.strip_prefix("state/") {
+            state.push((file.to_owned(), body));
+        }
+        names.push(name);
+    }
+    assert_eq!(&names[..3], ["state/meta.json", "state/imported.pkl", "state/values.pkl"], "the state comes first");
+    assert!(names.iter().any(|n| n == "workspace/w.txt"), "{names:?}");
+    let meta: serde_json::Value = serde_json::from_slice(&state[0].1).expect("meta.json");
+    let lost: Vec<&str> = meta["lost"].as_array().expect("lost").iter().filter_map(|l| l["name"].as_str()).collect();
+    assert_eq!(lost, ["lam", "lock"], "{meta}");
+
+    // A new agent over the same workspace, the state where the server puts it.
+    let mut fresh = spawn().await;
+    let dir = fresh.workspace.0.join(crate::docker::snapshot::RESTORE_DIR);
+    std::fs::create_dir_all(&dir).expect("restore dir");
+    for (file, body) in &state {
+        std::fs::write(dir.join(file), body).expect("state file");
+    }
+    let restored = fresh
+        .agent
+        .request(
+            |id| Request::Restore { id },
+            |id, ev| match ev {
+                Event::Restored { id: i, restored, lost } if i == id => Some((restored, lost)),
+                _ => None,
+            },
+            STEP,
+        )
+        .await
+        .expect("restored");
+    assert!(restored.0.iter().any(|n| n == "k") && restored.0.iter().any(|n| n == "twice"), "{restored:?}");
+    assert_eq!(restored.1.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["lam", "lock"]);
+    assert!(!dir.exists(), "the state is removed once read");
+    let (_, out) = run(&mut fresh.agent, "(n, twice(k.v), isinstance(k, K), 'lam' in globals())").await;
+    assert_eq!(out.result.as_deref(), Some("(5, 6, True, False)"), "{:?}", out.error);
+
+    // Damaged state: a clear failure, and the agent lives on.
+    std::fs::create_dir_all(&dir).expect("restore dir");
+    std::fs::write(dir.join("meta.json"), b"not json").expect("meta");
+    let failed = fresh
+        .agent
+        .request(
+            |id| Request::Restore { id },
+            |id, ev| match ev {
+                Event::Failed { id: Some(i), message } if i == id => Some(message),
+                _ => None,
+            },
+            STEP,
+        )
+        .await
+        .expect("failed");
+    assert!(!failed.is_empty());
+    let (_, out) = run(&mut fresh.agent, "n").await;
+    assert_eq!(out.result.as_deref(), Some("5"));
+}

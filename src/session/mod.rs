@@ -19,6 +19,7 @@ mod extras;
 pub(crate) mod jobs;
 pub(crate) mod registry;
 mod run;
+pub(crate) mod snapshot;
 mod transfer;
 mod watch;
 
@@ -161,6 +162,12 @@ pub struct SessionInfo {
     pub age_s: u64,
     /// Seconds until it is closed for idleness.
     pub expires_in_s: u64,
+    /// `running`, or `hibernated`: saved and its container removed; the next call wakes it.
+    pub state: String,
+    /// Seconds until an idle running session is hibernated (absent when hibernated, or when
+    /// hibernation is off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hibernates_in_s: Option<u64>,
 }
 
 /// What only the holder of the session's async mutex may touch.
@@ -180,6 +187,8 @@ struct Inner {
     /// The pid of the agent a dropped stream reached, when its next attach should reach the
     /// same one (docs/design.md D12): another pid answering means its state is gone.
     reattach_pid: Option<u32>,
+    /// Set while the session is hibernated: its snapshot; the container is gone.
+    sleeping: Option<snapshot::Saved>,
 }
 
 impl Inner {
@@ -192,6 +201,7 @@ impl Inner {
             pending: Vec::new(),
             pending_lost: false,
             reattach_pid: None,
+            sleeping: None,
         }
     }
 }
@@ -235,6 +245,11 @@ pub struct Session {
     /// Pid of the agent last greeted (0: none yet), for the session's record
     /// (`registry/adopt.rs`).
     agent_pid: AtomicU32,
+    /// Where a wake takes its container from, when the warm pool holds containers of the
+    /// session's image.
+    pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
+    /// The hibernation snapshot's volume while the session sleeps; readable without the lock.
+    asleep: std::sync::Mutex<Option<crate::docker::snapshot::Stored>>,
 }
 
 /// Whose a new session is and what it is called.
@@ -331,6 +346,8 @@ impl Session {
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(prepared.python),
             agent_pid: AtomicU32::new(pid),
+            pool: std::sync::OnceLock::new(),
+            asleep: std::sync::Mutex::new(None),
         });
         session.save_record();
         session
@@ -384,6 +401,11 @@ impl Session {
             idle_s: idle.as_secs(),
             age_s: self.created.elapsed().map(|d| d.as_secs()).unwrap_or(0),
             expires_in_s: self.cfg.idle_ttl().saturating_sub(idle).as_secs(),
+            state: if self.is_asleep() { "hibernated" } else { "running" }.into(),
+            hibernates_in_s: match self.cfg.hibernate_after() {
+                Some(after) if !self.is_asleep() => Some(after.saturating_sub(idle).as_secs()),
+                _ => None,
+            },
         }
     }
 
@@ -414,6 +436,10 @@ impl Session {
     async fn ensure_agent(&self, inner: &mut Inner) -> Result<Option<String>, Error> {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed);
+        }
+        if inner.sleeping.is_some() {
+            // Boxed: a wake restores, and a failed restore starts a fresh agent through here.
+            Box::pin(self.wake(inner)).await?;
         }
         if let Some(agent) = inner.agent.as_mut() {
             if !agent.stream_ended() {
@@ -670,6 +696,12 @@ impl Session {
     pub async fn reset(&self) -> Result<Option<String>, Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
+        if inner.sleeping.is_some() {
+            // Its files are in the snapshot: woken first, then the interpreter goes.
+            self.ensure_agent(&mut inner).await?;
+            inner.pending.clear();
+            inner.pending_lost = false;
+        }
         self.restart_agent(&mut inner).await
     }
 
@@ -681,6 +713,9 @@ impl Session {
         if let Some(c) = created {
             container::destroy(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
+        }
+        if let Some(stored) = self.asleep_store() {
+            crate::docker::snapshot::remove(&self.docker, &stored).await;
         }
     }
 }

@@ -24,6 +24,9 @@ use crate::instance::{Instance, Keeper};
 mod adopt;
 
 type Key = (String, String);
+
+/// Ended sessions whose reason is kept; past it the record starts over.
+const MAX_ENDED: usize = 10_000;
 type Slot = Arc<OnceCell<Arc<Session>>>;
 
 /// Why a session could not be had.
@@ -40,6 +43,9 @@ pub enum Error {
     /// A tool that needs an existing session named one that does not exist.
     #[error("no session named {0:?}: run_python creates sessions; list_sessions shows the open ones")]
     NotFound(String),
+    /// The session existed and ended: why, as [`Ended`] says it.
+    #[error("no session named {name:?}: it {why}; run_python with that name starts a new, empty one")]
+    Ended { name: String, why: String },
     /// The sandbox image could not be found or built.
     #[error("the sandbox image is unavailable: {0}")]
     Image(#[source] docker::Error),
@@ -81,9 +87,14 @@ pub struct Registry {
     /// Run slots per principal. Entries nobody holds are dropped (`shared`).
     runs: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// The warm pool: started containers of the default environment, each handed out once.
-    pool: Mutex<Vec<super::Prepared>>,
+    /// Shared with sessions that wake from hibernation.
+    pool: Arc<Mutex<Vec<super::Prepared>>>,
     /// Wakes the pool keeper when a container was taken.
-    pool_wake: tokio::sync::Notify,
+    pool_wake: Arc<tokio::sync::Notify>,
+    /// Snapshots of every principal (issue 18).
+    pub(crate) snapshots: super::snapshot::Catalogue,
+    /// Why recently ended sessions ended, for a later call that names one (docs/design.md D9).
+    ended: Mutex<HashMap<Key, String>>,
     /// Environment markers evaluated, by (image, marker): true when they hold there.
     markers: Mutex<HashMap<(String, String), bool>>,
     /// This instance's heartbeat, and sweeps waiting out a grace (docs/design.md D9).
@@ -148,8 +159,10 @@ impl Registry {
             installs: Mutex::new(HashMap::new()),
             jobs: super::jobs::Jobs::default(),
             runs: Mutex::new(HashMap::new()),
-            pool: Mutex::new(Vec::new()),
-            pool_wake: tokio::sync::Notify::new(),
+            pool: Arc::default(),
+            pool_wake: Arc::default(),
+            snapshots: super::snapshot::Catalogue::default(),
+            ended: Mutex::new(HashMap::new()),
             markers: Mutex::new(HashMap::new()),
             keeper: Keeper::default(),
             egress,
@@ -369,9 +382,28 @@ impl Registry {
         slot.get().cloned()
     }
 
-    /// An existing session, or an error that says how to get one.
+    /// An existing session, or an error that says how to get one (and, for one that ended,
+    /// why it ended).
     pub fn get(&self, principal: &str, name: &str) -> Result<Arc<Session>, Error> {
-        self.find(principal, name).ok_or_else(|| Error::NotFound(name.to_owned()))
+        self.find(principal, name).ok_or_else(|| self.not_found(principal, name))
+    }
+
+    /// The error for a session that is not there: why it ended, when it did recently.
+    pub fn not_found(&self, principal: &str, name: &str) -> Error {
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        match ended.get(&(principal.to_owned(), name.to_owned())) {
+            Some(why) => Error::Ended { name: name.to_owned(), why: why.clone() },
+            None => Error::NotFound(name.to_owned()),
+        }
+    }
+
+    /// Records why a session ended (kept for the most recent [`MAX_ENDED`]).
+    fn ended(&self, principal: &str, name: &str, why: String) {
+        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        if ended.len() >= MAX_ENDED {
+            ended.clear();
+        }
+        ended.insert((principal.to_owned(), name.to_owned()), why);
     }
 
     /// The named session, created on first use in `environment` (the default when `None`),
@@ -482,6 +514,19 @@ impl Registry {
                     }
                     return Err(Error::from(e));
                 }
+                if !with_egress {
+                    // A hibernated session wakes into a pooled container of its image (one
+                    // with egress needs its network: it wakes into a container of its own).
+                    let (pool, wake) = (self.pool.clone(), self.pool_wake.clone());
+                    let take: super::snapshot::PoolTake = Arc::new(move || {
+                        let taken = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                        if taken.is_some() {
+                            wake.notify_one();
+                        }
+                        taken
+                    });
+                    let _ = session.pool.set(take);
+                }
                 Ok(session)
             })
             .await
@@ -490,7 +535,12 @@ impl Registry {
             self.record_layers();
         }
         match result {
-            Ok(s) => Ok((s, created)),
+            Ok(s) => {
+                if created {
+                    self.ended.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+                }
+                Ok((s, created))
+            }
             Err(e) => {
                 // Free the slot so the cap counts only live sessions; a retry starts afresh.
                 let mut slots = self.slots();
@@ -549,9 +599,10 @@ impl Registry {
                     slots.remove(&key);
                     s
                 }
-                None => return Err(Error::NotFound(name.to_owned())),
+                None => return Err(self.not_found(principal, name)),
             }
         };
+        self.ended(principal, name, "was closed by close_session".into());
         session.close().await;
         self.egress.detach(principal, name).await;
         self.record_layers();
@@ -572,18 +623,49 @@ impl Registry {
         };
         for s in &expired {
             tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
+            let state = if s.is_asleep() { "hibernated" } else { "running" };
+            let why = format!(
+                "expired: idle for {} s, past --idle-ttl-s {} s (it was {state}); its variables and files are gone",
+                s.idle().as_secs(),
+                ttl.as_secs()
+            );
+            self.ended(&s.principal, &s.name, why);
             s.close().await;
             self.egress.detach(&s.principal, &s.name).await;
         }
         if !expired.is_empty() {
             self.record_layers();
         }
+        if let Some(after) = self.cfg.hibernate_after() {
+            self.hibernate_idle(after).await;
+        }
         expired.len()
+    }
+
+    /// Hibernates running sessions idle for `after` (busy ones, jobs included, stay awake:
+    /// a run holds its session). One at a time, so a wave of idle sessions does not crowd out
+    /// running ones.
+    async fn hibernate_idle(&self, after: Duration) {
+        let idle: Vec<Arc<Session>> = self
+            .slots()
+            .values()
+            .filter_map(|slot| slot.get().cloned())
+            .filter(|s| s.idle() >= after && !s.is_busy() && !s.is_asleep())
+            .collect();
+        let bounds = crate::docker::snapshot::Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: 100_000 };
+        for s in idle {
+            let id = format!("h{}", self.snapshots.next_id());
+            match s.hibernate(&id, bounds).await {
+                Ok(_) => {}
+                Err(e) => tracing::warn!(session = %s.name, error = %e, "cannot hibernate; the session stays awake"),
+            }
+        }
     }
 
     /// Runs the idle reaper until `shutdown` fires.
     pub async fn reaper(self: Arc<Self>, shutdown: CancellationToken) {
-        let period = (self.cfg.idle_ttl() / 4).clamp(Duration::from_millis(500), Duration::from_secs(60));
+        let shortest = self.cfg.hibernate_after().map_or(self.cfg.idle_ttl(), |h| h.min(self.cfg.idle_ttl()));
+        let period = (shortest / 4).clamp(Duration::from_millis(500), Duration::from_secs(60));
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -738,6 +820,11 @@ impl Registry {
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         self.record_layers();
+        let snapshots = self.snapshots.drain();
+        futures::future::join_all(
+            snapshots.iter().map(|e| crate::docker::snapshot::remove(&self.docker, &e.saved.store)),
+        )
+        .await;
         if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
             tracing::warn!(error = %e, "final sweep failed");
         }

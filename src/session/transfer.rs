@@ -114,6 +114,9 @@ impl Session {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed.to_string());
         }
+        if inner.sleeping.is_some() {
+            self.wake(inner).await.map_err(|e| e.to_string())?;
+        }
         if inner.agent.is_none() {
             self.start_agent(inner).await.map_err(|e| e.to_string())?;
         }
@@ -123,7 +126,7 @@ impl Session {
     }
 
     /// The next piece of the tar the agent packs for request `id`; `None` at its end.
-    async fn piece(&self, inner: &mut Inner, id: u64) -> Result<Option<Vec<u8>>, String> {
+    pub(super) async fn piece(&self, inner: &mut Inner, id: u64) -> Result<Option<Vec<u8>>, String> {
         let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };
         match agent.piece(id, QUERY_TIMEOUT).await {
             Ok(piece) => Ok(piece),
@@ -136,7 +139,7 @@ impl Session {
     }
 
     /// The agent is still sending an archive nobody reads, or is dead: a fresh one.
-    async fn abandon(&self, inner: &mut Inner) {
+    pub(super) async fn abandon(&self, inner: &mut Inner) {
         inner.pending.push(ABANDONED_NOTICE.into());
         inner.pending_lost = true;
         let notes = self.recover(inner).await;

@@ -43,3 +43,5 @@ mod adopt;
 mod egress;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;
+// Durable sessions: snapshots, restore, fork, hibernation, why a session ended.
+mod durable;

@@ -148,6 +148,7 @@ impl Session {
             pending: Vec::new(),
             pending_lost: false,
             reattach_pid: Some(record.pid),
+            sleeping: None,
         };
         Arc::new_cyclic(|me| Self {
             name: record.name,
@@ -171,6 +172,8 @@ impl Session {
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(record.python),
             agent_pid: AtomicU32::new(record.pid),
+            pool: std::sync::OnceLock::new(),
+            asleep: std::sync::Mutex::new(None),
         })
     }
 }

@@ -1,0 +1,379 @@
+//! Durable sessions (issue 18): `snapshot_session`, `restore_session`, `fork_session`,
+//! `list_snapshots`, `delete_snapshot`.
+//!
+//! A snapshot belongs to the principal that took it; another principal's behaves exactly as a
+//! missing one (the same answer). Snapshots are bounded in total by `--snapshot-cache-mb`,
+//! least recently used first out (the caller's own before anyone else's).
+
+use std::sync::Arc;
+
+use rmcp::handler::server::common::schema_for_output;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::{tool, tool_router};
+use serde::{Deserialize, Serialize};
+
+use super::error::{ToolError, ToolResult};
+use super::render::structured;
+use super::{Caller, SandboxServer};
+use crate::checks::session_name;
+use crate::docker::snapshot::{Bounds, remove};
+use crate::output::one_line;
+use crate::protocol::Lost;
+use crate::session::Session;
+use crate::session::snapshot::{Entry, Grade, Restored, Saved};
+
+/// Most entries (files, directories) one snapshot holds.
+const MAX_ENTRIES: u64 = 100_000;
+/// Names shown in a result's text; the structured content has them all.
+const SHOWN: usize = 50;
+
+/// Arguments of `snapshot_session`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SnapshotArgs {
+    /// Session to save. Omit for the default session.
+    #[serde(default)]
+    pub session: Option<String>,
+    /// Name of the snapshot (1-40 letters, digits, '.', '_' or '-'); an existing snapshot of
+    /// yours with this name is replaced. Omitted: one is made up and returned.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// Arguments of `restore_session`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RestoreArgs {
+    /// Name of one of your snapshots (list_snapshots).
+    pub snapshot: String,
+    /// Name of the new session to make from it; it must not exist yet.
+    pub session: String,
+}
+
+/// Arguments of `fork_session`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ForkArgs {
+    /// Session to copy. Omit for the default session.
+    #[serde(default)]
+    pub session: Option<String>,
+    /// Name of the new session; it must not exist yet.
+    pub new_session: String,
+}
+
+/// Arguments of `delete_snapshot`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DeleteSnapshotArgs {
+    /// Name of one of your snapshots.
+    pub snapshot: String,
+}
+
+/// One snapshot, as listed and as `snapshot_session` returns it.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub(super) struct SnapshotOutput {
+    /// Snapshot name.
+    pub snapshot: String,
+    /// The session it was taken from.
+    pub session: String,
+    /// `files+globals`: workspace files and every global that pickled (the rest are in
+    /// `lost`); `files`: the interpreter's state could not be saved at all.
+    pub grade: Grade,
+    /// Workspace files saved.
+    pub files: u64,
+    /// Their bytes.
+    pub workspace_bytes: u64,
+    /// Bytes of the saved interpreter state.
+    pub state_bytes: u64,
+    /// Links, FIFOs and other entries of the workspace not saved.
+    pub skipped_entries: u64,
+    /// Globals saved (modules, definitions and values).
+    pub saved: Vec<String>,
+    /// Globals not saved, with why: open files, sockets, threads, lambdas, closures, objects
+    /// that refuse to pickle.
+    pub lost: Vec<Lost>,
+    /// Time the snapshot took, ms.
+    pub took_ms: u64,
+    /// Seconds since it was taken.
+    pub age_s: u64,
+}
+
+/// Structured result of `list_snapshots`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub(super) struct SnapshotList {
+    /// Your snapshots, newest first (without their lists of names).
+    pub snapshots: Vec<SnapshotOutput>,
+    /// Bytes all snapshots of the server take, and the bound (--snapshot-cache-mb).
+    pub total_bytes: u64,
+    /// The bound, bytes; least recently used snapshots go above it.
+    pub cache_bytes: u64,
+}
+
+/// Structured result of `restore_session` and `fork_session`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub(super) struct RestoreOutput {
+    /// The new session.
+    pub session: String,
+    /// The snapshot it was made from (for a fork, the session forked).
+    pub from: String,
+    /// Grade of the snapshot.
+    pub grade: Grade,
+    /// Workspace files copied, and their bytes.
+    pub files: u64,
+    /// Bytes of workspace files copied.
+    pub bytes: u64,
+    /// Names that came back.
+    pub restored: Vec<String>,
+    /// Names that did not, with why (those the snapshot could not save included).
+    pub lost: Vec<Lost>,
+    /// Time the restore took, ms (for a fork, the snapshot's time is in `snapshot_ms`).
+    pub took_ms: u64,
+    /// Of `took_ms`, copying the files into the new workspace, ms.
+    pub copy_ms: u64,
+    /// Of `took_ms`, loading the interpreter state, ms.
+    pub globals_ms: u64,
+    /// For a fork: time its snapshot took, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot_ms: Option<u64>,
+}
+
+fn describe(entry: &Entry, with_names: bool) -> SnapshotOutput {
+    let s = &entry.saved;
+    SnapshotOutput {
+        snapshot: entry.name.clone(),
+        session: entry.session.clone(),
+        grade: s.grade,
+        files: s.summary.files,
+        workspace_bytes: s.summary.workspace_bytes,
+        state_bytes: s.summary.state_bytes,
+        skipped_entries: s.summary.skipped,
+        saved: if with_names { s.saved.clone() } else { Vec::new() },
+        lost: if with_names { s.lost.clone() } else { Vec::new() },
+        took_ms: u64::try_from(s.took.as_millis()).unwrap_or(u64::MAX),
+        age_s: entry.created.elapsed().map(|d| d.as_secs()).unwrap_or(0),
+    }
+}
+
+fn lost_lines(text: &mut String, lost: &[Lost], heading: &str) {
+    if lost.is_empty() {
+        return;
+    }
+    text.push_str(&format!("{heading} ({}):\n", lost.len()));
+    for l in lost.iter().take(SHOWN) {
+        text.push_str(&format!("  {}: {}\n", one_line(&l.name), one_line(&l.why)));
+    }
+    if lost.len() > SHOWN {
+        text.push_str(&format!("  ... and {} more (structured content: lost)\n", lost.len() - SHOWN));
+    }
+}
+
+fn ms(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn no_snapshot(name: &str) -> ToolError {
+    ToolError::new(format!("no snapshot named {name:?}: list_snapshots shows yours"))
+}
+
+impl SandboxServer {
+    fn bounds(&self) -> Bounds {
+        Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: MAX_ENTRIES }
+    }
+
+    /// Takes a snapshot of `session` into a new volume (not catalogued).
+    async fn take(&self, session: &Session) -> Result<Saved, ToolError> {
+        let id = self.registry.snapshots.next_id();
+        session
+            .snapshot(&id, self.bounds())
+            .await
+            .map_err(|e| ToolError::new(format!("cannot snapshot session {:?}: {e}", session.name)))
+    }
+
+    /// Makes session `name` of `who` from `saved`. The session must not exist. A failed
+    /// restore leaves the new session fresh, and the error says so.
+    async fn restore_into(&self, who: &str, name: &str, saved: &Saved) -> Result<(Arc<Session>, Restored), ToolError> {
+        let exists = || {
+            ToolError::new(format!(
+                "session {name:?} exists: restore into a new name, or close_session {name:?} first (its variables and \
+                 files go)"
+            ))
+        };
+        if self.registry.find(who, name).is_some() {
+            return Err(exists());
+        }
+        let (session, created) =
+            self.registry.get_or_create(who, name, Some(&saved.environment), &saved.requirements, &|_| {}).await?;
+        if !created {
+            return Err(exists());
+        }
+        let restored =
+            session.restore(saved).await.map_err(|e| ToolError::new(format!("cannot restore into {name:?}: {e}")))?;
+        Ok((session, restored))
+    }
+}
+
+fn restore_text(out: &RestoreOutput, what: &str) -> String {
+    let mut text = format!(
+        "session {:?} made from {what} {:?} ({}): {} files ({} bytes) and {} names restored in {} ms\n",
+        out.session,
+        out.from,
+        out.grade.as_str(),
+        out.files,
+        out.bytes,
+        out.restored.len(),
+        out.took_ms
+    );
+    lost_lines(&mut text, &out.lost, "not restored");
+    text
+}
+
+#[tool_router(router = snapshots_router, vis = "pub(super)")]
+impl SandboxServer {
+    /// Save a session: its workspace files and, as far as pickle allows, its interpreter
+    /// state (variables, modules re-imported by name, functions and classes defined in cells
+    /// from their source). What cannot be saved (open files, sockets, threads, lambdas,
+    /// closures, objects that refuse to pickle) is listed by name. restore_session or
+    /// fork_session make new sessions from it.
+    #[tool(annotations(title = "Snapshot session"), output_schema = schema_for_output::<SnapshotOutput>())]
+    async fn snapshot_session(&self, Parameters(args): Parameters<SnapshotArgs>, Caller(who): Caller) -> ToolResult {
+        let session_name_ = session_name(args.session.as_deref())?;
+        let snap = match args.name.as_deref() {
+            Some(n) => session_name(Some(n)).map_err(|e| e.replace("session name", "snapshot name"))?,
+            None => self.registry.snapshots.default_name(&session_name_),
+        };
+        let session = self.registry.get(&who, &session_name_)?;
+        let saved = self.take(&session).await?;
+        let cap = self.cfg.snapshot_cache_mb << 20;
+        if saved.summary.bytes() > cap {
+            remove(self.registry.docker(), &saved.store).await;
+            return Err(format!(
+                "the snapshot holds {} MiB, over --snapshot-cache-mb {}: make the workspace smaller",
+                saved.summary.bytes() >> 20,
+                cap >> 20
+            )
+            .into());
+        }
+        if let Some(old) = self.registry.snapshots.insert(&who, &snap, &session_name_, saved) {
+            remove(self.registry.docker(), &old.saved.store).await;
+        }
+        for gone in self.registry.snapshots.prune(cap, &who, &snap) {
+            tracing::info!(snapshot = %gone.name, bytes = gone.saved.summary.bytes(), "snapshot cache over its size; pruned");
+            remove(self.registry.docker(), &gone.saved.store).await;
+        }
+        let entry = self.registry.snapshots.get(&who, &snap).ok_or_else(|| no_snapshot(&snap))?;
+        let out = describe(&entry, true);
+        let mut text = format!(
+            "snapshot {:?} of session {:?} ({}): {} files ({} bytes), {} bytes of interpreter state, {} names saved, in {} ms\n",
+            out.snapshot,
+            out.session,
+            out.grade.as_str(),
+            out.files,
+            out.workspace_bytes,
+            out.state_bytes,
+            out.saved.len(),
+            out.took_ms
+        );
+        if out.skipped_entries > 0 {
+            text.push_str(&format!("{} links or special files of the workspace were not saved\n", out.skipped_entries));
+        }
+        lost_lines(&mut text, &out.lost, "not saved");
+        Ok(structured(&out, text))
+    }
+
+    /// List your snapshots, newest first, with their grade and sizes.
+    #[tool(annotations(title = "List snapshots", read_only_hint = true), output_schema = schema_for_output::<SnapshotList>())]
+    async fn list_snapshots(&self, Parameters(_): Parameters<super::NoArgs>, Caller(who): Caller) -> ToolResult {
+        let snapshots: Vec<SnapshotOutput> =
+            self.registry.snapshots.list(&who).iter().map(|e| describe(e, false)).collect();
+        let list = SnapshotList {
+            snapshots,
+            total_bytes: self.registry.snapshots.total(),
+            cache_bytes: self.cfg.snapshot_cache_mb << 20,
+        };
+        let mut text = format!("{} snapshots\n", list.snapshots.len());
+        for s in &list.snapshots {
+            text.push_str(&format!(
+                "{}: of session {}, {}, {} files ({} bytes) + {} bytes of state, {} s old\n",
+                s.snapshot,
+                s.session,
+                s.grade.as_str(),
+                s.files,
+                s.workspace_bytes,
+                s.state_bytes,
+                s.age_s
+            ));
+        }
+        Ok(structured(&list, text))
+    }
+
+    /// Delete one of your snapshots.
+    #[tool(annotations(title = "Delete snapshot", destructive_hint = true))]
+    async fn delete_snapshot(
+        &self,
+        Parameters(args): Parameters<DeleteSnapshotArgs>,
+        Caller(who): Caller,
+    ) -> ToolResult {
+        let entry = self.registry.snapshots.remove(&who, &args.snapshot).ok_or_else(|| no_snapshot(&args.snapshot))?;
+        remove(self.registry.docker(), &entry.saved.store).await;
+        Ok(rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
+            "snapshot {:?} deleted",
+            entry.name
+        ))]))
+    }
+
+    /// Make a new session from one of your snapshots: its files, then its interpreter state.
+    /// What could not come back is listed. A damaged snapshot gives an error and leaves the
+    /// new session fresh (empty).
+    #[tool(annotations(title = "Restore session"), output_schema = schema_for_output::<RestoreOutput>())]
+    async fn restore_session(&self, Parameters(args): Parameters<RestoreArgs>, Caller(who): Caller) -> ToolResult {
+        let name = session_name(Some(&args.session))?;
+        let entry = self.registry.snapshots.get(&who, &args.snapshot).ok_or_else(|| no_snapshot(&args.snapshot))?;
+        let (_, r) = self.restore_into(&who, &name, &entry.saved).await?;
+        let out = RestoreOutput {
+            session: name,
+            from: entry.name.clone(),
+            grade: entry.saved.grade,
+            files: r.files,
+            bytes: r.bytes,
+            restored: r.restored,
+            lost: r.lost,
+            took_ms: ms(r.took),
+            copy_ms: ms(r.copy),
+            globals_ms: ms(r.globals),
+            snapshot_ms: None,
+        };
+        let text = restore_text(&out, "snapshot");
+        Ok(structured(&out, text))
+    }
+
+    /// Copy a session into a new one (snapshot and restore in one call): both then go their
+    /// own ways. What could not be copied is listed.
+    #[tool(annotations(title = "Fork session"), output_schema = schema_for_output::<RestoreOutput>())]
+    async fn fork_session(&self, Parameters(args): Parameters<ForkArgs>, Caller(who): Caller) -> ToolResult {
+        let from = session_name(args.session.as_deref())?;
+        let name = session_name(Some(&args.new_session))?;
+        if self.registry.find(&who, &name).is_some() {
+            return Err(format!("session {name:?} exists: fork into a new name").into());
+        }
+        let session = self.registry.get(&who, &from)?;
+        let saved = self.take(&session).await?;
+        let restored = self.restore_into(&who, &name, &saved).await;
+        remove(self.registry.docker(), &saved.store).await;
+        let (_, r) = restored?;
+        let out = RestoreOutput {
+            session: name,
+            from,
+            grade: saved.grade,
+            files: r.files,
+            bytes: r.bytes,
+            restored: r.restored,
+            lost: r.lost,
+            took_ms: ms(r.took),
+            copy_ms: ms(r.copy),
+            globals_ms: ms(r.globals),
+            snapshot_ms: Some(u64::try_from(saved.took.as_millis()).unwrap_or(u64::MAX)),
+        };
+        let text = restore_text(&out, "session");
+        Ok(structured(&out, text))
+    }
+}

@@ -1,0 +1,606 @@
+//! Durable sessions (issue 18, parts 1, 2 and 4): snapshots of a session's workspace and
+//! interpreter state, their restoration into a fresh container, hibernation of idle sessions
+//! and their transparent wake, and the catalogue of a server's snapshots.
+//!
+//! The agent saves what `pickle` can (`Durable` in `images/python/agent.py`) and packs it with
+//! the workspace as the code's uid; the server re-packs that tar as hostile input into a
+//! volume of its own (`docker::snapshot`). Restoring checks the stored tar against what was
+//! stored, unpacks it into the new session's empty workspace, and has the agent load the
+//! state. Nothing half-succeeds silently: every name not saved or not restored is listed, and
+//! a restore that fails leaves the session fresh (no variables, an empty workspace) and says so.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+
+use super::{Error, Inner, Prepared, Session, agent};
+use crate::docker::container;
+use crate::docker::snapshot::{self as store, Bounds, Summary};
+use crate::protocol::{Event, Lost, Request};
+
+/// How long the agent may take to load a snapshot's state.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Most names listed as restored or lost.
+const MAX_NAMES: usize = 1000;
+/// Longest name or reason kept, in characters.
+const MAX_NAME_TEXT: usize = 300;
+
+/// Takes a started container from the warm pool, if one is there.
+pub(crate) type PoolTake = Arc<dyn Fn() -> Option<Prepared> + Send + Sync>;
+
+/// How much of a session a snapshot holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, schemars::JsonSchema)]
+pub(crate) enum Grade {
+    /// The workspace files only: the interpreter's state could not be saved at all.
+    #[serde(rename = "files")]
+    Files,
+    /// The workspace files and every global that could be saved (the rest are listed).
+    #[serde(rename = "files+globals")]
+    FilesAndGlobals,
+}
+
+impl Grade {
+    /// As the results spell it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Grade::Files => "files",
+            Grade::FilesAndGlobals => "files+globals",
+        }
+    }
+}
+
+/// A snapshot in the store.
+#[derive(Debug, Clone)]
+pub(crate) struct Saved {
+    /// Its volume and helper container.
+    pub(crate) store: store::Stored,
+    /// The environment of the session it was taken from.
+    pub(crate) environment: String,
+    /// Requirements that session had (a restore starts from the layer holding them).
+    pub(crate) requirements: Vec<String>,
+    /// The session's own environment variables.
+    pub(crate) env: BTreeMap<String, String>,
+    /// What the store holds, as checked on the way in.
+    pub(crate) summary: Summary,
+    /// How much it holds.
+    pub(crate) grade: Grade,
+    /// Globals saved.
+    pub(crate) saved: Vec<String>,
+    /// Globals not saved, and why.
+    pub(crate) lost: Vec<Lost>,
+    /// Time taken.
+    pub(crate) took: Duration,
+}
+
+/// What a restore brought back.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Restored {
+    /// Names that came back.
+    pub(crate) restored: Vec<String>,
+    /// Names that did not, with why (those the snapshot could not save included).
+    pub(crate) lost: Vec<Lost>,
+    /// Workspace files and bytes copied.
+    pub(crate) files: u64,
+    /// Bytes of workspace files.
+    pub(crate) bytes: u64,
+    /// Time taken.
+    pub(crate) took: Duration,
+    /// Of which copying the files (and the state's files) into the workspace.
+    pub(crate) copy: Duration,
+    /// Of which the agent loading the state.
+    pub(crate) globals: Duration,
+}
+
+/// The part of `meta.json` the server reads: what was saved and what was not.
+#[derive(Debug, serde::Deserialize)]
+struct Meta {
+    #[serde(default)]
+    saved: Vec<String>,
+    #[serde(default)]
+    lost: Vec<Lost>,
+}
+
+fn cut(text: String) -> String {
+    super::cut(text, MAX_NAME_TEXT)
+}
+
+fn cut_lost(lost: Vec<Lost>) -> Vec<Lost> {
+    lost.into_iter().take(MAX_NAMES).map(|l| Lost { name: cut(l.name), why: cut(l.why) }).collect()
+}
+
+impl Session {
+    /// Saves the session into a new snapshot volume named after `id`.
+    pub(crate) async fn snapshot(&self, id: &str, bounds: Bounds) -> Result<Saved, String> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        self.snapshot_locked(&mut inner, id, bounds).await
+    }
+
+    async fn snapshot_locked(&self, inner: &mut Inner, id: &str, bounds: Bounds) -> Result<Saved, String> {
+        let started = Instant::now();
+        if let Some(n) = self.ensure_agent(inner).await.map_err(|e| e.to_string())? {
+            inner.pending.push(n);
+            inner.pending_lost = true;
+        }
+        let volume = store::create(&self.docker, &self.owner, &self.principal, id, &self.image)
+            .await
+            .map_err(|e| format!("cannot create the snapshot's volume: {e}"))?;
+        let created = started.elapsed();
+        let (grade, summary, why) = match self.stream_snapshot(inner, &volume, bounds, false).await {
+            Ok(summary) => (Grade::FilesAndGlobals, summary, None),
+            Err(Streamed::Agent(why)) if why.contains("would be larger than") => {
+                store::remove(&self.docker, &volume).await;
+                return Err(format!(
+                    "the session holds more than --snapshot-cache-mb ({} MiB) to save: make its workspace or its \
+                     variables smaller",
+                    bounds.bytes >> 20
+                ));
+            }
+            Err(Streamed::Agent(why)) if !self.closed.load(Ordering::SeqCst) => {
+                // The state could not be saved (out of memory, an agent that stopped): the
+                // files alone, into an empty volume, and the reason is told.
+                tracing::warn!(session = %self.name, %why, "interpreter state not saved; saving the files only");
+                store::remove(&self.docker, &volume).await;
+                let volume = match store::create(&self.docker, &self.owner, &self.principal, id, &self.image).await {
+                    Ok(v) => v,
+                    Err(e) => return Err(format!("cannot create the snapshot's volume: {e}")),
+                };
+                if let Some(n) = self.ensure_agent(inner).await.map_err(|e| e.to_string())? {
+                    inner.pending.push(n);
+                    inner.pending_lost = true;
+                }
+                match self.stream_snapshot(inner, &volume, bounds, true).await {
+                    Ok(summary) => (Grade::Files, summary, Some(why)),
+                    Err(e) => {
+                        store::remove(&self.docker, &volume).await;
+                        return Err(e.to_string());
+                    }
+                }
+            }
+            Err(e) => {
+                store::remove(&self.docker, &volume).await;
+                return Err(e.to_string());
+            }
+        };
+        let (saved, mut lost) = match (&summary.meta, &why) {
+            (Some(meta), _) => match serde_json::from_slice::<Meta>(meta) {
+                Ok(m) => (m.saved, m.lost),
+                Err(e) => (
+                    Vec::new(),
+                    vec![Lost { name: "*".into(), why: format!("the state's summary is unreadable: {e}") }],
+                ),
+            },
+            (None, Some(why)) => (
+                Vec::new(),
+                vec![Lost { name: "*".into(), why: format!("the interpreter state was not saved: {why}") }],
+            ),
+            (None, None) => (Vec::new(), Vec::new()),
+        };
+        lost = cut_lost(lost);
+        tracing::debug!(
+            session = %self.name,
+            store_ms = created.as_millis() as f64,
+            total_ms = started.elapsed().as_millis() as f64,
+            bytes = summary.bytes(),
+            "snapshot taken"
+        );
+        Ok(Saved {
+            store: volume,
+            environment: self.environment.clone(),
+            requirements: self.requirements(),
+            env: self.env(),
+            summary,
+            grade,
+            saved: saved.into_iter().take(MAX_NAMES).map(cut).collect(),
+            lost,
+            took: started.elapsed(),
+        })
+    }
+
+    /// Streams the agent's snapshot (or, `files_only`, a pack of the workspace) through the
+    /// hostile-input check into the volume.
+    async fn stream_snapshot(
+        &self,
+        inner: &mut Inner,
+        volume: &store::Stored,
+        bounds: Bounds,
+        files_only: bool,
+    ) -> Result<Summary, Streamed> {
+        let (tx, reader) = store::chunk_reader();
+        let (mut writer, rx) = store::chunk_writer();
+        let checker = tokio::task::spawn_blocking(move || {
+            let checked = store::check_incoming(reader, &mut writer, bounds, files_only);
+            if let Err(e) = &checked {
+                writer.fail(e);
+            }
+            checked
+        });
+        let stored = store::write(&self.docker, volume, rx);
+        // The agent's bound counts tar bytes (headers and padding too), the checker's content
+        // bytes: the agent stops first, ends its archive and says why, and keeps its state.
+        let max_bytes = bounds.bytes;
+        let fed = async move {
+            let make = |id| {
+                if files_only {
+                    Request::Pack {
+                        id,
+                        path: ".",
+                        max_bytes: Some(max_bytes),
+                        max_entries: bounds.entries,
+                        newer: None,
+                    }
+                } else {
+                    Request::Snapshot { id, max_bytes, max_entries: bounds.entries }
+                }
+            };
+            let id = self.submit(inner, &make).await.map_err(|e| Streamed::Agent(e.to_string()))?;
+            loop {
+                match self.piece(inner, id).await {
+                    Ok(Some(piece)) => {
+                        if tx.send(Bytes::from(piece)).await.is_err() {
+                            // The checker stopped (over a bound); its error says why.
+                            self.abandon(inner).await;
+                            return Ok(());
+                        }
+                    }
+                    Ok(None) => return Ok(()),
+                    Err(e) => return Err(Streamed::Agent(e)),
+                }
+            }
+        };
+        let (fed, stored) = tokio::join!(fed, stored);
+        let checked = checker.await.map_err(|e| Streamed::Store(format!("the snapshot checker stopped: {e}")))?;
+        fed?;
+        let summary = checked.map_err(|e| Streamed::Store(format!("cannot save the snapshot: {e}")))?;
+        stored.map_err(|e| Streamed::Store(format!("cannot write the snapshot: {e}")))?;
+        Ok(summary)
+    }
+
+    /// Restores a snapshot into this session, which must be fresh (just made).
+    pub(crate) async fn restore(&self, saved: &Saved) -> Result<Restored, String> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        if let Some(n) = self.ensure_agent(&mut inner).await.map_err(|e| e.to_string())? {
+            inner.pending.push(n);
+        }
+        let restored = self.restore_locked(&mut inner, saved).await;
+        if restored.is_ok() {
+            self.set_env(&saved.env);
+        }
+        restored
+    }
+
+    /// Copies the snapshot's files into the workspace and has the agent load its state. On
+    /// any failure the session is made fresh again (a new interpreter, an empty workspace)
+    /// and the error says so.
+    async fn restore_locked(&self, inner: &mut Inner, saved: &Saved) -> Result<Restored, String> {
+        let started = Instant::now();
+        match self.restore_steps(inner, saved).await {
+            Ok(mut r) => {
+                r.took = started.elapsed();
+                Ok(r)
+            }
+            Err(e) => {
+                tracing::warn!(session = %self.name, error = %e, "restore failed; the session is left fresh");
+                let fresh = self.wipe(inner).await;
+                Err(match fresh {
+                    Ok(()) => format!(
+                        "{e}. Nothing of the snapshot was kept: session {:?} is fresh (no variables, an empty workspace)",
+                        self.name
+                    ),
+                    Err(w) => format!("{e}. Session {:?} could not be made fresh either ({w}): close it", self.name),
+                })
+            }
+        }
+    }
+
+    async fn restore_steps(&self, inner: &mut Inner, saved: &Saved) -> Result<Restored, String> {
+        let copying = Instant::now();
+        let (id, uid) = (inner.container.id.clone(), inner.container.uid);
+        let (tx, reader) = store::chunk_reader();
+        let (mut writer, rx) = store::chunk_writer();
+        let summary = saved.summary.clone();
+        let checker = tokio::task::spawn_blocking(move || {
+            let checked = store::check_outgoing(reader, &mut writer, uid, &summary);
+            if let Err(e) = &checked {
+                writer.fail(e);
+            }
+            checked
+        });
+        let read = store::read(&self.docker, &saved.store, tx);
+        let upload = store::upload_workspace(&self.docker, &id, rx);
+        let (read, upload) = tokio::join!(read, upload);
+        checker.await.map_err(|e| format!("the snapshot checker stopped: {e}"))??;
+        read.map_err(|e| format!("cannot read the snapshot: {e}"))?;
+        upload.map_err(|e| format!("cannot copy the snapshot's files: {e}"))?;
+        let mut restored = Restored {
+            files: saved.summary.files,
+            bytes: saved.summary.workspace_bytes,
+            lost: saved.lost.clone(),
+            copy: copying.elapsed(),
+            ..Restored::default()
+        };
+        if saved.grade == Grade::Files {
+            return Ok(restored);
+        }
+        let loading = Instant::now();
+        let id = self.submit(inner, &|id| Request::Restore { id }).await.map_err(|e| e.to_string())?;
+        let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };
+        let answer = agent
+            .answer(
+                id,
+                |id, ev| match ev {
+                    Event::Restored { id: i, restored, lost } if i == id => Some(Ok((restored, lost))),
+                    Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
+                    _ => None,
+                },
+                RESTORE_TIMEOUT,
+            )
+            .await;
+        let (names, lost) = match answer {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(why)) => return Err(format!("the interpreter state could not be restored: {why}")),
+            Err(e) => {
+                inner.agent = None;
+                return Err(format!("the interpreter state could not be restored: {e}"));
+            }
+        };
+        // The agent's list includes the snapshot's own losses; it is the code's answer, so cut.
+        restored.restored = names.into_iter().take(MAX_NAMES).map(cut).collect();
+        restored.lost = cut_lost(lost);
+        restored.globals = loading.elapsed();
+        Ok(restored)
+    }
+
+    /// A fresh interpreter and an empty workspace.
+    async fn wipe(&self, inner: &mut Inner) -> Result<(), String> {
+        self.restart_agent(inner).await.map_err(|e| e.to_string())?;
+        let listed = self
+            .query(inner, |id| Request::List { id, path: ".", recursive: false, limit: 100_000 }, agent::file_answer)
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        for entry in listed.entries {
+            let path = entry.path.as_str();
+            self.query(inner, |id| Request::Delete { id, path }, agent::file_answer)
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("cannot delete {path}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Puts an idle session to sleep: a snapshot, then its container goes. False when it is
+    /// busy, closed or asleep already (nothing done).
+    pub(crate) async fn hibernate(&self, id: &str, bounds: Bounds) -> Result<bool, String> {
+        let Ok(mut inner) = self.inner.try_lock() else { return Ok(false) };
+        if inner.sleeping.is_some() || self.closed.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
+        // Its packages need nothing kept: they are sets of the layer store, attached again to
+        // the interpreter a wake starts.
+        let saved = self.snapshot_locked(&mut inner, id, bounds).await?;
+        tracing::info!(
+            session = %self.name,
+            bytes = saved.summary.bytes(),
+            took_ms = u64::try_from(saved.took.as_millis()).unwrap_or(u64::MAX),
+            lost = saved.lost.len(),
+            "session hibernated"
+        );
+        container::destroy(&self.docker, &inner.container).await;
+        inner.agent = None;
+        inner.lease = None;
+        if let Ok(mut asleep) = self.asleep.lock() {
+            *asleep = Some(saved.store.clone());
+        }
+        inner.sleeping = Some(saved);
+        Ok(true)
+    }
+
+    /// True while the session is hibernated.
+    pub(crate) fn is_asleep(&self) -> bool {
+        self.asleep.lock().map(|a| a.is_some()).unwrap_or(false)
+    }
+
+    /// Wakes a hibernated session: a container (from the warm pool when there is one of its
+    /// image), the snapshot restored into it, and a notice for the next call naming what did
+    /// not come back. A restore that fails leaves the session fresh, and says so.
+    pub(super) async fn wake(&self, inner: &mut Inner) -> Result<(), Error> {
+        let Some(saved) = inner.sleeping.take() else { return Ok(()) };
+        let started = Instant::now();
+        let taken = self.pool.get().and_then(|take| take());
+        let prepared = match taken {
+            Some(p) => p,
+            None => {
+                match Prepared::make(&self.docker, &self.cfg, &self.image, &self.owner, &self.name, &self.principal)
+                    .await
+                {
+                    Ok(p) => p,
+                    Err(e) => {
+                        inner.sleeping = Some(saved);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let Prepared { inner: fresh, python } = prepared;
+        inner.container = fresh.container;
+        inner.agent = fresh.agent;
+        if let Ok(mut c) = self.container.lock() {
+            *c = inner.container.clone();
+        }
+        if let Ok(mut p) = self.python.lock() {
+            *p = python;
+        }
+        match self.restore_locked(inner, &saved).await {
+            Ok(r) => {
+                let mut text = format!(
+                    "the session had been hibernated while idle and was woken in {} ms: {} files ({} bytes) and {} \
+                     names restored",
+                    started.elapsed().as_millis(),
+                    r.files,
+                    r.bytes,
+                    r.restored.len()
+                );
+                if !r.lost.is_empty() {
+                    let names: Vec<String> = r.lost.iter().map(|l| format!("{} ({})", l.name, l.why)).collect();
+                    text.push_str(&format!("; not restored: {}", names.join("; ")));
+                    inner.pending_lost = true;
+                }
+                inner.pending.push(text);
+            }
+            Err(e) => {
+                inner.pending.push(format!("the session had been hibernated while idle and could not be woken: {e}"));
+                inner.pending_lost = true;
+            }
+        }
+        store::remove(&self.docker, &saved.store).await;
+        if let Ok(mut asleep) = self.asleep.lock() {
+            *asleep = None;
+        }
+        Ok(())
+    }
+
+    /// The hibernation snapshot's storage, if the session sleeps (removed by close).
+    pub(super) fn asleep_store(&self) -> Option<store::Stored> {
+        self.asleep.lock().ok().and_then(|a| a.clone())
+    }
+}
+
+/// Where a snapshot stream failed.
+#[derive(Debug)]
+enum Streamed {
+    /// The agent did not deliver (it refused, stopped or went silent).
+    Agent(String),
+    /// The check or the store failed.
+    Store(String),
+}
+
+impl std::fmt::Display for Streamed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Streamed::Agent(e) => write!(f, "the interpreter could not save its state: {e}"),
+            Streamed::Store(e) => f.write_str(e),
+        }
+    }
+}
+
+/// One snapshot of the catalogue.
+#[derive(Debug)]
+pub(crate) struct Entry {
+    /// Its name, unique per principal.
+    pub(crate) name: String,
+    /// Whose it is.
+    pub(crate) principal: String,
+    /// The session it was taken from.
+    pub(crate) session: String,
+    /// When it was taken.
+    pub(crate) created: SystemTime,
+    last_used: Mutex<Instant>,
+    /// What the store holds.
+    pub(crate) saved: Saved,
+}
+
+impl Entry {
+    fn touch(&self) {
+        if let Ok(mut t) = self.last_used.lock() {
+            *t = Instant::now();
+        }
+    }
+
+    fn used(&self) -> Instant {
+        self.last_used.lock().map(|t| *t).unwrap_or_else(|_| Instant::now())
+    }
+}
+
+/// The snapshots of a server: by (principal, name), bounded in total bytes, least recently
+/// used first out. Another principal's snapshot behaves exactly as a missing one.
+#[derive(Debug, Default)]
+pub(crate) struct Catalogue {
+    entries: Mutex<HashMap<(String, String), Arc<Entry>>>,
+    serial: AtomicU64,
+}
+
+impl Catalogue {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Arc<Entry>>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A fresh id for a snapshot volume (unique within the instance).
+    pub(crate) fn next_id(&self) -> String {
+        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        format!("{}-{nanos:08x}", self.serial.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A name for a snapshot the caller did not name.
+    pub(crate) fn default_name(&self, session: &str) -> String {
+        let n = self.serial.fetch_add(1, Ordering::Relaxed);
+        let base: String = session.chars().take(30).collect();
+        format!("{base}-{n}")
+    }
+
+    /// Adds a snapshot; returns the one it replaced (same principal and name), to remove.
+    pub(crate) fn insert(&self, principal: &str, name: &str, session: &str, saved: Saved) -> Option<Arc<Entry>> {
+        let entry = Arc::new(Entry {
+            name: name.to_owned(),
+            principal: principal.to_owned(),
+            session: session.to_owned(),
+            created: SystemTime::now(),
+            last_used: Mutex::new(Instant::now()),
+            saved,
+        });
+        self.map().insert((principal.to_owned(), name.to_owned()), entry)
+    }
+
+    /// A snapshot of `principal`, marked used.
+    pub(crate) fn get(&self, principal: &str, name: &str) -> Option<Arc<Entry>> {
+        let e = self.map().get(&(principal.to_owned(), name.to_owned())).cloned()?;
+        e.touch();
+        Some(e)
+    }
+
+    /// The snapshots of `principal`, newest first.
+    pub(crate) fn list(&self, principal: &str) -> Vec<Arc<Entry>> {
+        let mut all: Vec<Arc<Entry>> = self.map().values().filter(|e| e.principal == principal).cloned().collect();
+        all.sort_by_key(|e| std::cmp::Reverse(e.created));
+        all
+    }
+
+    /// Takes a snapshot of `principal` out of the catalogue.
+    pub(crate) fn remove(&self, principal: &str, name: &str) -> Option<Arc<Entry>> {
+        self.map().remove(&(principal.to_owned(), name.to_owned()))
+    }
+
+    /// Bytes of every snapshot.
+    pub(crate) fn total(&self) -> u64 {
+        self.map().values().map(|e| e.saved.summary.bytes()).sum()
+    }
+
+    /// Takes out least recently used snapshots until all fit in `cap` bytes, `principal`'s
+    /// own first, then anyone's; never `keep`. Returns them, for their volumes to be removed.
+    pub(crate) fn prune(&self, cap: u64, principal: &str, keep: &str) -> Vec<Arc<Entry>> {
+        let mut map = self.map();
+        let mut total: u64 = map.values().map(|e| e.saved.summary.bytes()).sum();
+        let mut order: Vec<Arc<Entry>> =
+            map.values().filter(|e| !(e.principal == principal && e.name == keep)).cloned().collect();
+        order.sort_by_key(|e| (e.principal != principal, e.used()));
+        let mut out = Vec::new();
+        for e in order {
+            if total <= cap {
+                break;
+            }
+            total = total.saturating_sub(e.saved.summary.bytes());
+            map.remove(&(e.principal.clone(), e.name.clone()));
+            out.push(e);
+        }
+        out
+    }
+
+    /// Everything, for shutdown.
+    pub(crate) fn drain(&self) -> Vec<Arc<Entry>> {
+        self.map().drain().map(|(_, e)| e).collect()
+    }
+}
