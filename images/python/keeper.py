@@ -179,6 +179,10 @@ def keeper(sock_path, argv, ready):
                     break
                 if done:
                     status = os.waitstatus_to_exitcode(code)
+                    # Killed by signal N: 128 + N, as a shell (and the server's OOM check,
+                    # which looks for 137) reports it, not the 256 - N of exiting with -N.
+                    if status < 0:
+                        status = 128 - status
                     break
                 time.sleep(0.05)
             if relay is not None:
