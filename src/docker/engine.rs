@@ -452,8 +452,8 @@ pub fn assess_gvisor(g: &Gvisor) -> Vec<String> {
     let mut w = Vec::new();
     if g.offline() {
         w.push(format!(
-            "the engine runs {} with --network=none: the package installer gets no network under it, so \
-             installs of new packages fail (cached layers still work); sandboxes have no network either way",
+            "the engine runs {} with --network=none: sessions with egress cannot run under it (they are \
+             refused, saying so); the package installer runs under the engine's default runtime instead",
             g.name
         ));
     }
