@@ -24,8 +24,6 @@ use super::container::WORKSPACE;
 pub use super::copyback::{CopyBack, HeldBack};
 use super::layers::safe_relative;
 
-/// Chunk size of the streamed archive.
-const CHUNK: usize = 256 << 10;
 /// Directory names never copied back: interpreter and test-runner caches, not results.
 const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
 
@@ -56,50 +54,6 @@ pub struct Moved {
     pub held_back: Vec<(PathBuf, HeldBack)>,
 }
 
-/// A `Write` that sends fixed-size chunks down a channel (used from a blocking thread).
-struct ChunkWriter {
-    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
-    buf: Vec<u8>,
-}
-
-impl Write for ChunkWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        self.buf.extend_from_slice(data);
-        if self.buf.len() >= CHUNK {
-            self.flush()?;
-        }
-        Ok(data.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
-        self.tx.blocking_send(Ok(chunk)).map_err(|_| std::io::Error::other("the upload was abandoned"))
-    }
-}
-
-/// A `Read` over chunks arriving on a channel (used from a blocking thread).
-struct ChunkReader {
-    rx: mpsc::Receiver<Bytes>,
-    cur: Bytes,
-}
-
-impl Read for ChunkReader {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        while self.cur.is_empty() {
-            match self.rx.blocking_recv() {
-                Some(b) => self.cur = b,
-                None => return Ok(0),
-            }
-        }
-        let n = out.len().min(self.cur.len());
-        out[..n].copy_from_slice(&self.cur.split_to(n));
-        Ok(n)
-    }
-}
-
 /// Uploads the contents of `dir` into the workspace of container `id`, skipping `.git`, every
 /// entry owned by `uid` (the container's code). Symlinks travel as symlinks (the container
 /// resolves them, inside itself). Refuses a tree over `cap` bytes.
@@ -108,10 +62,9 @@ pub async fn upload_dir(docker: &Docker, id: &str, uid: u32, dir: &Path, cap: Ca
     if !meta.is_dir() {
         return Err(format!("{} is not a directory", dir.display()));
     }
-    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    let (mut writer, rx) = super::chunks::chunk_writer();
     let root = dir.to_path_buf();
     let packer = tokio::task::spawn_blocking(move || {
-        let mut writer = ChunkWriter { tx: tx.clone(), buf: Vec::with_capacity(CHUNK) };
         let mut moved = Moved::default();
         let packed = (|| {
             let mut ar = tar::Builder::new(&mut writer);
@@ -122,7 +75,7 @@ pub async fn upload_dir(docker: &Docker, id: &str, uid: u32, dir: &Path, cap: Ca
         let packed = packed.and_then(|()| writer.flush().map_err(|e| e.to_string()));
         if let Err(e) = &packed {
             // End the body with an error so Docker discards the partial archive.
-            let _ = tx.blocking_send(Err(std::io::Error::other(e.clone())));
+            writer.fail(e);
         }
         packed.map(|()| moved)
     });
@@ -239,11 +192,10 @@ pub fn unpacker(
     cap: Cap,
 ) -> Result<(mpsc::Sender<Bytes>, tokio::task::JoinHandle<Result<Moved, String>>), String> {
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    let (tx, reader) = super::chunks::chunk_reader();
     let dest = out.to_path_buf();
     let unpacker = tokio::task::spawn_blocking(move || {
         let mut moved = Moved::default();
-        let reader = ChunkReader { rx, cur: Bytes::new() };
         unpack_changed(reader, &dest, since, &rules, cap, &mut moved).map(|()| moved)
     });
     Ok((tx, unpacker))
