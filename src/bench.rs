@@ -274,8 +274,6 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
 
     output_volume(&cfg, &instance, &args, &mut table).await?;
     durable(&docker, &cfg, &img, &instance, &mut table).await?;
-    let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
-    let _ = docker.remove_volume(&bench_store(), Some(opts)).await;
     table.print();
 
     // Both runtimes side by side, on what a runtime changes, when the engine has gVisor.
@@ -285,6 +283,9 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
             side_by_side(&docker, &cfg, &img, &instance, runs, [other, &g.name]).await?;
         }
     }
+    // Last: the side-by-side servers use the bench's store too.
+    let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+    let _ = docker.remove_volume(&bench_store(), Some(opts)).await;
     Ok(())
 }
 
