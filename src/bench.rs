@@ -200,7 +200,10 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
     let runtime = cfg.runtime.clone();
 
     if args.durable_only {
-        durable(&docker, &cfg, &img, &format!("bench-{}", std::process::id()), &mut table).await?;
+        let result = durable(&docker, &cfg, &img, &format!("bench-{}", std::process::id()), &mut table).await;
+        let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+        let _ = docker.remove_volume(&bench_store(), Some(opts)).await;
+        result?;
         table.print();
         return Ok(());
     }
