@@ -391,8 +391,19 @@ try:
     os.chmod(p, 0o6777)
 except OSError:
     pass
+# Build code runs with the installer's network: it must reach nothing but the proxy, neither
+# the index directly (bypassing the proxy) nor the host through the bridge's gateway.
+import errno, socket, urllib.parse
+def probe(host, port):
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        return "connected"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, "timeout") if e.errno else "timeout"
+index = urllib.parse.urlsplit(os.environ.get("PIP_INDEX_URL", "https://127.0.0.1:9/"))
+net = {"index": probe(index.hostname, index.port or 443), "host": probe("172.17.0.1", 1)}
 with open(os.path.join(site, "planted_marker.py"), "w") as f:
-    f.write("PLANTED = True\n")
+    f.write("PLANTED = True\nNET = %r\n" % (net,))
 setup(name="pyberth-hostile", version="1.0", py_modules=["pyberth_hostile"])
 "##;
 
@@ -589,6 +600,7 @@ out["suid_mode"] = oct(os.stat(p).st_mode & 0o7777) if os.path.exists(p) else No
 out["owner"] = os.stat(pyberth_hostile.__file__).st_uid
 import planted_marker
 out["planted"] = planted_marker.PLANTED
+out["net"] = planted_marker.NET
 out
 "#;
     let result = s.ok("h", check).await["result"].as_str().expect("result").to_owned();
@@ -598,5 +610,13 @@ out
         assert!(result.contains(w), "{w}: {result}");
     }
     assert!(result.contains("'suid_mode': '0o755'"), "setuid and setgid stripped, not writable: {result}");
+    // The build's own network: no way round the proxy to the index, no route to the host
+    // (ECONNREFUSED from the gateway would mean the host answered).
+    assert!(!result.contains("'index': 'connected'"), "the build reached the index past the proxy: {result}");
+    assert!(
+        !result.contains("'host': 'connected'") && !result.contains("'host': 'ECONNREFUSED'"),
+        "the build reached the host: {result}"
+    );
+    assert!(result.contains("'net': {"), "the build probed its network: {result}");
     s.stop().await;
 }
