@@ -51,8 +51,10 @@ pub struct Attachment {
     pub network: String,
     /// The proxy's address on it.
     pub proxy_ip: IpAddr,
-    /// The CA bundle to trust (the server's `--ca-bundle`), if any.
+    /// The CA bundle to trust: the server's `--ca-bundle` and the per-server CA.
     pub ca: Option<Arc<Vec<u8>>>,
+    /// True when the server has no bundle: the image's own CAs go first in the session's.
+    pub system_roots: bool,
 }
 
 impl Attachment {
@@ -103,8 +105,9 @@ impl Attachment {
         use tokio::io::AsyncWriteExt;
         let Some(ca) = &self.ca else { return Ok(()) };
         let script = format!(
-            "umask 022 && mkdir -p {dir} && cat > {dir}/.ca.tmp && chmod 0444 {dir}/.ca.tmp && mv {dir}/.ca.tmp {CA_PATH}",
-            dir = CA_DIR
+            "umask 022 && mkdir -p {dir} && {{ {system} cat; }} > {dir}/.ca.tmp && chmod 0444 {dir}/.ca.tmp && mv {dir}/.ca.tmp {CA_PATH}",
+            dir = CA_DIR,
+            system = if self.system_roots { "cat /etc/ssl/certs/ca-certificates.crt 2>/dev/null;" } else { "" }
         );
         let opts = CreateExecOptions {
             attach_stdin: Some(true),
@@ -311,7 +314,12 @@ pub struct Manager {
     docker: Docker,
     owner: Owner,
     cfg: Arc<SandboxConfig>,
+    /// The server's CA bundle (`--ca-bundle`): what the proxy trusts for upstreams.
+    roots: Option<Arc<Vec<u8>>>,
+    /// What sessions trust: the server's bundle and the per-server CA's certificate.
     ca: Option<Arc<Vec<u8>>>,
+    /// The per-server CA's key: it goes to the proxy only (stdin), never to a sandbox.
+    ca_key: Option<proxy::SecretPem>,
     proxy: tokio::sync::Mutex<Option<Proxy>>,
     sessions: Mutex<HashMap<(String, String), SessionNet>>,
     /// Totals by the proxy's address on a session's network.
@@ -347,11 +355,33 @@ pub fn runtime_refusal(cfg: &SandboxConfig) -> Option<String> {
 impl Manager {
     /// The egress of one server; nothing is started until a session asks.
     pub fn new(docker: Docker, owner: Owner, cfg: Arc<SandboxConfig>, ca: Option<Vec<u8>>) -> Self {
+        // A CA of this server's own, made at start and held in memory only: the sessions that
+        // trust it are this server's (their networks die with it), so nothing needs to keep it.
+        let (ca_cert, ca_key) = match proxy::new_ca() {
+            Ok((c, k)) => (Some(c), Some(k)),
+            Err(e) => {
+                tracing::warn!(target: "pyberth::egress", error = %e, "no CA: headers go on plain HTTP only");
+                (None, None)
+            }
+        };
+        let trusted = match (&ca, &ca_cert) {
+            (None, None) => None,
+            (b, c) => {
+                let mut all = b.clone().unwrap_or_default();
+                if !all.is_empty() && !all.ends_with(b"\n") {
+                    all.push(b'\n');
+                }
+                all.extend_from_slice(c.as_deref().unwrap_or_default().as_bytes());
+                Some(Arc::new(all))
+            }
+        };
         Self {
             docker,
             owner,
             cfg,
-            ca: ca.map(Arc::new),
+            roots: ca.map(Arc::new),
+            ca: trusted,
+            ca_key,
             proxy: tokio::sync::Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
             totals: Arc::default(),
@@ -584,7 +614,14 @@ impl Manager {
             .iter()
             .filter_map(|(k, v)| Some((policy::normalize_host(k)?, v.parse().ok()?)))
             .collect();
-        self.send(&mut proxy, &Command::Config { pinned, own, max_conns: self.cfg.egress_max_conns }).await?;
+        let config = Command::Config {
+            pinned,
+            own,
+            max_conns: self.cfg.egress_max_conns,
+            ca_key: self.ca_key.clone(),
+            roots: self.roots.as_ref().map(|r| String::from_utf8_lossy(r).into_owned()),
+        };
+        self.send(&mut proxy, &config).await?;
         tracing::info!(target: "pyberth::egress", container = %container::short(id), "egress proxy started");
         Ok(proxy)
     }
@@ -653,7 +690,7 @@ impl Manager {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, SessionNet { network: network.clone(), local, rules, headers });
-        Ok(Attachment { network, proxy_ip: local, ca: self.ca.clone() })
+        Ok(Attachment { network, proxy_ip: local, ca: self.ca.clone(), system_roots: self.roots.is_none() })
     }
 
     async fn remove_network(&self, network: &str, proxy: Option<&str>) {
