@@ -321,6 +321,8 @@ pub struct Manager {
     /// The per-server CA's key: it goes to the proxy only (stdin), never to a sandbox.
     ca_key: Option<proxy::SecretPem>,
     proxy: tokio::sync::Mutex<Option<Proxy>>,
+    /// The image the proxy was last started from, to start it again if it goes.
+    image: Mutex<Option<String>>,
     sessions: Mutex<HashMap<(String, String), SessionNet>>,
     /// Totals by the proxy's address on a session's network.
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
@@ -383,6 +385,7 @@ impl Manager {
             ca: trusted,
             ca_key,
             proxy: tokio::sync::Mutex::new(None),
+            image: Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
             totals: Arc::default(),
             exe: None,
@@ -437,9 +440,87 @@ impl Manager {
                 old.reader.abort();
                 container::remove_container(&self.docker, &old.id).await;
             }
-            *slot = Some(self.start_proxy(image).await?);
+            *self.image.lock().unwrap_or_else(|e| e.into_inner()) = Some(image.to_owned());
+            let mut proxy = self.start_proxy(image).await?;
+            self.readopt(&mut proxy).await;
+            *slot = Some(proxy);
         }
         slot.as_mut().ok_or_else(|| "the egress proxy is not running".to_owned())
+    }
+
+    /// Before a run: the proxy started again if it is gone (killed, out of memory), with the
+    /// open sessions on it as before.
+    async fn revive(&self, slot: &mut Option<Proxy>) {
+        if slot.as_ref().is_some_and(|p| !p.reader.is_finished()) {
+            return;
+        }
+        let image = self.image.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(image) = image {
+            if let Err(e) = self.ensure_proxy(slot, &image).await {
+                tracing::warn!(target: "pyberth::egress", error = %e, "cannot start the egress proxy again");
+            }
+        }
+    }
+
+    /// A new proxy joins the networks of the open sessions, whose variables name the old
+    /// one's address there. The engine gives the lowest free address, which is the old
+    /// proxy's (it is gone, and a session's network holds only the two): their policies go
+    /// in again under it. Should the address differ, that session's requests are refused
+    /// at once (nothing listens at the old address) and the server log says why.
+    async fn readopt(&self, proxy: &mut Proxy) {
+        let nets: Vec<((String, String), String, IpAddr, Vec<String>, Headers)> = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, n)| {
+                (
+                    k.clone(),
+                    n.network.clone(),
+                    n.local,
+                    n.rules.iter().map(|r| r.text().to_owned()).collect(),
+                    n.headers.clone(),
+                )
+            })
+            .collect();
+        let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
+        for ((principal, session), network, old, allow, headers) in nets {
+            let req = NetworkConnectRequest { container: proxy.id.clone(), endpoint_config: None };
+            let joined = match self.docker.connect_network(&network, req).await {
+                Ok(()) => self.proxy_ip_on(&proxy.id, &network).await,
+                Err(e) => Err(e.to_string()),
+            };
+            match joined {
+                Ok(ip) if ip == old => {
+                    let set = Command::Set { local: ip, session: session.clone(), principal, allow, headers };
+                    let ok =
+                        self.send(proxy, &set).await.and(self.send(proxy, &Command::Budget { local: ip, bytes }).await);
+                    if let Err(e) = ok {
+                        tracing::warn!(target: "pyberth::egress", session, error = %e, "session not back on the proxy");
+                    }
+                }
+                Ok(ip) => tracing::warn!(
+                    target: "pyberth::egress",
+                    session,
+                    %old,
+                    new = %ip,
+                    "the new egress proxy got another address on this session's network: its requests are refused"
+                ),
+                Err(e) => {
+                    tracing::warn!(target: "pyberth::egress", session, error = %e, "session not back on the proxy")
+                }
+            }
+        }
+    }
+
+    async fn proxy_ip_on(&self, id: &str, network: &str) -> Result<IpAddr, String> {
+        let c = self.docker.inspect_container(id, None).await.map_err(|e| e.to_string())?;
+        c.network_settings
+            .and_then(|s| s.networks)
+            .and_then(|mut n| n.remove(network))
+            .and_then(|e| e.ip_address)
+            .and_then(|ip| ip.parse::<IpAddr>().ok())
+            .ok_or_else(|| "the proxy got no address on the session's network".to_owned())
     }
 
     async fn start_proxy(&self, image: &str) -> Result<Proxy, String> {
@@ -742,6 +823,7 @@ impl Manager {
         };
         let allow: Vec<String> = rules.iter().map(|r| r.text().to_owned()).collect();
         let mut slot = self.proxy.lock().await;
+        self.revive(&mut slot).await;
         let proxy = slot.as_mut().ok_or("the egress proxy is not running")?;
         let set = Command::Set {
             local,
@@ -762,7 +844,9 @@ impl Manager {
         let key = (principal.to_owned(), session.to_owned());
         let local = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|n| n.local)?;
         let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
-        if let Some(p) = self.proxy.lock().await.as_mut() {
+        let mut slot = self.proxy.lock().await;
+        self.revive(&mut slot).await;
+        if let Some(p) = slot.as_mut() {
             let _ = self.send(p, &Command::Budget { local, bytes }).await;
         }
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).get(&local).cloned()

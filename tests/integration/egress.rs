@@ -733,6 +733,48 @@ print("in env:", any("s3cr3t" in v for v in os.environ.values()))
     assert_cleaned_up(&tag).await;
 }
 
+/// The proxy container of instance `tag`, if any.
+async fn proxy_of(tag: &str) -> Option<String> {
+    let labels = [format!("pyberth.instance={tag}"), "pyberth.egress=proxy".to_owned()];
+    let filters = HashMap::from([("label", labels.iter().map(String::as_str).collect::<Vec<_>>())]);
+    let opts = bollard::query_parameters::ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+    let found = docker().await.list_containers(Some(opts)).await.expect("list containers");
+    found.into_iter().find_map(|c| c.id)
+}
+
+/// The proxy is removed under an open session (killed, out of memory): the session's next
+/// run starts a new one, at the same address on its network, with its policy and headers.
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_follow_a_re_created_proxy() {
+    use sha2::Digest as _;
+    let tag = instance_name("egress-revive");
+    let up = Upstream::start(&tag).await;
+    let s = server(&tag, &up).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let out = run(&s, "r", "net", &fetch("http://upstream.test:8000/one")).await;
+    assert!(out["stdout"].as_str().unwrap_or_default().starts_with("200 upstream ok /one"), "{out}");
+    let old = proxy_of(&tag).await.expect("a proxy");
+    let gone = std::process::Command::new("docker").args(["rm", "-f", &old]).output().expect("docker rm");
+    assert!(gone.status.success());
+    let code = format!("{}\n{}", fetch("http://upstream.test:8000/two"), fetch("http://example.com/"));
+    let sc = run(&s, "r", "net", &code).await;
+    let out = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    let new = proxy_of(&tag).await.expect("a new proxy");
+    assert_ne!(new, old, "the proxy was started again");
+    // The same session, unchanged variables: served, with the operator's header, and its
+    // list still in force.
+    assert!(out.starts_with("200 upstream ok /two"), "{out}");
+    let sha = format!("{:x}", sha2::Sha256::digest(format!("key-{SECRET}").as_bytes()));
+    assert!(out.contains(&format!("key-sha256: {sha}")), "{out}");
+    assert!(out.contains("403 pyberth egress: example.com:80 denied"), "{out}");
+    assert_eq!(sc["egress"]["hosts"], json!(["upstream.test:8000"]), "{sc}");
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
+    assert!(networks_of(&tag).await.is_empty());
+}
+
 /// A test CA, and a certificate from it for the upstream's names: (CA PEM, cert PEM, key PEM).
 fn test_pki() -> (String, String, String) {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
