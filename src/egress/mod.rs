@@ -455,10 +455,10 @@ impl Manager {
             return;
         }
         let image = self.image.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if let Some(image) = image {
-            if let Err(e) = self.ensure_proxy(slot, &image).await {
-                tracing::warn!(target: "pyberth::egress", error = %e, "cannot start the egress proxy again");
-            }
+        if let Some(image) = image
+            && let Err(e) = self.ensure_proxy(slot, &image).await
+        {
+            tracing::warn!(target: "pyberth::egress", error = %e, "cannot start the egress proxy again");
         }
     }
 
@@ -468,6 +468,7 @@ impl Manager {
     /// in again under it. Should the address differ, that session's requests are refused
     /// at once (nothing listens at the old address) and the server log says why.
     async fn readopt(&self, proxy: &mut Proxy) {
+        #[allow(clippy::type_complexity)]
         let nets: Vec<((String, String), String, IpAddr, Vec<String>, Headers)> = self
             .sessions
             .lock()

@@ -165,6 +165,7 @@ impl Default for Jobs {
 
 impl Jobs {
     /// Starts a run as a job.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         &self,
         principal: &str,
