@@ -791,13 +791,11 @@ fn test_pki() -> (String, String, String) {
     (ca.pem(), leaf.pem(), key.serialize_pem())
 }
 
-/// Secrets over HTTPS: the proxy terminates TLS for upstream.test only (it has headers), with
-/// a leaf of the per-server CA, verifies the upstream against `--ca-bundle` (the test's CA),
-/// and sets the header; other hosts keep a tunnel with the upstream's own certificate.
-#[tokio::test(flavor = "multi_thread")]
-async fn headers_are_added_over_https_and_other_hosts_are_not_intercepted() {
-    use sha2::Digest as _;
-    let tag = instance_name("egress-https");
+/// An upstream answering HTTPS with a certificate of the test's CA, and a server whose
+/// `--ca-bundle` holds that CA (and the host's), whose environment `net` allows the upstream
+/// by name and by wildcard on 8443, with a header for upstream.test.
+async fn https_setup(tag: &str) -> (Upstream, Server) {
+    let tag = tag.to_owned();
     let (ca, cert, key) = test_pki();
     let up = Upstream::start_with(&tag, &[("TLS_CERT", &cert), ("TLS_KEY", &key)]).await;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -837,6 +835,17 @@ async fn headers_are_added_over_https_and_other_hosts_are_not_intercepted() {
         ],
     )
     .await;
+    (up, s)
+}
+
+/// Secrets over HTTPS: the proxy terminates TLS for upstream.test only (it has headers), with
+/// a leaf of the per-server CA, verifies the upstream against `--ca-bundle` (the test's CA),
+/// and sets the header; other hosts keep a tunnel with the upstream's own certificate.
+#[tokio::test(flavor = "multi_thread")]
+async fn headers_are_added_over_https_and_other_hosts_are_not_intercepted() {
+    use sha2::Digest as _;
+    let tag = instance_name("egress-https");
+    let (up, s) = https_setup(&tag).await;
     if gvisor() {
         return refused_under_gvisor(s, &tag).await;
     }
@@ -934,6 +943,45 @@ except Exception as e:
     assert!(result["notices"].to_string().contains("egress denied: other.test:8443"), "{result}");
     let log = s.stop().await;
     assert!(!log.contains(SECRET), "the server's log holds the secret");
+    assert_cleaned_up(&tag).await;
+}
+
+/// `requests`, which the image lacks, installed into a session and used over HTTPS: it
+/// trusts the session's bundle through REQUESTS_CA_BUNDLE, and the proxy's rules and headers
+/// hold for it as for urllib.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_installed_in_a_session_works_through_the_proxy() {
+    use sha2::Digest as _;
+    let tag = instance_name("egress-requests");
+    let (up, s) = https_setup(&tag).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let code = r#"
+import requests
+r = requests.get("https://upstream.test:8443/req", headers={"X-Api-Key": "forged"}, timeout=10)
+print(r.status_code, r.text.splitlines()[0])
+print("wild", requests.get("https://a.wild.test:8443/req-w", timeout=10).status_code)
+try:
+    requests.get("https://other.test:8443/", timeout=10)
+    print("other reached")
+except requests.exceptions.ProxyError as e:
+    print("other refused", "403" in str(e))
+"#;
+    let (r, sc) = s
+        .run_with(
+            json!({ "session": "q", "environment": "net", "code": code, "packages": ["requests"], "timeout_s": 60 }),
+        )
+        .await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    assert!(out.contains("200 upstream ok /req\n"), "{out}");
+    assert!(out.contains("wild 200") && out.contains("other refused True"), "{out}");
+    let logs = std::process::Command::new("docker").args(["logs", &up.name]).output().expect("docker logs");
+    let logs = String::from_utf8_lossy(&logs.stdout).into_owned();
+    let sha = format!("{:x}", sha2::Sha256::digest(format!("key-{SECRET}").as_bytes()));
+    assert!(logs.contains(&format!("got /req key-sha256: {sha}")), "{logs}");
+    s.stop().await;
     assert_cleaned_up(&tag).await;
 }
 
