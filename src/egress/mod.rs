@@ -359,9 +359,18 @@ impl Manager {
     pub fn new(docker: Docker, owner: Owner, cfg: Arc<SandboxConfig>, ca: Option<Vec<u8>>) -> Self {
         // A CA of this server's own, made at start and held in memory only: the sessions that
         // trust it are this server's (their networks die with it), so nothing needs to keep it.
-        let (ca_cert, ca_key) = match proxy::new_ca() {
-            Ok((c, k)) => (Some(c), Some(k)),
-            Err(e) => {
+        // None at all when no environment has headers: then sandboxes trust nothing new.
+        let hosts: BTreeSet<String> = cfg
+            .environments
+            .values()
+            .flat_map(|e| e.egress_headers.iter().flat_map(|h| h.keys()))
+            .filter_map(|h| policy::normalize_host(h).or_else(|| h.parse::<IpAddr>().ok().map(|ip| ip.to_string())))
+            .collect();
+        let made = if hosts.is_empty() { None } else { Some(proxy::new_ca(&hosts.into_iter().collect::<Vec<_>>())) };
+        let (ca_cert, ca_key) = match made {
+            Some(Ok((c, k))) => (Some(c), Some(k)),
+            None => (None, None),
+            Some(Err(e)) => {
                 tracing::warn!(target: "pyberth::egress", error = %e, "no CA: headers go on plain HTTP only");
                 (None, None)
             }

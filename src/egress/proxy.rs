@@ -107,10 +107,22 @@ pub fn ca_params() -> rcgen::CertificateParams {
     p
 }
 
-/// A new per-server CA: (certificate PEM, private key PEM).
-pub fn new_ca() -> Result<(String, SecretPem), String> {
+/// A new per-server CA for the names in `hosts` only: (certificate PEM, private key PEM).
+/// The certificate sandboxes trust carries name constraints, so even its key could not
+/// vouch to them for any other name (IP literals are not constrained: there are few).
+pub fn new_ca(hosts: &[String]) -> Result<(String, SecretPem), String> {
     let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
-    let cert = ca_params().self_signed(&key).map_err(|e| e.to_string())?;
+    let mut params = ca_params();
+    let names: Vec<rcgen::GeneralSubtree> = hosts
+        .iter()
+        .filter(|h| h.parse::<IpAddr>().is_err())
+        .map(|h| rcgen::GeneralSubtree::DnsName(h.clone()))
+        .collect();
+    if !names.is_empty() {
+        params.name_constraints =
+            Some(rcgen::NameConstraints { permitted_subtrees: names, excluded_subtrees: Vec::new() });
+    }
+    let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
     Ok((cert.pem(), SecretPem(key.serialize_pem())))
 }
 
@@ -915,15 +927,20 @@ mod tests {
     /// apart, from the same key and fields), for its own name only.
     #[tokio::test]
     async fn minted_leaves_chain_to_the_servers_ca_for_their_name_only() {
-        let (ca_pem, key) = new_ca().expect("CA");
+        let (ca_pem, key) = new_ca(&["api.example.com".to_owned()]).expect("CA");
         let mitm = Mitm::new(&key, Some(&ca_pem)).expect("mitm");
-        for (asked, ok) in [("api.example.com", true), ("other.example.com", false)] {
+        // The last: a leaf for a name the CA is not for (a proxy made to mint one) is refused.
+        for (leaf, asked, ok) in [
+            ("api.example.com", "api.example.com", true),
+            ("api.example.com", "other.example.com", false),
+            ("other.example.com", "other.example.com", false),
+        ] {
             let (a, b) = tokio::io::duplex(1 << 16);
-            let acceptor = tokio_rustls::TlsAcceptor::from(mitm.server_config("api.example.com").expect("leaf"));
+            let acceptor = tokio_rustls::TlsAcceptor::from(mitm.server_config(leaf).expect("leaf"));
             let connector = tokio_rustls::TlsConnector::from(mitm.client.clone());
             let name = rustls::pki_types::ServerName::try_from(asked.to_owned()).expect("name");
             let (_, client) = tokio::join!(acceptor.accept(a), connector.connect(name, b));
-            assert_eq!(client.is_ok(), ok, "{asked}: {:?}", client.err());
+            assert_eq!(client.is_ok(), ok, "{leaf} asked as {asked}: {:?}", client.err());
         }
         assert!(
             !format!(
