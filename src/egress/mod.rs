@@ -51,8 +51,10 @@ pub struct Attachment {
     pub network: String,
     /// The proxy's address on it.
     pub proxy_ip: IpAddr,
-    /// The CA bundle to trust (the server's `--ca-bundle`), if any.
+    /// The CA bundle to trust: the server's `--ca-bundle` and the per-server CA.
     pub ca: Option<Arc<Vec<u8>>>,
+    /// True when the server has no bundle: the image's own CAs go first in the session's.
+    pub system_roots: bool,
 }
 
 impl Attachment {
@@ -103,8 +105,9 @@ impl Attachment {
         use tokio::io::AsyncWriteExt;
         let Some(ca) = &self.ca else { return Ok(()) };
         let script = format!(
-            "umask 022 && mkdir -p {dir} && cat > {dir}/.ca.tmp && chmod 0444 {dir}/.ca.tmp && mv {dir}/.ca.tmp {CA_PATH}",
-            dir = CA_DIR
+            "umask 022 && mkdir -p {dir} && {{ {system} cat; }} > {dir}/.ca.tmp && chmod 0444 {dir}/.ca.tmp && mv {dir}/.ca.tmp {CA_PATH}",
+            dir = CA_DIR,
+            system = if self.system_roots { "cat /etc/ssl/certs/ca-certificates.crt 2>/dev/null;" } else { "" }
         );
         let opts = CreateExecOptions {
             attach_stdin: Some(true),
@@ -311,8 +314,15 @@ pub struct Manager {
     docker: Docker,
     owner: Owner,
     cfg: Arc<SandboxConfig>,
+    /// The server's CA bundle (`--ca-bundle`): what the proxy trusts for upstreams.
+    roots: Option<Arc<Vec<u8>>>,
+    /// What sessions trust: the server's bundle and the per-server CA's certificate.
     ca: Option<Arc<Vec<u8>>>,
+    /// The per-server CA's key: it goes to the proxy only (stdin), never to a sandbox.
+    ca_key: Option<proxy::SecretPem>,
     proxy: tokio::sync::Mutex<Option<Proxy>>,
+    /// The image the proxy was last started from, to start it again if it goes.
+    image: Mutex<Option<String>>,
     sessions: Mutex<HashMap<(String, String), SessionNet>>,
     /// Totals by the proxy's address on a session's network.
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
@@ -347,12 +357,44 @@ pub fn runtime_refusal(cfg: &SandboxConfig) -> Option<String> {
 impl Manager {
     /// The egress of one server; nothing is started until a session asks.
     pub fn new(docker: Docker, owner: Owner, cfg: Arc<SandboxConfig>, ca: Option<Vec<u8>>) -> Self {
+        // A CA of this server's own, made at start and held in memory only: the sessions that
+        // trust it are this server's (their networks die with it), so nothing needs to keep it.
+        // None at all when no environment has headers: then sandboxes trust nothing new.
+        let hosts: BTreeSet<String> = cfg
+            .environments
+            .values()
+            .flat_map(|e| e.egress_headers.iter().flat_map(|h| h.keys()))
+            .filter_map(|h| policy::normalize_host(h).or_else(|| h.parse::<IpAddr>().ok().map(|ip| ip.to_string())))
+            .collect();
+        let made = if hosts.is_empty() { None } else { Some(proxy::new_ca(&hosts.into_iter().collect::<Vec<_>>())) };
+        let (ca_cert, ca_key) = match made {
+            Some(Ok((c, k))) => (Some(c), Some(k)),
+            None => (None, None),
+            Some(Err(e)) => {
+                tracing::warn!(target: "pyberth::egress", error = %e, "no CA: headers go on plain HTTP only");
+                (None, None)
+            }
+        };
+        let trusted = match (&ca, &ca_cert) {
+            (None, None) => None,
+            (b, c) => {
+                let mut all = b.clone().unwrap_or_default();
+                if !all.is_empty() && !all.ends_with(b"\n") {
+                    all.push(b'\n');
+                }
+                all.extend_from_slice(c.as_deref().unwrap_or_default().as_bytes());
+                Some(Arc::new(all))
+            }
+        };
         Self {
             docker,
             owner,
             cfg,
-            ca: ca.map(Arc::new),
+            roots: ca.map(Arc::new),
+            ca: trusted,
+            ca_key,
             proxy: tokio::sync::Mutex::new(None),
+            image: Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
             totals: Arc::default(),
             exe: None,
@@ -407,9 +449,88 @@ impl Manager {
                 old.reader.abort();
                 container::remove_container(&self.docker, &old.id).await;
             }
-            *slot = Some(self.start_proxy(image).await?);
+            *self.image.lock().unwrap_or_else(|e| e.into_inner()) = Some(image.to_owned());
+            let mut proxy = self.start_proxy(image).await?;
+            self.readopt(&mut proxy).await;
+            *slot = Some(proxy);
         }
         slot.as_mut().ok_or_else(|| "the egress proxy is not running".to_owned())
+    }
+
+    /// Before a run: the proxy started again if it is gone (killed, out of memory), with the
+    /// open sessions on it as before.
+    async fn revive(&self, slot: &mut Option<Proxy>) {
+        if slot.as_ref().is_some_and(|p| !p.reader.is_finished()) {
+            return;
+        }
+        let image = self.image.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(image) = image
+            && let Err(e) = self.ensure_proxy(slot, &image).await
+        {
+            tracing::warn!(target: "pyberth::egress", error = %e, "cannot start the egress proxy again");
+        }
+    }
+
+    /// A new proxy joins the networks of the open sessions, whose variables name the old
+    /// one's address there. The engine gives the lowest free address, which is the old
+    /// proxy's (it is gone, and a session's network holds only the two): their policies go
+    /// in again under it. Should the address differ, that session's requests are refused
+    /// at once (nothing listens at the old address) and the server log says why.
+    async fn readopt(&self, proxy: &mut Proxy) {
+        #[allow(clippy::type_complexity)]
+        let nets: Vec<((String, String), String, IpAddr, Vec<String>, Headers)> = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, n)| {
+                (
+                    k.clone(),
+                    n.network.clone(),
+                    n.local,
+                    n.rules.iter().map(|r| r.text().to_owned()).collect(),
+                    n.headers.clone(),
+                )
+            })
+            .collect();
+        let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
+        for ((principal, session), network, old, allow, headers) in nets {
+            let req = NetworkConnectRequest { container: proxy.id.clone(), endpoint_config: None };
+            let joined = match self.docker.connect_network(&network, req).await {
+                Ok(()) => self.proxy_ip_on(&proxy.id, &network).await,
+                Err(e) => Err(e.to_string()),
+            };
+            match joined {
+                Ok(ip) if ip == old => {
+                    let set = Command::Set { local: ip, session: session.clone(), principal, allow, headers };
+                    let ok =
+                        self.send(proxy, &set).await.and(self.send(proxy, &Command::Budget { local: ip, bytes }).await);
+                    if let Err(e) = ok {
+                        tracing::warn!(target: "pyberth::egress", session, error = %e, "session not back on the proxy");
+                    }
+                }
+                Ok(ip) => tracing::warn!(
+                    target: "pyberth::egress",
+                    session,
+                    %old,
+                    new = %ip,
+                    "the new egress proxy got another address on this session's network: its requests are refused"
+                ),
+                Err(e) => {
+                    tracing::warn!(target: "pyberth::egress", session, error = %e, "session not back on the proxy")
+                }
+            }
+        }
+    }
+
+    async fn proxy_ip_on(&self, id: &str, network: &str) -> Result<IpAddr, String> {
+        let c = self.docker.inspect_container(id, None).await.map_err(|e| e.to_string())?;
+        c.network_settings
+            .and_then(|s| s.networks)
+            .and_then(|mut n| n.remove(network))
+            .and_then(|e| e.ip_address)
+            .and_then(|ip| ip.parse::<IpAddr>().ok())
+            .ok_or_else(|| "the proxy got no address on the session's network".to_owned())
     }
 
     async fn start_proxy(&self, image: &str) -> Result<Proxy, String> {
@@ -584,7 +705,14 @@ impl Manager {
             .iter()
             .filter_map(|(k, v)| Some((policy::normalize_host(k)?, v.parse().ok()?)))
             .collect();
-        self.send(&mut proxy, &Command::Config { pinned, own, max_conns: self.cfg.egress_max_conns }).await?;
+        let config = Command::Config {
+            pinned,
+            own,
+            max_conns: self.cfg.egress_max_conns,
+            ca_key: self.ca_key.clone(),
+            roots: self.roots.as_ref().map(|r| String::from_utf8_lossy(r).into_owned()),
+        };
+        self.send(&mut proxy, &config).await?;
         tracing::info!(target: "pyberth::egress", container = %container::short(id), "egress proxy started");
         Ok(proxy)
     }
@@ -653,7 +781,7 @@ impl Manager {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, SessionNet { network: network.clone(), local, rules, headers });
-        Ok(Attachment { network, proxy_ip: local, ca: self.ca.clone() })
+        Ok(Attachment { network, proxy_ip: local, ca: self.ca.clone(), system_roots: self.roots.is_none() })
     }
 
     async fn remove_network(&self, network: &str, proxy: Option<&str>) {
@@ -705,6 +833,7 @@ impl Manager {
         };
         let allow: Vec<String> = rules.iter().map(|r| r.text().to_owned()).collect();
         let mut slot = self.proxy.lock().await;
+        self.revive(&mut slot).await;
         let proxy = slot.as_mut().ok_or("the egress proxy is not running")?;
         let set = Command::Set {
             local,
@@ -725,7 +854,9 @@ impl Manager {
         let key = (principal.to_owned(), session.to_owned());
         let local = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|n| n.local)?;
         let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
-        if let Some(p) = self.proxy.lock().await.as_mut() {
+        let mut slot = self.proxy.lock().await;
+        self.revive(&mut slot).await;
+        if let Some(p) = slot.as_mut() {
             let _ = self.send(p, &Command::Budget { local, bytes }).await;
         }
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).get(&local).cloned()

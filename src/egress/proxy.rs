@@ -42,6 +42,13 @@ pub enum Command {
         own: Vec<IpAddr>,
         /// Connections one session may have open at once.
         max_conns: usize,
+        /// The per-server CA's private key (PEM), to mint leaf certificates for hosts that
+        /// carry headers: TLS to them is terminated here ([`intercept`]).
+        #[serde(default)]
+        ca_key: Option<SecretPem>,
+        /// CAs trusted for upstreams (the server's `--ca-bundle`, PEM); none: the image's.
+        #[serde(default)]
+        roots: Option<String>,
     },
     /// The policy of the session whose network reaches the proxy at `local`.
     Set {
@@ -74,6 +81,116 @@ pub enum Command {
         /// Echoed back.
         seq: u64,
     },
+}
+
+/// A private key in PEM whose `Debug` does not show it.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct SecretPem(pub String);
+
+impl std::fmt::Debug for SecretPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretPem(..)")
+    }
+}
+
+/// The CA's certificate fields, the same in the server (which self-signs it and gives the
+/// certificate to sandboxes) and in the proxy (which signs leaves with it): the issuer name
+/// and key identifier are all a leaf needs to chain to the sandboxes' copy.
+pub fn ca_params() -> rcgen::CertificateParams {
+    use rcgen::{BasicConstraints, DnType, IsCa, KeyUsagePurpose};
+    let mut p = rcgen::CertificateParams::default();
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    p.distinguished_name.push(DnType::CommonName, "pyberth egress proxy CA (sandboxes only)");
+    p.distinguished_name.push(DnType::OrganizationName, "pyberth");
+    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    p
+}
+
+/// A new per-server CA for the names in `hosts` only: (certificate PEM, private key PEM).
+/// The certificate sandboxes trust carries name constraints, so even its key could not
+/// vouch to them for any other name (IP literals are not constrained: there are few).
+pub fn new_ca(hosts: &[String]) -> Result<(String, SecretPem), String> {
+    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+    let mut params = ca_params();
+    let names: Vec<rcgen::GeneralSubtree> = hosts
+        .iter()
+        .filter(|h| h.parse::<IpAddr>().is_err())
+        .map(|h| rcgen::GeneralSubtree::DnsName(h.clone()))
+        .collect();
+    if !names.is_empty() {
+        params.name_constraints =
+            Some(rcgen::NameConstraints { permitted_subtrees: names, excluded_subtrees: Vec::new() });
+    }
+    let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+    Ok((cert.pem(), SecretPem(key.serialize_pem())))
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// TLS termination for hosts that carry headers: the CA, the upstream trust, and the leaf
+/// certificates minted so far (one per host; only hosts with headers, so bounded by config).
+struct Mitm {
+    ca_key: rcgen::KeyPair,
+    ca_cert: rcgen::Certificate,
+    client: Arc<rustls::ClientConfig>,
+    leaves: std::sync::Mutex<HashMap<String, Arc<rustls::ServerConfig>>>,
+}
+
+impl Mitm {
+    fn new(key: &SecretPem, roots: Option<&str>) -> Result<Self, String> {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject as _;
+        let ca_key = rcgen::KeyPair::from_pem(&key.0).map_err(|e| format!("CA key: {e}"))?;
+        let ca_cert = ca_params().self_signed(&ca_key).map_err(|e| format!("CA: {e}"))?;
+        let pem = match roots {
+            Some(r) => r.as_bytes().to_vec(),
+            None => std::fs::read("/etc/ssl/certs/ca-certificates.crt").map_err(|e| format!("system CAs: {e}"))?,
+        };
+        let mut store = rustls::RootCertStore::empty();
+        let (added, _) = store.add_parsable_certificates(CertificateDer::pem_slice_iter(&pem).filter_map(Result::ok));
+        if added == 0 {
+            return Err("no CA certificate to verify upstreams with".into());
+        }
+        let mut client = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(store)
+            .with_no_client_auth();
+        client.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self { ca_key, ca_cert, client: Arc::new(client), leaves: Default::default() })
+    }
+
+    /// The server side for `host`: a leaf for it, signed by the CA, minted once.
+    fn server_config(&self, host: &str) -> Result<Arc<rustls::ServerConfig>, String> {
+        use rcgen::{DnType, ExtendedKeyUsagePurpose, KeyUsagePurpose};
+        use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+        let mut leaves = self.leaves.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = leaves.get(host) {
+            return Ok(c.clone());
+        }
+        let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+        let mut p = rcgen::CertificateParams::new(vec![host.to_owned()]).map_err(|e| e.to_string())?;
+        p.distinguished_name.push(DnType::CommonName, host);
+        p.use_authority_key_identifier_extension = true;
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = p.signed_by(&key, &self.ca_cert, &self.ca_key).map_err(|e| e.to_string())?;
+        let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.der().clone()], der)
+            .map_err(|e| e.to_string())?;
+        // One HTTP/1.1 request per connection, so its head can be read and the headers set.
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let cfg = Arc::new(cfg);
+        leaves.insert(host.to_owned(), cfg.clone());
+        Ok(cfg)
+    }
 }
 
 /// A report to the server.
@@ -159,6 +276,7 @@ struct State {
     pinned: HashMap<String, IpAddr>,
     own: Vec<IpAddr>,
     max_conns: usize,
+    mitm: Option<Arc<Mitm>>,
 }
 
 type Shared = Arc<RwLock<State>>;
@@ -216,7 +334,16 @@ pub async fn run() -> anyhow::Result<()> {
 fn apply(state: &Shared, c: Command) {
     let mut s = state.write().unwrap_or_else(|e| e.into_inner());
     match c {
-        Command::Config { pinned, own, max_conns } => {
+        Command::Config { pinned, own, max_conns, ca_key, roots } => {
+            s.mitm = match ca_key.map(|k| Mitm::new(&k, roots.as_deref())) {
+                Some(Ok(m)) => Some(Arc::new(m)),
+                Some(Err(e)) => {
+                    // Hosts with headers then get a plain tunnel: no secret is added, none leaks.
+                    eprintln!("egress-proxy: TLS termination unavailable: {e}");
+                    None
+                }
+                None => None,
+            };
             s.pinned = pinned;
             s.own = own;
             s.max_conns = max_conns.max(1);
@@ -258,13 +385,16 @@ struct Head {
     port: u16,
     /// For plain HTTP: the request line to send upstream (origin-form).
     line: String,
-    /// For plain HTTP: the header lines to send upstream (no proxy or connection headers).
+    /// For plain HTTP: `Host` as sent upstream (the host connected to, whatever the code said).
+    host_header: String,
+    /// For plain HTTP: the header lines to send upstream (no proxy, connection or Host headers).
     headers: Vec<String>,
     /// Bytes read past the head (the start of a body, or of the tunnel).
     rest: Vec<u8>,
 }
 
-async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
+/// The head's text and the bytes read past it.
+async fn read_raw<R: tokio::io::AsyncRead + Unpin>(sock: &mut R) -> Result<(String, Vec<u8>), String> {
     let mut buf = Vec::with_capacity(1024);
     let end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -282,17 +412,71 @@ async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
     };
     let rest = buf.split_off(end);
     let text = String::from_utf8(buf).map_err(|_| "request head is not text".to_owned())?;
+    Ok((text, rest))
+}
+
+/// Method, target and version.
+type RequestLine<'a> = (&'a str, &'a str, &'a str);
+
+/// The request line's parts, and the header lines a request goes upstream with (no proxy,
+/// connection or Host headers: the proxy sets `Host` to the host it connects to, so a forged
+/// one cannot send an operator's secret to another site behind the same address).
+fn split_head(text: &str) -> Result<(RequestLine<'_>, Vec<String>), String> {
     let mut lines = text.split("\r\n");
     let first = lines.next().unwrap_or_default();
     let mut parts = first.split(' ');
-    let (method, target, version) = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+    let line = match (parts.next(), parts.next(), parts.next(), parts.next()) {
         (Some(m), Some(t), Some(v), None) if v.starts_with("HTTP/1.") => (m, t, v),
         _ => return Err("not an HTTP/1 request line".into()),
     };
+    let headers = lines
+        .filter(|l| !l.is_empty())
+        .filter(|l| {
+            let name = header_name(l);
+            !(name.starts_with("proxy-") || name == "connection" || name == "keep-alive" || name == "host")
+        })
+        .map(str::to_owned)
+        .collect();
+    Ok((line, headers))
+}
+
+/// `Host` for `host:port`, the port left out when it is the scheme's default.
+fn host_header(host: &str, port: u16, default: u16) -> String {
+    let h = if host.contains(':') { format!("[{host}]") } else { host.to_owned() };
+    if port == default { h } else { format!("{h}:{port}") }
+}
+
+/// A request inside a tunnel to `host:port` (TLS terminated or plain): origin-form only.
+async fn read_inner_head<R: tokio::io::AsyncRead + Unpin>(
+    sock: &mut R,
+    host: &str,
+    port: u16,
+    default_port: u16,
+) -> Result<Head, String> {
+    let (text, rest) = read_raw(sock).await?;
+    let ((method, target, version), headers) = split_head(&text)?;
+    if !target.starts_with('/') {
+        return Err("inside the tunnel, only origin-form requests (GET /path HTTP/1.1) are forwarded".into());
+    }
+    Ok(Head {
+        connect: false,
+        host: host.to_owned(),
+        port,
+        line: format!("{method} {target} {version}"),
+        host_header: host_header(host, port, default_port),
+        headers,
+        rest,
+    })
+}
+
+async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
+    let (text, rest) = read_raw(sock).await?;
+    let ((method, target, version), headers) = split_head(&text)?;
     if method == "CONNECT" {
         let (host, port) = policy::split_host_port(target)?;
         let port = port.ok_or("CONNECT needs host:port")?;
-        return Ok(Head { connect: true, host, port, line: String::new(), headers: Vec::new(), rest });
+        let host_header = String::new();
+        return Ok(Head { connect: true, host, port, line: String::new(), host_header, headers: Vec::new(), rest });
     }
     let Some(after) = target.strip_prefix("http://") else {
         return Err("only CONNECT and absolute http:// URLs are proxied (set HTTP_PROXY, not a Host header)".into());
@@ -305,16 +489,9 @@ async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
         return Err("credentials in the URL are not proxied".into());
     }
     let (host, port) = policy::split_host_port(authority)?;
-    let headers = lines
-        .filter(|l| !l.is_empty())
-        .filter(|l| {
-            let name = header_name(l);
-            !(name.starts_with("proxy-") || name == "connection" || name == "keep-alive")
-        })
-        .map(str::to_owned)
-        .collect();
+    let port = port.unwrap_or(80);
     let line = format!("{method} {path} {version}");
-    Ok(Head { connect: false, host, port: port.unwrap_or(80), line, headers, rest })
+    Ok(Head { connect: false, host_header: host_header(&host, port, 80), host, port, line, headers, rest })
 }
 
 fn header_name(line: &str) -> String {
@@ -325,13 +502,19 @@ impl Head {
     /// The plain HTTP head to send upstream, with `inject` in place of the sandbox's headers
     /// of the same names.
     fn forward(&self, inject: &[(String, String)]) -> Vec<u8> {
-        let mut out = format!("{}\r\n", self.line);
+        let mut out = format!("{}\r\nHost: {}\r\n", self.line, self.host_header);
         for h in &self.headers {
             let name = header_name(h);
-            if !inject.iter().any(|(n, _)| n.eq_ignore_ascii_case(&name)) {
+            // With a secret on the request, the answer must come uncompressed: masking reads
+            // bytes, and a compressed echo of the value would pass it unmasked.
+            let dropped = !inject.is_empty() && name == "accept-encoding";
+            if !dropped && !inject.iter().any(|(n, _)| n.eq_ignore_ascii_case(&name)) {
                 out.push_str(h);
                 out.push_str("\r\n");
             }
+        }
+        if !inject.is_empty() {
+            out.push_str("Accept-Encoding: identity\r\n");
         }
         for (n, v) in inject {
             out.push_str(&format!("{n}: {v}\r\n"));
@@ -384,7 +567,7 @@ impl Scrubber {
     }
 }
 
-async fn deny(sock: &mut TcpStream, status: &str, body: &str) {
+async fn deny<W: tokio::io::AsyncWrite + Unpin>(sock: &mut W, status: &str, body: &str) {
     let body = format!("pyberth egress: {body}\n");
     let head = format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Pyberth-Egress: denied\r\n\r\n",
@@ -508,7 +691,7 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
             return deny(&mut sock, "403 Forbidden", &format!("{host}:{} denied: {}", head.port, record.rule)).await;
         }
     };
-    let mut upstream = match upstream {
+    let upstream = match upstream {
         Ok(u) => u,
         Err(why) => {
             record.rule = format!("allowed by {rule}, but {why}");
@@ -519,17 +702,37 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
     };
     record.allowed = true;
     record.rule = rule;
-    let first = if head.connect {
-        let _ = sock.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await;
-        head.rest.clone()
-    } else {
-        let inject = policy.headers.get(&host).map(Vec::as_slice).unwrap_or_default();
-        let mut f = head.forward(inject);
-        f.extend_from_slice(&head.rest);
-        f
-    };
     let scrub = Scrubber::new(policy.secrets.clone());
-    let (up, down) = splice(sock, &mut upstream, first, &policy.budget, scrub).await;
+    let inject = policy.headers.get(&host).map(Vec::as_slice).unwrap_or_default();
+    let mitm = state.read().unwrap_or_else(|e| e.into_inner()).mitm.clone();
+    let (up, down) = match (head.connect, mitm) {
+        // Headers for this host over HTTPS: TLS is terminated here to add them. Every other
+        // host keeps a plain tunnel: the proxy sees nothing of it, and the sandbox's TLS is
+        // checked end to end against the upstream's own certificate.
+        (true, Some(mitm)) if !inject.is_empty() => {
+            match intercept(sock, upstream, &host, head.port, head.rest, inject, &mitm, &policy.budget, scrub).await {
+                Ok(n) => {
+                    record.rule = format!("{} (TLS terminated to add the operator's headers)", record.rule);
+                    n
+                }
+                Err(why) => {
+                    record.allowed = false;
+                    record.rule = format!("allowed by {}, but {why}", record.rule);
+                    (0, 0)
+                }
+            }
+        }
+        (true, _) => {
+            let _ = sock.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await;
+            // Ciphertext: nothing to mask, and holding bytes back would stall a handshake.
+            splice(sock, upstream, head.rest, &policy.budget, Scrubber::default(), false).await
+        }
+        (false, _) => {
+            let mut f = head.forward(inject);
+            f.extend_from_slice(&head.rest);
+            splice(sock, upstream, f, &policy.budget, scrub, true).await
+        }
+    };
     record.up = up;
     record.down = down;
     record.cut = policy.budget.left.load(Ordering::SeqCst) == 0;
@@ -541,16 +744,120 @@ fn ms(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Copies both ways until either side closes or the budget is spent; bytes each way.
-async fn splice(
-    client: TcpStream,
-    upstream: &mut TcpStream,
+/// A tunnel to a host that carries headers. When the sandbox starts TLS in it, the proxy
+/// terminates it with a leaf of the per-server CA and opens a verified TLS connection to the
+/// upstream; otherwise the tunnel holds plain HTTP. Either way one HTTP/1.1 request is
+/// forwarded with `inject` set (it says `Connection: close`: a later request on the same
+/// connection could not be given the headers).
+#[allow(clippy::too_many_arguments)]
+async fn intercept(
+    mut sock: TcpStream,
+    upstream: TcpStream,
+    host: &str,
+    port: u16,
+    rest: Vec<u8>,
+    inject: &[(String, String)],
+    mitm: &Mitm,
+    budget: &Budget,
+    scrub: Scrubber,
+) -> Result<(u64, u64), String> {
+    let leaf = match mitm.server_config(host) {
+        Ok(c) => c,
+        Err(e) => {
+            let why = format!("no certificate could be made for {host}: {e}");
+            deny(&mut sock, "502 Bad Gateway", &why).await;
+            return Err(why);
+        }
+    };
+    sock.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await.map_err(|e| e.to_string())?;
+    let first = match rest.first() {
+        Some(b) => *b,
+        None => {
+            let mut b = [0u8; 1];
+            match tokio::time::timeout(HEAD_TIMEOUT, sock.peek(&mut b)).await {
+                Ok(Ok(1)) => b[0],
+                _ => return Err("nothing sent through the tunnel within 10 s".into()),
+            }
+        }
+    };
+    let (r, w) = sock.into_split();
+    let joined = tokio::io::join(std::io::Cursor::new(rest).chain(r), w);
+    // 0x16: a TLS handshake record.
+    if first != 0x16 {
+        return forward_one(joined, upstream, host, port, 80, inject, budget, scrub).await;
+    }
+    let client = tokio::time::timeout(HEAD_TIMEOUT, tokio_rustls::TlsAcceptor::from(leaf).accept(joined))
+        .await
+        .map_err(|_| "no TLS handshake from the sandbox within 10 s".to_owned())?
+        .map_err(|e| format!("TLS handshake with the sandbox failed: {e}"))?;
+    let mut client = client;
+    let name = rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|e| e.to_string())?;
+    let connector = tokio_rustls::TlsConnector::from(mitm.client.clone());
+    let up = match tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name, upstream)).await {
+        Ok(Ok(u)) => u,
+        Ok(Err(e)) => {
+            let why = format!("{host}:{port}: TLS to the upstream failed, its certificate is not trusted here ({e})");
+            deny(&mut client, "502 Bad Gateway", &why).await;
+            return Err(why);
+        }
+        Err(_) => {
+            let why = format!("{host}:{port}: no TLS handshake from the upstream within 10 s");
+            deny(&mut client, "504 Gateway Timeout", &why).await;
+            return Err(why);
+        }
+    };
+    forward_one(client, up, host, port, 443, inject, budget, scrub).await
+}
+
+/// Reads one request head from `client`, sends it to `upstream` with `inject` set, and
+/// splices the rest until the upstream's answer ends.
+#[allow(clippy::too_many_arguments)]
+async fn forward_one<C, U>(
+    mut client: C,
+    upstream: U,
+    host: &str,
+    port: u16,
+    default_port: u16,
+    inject: &[(String, String)],
+    budget: &Budget,
+    scrub: Scrubber,
+) -> Result<(u64, u64), String>
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    U: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let head = match tokio::time::timeout(HEAD_TIMEOUT, read_inner_head(&mut client, host, port, default_port)).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => {
+            deny(&mut client, "400 Bad Request", &e).await;
+            return Err(format!("no request: {e}"));
+        }
+        Err(_) => {
+            deny(&mut client, "408 Request Timeout", "no request head within 10 s").await;
+            return Err("no request head within 10 s".into());
+        }
+    };
+    let mut first = head.forward(inject);
+    first.extend_from_slice(&head.rest);
+    Ok(splice(client, upstream, first, budget, scrub, true).await)
+}
+
+/// Copies both ways until either side closes or the budget is spent; bytes each way. With
+/// `one_request`, the connection ends when the upstream's answer does.
+async fn splice<C, U>(
+    client: C,
+    upstream: U,
     first: Vec<u8>,
     budget: &Budget,
     mut scrub: Scrubber,
-) -> (u64, u64) {
-    let (mut cr, mut cw) = client.into_split();
-    let (mut ur, mut uw) = upstream.split();
+    one_request: bool,
+) -> (u64, u64)
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    U: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut cr, mut cw) = tokio::io::split(client);
+    let (mut ur, mut uw) = tokio::io::split(upstream);
     let up_n = AtomicU64::new(0);
     let down_n = AtomicU64::new(0);
     let up = async {
@@ -588,8 +895,16 @@ async fn splice(
         let _ = cw.write_all(&scrub.finish()).await;
         let _ = cw.shutdown().await;
     };
-    tokio::join!(up, down);
-    (up_n.into_inner(), down_n.into_inner())
+    tokio::pin!(up, down);
+    if one_request {
+        tokio::select! {
+            () = &mut down => {}
+            () = &mut up => (&mut down).await,
+        }
+    } else {
+        tokio::join!(up, down);
+    }
+    (up_n.load(Ordering::Relaxed), down_n.load(Ordering::Relaxed))
 }
 
 #[cfg(test)]
@@ -608,6 +923,40 @@ mod tests {
         assert_eq!(none.push(b"plain"), b"plain");
     }
 
+    /// A leaf the proxy mints chains to the certificate the server gives sandboxes (made
+    /// apart, from the same key and fields), for its own name only.
+    #[tokio::test]
+    async fn minted_leaves_chain_to_the_servers_ca_for_their_name_only() {
+        let (ca_pem, key) = new_ca(&["api.example.com".to_owned()]).expect("CA");
+        let mitm = Mitm::new(&key, Some(&ca_pem)).expect("mitm");
+        // The last: a leaf for a name the CA is not for (a proxy made to mint one) is refused.
+        for (leaf, asked, ok) in [
+            ("api.example.com", "api.example.com", true),
+            ("api.example.com", "other.example.com", false),
+            ("other.example.com", "other.example.com", false),
+        ] {
+            let (a, b) = tokio::io::duplex(1 << 16);
+            let acceptor = tokio_rustls::TlsAcceptor::from(mitm.server_config(leaf).expect("leaf"));
+            let connector = tokio_rustls::TlsConnector::from(mitm.client.clone());
+            let name = rustls::pki_types::ServerName::try_from(asked.to_owned()).expect("name");
+            let (_, client) = tokio::join!(acceptor.accept(a), connector.connect(name, b));
+            assert_eq!(client.is_ok(), ok, "{leaf} asked as {asked}: {:?}", client.err());
+        }
+        assert!(
+            !format!(
+                "{:?}",
+                Command::Config {
+                    pinned: HashMap::new(),
+                    own: Vec::new(),
+                    max_conns: 1,
+                    ca_key: Some(key.clone()),
+                    roots: None,
+                }
+            )
+            .contains("PRIVATE")
+        );
+    }
+
     #[test]
     fn injected_headers_replace_the_sandboxes_own() {
         let head = Head {
@@ -615,10 +964,14 @@ mod tests {
             host: "h".into(),
             port: 80,
             line: "GET / HTTP/1.1".into(),
-            headers: vec!["Host: h".into(), "authorization: forged".into()],
+            host_header: "h".into(),
+            headers: vec!["X-A: 1".into(), "accept-encoding: gzip".into(), "authorization: forged".into()],
             rest: Vec::new(),
         };
         let out = String::from_utf8(head.forward(&[("Authorization".into(), "Bearer real".into())])).expect("utf-8");
-        assert_eq!(out, "GET / HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer real\r\nConnection: close\r\n\r\n");
+        assert_eq!(
+            out,
+            "GET / HTTP/1.1\r\nHost: h\r\nX-A: 1\r\nAccept-Encoding: identity\r\nAuthorization: Bearer real\r\nConnection: close\r\n\r\n"
+        );
     }
 }

@@ -108,6 +108,15 @@ pub(super) struct JobList {
     pub jobs: Vec<JobInfo>,
 }
 
+/// A finished job's result as a run's: with its `egress` totals when its session has egress.
+fn render_job(job: &Job, o: &crate::session::RunOutcome) -> CallToolResult {
+    let mut result = render_run(&job.session, o, Some(&job.id));
+    if let (Some(e), Some(serde_json::Value::Object(sc))) = (job.egress(), result.structured_content.as_mut()) {
+        sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
+    }
+    result
+}
+
 fn unknown(job: &str) -> ToolError {
     ToolError::new(format!("no job {job:?}: list_jobs shows yours (finished jobs are kept for an hour)"))
 }
@@ -153,7 +162,7 @@ impl SandboxServer {
             Some(Finished::Outcome(o)) => {
                 let mut o = o.as_ref().clone();
                 o.notices.splice(0..0, notices);
-                Ok(render_run(&job.session, &o, Some(&job.id)))
+                Ok(render_job(job, &o))
             }
             Some(Finished::Failed(e)) => Err(format!("the run could not complete: {e}").into()),
             None => Err("the job ended without a result".into()),
@@ -164,7 +173,7 @@ impl SandboxServer {
         let (stdout, stderr, so, se) = job.output_since(stdout_offset, stderr_offset);
         let finished = job.result();
         let rendered = match finished.as_deref() {
-            Some(Finished::Outcome(o)) => Some(render_run(&job.session, o, Some(&job.id))),
+            Some(Finished::Outcome(o)) => Some(render_job(job, o)),
             _ => None,
         };
         let out = JobStatusOutput {

@@ -55,7 +55,13 @@ impl SandboxServer {
         let timeout = check_timeout(timeout_s, session.settings())?;
         let slot = self.registry.run_permit(&who)?;
         if let Some(wait) = wait {
-            let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot);
+            // A job's egress is counted like a run's: from its start to its end.
+            let tally = self.registry.egress.begin_run(&who, &session.name).await.map(|before| {
+                let (registry, who, name) = (self.registry.clone(), who.clone(), session.name.clone());
+                Box::pin(async move { registry.egress.totals(&who, &name).await.map(|now| now.since(&before)) })
+                    as crate::session::jobs::EgressTally
+            });
+            let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot, tally);
             return self.await_job(&job, wait, ctx, notices).await;
         }
         let notifier = self.notifier(ctx);

@@ -41,6 +41,11 @@ pub enum Finished {
     Failed(String),
 }
 
+/// Computes a run's egress totals once it has ended (a lazy future: it does nothing until
+/// the job's run is over).
+pub(crate) type EgressTally =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Option<crate::egress::Totals>> + Send>>;
+
 /// One job.
 pub struct Job {
     /// Job id.
@@ -55,6 +60,8 @@ pub struct Job {
     cap: usize,
     output: Mutex<Output>,
     finished: Mutex<Option<(Instant, Arc<Finished>)>>,
+    /// The run's egress, once finished (sessions with egress only).
+    egress: Mutex<Option<crate::egress::Totals>>,
     done: watch::Sender<bool>,
 }
 
@@ -67,6 +74,11 @@ impl Job {
     /// How it ended, once it has.
     pub fn result(&self) -> Option<Arc<Finished>> {
         self.finished.lock().ok().and_then(|f| f.as_ref().map(|(_, r)| r.clone()))
+    }
+
+    /// The run's egress totals, once it has finished in a session with egress.
+    pub fn egress(&self) -> Option<crate::egress::Totals> {
+        self.egress.lock().ok().and_then(|e| e.clone())
     }
 
     /// Status for listings.
@@ -153,6 +165,7 @@ impl Default for Jobs {
 
 impl Jobs {
     /// Starts a run as a job.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         &self,
         principal: &str,
@@ -161,6 +174,7 @@ impl Jobs {
         timeout: Duration,
         cap: usize,
         slot: impl Send + 'static,
+        egress: Option<EgressTally>,
     ) -> Arc<Job> {
         self.prune();
         let id = format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed));
@@ -174,6 +188,7 @@ impl Jobs {
             cap,
             output: Mutex::new(Output::default()),
             finished: Mutex::new(None),
+            egress: Mutex::new(None),
             done,
         });
         if let Ok(mut jobs) = self.jobs.lock() {
@@ -185,6 +200,19 @@ impl Jobs {
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
             let result = session.run(spec, timeout, &job.cancel, &observer).await;
             drop(slot); // the caller's run slot is free before anyone can see the job ended
+            let egress = match egress {
+                Some(tally) => tally.await,
+                None => None,
+            };
+            let result = result.map(|mut outcome| {
+                if let Some(e) = &egress {
+                    outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));
+                }
+                outcome
+            });
+            if let Ok(mut slot) = job.egress.lock() {
+                *slot = egress;
+            }
             job.finish(match result {
                 Ok(outcome) => Finished::Outcome(Box::new(outcome)),
                 Err(e) => Finished::Failed(e.to_string()),
@@ -283,6 +311,7 @@ mod tests {
             cap: 0,
             output: Mutex::new(Output::default()),
             finished: Mutex::new(None),
+            egress: Mutex::new(None),
             done,
         };
         job.finish(Finished::Failed("x".into()));

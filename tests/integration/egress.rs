@@ -36,6 +36,8 @@ class H(http.server.BaseHTTPRequestHandler):
             return
         import hashlib
         key = hashlib.sha256(self.headers.get("X-Api-Key", "").encode()).hexdigest()
+        # What arrived, where only the test reads it (the container's log).
+        print("got", self.path, "key-sha256:", key, "host:", self.headers.get("Host"), flush=True)
         body = ("upstream ok " + self.path + "\n" + "".join("%s: %s\n" % kv for kv in self.headers.items())
                 + "key-sha256: " + key + "\n").encode()
         self.send_response(200)
@@ -44,14 +46,34 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
     def log_message(self, *a):
         pass
+import os
+if os.environ.get("TLS_CERT"):
+    import ssl, tempfile, threading
+    d = tempfile.mkdtemp()
+    open(d + "/c", "w").write(os.environ["TLS_CERT"])
+    open(d + "/k", "w").write(os.environ["TLS_KEY"])
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(d + "/c", d + "/k")
+    tls = http.server.ThreadingHTTPServer(("0.0.0.0", 8443), H)
+    tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
+    threading.Thread(target=tls.serve_forever, daemon=True).start()
 http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 "#;
 
 impl Upstream {
     async fn start(tag: &str) -> Upstream {
+        Self::start_with(tag, &[]).await
+    }
+
+    /// With `TLS_CERT`/`TLS_KEY` (PEM) in `env`, it also answers HTTPS on 8443.
+    async fn start_with(tag: &str, env: &[(&str, &str)]) -> Upstream {
         let name = format!("pyberth-test-upstream-{tag}");
-        let out = std::process::Command::new("docker")
-            .args(["run", "-d", "--rm", "--name", &name, "--label", "pyberth.test=egress-upstream"])
+        let mut cmd = std::process::Command::new("docker");
+        cmd.args(["run", "-d", "--rm", "--name", &name, "--label", "pyberth.test=egress-upstream"]);
+        for (k, v) in env {
+            cmd.args(["-e", &format!("{k}={v}")]);
+        }
+        let out = cmd
             .args(["--cap-drop", "ALL", "--user", "65534:65534", "--memory", "128m"])
             .args([pyberth::docker::image::sandbox_tag().as_str(), "python3", "-c", UPSTREAM])
             .output()
@@ -708,6 +730,258 @@ print("in env:", any("s3cr3t" in v for v in os.environ.values()))
     }
     let log = s.stop().await;
     assert!(!log.contains(SECRET), "the server's log holds the secret");
+    assert_cleaned_up(&tag).await;
+}
+
+/// The proxy container of instance `tag`, if any.
+async fn proxy_of(tag: &str) -> Option<String> {
+    let labels = [format!("pyberth.instance={tag}"), "pyberth.egress=proxy".to_owned()];
+    let filters = HashMap::from([("label", labels.iter().map(String::as_str).collect::<Vec<_>>())]);
+    let opts = bollard::query_parameters::ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+    let found = docker().await.list_containers(Some(opts)).await.expect("list containers");
+    found.into_iter().find_map(|c| c.id)
+}
+
+/// The proxy is removed under an open session (killed, out of memory): the session's next
+/// run starts a new one, at the same address on its network, with its policy and headers.
+#[tokio::test(flavor = "multi_thread")]
+async fn sessions_follow_a_re_created_proxy() {
+    use sha2::Digest as _;
+    let tag = instance_name("egress-revive");
+    let up = Upstream::start(&tag).await;
+    let s = server(&tag, &up).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let out = run(&s, "r", "net", &fetch("http://upstream.test:8000/one")).await;
+    assert!(out["stdout"].as_str().unwrap_or_default().starts_with("200 upstream ok /one"), "{out}");
+    let old = proxy_of(&tag).await.expect("a proxy");
+    let gone = std::process::Command::new("docker").args(["rm", "-f", &old]).output().expect("docker rm");
+    assert!(gone.status.success());
+    let code = format!("{}\n{}", fetch("http://upstream.test:8000/two"), fetch("http://example.com/"));
+    let sc = run(&s, "r", "net", &code).await;
+    let out = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    let new = proxy_of(&tag).await.expect("a new proxy");
+    assert_ne!(new, old, "the proxy was started again");
+    // The same session, unchanged variables: served, with the operator's header, and its
+    // list still in force.
+    assert!(out.starts_with("200 upstream ok /two"), "{out}");
+    let sha = format!("{:x}", sha2::Sha256::digest(format!("key-{SECRET}").as_bytes()));
+    assert!(out.contains(&format!("key-sha256: {sha}")), "{out}");
+    assert!(out.contains("403 pyberth egress: example.com:80 denied"), "{out}");
+    assert_eq!(sc["egress"]["hosts"], json!(["upstream.test:8000"]), "{sc}");
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
+    assert!(networks_of(&tag).await.is_empty());
+}
+
+/// A test CA, and a certificate from it for the upstream's names: (CA PEM, cert PEM, key PEM).
+fn test_pki() -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name.push(DnType::CommonName, "pyberth test upstream CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    let ca = ca.self_signed(&ca_key).expect("test CA");
+    let key = KeyPair::generate().expect("key");
+    let mut leaf = CertificateParams::new(vec!["upstream.test".into(), "a.wild.test".into()]).expect("params");
+    leaf.use_authority_key_identifier_extension = true;
+    let leaf = leaf.signed_by(&key, &ca, &ca_key).expect("leaf");
+    (ca.pem(), leaf.pem(), key.serialize_pem())
+}
+
+/// An upstream answering HTTPS with a certificate of the test's CA, and a server whose
+/// `--ca-bundle` holds that CA (and the host's), whose environment `net` allows the upstream
+/// by name and by wildcard on 8443, with a header for upstream.test.
+async fn https_setup(tag: &str) -> (Upstream, Server) {
+    let tag = tag.to_owned();
+    let (ca, cert, key) = test_pki();
+    let up = Upstream::start_with(&tag, &[("TLS_CERT", &cert), ("TLS_KEY", &key)]).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect_timeout(
+        &format!("{}:8443", up.ip).parse().expect("addr"),
+        Duration::from_millis(300),
+    )
+    .is_err()
+    {
+        assert!(Instant::now() < deadline, "the HTTPS upstream did not listen");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let dir = state_dir().join(format!("egress-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    // The host's bundle (the package index is behind a TLS-intercepting proxy here) and the test CA.
+    let mut bundle = std::fs::read_to_string("/etc/ssl/certs/ca-certificates.crt").unwrap_or_default();
+    bundle.push_str(&ca);
+    let bundle_path = dir.join("ca.pem");
+    std::fs::write(&bundle_path, bundle).expect("bundle");
+    let ip = &up.ip;
+    let config = dir.join("pyberth.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n\"a.wild.test\" = \"{ip}\"\n\"other.test\" = \"{ip}\"\n\
+             [environments.net]\negress = [\"upstream.test:8443\", \"*.wild.test:8443\"]\n\
+             [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"key-${{EGRESS_TEST_SECRET}}\"\n"
+        ),
+    )
+    .expect("config");
+    let s = Server::start_as(
+        &tag,
+        &[
+            ("PYBERTH_CONFIG", config.to_str().expect("utf-8")),
+            ("PYBERTH_CA_BUNDLE", bundle_path.to_str().expect("utf-8")),
+            ("EGRESS_TEST_SECRET", SECRET),
+        ],
+    )
+    .await;
+    (up, s)
+}
+
+/// Secrets over HTTPS: the proxy terminates TLS for upstream.test only (it has headers), with
+/// a leaf of the per-server CA, verifies the upstream against `--ca-bundle` (the test's CA),
+/// and sets the header; other hosts keep a tunnel with the upstream's own certificate.
+#[tokio::test(flavor = "multi_thread")]
+async fn headers_are_added_over_https_and_other_hosts_are_not_intercepted() {
+    use sha2::Digest as _;
+    let tag = instance_name("egress-https");
+    let (up, s) = https_setup(&tag).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let code = r#"
+import os, socket, ssl, subprocess, urllib.request
+def get(url, **h):
+    req = urllib.request.Request(url, headers={"X-Api-Key": "forged", **h})
+    try:
+        return urllib.request.urlopen(req, timeout=10).read().decode()
+    except Exception as e:
+        return "ERR " + repr(e)
+def issuer(host):
+    # The certificate the sandbox is shown for host:8443, through a CONNECT of its own.
+    proxy = os.environ["HTTPS_PROXY"].split("//")[1]
+    h, p = proxy.rsplit(":", 1)
+    s = socket.create_connection((h, int(p)), timeout=10)
+    s.sendall(("CONNECT %s:8443 HTTP/1.1\r\nHost: %s:8443\r\n\r\n" % (host, host)).encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(1)
+    ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    t = ctx.wrap_socket(s, server_hostname=host)
+    c = t.getpeercert()
+    t.close()
+    return dict(x[0] for x in c["issuer"])["commonName"]
+print("A|" + get("https://upstream.test:8443/tls-h", Host="a.wild.test:8443") + "|")
+print("B|" + get("https://a.wild.test:8443/tls-w") + "|")
+print("C|" + get("https://other.test:8443/tls-o") + "|")
+print("issuer upstream.test:", issuer("upstream.test"))
+print("issuer a.wild.test:", issuer("a.wild.test"))
+print("in env:", any("s3cr3t" in v for v in os.environ.values()))
+bundle = open(os.environ["SSL_CERT_FILE"]).read()
+print("key in bundle:", "PRIVATE KEY" in bundle)
+found = subprocess.run(["grep", "-rls", "s3cr3t", "/tmp", "/workspace", "/home", "/etc", "/proc/self/environ"],
+                       capture_output=True, text=True).stdout
+print("in files:", repr(found))
+for k in ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE"]:
+    print(k, os.environ.get(k))
+"#;
+    let (r, sc) = s.run_with(json!({ "session": "t", "environment": "net", "code": code, "timeout_s": 60 })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    let sha = |v: &str| format!("{:x}", sha2::Sha256::digest(v.as_bytes()));
+    let part =
+        |k: &str| out.split(&format!("{k}|")).nth(1).and_then(|r| r.split('|').next()).unwrap_or_default().to_owned();
+    let (a, b, c) = (part("A"), part("B"), part("C"));
+    // Over HTTPS, the upstream got the operator's value in place of the code's, and the Host
+    // the proxy connected to, not the one the code forged; its echo comes back masked.
+    assert!(a.contains("upstream ok /tls-h"), "{out}");
+    assert!(a.contains(&format!("key-sha256: {}", sha(&format!("key-{SECRET}")))), "{out}");
+    assert!(a.contains(&format!("X-Api-Key: {}", "*".repeat(4 + SECRET.len()))), "{out}");
+    assert!(a.contains("Host: upstream.test:8443") && !a.contains("forged"), "{out}");
+    // A host without headers: a tunnel, the upstream's own certificate, the code's header.
+    assert!(b.contains("upstream ok /tls-w") && b.contains(&format!("key-sha256: {}", sha("forged"))), "{out}");
+    assert!(out.contains("issuer upstream.test: pyberth egress proxy CA"), "{out}");
+    assert!(out.contains("issuer a.wild.test: pyberth test upstream CA"), "not intercepted: {out}");
+    // A name not on the list is refused before any TLS.
+    assert!(c.contains("ERR") && c.contains("403"), "{out}");
+    // The secret is nowhere the code can look; the CA's key is not in the session.
+    assert!(!out.contains(SECRET) && out.contains("in env: False"), "{out}");
+    assert!(out.contains("key in bundle: False") && out.contains("in files: ''"), "{out}");
+    for k in ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE"] {
+        assert!(out.contains(&format!("{k} /tmp/.pyberth-egress/ca.pem")), "{k}: {out}");
+    }
+    // What the upstream itself logged (the test reads it; the sandbox cannot).
+    let logs = std::process::Command::new("docker").args(["logs", &up.name]).output().expect("docker logs");
+    let logs = String::from_utf8_lossy(&logs.stdout).into_owned();
+    assert!(
+        logs.contains(&format!("got /tls-h key-sha256: {} host: upstream.test:8443", sha(&format!("key-{SECRET}")))),
+        "{logs}"
+    );
+    assert!(logs.contains(&format!("got /tls-w key-sha256: {}", sha("forged"))), "{logs}");
+    assert!(!logs.contains("/tls-o"), "a refused name reached the upstream: {logs}");
+    assert!(sc["egress"]["hosts"].to_string().contains("upstream.test:8443"), "{sc}");
+
+    // A background job's result carries its egress like a run's, and only its own.
+    let job_code = r#"
+import urllib.request
+print(urllib.request.urlopen("https://upstream.test:8443/job", timeout=10).read()[:11].decode())
+try:
+    urllib.request.urlopen("https://other.test:8443/", timeout=10)
+except Exception as e:
+    print("refused", e)
+"#;
+    let (r, started) = s.run_with(json!({ "session": "t", "code": job_code, "background": true })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let job = started["job"].as_str().expect("a job handle").to_owned();
+    let r = s.call("job_status", json!({ "job": job, "wait_s": 60 })).await;
+    let result = &r.structured_content.as_ref().expect("structured")["result"];
+    assert_eq!(result["status"], "ok", "{result}");
+    assert!(result["stdout"].as_str().unwrap_or_default().contains("upstream ok"), "{result}");
+    assert_eq!(result["egress"]["hosts"], json!(["upstream.test:8443"]), "{result}");
+    assert_eq!(result["egress"]["connections"], 1, "{result}");
+    assert!(result["egress"]["denied"].to_string().contains("other.test:8443"), "{result}");
+    assert!(result["notices"].to_string().contains("egress denied: other.test:8443"), "{result}");
+    let log = s.stop().await;
+    assert!(!log.contains(SECRET), "the server's log holds the secret");
+    assert_cleaned_up(&tag).await;
+}
+
+/// `requests`, which the image lacks, installed into a session and used over HTTPS: it
+/// trusts the session's bundle through REQUESTS_CA_BUNDLE, and the proxy's rules and headers
+/// hold for it as for urllib.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_installed_in_a_session_works_through_the_proxy() {
+    use sha2::Digest as _;
+    let tag = instance_name("egress-requests");
+    let (up, s) = https_setup(&tag).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let code = r#"
+import requests
+r = requests.get("https://upstream.test:8443/req", headers={"X-Api-Key": "forged"}, timeout=10)
+print(r.status_code, r.text.splitlines()[0])
+print("wild", requests.get("https://a.wild.test:8443/req-w", timeout=10).status_code)
+try:
+    requests.get("https://other.test:8443/", timeout=10)
+    print("other reached")
+except requests.exceptions.ProxyError as e:
+    print("other refused", "403" in str(e))
+"#;
+    let (r, sc) = s
+        .run_with(
+            json!({ "session": "q", "environment": "net", "code": code, "packages": ["requests"], "timeout_s": 60 }),
+        )
+        .await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    assert!(out.contains("200 upstream ok /req\n"), "{out}");
+    assert!(out.contains("wild 200") && out.contains("other refused True"), "{out}");
+    let logs = std::process::Command::new("docker").args(["logs", &up.name]).output().expect("docker logs");
+    let logs = String::from_utf8_lossy(&logs.stdout).into_owned();
+    let sha = format!("{:x}", sha2::Sha256::digest(format!("key-{SECRET}").as_bytes()));
+    assert!(logs.contains(&format!("got /req key-sha256: {sha}")), "{logs}");
+    s.stop().await;
     assert_cleaned_up(&tag).await;
 }
 
