@@ -803,9 +803,13 @@ impl Registry {
     /// adopt within `--adopt-grace-s` (docs/design.md D12): only the pool and jobs stop.
     pub async fn shutdown(&self, leave: bool) {
         self.drain_pool().await;
-        self.jobs.shutdown().await;
         // Nothing to leave: a clean stop, with nothing kept for a next server.
         let leave = leave && self.slots().values().any(|slot| slot.initialized());
+        if leave {
+            self.jobs.leave().await;
+        } else {
+            self.jobs.shutdown().await;
+        }
         if leave {
             let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
             self.instance.keep_lock_files();

@@ -249,3 +249,55 @@ async fn sessions_past_the_grace_are_swept() {
     let new = second.signal("-TERM").await;
     assert_cleaned_up(&new).await;
 }
+
+/// A job running across a SIGTERM and restart keeps running: the new server lists it under
+/// the same id, with the output printed before the restart and what came while no server was
+/// attached, and follows it to its result.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_running_across_a_restart_keeps_running_and_stays_readable() {
+    let state = StateDir::new("adopt-job");
+    let first = Server::start("adopt-job", &state, &[]).await;
+    let alice = first.client().await;
+    run(&alice, "keep", "x = 42").await;
+    let code = "import time\nfor i in range(10):\n    print('tick', i, flush=True)\n    time.sleep(0.8)\n'done', x";
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "keep", "code": code, "background": true })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let job = sc["job"].as_str().expect("job").to_owned();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let (_, sc) = call(&alice, "job_status", json!({ "job": job })).await;
+    assert_eq!(sc["status"], "running", "{sc}");
+    assert!(sc["stdout"].as_str().is_some_and(|s| s.contains("tick 1")), "{sc}");
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+    assert!(!containers_of(&old).await.is_empty(), "the session is left running");
+    // Printing goes on while no server is attached.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let second = Server::start("adopt-job", &state, &[]).await;
+    let alice = second.client().await;
+    let (_, sc) = call(&alice, "list_jobs", json!({})).await;
+    assert_eq!(sc["jobs"][0]["job"], job.as_str(), "the job is listed under its id: {sc}");
+    assert_eq!(sc["jobs"][0]["status"], "running", "{sc}");
+    let (_, sc) = call(&alice, "job_status", json!({ "job": job })).await;
+    assert_eq!(sc["status"], "running", "still running after the restart: {sc}");
+    let so_far = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    assert!(so_far.contains("tick 0\ntick 1\n"), "the output from before the restart is readable: {sc}");
+    let (_, sc) = call(&alice, "job_status", json!({ "job": job, "wait_s": 30 })).await;
+    assert_eq!(sc["status"], "ok", "{sc}");
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    let ticks: Vec<&str> = out.lines().collect();
+    let want: Vec<String> = (0..10).map(|i| format!("tick {i}")).collect();
+    assert_eq!(ticks, want, "every line, none lost or doubled across the restart: {sc}");
+    assert_eq!(sc["result"]["result"], "('done', 42)", "its result, in the same interpreter: {sc}");
+    // A new job gets a fresh id, never the taken-over one's.
+    let (_, sc) = call(&alice, "run_python", json!({ "session": "keep", "code": "1", "background": true })).await;
+    assert_ne!(sc["job"].as_str(), Some(job.as_str()), "{sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "keep" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+    let left: Vec<_> = std::fs::read_dir(state.0.join("jobs")).map(|d| d.flatten().collect()).unwrap_or_default();
+    assert!(left.is_empty(), "no job record is left behind: {left:?}");
+}

@@ -79,10 +79,15 @@ fn write_record(path: &Path, record: &Record) -> std::io::Result<()> {
 }
 
 impl Session {
+    /// Whether a next server may take this session over, and so its jobs too: only a server
+    /// that leaves its sessions for the next one keeps records.
+    pub(in crate::session) fn durable_jobs(&self) -> bool {
+        self.cfg.keep_sessions && self.cfg.adopt_grace_s != 0
+    }
+
     /// Writes this session's record (a few hundred bytes; called when it changes).
     pub(in crate::session) fn save_record(&self) {
-        // Only a server that leaves its sessions for the next one keeps records.
-        if !self.cfg.keep_sessions || self.cfg.adopt_grace_s == 0 {
+        if !self.durable_jobs() {
             return;
         }
         let Ok(created) = self.container.lock().map(|c| c.clone()) else { return };
@@ -255,6 +260,14 @@ impl Registry {
         if adopted > 0 {
             // Their sets are in use: no prune may take them.
             self.record_layers();
+        }
+        // Their jobs, running on under the keepers, are followed again.
+        let find = |principal: &str, name: &str| {
+            self.slots().get(&(principal.to_owned(), name.to_owned())).and_then(|slot| slot.get().cloned())
+        };
+        let jobs = self.jobs.take_over(&self.docker, &state_dir, &find).await;
+        if jobs > 0 {
+            tracing::info!(jobs, "following the jobs of stopped servers");
         }
         Ok(adopted)
     }
