@@ -301,3 +301,67 @@ async fn a_job_running_across_a_restart_keeps_running_and_stays_readable() {
     let left: Vec<_> = std::fs::read_dir(state.0.join("jobs")).map(|d| d.flatten().collect()).unwrap_or_default();
     assert!(left.is_empty(), "no job record is left behind: {left:?}");
 }
+
+/// The state of `name` in `list_sessions`, if listed.
+async fn state_of(client: &RunningService<RoleClient, Recorder>, name: &str) -> Option<Value> {
+    let (_, sc) = call(client, "list_sessions", json!({})).await;
+    sc["sessions"].as_array().and_then(|a| a.iter().find(|x| x["session"] == name)).map(|x| x["state"].clone())
+}
+
+/// Hibernated sessions and snapshots are carried across a restart: the new server lists the
+/// sleepers, wakes one transparently with its state, lets another expire at its TTL counted
+/// from its last use, and restores a snapshot taken under the old server.
+#[tokio::test(flavor = "multi_thread")]
+async fn hibernated_sessions_and_snapshots_survive_a_restart() {
+    let state = StateDir::new("adopt-sleep");
+    let sleepy = [("PYBERTH_HIBERNATE_AFTER_S", "1")];
+    let first = Server::start("adopt-sleep", &state, &sleepy).await;
+    let alice = first.client().await;
+    run(&alice, "nap", "x = 42\nopen('kept.txt', 'w').write('kept')").await;
+    run(&alice, "gone", "y = 1").await;
+    let (r, _) = call(&alice, "snapshot_session", json!({ "session": "nap", "name": "before" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while state_of(&alice, "nap").await != Some(json!("hibernated"))
+        || state_of(&alice, "gone").await != Some(json!("hibernated"))
+    {
+        assert!(Instant::now() < deadline, "not hibernated");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let slept = Instant::now();
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+
+    let second =
+        Server::start("adopt-sleep", &state, &[("PYBERTH_HIBERNATE_AFTER_S", "0"), ("PYBERTH_IDLE_TTL", "25")]).await;
+    let alice = second.client().await;
+    assert_eq!(state_of(&alice, "nap").await, Some(json!("hibernated")), "the sleeper is carried over");
+    assert_eq!(state_of(&alice, "gone").await, Some(json!("hibernated")));
+    let (_, sc) = call(&alice, "list_snapshots", json!({})).await;
+    assert!(sc.to_string().contains("\"before\""), "the snapshot is still its principal's: {sc}");
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "nap", "code": "x, open('kept.txt').read()" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["result"], "(42, 'kept')", "woken with its variables and files: {sc}");
+    assert!(text(&r).contains("hibernated"), "the wake is told: {}", text(&r));
+    let (r, sc) = call(&alice, "restore_session", json!({ "snapshot": "before", "session": "copy" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = sc;
+    let sc = run(&alice, "copy", "x").await;
+    assert_eq!(sc["result"], "42", "{sc}");
+    // "gone" was last used before the restart: its TTL runs from then, not from the adoption.
+    while state_of(&alice, "gone").await.is_some() {
+        assert!(slept.elapsed() < Duration::from_secs(60), "the sleeper never expired");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(slept.elapsed() < Duration::from_secs(40), "expired at its TTL: {:?}", slept.elapsed());
+    for s in ["nap", "copy"] {
+        let (r, _) = call(&alice, "close_session", json!({ "session": s })).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    }
+    let (r, _) = call(&alice, "delete_snapshot", json!({ "snapshot": "before" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+}

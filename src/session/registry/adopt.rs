@@ -189,10 +189,11 @@ impl Registry {
     pub(super) async fn adopt_leftovers(&self) -> Result<usize, docker::Error> {
         let state_dir = self.cfg.state_dir();
         let records = read_records(&state_dir);
-        if records.is_empty() {
+        let mut recorded: HashSet<String> = records.iter().map(|(_, r)| r.instance.clone()).collect();
+        recorded.extend(super::sleepers::recorded_instances(&state_dir));
+        if recorded.is_empty() {
             return Ok(0);
         }
-        let recorded: HashSet<String> = records.iter().map(|(_, r)| r.instance.clone()).collect();
         let found = container::inventory(&self.docker).await?;
         let grace = self.cfg.adopt_grace();
         let names = self.instance.claim_adoptable(&self.docker, &found.containers, &recorded, grace).await;
@@ -250,6 +251,11 @@ impl Registry {
             adopted += 1;
             tracing::info!(session = %name, container = %short(&id), "session adopted from a stopped server");
         }
+        // Hibernated sessions and snapshots have no running container to find.
+        let (kept, sleepers) = self.adopt_sleepers(&names, &host).await;
+        kept_ids.extend(kept.containers);
+        kept_volumes.extend(kept.volumes);
+        adopted += sleepers;
         // The rest of those instances' resources: pool containers, sessions without a record.
         for c in found.containers.iter().filter(|c| of_adopted(&c.labels) && !kept_ids.contains(&c.id)) {
             container::remove_leftover_container(&self.docker, &c.id).await;
