@@ -100,6 +100,9 @@ pub struct RunSpec {
     pub env: BTreeMap<String, String>,
 }
 
+/// Most times one run reattaches after its stream dropped.
+const MAX_REATTACH: usize = 3;
+
 /// Runs waiting for a busy session beyond the one running; more get a busy error.
 const MAX_QUEUED: usize = 4;
 
@@ -272,6 +275,12 @@ impl Session {
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
         let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
         let mut sent = tokio::time::Instant::now();
+        let run_id = std::sync::atomic::AtomicU64::new(0);
+        let on_id = |id: u64| {
+            run_id.store(id, Ordering::Relaxed);
+            on_id(id);
+        };
+        let on_id: &OnId<'_> = &on_id;
         let mut ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name, on_id).await;
         if matches!(ending, Ending::Stuck) {
             // The run never started: the previous run's code holds the interpreter. A fresh
@@ -282,6 +291,21 @@ impl Session {
             notices.extend(self.recover(&mut inner).await);
             sent = tokio::time::Instant::now();
             ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name, on_id).await;
+        }
+        // The stream dropped mid-run, not the interpreter (docs/design.md D12): a new relay
+        // reaches the same one under its keeper, which held what it printed meanwhile.
+        for _ in 0..MAX_REATTACH {
+            let id = run_id.load(Ordering::Relaxed);
+            if id == 0 || !matches!(ending, Ending::Died(None) | Ending::Broken(_)) {
+                break;
+            }
+            let Some(probe) = self.reattach_run(&mut inner).await else { break };
+            let left = (sent + timeout).saturating_duration_since(tokio::time::Instant::now());
+            let stop = Stop { timeout: left, ..stop };
+            ending = match inner.agent.as_mut() {
+                Some(agent) => follow(agent, id, stop, &mut outcome, observer, &self.name, Some(probe)).await,
+                None => break,
+            };
         }
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
@@ -338,6 +362,26 @@ impl Session {
         outcome.notices = notices;
         self.touch();
         Ok(outcome)
+    }
+
+    /// After a run's stream ended without its `done`: a new relay, if it reaches the same
+    /// interpreter, with a probe queued behind the run (see [`follow`]). `None` when the
+    /// interpreter is gone (the run died with it) or cannot be reached.
+    async fn reattach_run(&self, inner: &mut Inner) -> Option<u64> {
+        let old = inner.agent.as_ref()?.pid()?;
+        if !container::is_running(&self.docker, &inner.container.id).await.unwrap_or(false) {
+            return None;
+        }
+        let (mut agent, _) = super::agent::greet(&self.docker, &inner.container, &self.name).await.ok()?;
+        if agent.pid() != Some(old) {
+            // A new interpreter answered: the run's died. Recovery replaces this one too.
+            return None;
+        }
+        let probe = agent.next_id();
+        agent.send(&Request::Packages { id: probe }).await.ok()?;
+        tracing::info!(session = %self.name, pid = old, "the stream dropped mid-run; reattached to the interpreter");
+        inner.agent = Some(agent);
+        Some(probe)
     }
 
     /// After a run's events ended one way or another: its status, and a fresh interpreter

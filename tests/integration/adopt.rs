@@ -203,24 +203,30 @@ async fn a_second_live_instance_never_adopts_anothers_sessions() {
     assert_cleaned_up(&inst).await;
 }
 
+/// Kills the relay (the exec the server holds) of `instance`'s session from the host, as the
+/// code's uid: the exec stream drops, the keeper and the interpreter stay.
+async fn kill_relay(instance: &str) {
+    let (container, uid) = session_container(instance).await;
+    let killer = "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            \
+                  cmd = open('/proc/%s/cmdline' % p, 'rb').read().split(b'\\0')\n        except OSError:\n            \
+                  continue\n        if b'attach' in cmd and any(c.endswith(b'keeper.py') for c in cmd):\n            \
+                  os.kill(int(p), signal.SIGKILL); print('killed', p)";
+    let out = tokio::process::Command::new("docker")
+        .args(["exec", "-u", &uid, &container, "python3", "-c", killer])
+        .output()
+        .await
+        .expect("docker exec");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("killed"), "a relay was found and killed: {said} {}", String::from_utf8_lossy(&out.stderr));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dropped_exec_stream_loses_no_state() {
     let state = StateDir::new("adopt-drop");
     let s = Server::start("adopt-drop", &state, &[("PYBERTH_ADOPT_GRACE_S", "0")]).await;
     let alice = s.client().await;
     run(&alice, "keep", SETUP).await;
-    // Kill the relay (the exec the server holds) from the host, as the code's uid.
-    let (container, uid) = session_container(&s.instance).await;
-    let killer = "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            \
-                  cmd = open('/proc/%s/cmdline' % p, 'rb').read().split(b'\\0')\n        except OSError:\n            \
-                  continue\n        if b'attach' in cmd and any(c.endswith(b'keeper.py') for c in cmd):\n            \
-                  os.kill(int(p), signal.SIGKILL); print('killed', p)";
-    let out = std::process::Command::new("docker")
-        .args(["exec", "-u", &uid, &container, "python3", "-c", killer])
-        .output()
-        .expect("docker exec");
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(said.contains("killed"), "a relay was found and killed: {said} {}", String::from_utf8_lossy(&out.stderr));
+    kill_relay(&s.instance).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let sc = run(&alice, "keep", CHECK).await;
     assert_eq!(sc["result"], INTACT, "{sc}");
@@ -364,4 +370,32 @@ async fn hibernated_sessions_and_snapshots_survive_a_restart() {
     let new = second.signal("-TERM").await;
     assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
+}
+
+/// A stream that drops mid-run still ends that run: the server reattaches to the same
+/// interpreter and reads the rest of the run's events, its result included.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_dropped_mid_run_still_ends_that_run() {
+    let state = StateDir::new("adopt-midrun");
+    let s = Server::start("adopt-midrun", &state, &[("PYBERTH_ADOPT_GRACE_S", "0")]).await;
+    let alice = s.client().await;
+    run(&alice, "keep", SETUP).await;
+    let code = "import time\nfor i in range(8):\n    print('tick', i, flush=True)\n    time.sleep(0.5)\n('done', x)";
+    let running = call(&alice, "run_python", json!({ "session": "keep", "code": code }));
+    let killing = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        kill_relay(&s.instance).await;
+    };
+    let ((r, sc), ()) = tokio::join!(running, killing);
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["status"], "ok", "{sc}");
+    assert_eq!(sc["result"], "('done', 42)", "the run's own result, read after the drop: {sc}");
+    assert!(sc["stdout"].as_str().is_some_and(|o| o.contains("tick 7")), "output after the drop: {sc}");
+    assert!(!sc.to_string().contains("variables are gone"), "no state lost said: {sc}");
+    assert!(s.log().contains("reattached to the interpreter"), "the server says it reattached");
+    let sc = run(&alice, "keep", CHECK).await;
+    assert_eq!(sc["result"], INTACT, "{sc}");
+    let _ = alice.cancel().await;
+    let inst = s.signal("-TERM").await;
+    assert_cleaned_up(&inst).await;
 }
