@@ -285,8 +285,17 @@ impl Registry {
     pub(super) fn record_snapshots(&self) {
         let state_dir = self.cfg.state_dir();
         for e in self.snapshots.drain() {
+            // The instance its volume is labelled with (`pyberth-<instance>-snap-<id>`): one
+            // carried over from an adopted instance stays that instance's.
+            let instance = e
+                .saved
+                .store
+                .volume
+                .strip_prefix("pyberth-")
+                .and_then(|v| v.rsplit_once("-snap-"))
+                .map_or_else(|| self.instance.owner.instance.clone(), |(i, _)| i.to_owned());
             let record = Snap {
-                instance: self.instance.owner.instance.clone(),
+                instance,
                 principal: e.principal.clone(),
                 name: e.name.clone(),
                 session: e.session.clone(),
