@@ -201,6 +201,10 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
 
     if args.durable_only {
         let result = durable(&docker, &cfg, &img, &format!("bench-{}", std::process::id()), &mut table).await;
+        let result = match result {
+            Ok(()) => durable_reattach(&cfg, &format!("bench-{}", std::process::id()), &mut table).await,
+            e => e,
+        };
         let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
         let _ = docker.remove_volume(&bench_store(), Some(opts)).await;
         result?;
@@ -277,6 +281,7 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
 
     output_volume(&cfg, &instance, &args, &mut table).await?;
     durable(&docker, &cfg, &img, &instance, &mut table).await?;
+    durable_reattach(&cfg, &instance, &mut table).await?;
     table.print();
 
     // Both runtimes side by side, on what a runtime changes, when the engine has gVisor.
@@ -1023,6 +1028,52 @@ async fn durable(
     table.add("  of which the wake (container from the pool, restore)", &mut server_wakes, String::new());
     server.stop().await;
     Ok(())
+}
+
+/// Reattach of a running session after a server restart (issue 18): a server that leaves its
+/// sessions stops, the next one of the same state dir and instance adopts them, and its first
+/// call reaches the same interpreter through a new relay. The second call after the restart
+/// is the floor: the same run with the relay in place, so the difference is the reattach.
+async fn durable_reattach(cfg: &SandboxConfig, instance: &str, table: &mut Table) -> anyhow::Result<()> {
+    let state = std::env::temp_dir().join(format!("pyberth-bench-reattach-{}", std::process::id()));
+    std::fs::create_dir_all(&state)?;
+    let env = [
+        ("PYBERTH_POOL_SIZE", "0".to_owned()),
+        ("PYBERTH_KEEP_SESSIONS", "true".to_owned()),
+        ("PYBERTH_STATE_DIR", state.display().to_string()),
+    ];
+    let name = format!("{instance}-reattach");
+    let measured = async {
+        let mut server = Server::start(cfg, &name, &env).await?;
+        server.run("kept", "x = 42\nimport threading", &[]).await?;
+        let (mut firsts, mut seconds, mut reattach) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..5 {
+            server.stop().await;
+            server = Server::start(cfg, &name, &env).await?;
+            let t = Instant::now();
+            let text = server.run("kept", "x", &[]).await?;
+            let first = t.elapsed();
+            if !text.contains("42") {
+                bail!("the session was not reattached: {text}");
+            }
+            let t = Instant::now();
+            server.run("kept", "x", &[]).await?;
+            let second = t.elapsed();
+            firsts.push(first);
+            seconds.push(second);
+            reattach.push(first.saturating_sub(second));
+        }
+        table.add("first run_python after a server restart (reattach)", &mut firsts, String::new());
+        table.add("  floor: the next run_python, relay in place", &mut seconds, String::new());
+        table.add("  reattach itself (first minus next)", &mut reattach, "target 100 ms".into());
+        // The last server stops for good: no next one adopts.
+        server.tool("close_session", json!({"session": "kept"})).await?;
+        server.stop().await;
+        anyhow::Ok(())
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(&state);
+    measured
 }
 
 #[cfg(test)]

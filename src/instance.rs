@@ -479,10 +479,21 @@ async fn keep_beating(
                 pause = Duration::from_secs(1);
                 tokio::select! {
                     _ = stop.cancelled() => {
-                        // Left: dropping the connection stops it, and it stays, stopped.
                         if !leave.load(Ordering::SeqCst) {
                             container::remove_container(&docker, &live.id).await;
+                            return;
                         }
+                        // Left: dropping the connection stops it, and it stays, stopped. Not
+                        // gone before it has stopped: a next server started at once would see
+                        // it running, as if it were its own, and find no time of leaving.
+                        let id = live.id.clone();
+                        drop(live);
+                        let stopped = async {
+                            while container::is_running(&docker, &id).await.unwrap_or(false) {
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                        };
+                        let _ = tokio::time::timeout(Duration::from_secs(5), stopped).await;
                         return;
                     }
                     () = live.stopped() => {}

@@ -22,6 +22,7 @@ Frames, both ways: one byte of kind, four bytes of length (big-endian), the byte
 Only the standard library; run with `python3 -I -S`.
 """
 
+import collections
 import errno
 import fcntl
 import os
@@ -140,23 +141,45 @@ def keeper(sock_path, argv, ready):
 
     relay = None
     incoming = Frames()
-    to_relay = bytearray()  # framed bytes for the current relay
+    # Frames for the current relay, each [kind, frame, bytes of it sent]; kind `h` is the hello.
+    # Kept as frames so that what a dropped relay never took goes to the next one.
+    queue = collections.deque()
+    queued = 0  # bytes of the queue not sent
     out_buf = bytearray()  # the agent's stdout not yet framed
     err_buf = bytearray()
     to_agent = bytearray()
     hello = None
     head = bytearray()  # stdout before the hello line ended
-    mid_line = False  # the last stdout byte framed was not a line end
+    mid_line = False  # the last stdout byte a relay took was not a line end
     skip_line = False  # drop stdout up to the next line end (a new relay after a half line)
     reading = {out_r: True, err_r: True}
 
+    def enqueue(kind, data):
+        nonlocal queued
+        f = frame(b"1" if kind == b"h" else kind, data)
+        queue.append([kind, f, 0])
+        queued += len(f)
+
     def drop_relay():
-        nonlocal relay
+        """Forgets the relay; output it never took goes back to the buffers for the next."""
+        nonlocal relay, queued, mid_line
         if relay is not None:
             relay.close()
         relay = None
         incoming.buf.clear()
-        to_relay.clear()
+        back = {b"1": bytearray(), b"2": bytearray()}
+        for kind, f, sent in queue:
+            if kind == b"h":
+                continue
+            taken = max(0, sent - HEADER.size)
+            payload = f[HEADER.size:]
+            back[kind] += payload[taken:]
+            if kind == b"1" and taken:
+                mid_line = payload[taken - 1:taken] != b"\n"
+        queue.clear()
+        queued = 0
+        out_buf[:0] = back[b"1"]
+        err_buf[:0] = back[b"2"]
 
     def skip_to_line_end():
         nonlocal skip_line
@@ -170,7 +193,7 @@ def keeper(sock_path, argv, ready):
 
     while True:
         agent_done = not reading[out_r] and not reading[err_r] and not out_buf and not err_buf
-        if agent_done and (relay is None or not to_relay):
+        if agent_done and (relay is None or not queue):
             status = None
             for _ in range(40):
                 try:
@@ -198,27 +221,26 @@ def keeper(sock_path, argv, ready):
             os._exit(0)
 
         # Frame buffered output for the relay, a chunk at a time.
-        if relay is not None and len(to_relay) < CHUNK:
+        if relay is not None and queued < CHUNK:
             if out_buf:
-                piece = out_buf[:CHUNK]
+                piece = bytes(out_buf[:CHUNK])
                 del out_buf[:CHUNK]
-                mid_line = piece[-1:] != b"\n"
-                to_relay += frame(b"1", piece)
+                enqueue(b"1", piece)
             if err_buf:
-                piece = err_buf[:CHUNK]
+                piece = bytes(err_buf[:CHUNK])
                 del err_buf[:CHUNK]
-                to_relay += frame(b"2", piece)
+                enqueue(b"2", piece)
 
         rlist = [listener]
         wlist = []
-        held = len(out_buf) + len(err_buf) + len(to_relay)
+        held = len(out_buf) + len(err_buf) + queued
         for fd, on in reading.items():
             if on and held < LIMIT:
                 rlist.append(fd)
         if relay is not None:
             if len(to_agent) < LIMIT:
                 rlist.append(relay)
-            if to_relay:
+            if queue:
                 wlist.append(relay)
         if to_agent and in_w is not None:
             wlist.append(in_w)
@@ -233,8 +255,13 @@ def keeper(sock_path, argv, ready):
                 drop_relay()
                 relay = conn
                 relay.setblocking(False)
+                # Little in flight to a relay: a killed one loses what the socket held.
+                try:
+                    relay.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * CHUNK)
+                except OSError:
+                    pass
                 if hello is not None:
-                    to_relay += frame(b"1", hello)
+                    enqueue(b"h", hello)
                 if mid_line:
                     mid_line = False
                     skip_to_line_end()
@@ -259,7 +286,7 @@ def keeper(sock_path, argv, ready):
                 out_buf += head[len(hello):]
                 head.clear()
                 if relay is not None:
-                    to_relay += frame(b"1", hello)
+                    enqueue(b"h", hello)
                 continue
             out_buf += data
             if skip_line:
@@ -286,8 +313,14 @@ def keeper(sock_path, argv, ready):
                     drop_relay()
         if relay is not None and relay in writable:
             try:
-                n = relay.send(to_relay[:CHUNK])
-                del to_relay[:n]
+                head = queue[0]
+                n = relay.send(head[1][head[2]:head[2] + CHUNK])
+                head[2] += n
+                queued -= n
+                if head[2] == len(head[1]):
+                    queue.popleft()
+                    if head[0] == b"1":
+                        mid_line = head[1][-1:] != b"\n"
             except BlockingIOError:
                 pass
             except OSError:
@@ -357,7 +390,8 @@ def relay(sock):
         rlist, wlist = [], []
         if stdin_open and len(to_sock) < LIMIT:
             rlist.append(0)
-        if status is None and pending_out < LIMIT:
+        # Little held here: what a killed relay held is lost, what the keeper holds is not.
+        if status is None and pending_out < CHUNK:
             rlist.append(sock)
         if to_sock:
             wlist.append(sock)

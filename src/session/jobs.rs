@@ -16,6 +16,8 @@ use tokio_util::task::TaskTracker;
 use super::{RunOutcome, RunSpec, RunStatus, Session};
 use crate::protocol::Stream;
 
+mod durable;
+
 /// Finished jobs kept at most this long.
 const KEEP_FINISHED: Duration = Duration::from_secs(3600);
 /// Finished jobs kept at most this many per principal.
@@ -63,6 +65,8 @@ pub struct Job {
     /// The run's egress, once finished (sessions with egress only).
     egress: Mutex<Option<crate::egress::Totals>>,
     done: watch::Sender<bool>,
+    /// Its files in the state dir, when a restarted server may follow it (`durable.rs`).
+    durable: Option<durable::Files>,
 }
 
 impl Job {
@@ -116,7 +120,11 @@ impl Job {
                 Stream::Stderr => &mut out.stderr,
             };
             let room = self.cap.saturating_sub(buf.len());
-            buf.extend_from_slice(&bytes[..room.min(bytes.len())]);
+            let kept = &bytes[..room.min(bytes.len())];
+            buf.extend_from_slice(kept);
+            if let Some(files) = &self.durable {
+                files.append(stream, kept);
+            }
         }
     }
 
@@ -142,7 +150,34 @@ impl Job {
         0
     }
 
+    fn new(
+        id: String,
+        principal: &str,
+        session: &str,
+        started: Instant,
+        cap: usize,
+        durable: Option<durable::Files>,
+    ) -> Self {
+        let (done, _) = watch::channel(false);
+        Self {
+            id,
+            principal: principal.to_owned(),
+            session: session.to_owned(),
+            cancel: CancellationToken::new(),
+            started,
+            cap,
+            output: Mutex::new(Output::default()),
+            finished: Mutex::new(None),
+            egress: Mutex::new(None),
+            done,
+            durable,
+        }
+    }
+
     fn finish(&self, result: Finished) {
+        if let Some(files) = &self.durable {
+            files.remove();
+        }
         if let Ok(mut f) = self.finished.lock() {
             *f = Some((Instant::now(), Arc::new(result)));
         }
@@ -155,11 +190,18 @@ pub struct Jobs {
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     tasks: TaskTracker,
     next: AtomicU64,
+    /// Stops following the jobs that a next server takes over, without stopping their runs.
+    leave: CancellationToken,
 }
 
 impl Default for Jobs {
     fn default() -> Self {
-        Self { jobs: Mutex::new(HashMap::new()), tasks: TaskTracker::new(), next: AtomicU64::new(1) }
+        Self {
+            jobs: Mutex::new(HashMap::new()),
+            tasks: TaskTracker::new(),
+            next: AtomicU64::new(1),
+            leave: CancellationToken::new(),
+        }
     }
 }
 
@@ -178,27 +220,34 @@ impl Jobs {
     ) -> Arc<Job> {
         self.prune();
         let id = format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed));
-        let (done, _) = watch::channel(false);
-        let job = Arc::new(Job {
-            id: id.clone(),
-            principal: principal.to_owned(),
-            session: session.name.clone(),
-            cancel: CancellationToken::new(),
-            started: Instant::now(),
-            cap,
-            output: Mutex::new(Output::default()),
-            finished: Mutex::new(None),
-            egress: Mutex::new(None),
-            done,
+        let durable = session.durable_jobs().then(|| {
+            let container = session.container.lock().map(|c| c.id.clone()).unwrap_or_default();
+            let record = durable::Record::new(&id, principal, &session.name, &container, timeout, cap);
+            durable::Files::open(&session.cfg.state_dir(), record, true)
+                .map_err(|e| tracing::warn!(error = %e, "cannot record a job: a restarted server will not find it"))
+                .ok()
         });
+        let job = Arc::new(Job::new(id, principal, &session.name, Instant::now(), cap, durable.flatten()));
         if let Ok(mut jobs) = self.jobs.lock() {
-            jobs.insert(id, job.clone());
+            jobs.insert(job.id.clone(), job.clone());
         }
         let task_job = job.clone();
+        let leave = self.leave.clone();
         self.tasks.spawn(async move {
             let job = task_job;
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
-            let result = session.run(spec, timeout, &job.cancel, &observer).await;
+            let on_id = |id: u64| {
+                if let Some(files) = &job.durable {
+                    files.set_run(id);
+                }
+            };
+            let run = session.run_with(spec, timeout, &job.cancel, &observer, &on_id);
+            let result = tokio::select! {
+                r = run => r,
+                // The server stops and leaves the session (and this run) to the next one,
+                // which follows the job from its record.
+                () = leave.cancelled(), if job.durable.is_some() => return,
+            };
             drop(slot); // the caller's run slot is free before anyone can see the job ended
             let egress = match egress {
                 Some(tally) => tally.await,
@@ -219,6 +268,87 @@ impl Jobs {
             });
         });
         job
+    }
+
+    /// At start, after adopting sessions: the jobs earlier servers of this state dir left.
+    /// Those of an adopted session are shown again under their ids and followed to their end;
+    /// those whose container is gone end, saying so; the rest (a live server's) are not ours.
+    pub(crate) async fn take_over(
+        &self,
+        docker: &bollard::Docker,
+        state_dir: &std::path::Path,
+        adopted: &dyn Fn(&str, &str) -> Option<Arc<Session>>,
+    ) -> usize {
+        let mut taken = 0;
+        for left in durable::read_left(state_dir) {
+            let r = &left.record;
+            let session =
+                adopted(&r.principal, &r.session).filter(|s| s.container.lock().is_ok_and(|c| c.id == r.container));
+            let gone = session.is_none()
+                && docker
+                    .inspect_container(&r.container, None)
+                    .await
+                    .is_err_and(|e| crate::docker::Error::from(e).is_gone());
+            if session.is_none() && !gone {
+                continue;
+            }
+            if let Some(n) = r.number() {
+                self.next.fetch_max(n + 1, Ordering::Relaxed);
+            }
+            let started = Instant::now().checked_sub(r.age()).unwrap_or_else(Instant::now);
+            let files = match &session {
+                Some(_) => durable::Files::open(state_dir, r.clone(), false)
+                    .map_err(|e| tracing::warn!(job = %r.id, error = %e, "cannot reopen a job's record"))
+                    .ok(),
+                None => None,
+            };
+            let job = Arc::new(Job::new(r.id.clone(), &r.principal, &r.session, started, r.cap, files));
+            if let Ok(mut out) = job.output.lock() {
+                out.stdout = left.stdout;
+                out.stderr = left.stderr;
+            }
+            if let Ok(mut jobs) = self.jobs.lock() {
+                jobs.insert(job.id.clone(), job.clone());
+            }
+            let Some(session) = session.filter(|_| r.run != 0) else {
+                durable::forget(state_dir, &r.id);
+                job.finish(Finished::Failed(
+                    "the server restarted, and the job's session could not be taken over (its container is gone, \
+                     or the run had not started)"
+                        .into(),
+                ));
+                continue;
+            };
+            taken += 1;
+            tracing::info!(job = %job.id, session = %session.name, "following a job an earlier server started");
+            let (id, timeout) = (r.run, r.left());
+            let leave = self.leave.clone();
+            self.tasks.spawn(async move {
+                let observer = |s: Stream, b: &[u8]| job.observe(s, b);
+                let result = tokio::select! {
+                    r = session.resume(id, timeout, &job.cancel, &observer) => r,
+                    () = leave.cancelled(), if job.durable.is_some() => return,
+                };
+                job.finish(match result {
+                    Ok(outcome) => Finished::Outcome(Box::new(outcome)),
+                    Err(e) => Finished::Failed(e.to_string()),
+                });
+            });
+        }
+        taken
+    }
+
+    /// The server stops and leaves its sessions running: jobs that a next server can take
+    /// over are left to it (their runs go on), the others are cancelled. Waits for both.
+    pub async fn leave(&self) {
+        self.leave.cancel();
+        if let Ok(jobs) = self.jobs.lock() {
+            for j in jobs.values().filter(|j| j.durable.is_none()) {
+                j.cancel.cancel();
+            }
+        }
+        self.tasks.close();
+        self.tasks.wait().await;
     }
 
     /// A job of this principal; another principal's job behaves as a missing one.
@@ -301,19 +431,7 @@ mod tests {
     use super::*;
 
     fn finished(id: &str, principal: &str) -> Arc<Job> {
-        let (done, _) = watch::channel(false);
-        let job = Job {
-            id: id.to_owned(),
-            principal: principal.to_owned(),
-            session: "s".into(),
-            cancel: CancellationToken::new(),
-            started: Instant::now(),
-            cap: 0,
-            output: Mutex::new(Output::default()),
-            finished: Mutex::new(None),
-            egress: Mutex::new(None),
-            done,
-        };
+        let job = Job::new(id.to_owned(), principal, "s", Instant::now(), 0, None);
         job.finish(Finished::Failed("x".into()));
         Arc::new(job)
     }

@@ -415,7 +415,10 @@ impl Session {
         // A new interpreter has the session's layers at once, as the old one had them.
         let sites: Vec<String> =
             self.layers.lock().map(|l| l.iter().map(|l| l.site.clone()).collect()).unwrap_or_default();
-        if !sites.is_empty() {
+        // The interpreter a dropped stream left running has them already, and may be busy
+        // with a run (a job) that its main loop will not leave to answer.
+        let same = inner.reattach_pid.is_some() && inner.reattach_pid == agent.pid();
+        if !sites.is_empty() && !same {
             let id = agent.submit(|id| Request::Attach { id, paths: &sites }).await?;
             let missing = agent.answer(id, attached, QUERY_TIMEOUT).await?;
             if !missing.is_empty() {

@@ -22,6 +22,7 @@ use crate::environment::{Environment, Environments};
 use crate::instance::{Instance, Keeper};
 
 mod adopt;
+mod sleepers;
 
 type Key = (String, String);
 
@@ -656,7 +657,8 @@ impl Registry {
         for s in idle {
             let id = format!("h{}", self.snapshots.next_id());
             match s.hibernate(&id, bounds).await {
-                Ok(_) => {}
+                Ok(true) => self.record_sleeper(&s),
+                Ok(false) => {}
                 Err(e) => tracing::warn!(session = %s.name, error = %e, "cannot hibernate; the session stays awake"),
             }
         }
@@ -803,10 +805,15 @@ impl Registry {
     /// adopt within `--adopt-grace-s` (docs/design.md D12): only the pool and jobs stop.
     pub async fn shutdown(&self, leave: bool) {
         self.drain_pool().await;
-        self.jobs.shutdown().await;
         // Nothing to leave: a clean stop, with nothing kept for a next server.
         let leave = leave && self.slots().values().any(|slot| slot.initialized());
         if leave {
+            self.jobs.leave().await;
+        } else {
+            self.jobs.shutdown().await;
+        }
+        if leave {
+            self.record_snapshots();
             let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
             self.instance.keep_lock_files();
             self.keeper.stop(&self.docker, &[], false).await;

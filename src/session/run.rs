@@ -100,6 +100,9 @@ pub struct RunSpec {
     pub env: BTreeMap<String, String>,
 }
 
+/// Most times one run reattaches after its stream dropped.
+const MAX_REATTACH: usize = 3;
+
 /// Runs waiting for a busy session beyond the one running; more get a busy error.
 const MAX_QUEUED: usize = 4;
 
@@ -176,6 +179,8 @@ pub(super) enum Ending {
     /// The agent's main loop never took the run: code of the previous run still holds the
     /// interpreter and ignored an interrupt.
     Stuck,
+    /// A run followed after a restart had ended, but its `done` was lost with the old stream.
+    Vanished,
 }
 
 /// A child process of the run was killed for memory; the interpreter lives on.
@@ -220,6 +225,10 @@ fn lost(what: String, after: Option<String>) -> String {
     }
 }
 
+/// Called with a run's request id before it is sent (jobs record it, to find the run again
+/// after a restart).
+pub(super) type OnId<'a> = dyn Fn(u64) + Send + Sync + 'a;
+
 impl Session {
     /// Runs code in the persistent interpreter.
     pub async fn run(
@@ -228,6 +237,18 @@ impl Session {
         timeout: Duration,
         ct: &CancellationToken,
         observer: &Observer<'_>,
+    ) -> Result<RunOutcome, Error> {
+        self.run_with(spec, timeout, ct, observer, &|_| {}).await
+    }
+
+    /// [`Session::run`], telling `on_id` the run's request id before it is sent.
+    pub(super) async fn run_with(
+        &self,
+        spec: RunSpec,
+        timeout: Duration,
+        ct: &CancellationToken,
+        observer: &Observer<'_>,
+        on_id: &OnId<'_>,
     ) -> Result<RunOutcome, Error> {
         let waiting = self.waiting.fetch_add(1, Ordering::SeqCst);
         let _waiting = WaitGuard(&self.waiting);
@@ -254,7 +275,13 @@ impl Session {
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
         let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
         let mut sent = tokio::time::Instant::now();
-        let mut ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name).await;
+        let run_id = std::sync::atomic::AtomicU64::new(0);
+        let on_id = |id: u64| {
+            run_id.store(id, Ordering::Relaxed);
+            on_id(id);
+        };
+        let on_id: &OnId<'_> = &on_id;
+        let mut ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name, on_id).await;
         if matches!(ending, Ending::Stuck) {
             // The run never started: the previous run's code holds the interpreter. A fresh
             // one takes the run instead.
@@ -263,12 +290,115 @@ impl Session {
             notices.push(STUCK_NOTICE.into());
             notices.extend(self.recover(&mut inner).await);
             sent = tokio::time::Instant::now();
-            ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name).await;
+            ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name, on_id).await;
         }
+        // The stream dropped mid-run, not the interpreter (docs/design.md D12): a new relay
+        // reaches the same one under its keeper, which held what it printed meanwhile.
+        for _ in 0..MAX_REATTACH {
+            let id = run_id.load(Ordering::Relaxed);
+            if id == 0 || !matches!(ending, Ending::Died(None) | Ending::Broken(_)) {
+                break;
+            }
+            let Some(probe) = self.reattach_run(&mut inner).await else { break };
+            let left = (sent + timeout).saturating_duration_since(tokio::time::Instant::now());
+            let stop = Stop { timeout: left, ..stop };
+            ending = match inner.agent.as_mut() {
+                Some(agent) => follow(agent, id, stop, &mut outcome, observer, &self.name, Some(probe)).await,
+                None => break,
+            };
+        }
+        self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
+        outcome.duration = started.elapsed();
+        notices.append(&mut outcome.notices);
+        outcome.notices = notices;
+        self.touch();
+        Ok(outcome)
+    }
+
+    /// Follows run `id`, sent by an earlier server of this state dir, to its end: the agent
+    /// went on under its keeper, which held what it printed meanwhile (docs/design.md D12).
+    /// `timeout` is what is left of the run's time limit.
+    pub(super) async fn resume(
+        &self,
+        id: u64,
+        timeout: Duration,
+        ct: &CancellationToken,
+        observer: &Observer<'_>,
+    ) -> Result<RunOutcome, Error> {
+        let mut inner = self.inner.lock().await;
+        self.touch();
+        let ensured = self.ensure_agent(&mut inner).await?;
+        let started = Instant::now();
+        let mut outcome = RunOutcome::new(self.cfg.output_cap);
+        let mut notices = std::mem::take(&mut inner.pending);
+        inner.pending_lost = false;
+        if let Some(n) = ensured {
+            // Another interpreter answered: the one running the job is gone, and the job with it.
+            outcome.status = RunStatus::InterpreterRestarted;
+            outcome.state_lost = true;
+            notices.push(format!("the run did not survive the server's restart: {n}"));
+            outcome.notices = notices;
+            return Ok(outcome);
+        }
+        let run_started = std::time::SystemTime::now();
+        let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
+        let sent = tokio::time::Instant::now();
+        // A probe queued behind the run: its ack, seen before the run's `done`, says the run
+        // ended and its `done` was in flight in the stream that dropped.
+        let ending = match inner.agent.as_mut() {
+            Some(agent) => {
+                let probe = agent.next_id();
+                match agent.send(&Request::Packages { id: probe }).await {
+                    Ok(()) => follow(agent, id, stop, &mut outcome, observer, &self.name, Some(probe)).await,
+                    Err(e) => Ending::Broken(e.to_string()),
+                }
+            }
+            None => Ending::Broken("no agent".into()),
+        };
+        self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
+        outcome.duration = started.elapsed();
+        notices.append(&mut outcome.notices);
+        outcome.notices = notices;
+        self.touch();
+        Ok(outcome)
+    }
+
+    /// After a run's stream ended without its `done`: a new relay, if it reaches the same
+    /// interpreter, with a probe queued behind the run (see [`follow`]). `None` when the
+    /// interpreter is gone (the run died with it) or cannot be reached.
+    async fn reattach_run(&self, inner: &mut Inner) -> Option<u64> {
+        let old = inner.agent.as_ref()?.pid()?;
+        if !container::is_running(&self.docker, &inner.container.id).await.unwrap_or(false) {
+            return None;
+        }
+        let (mut agent, _) = super::agent::greet(&self.docker, &inner.container, &self.name).await.ok()?;
+        if agent.pid() != Some(old) {
+            // A new interpreter answered: the run's died. Recovery replaces this one too.
+            return None;
+        }
+        let probe = agent.next_id();
+        agent.send(&Request::Packages { id: probe }).await.ok()?;
+        tracing::info!(session = %self.name, pid = old, "the stream dropped mid-run; reattached to the interpreter");
+        inner.agent = Some(agent);
+        Some(probe)
+    }
+
+    /// After a run's events ended one way or another: its status, and a fresh interpreter
+    /// when the run lost it. `lease_until` bounds code that goes on after its `done`.
+    async fn conclude(
+        &self,
+        inner: &mut Inner,
+        ending: Ending,
+        outcome: &mut RunOutcome,
+        notices: &mut Vec<String>,
+        lease_until: tokio::time::Instant,
+        run_started: std::time::SystemTime,
+    ) {
         if matches!(ending, Ending::Done) {
             // Code may go on after a done (forged, or threads and processes left behind), up
             // to the run's time limit and never past it.
-            self.lease(&mut inner, sent + timeout);
+            self.lease(inner, lease_until);
         }
         match ending {
             // A child process (run_file, a command, a subprocess) killed by the OOM killer
@@ -282,6 +412,14 @@ impl Session {
                 notices.push(child_oom_notice(self.cfg.memory_mb));
             }
             Ending::Done => {}
+            Ending::Vanished => {
+                outcome.status = RunStatus::Error;
+                notices.push(
+                    "the run ended while no server was attached, and its result was lost with the stream that \
+                     dropped; its output up to then is kept, and the interpreter is intact"
+                        .into(),
+                );
+            }
             Ending::Died(stopped) => {
                 let code = match inner.agent.as_ref().and_then(|a| a.exec_id()) {
                     Some(exec_id) => exec::exit_code(&self.docker, exec_id).await,
@@ -297,13 +435,13 @@ impl Session {
                     (false, None) => RunStatus::InterpreterRestarted,
                 };
                 outcome.state_lost = true;
-                let after = self.recover(&mut inner).await;
+                let after = self.recover(inner).await;
                 notices.push(lost(died_notice(code, oom, self.cfg.memory_mb), after));
             }
             Ending::Killed(status) => {
                 outcome.status = status;
                 outcome.state_lost = true;
-                let after = self.recover(&mut inner).await;
+                let after = self.recover(inner).await;
                 notices.push(lost(killed_notice(status), after));
             }
             Ending::Broken(_) | Ending::Stuck => {
@@ -314,15 +452,10 @@ impl Session {
                 tracing::warn!(session = %self.name, %why, "agent stream broken");
                 outcome.status = RunStatus::InterpreterRestarted;
                 outcome.state_lost = true;
-                let after = self.recover(&mut inner).await;
+                let after = self.recover(inner).await;
                 notices.push(lost(BROKEN_NOTICE.into(), after));
             }
         }
-        outcome.duration = started.elapsed();
-        notices.append(&mut outcome.notices);
-        outcome.notices = notices;
-        self.touch();
-        Ok(outcome)
     }
 }
 
@@ -334,10 +467,12 @@ async fn drive_agent(
     outcome: &mut RunOutcome,
     observer: &Observer<'_>,
     name: &str,
+    on_id: &OnId<'_>,
 ) -> Ending {
     match inner.agent.as_mut() {
         Some(agent) => {
             let id = agent.next_id();
+            on_id(id);
             drive(agent, id, spec, stop, outcome, observer, name).await
         }
         None => Ending::Broken("no agent".into()),
@@ -359,7 +494,6 @@ pub(super) async fn drive(
     observer: &Observer<'_>,
     name: &str,
 ) -> Ending {
-    let Stop { timeout, grace, ct, sandbox } = stop;
     let req = Request::Run {
         id,
         code: &spec.code,
@@ -378,6 +512,20 @@ pub(super) async fn drive(
         Taken::Gone(None) => return Ending::Died(None),
         Taken::Gone(Some(why)) => return Ending::Broken(why),
     }
+    follow(agent, id, stop, outcome, observer, name, None).await
+}
+
+/// Reads the events of run `id`, already taken by the agent, into `outcome` until it ends.
+async fn follow(
+    agent: &mut Agent,
+    id: u64,
+    stop: Stop<'_>,
+    outcome: &mut RunOutcome,
+    observer: &Observer<'_>,
+    name: &str,
+    probe: Option<u64>,
+) -> Ending {
+    let Stop { timeout, grace, ct, sandbox } = stop;
     let deadline = tokio::time::Instant::now() + timeout;
     let died = async {
         match sandbox {
@@ -423,6 +571,7 @@ pub(super) async fn drive(
                 }
                 Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.add_image(mime, b),
                 Ok(Some(Event::Notice { id: Some(i), text })) if i == id => outcome.add_notice(text),
+                Ok(Some(Event::Ack { id: i })) if Some(i) == probe => return Ending::Vanished,
                 Ok(Some(other)) => tracing::debug!(session = %name, event = ?other, "event outside the run ignored"),
                 Ok(None) => return Ending::Died(stopping.map(|s| s.0)),
                 Err(ReadError::Skippable(e)) => tracing::warn!(session = %name, error = %e, "unreadable agent line skipped"),

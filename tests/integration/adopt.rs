@@ -203,24 +203,30 @@ async fn a_second_live_instance_never_adopts_anothers_sessions() {
     assert_cleaned_up(&inst).await;
 }
 
+/// Kills the relay (the exec the server holds) of `instance`'s session from the host, as the
+/// code's uid: the exec stream drops, the keeper and the interpreter stay.
+async fn kill_relay(instance: &str) {
+    let (container, uid) = session_container(instance).await;
+    let killer = "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            \
+                  cmd = open('/proc/%s/cmdline' % p, 'rb').read().split(b'\\0')\n        except OSError:\n            \
+                  continue\n        if b'attach' in cmd and any(c.endswith(b'keeper.py') for c in cmd):\n            \
+                  os.kill(int(p), signal.SIGKILL); print('killed', p)";
+    let out = tokio::process::Command::new("docker")
+        .args(["exec", "-u", &uid, &container, "python3", "-c", killer])
+        .output()
+        .await
+        .expect("docker exec");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("killed"), "a relay was found and killed: {said} {}", String::from_utf8_lossy(&out.stderr));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dropped_exec_stream_loses_no_state() {
     let state = StateDir::new("adopt-drop");
     let s = Server::start("adopt-drop", &state, &[("PYBERTH_ADOPT_GRACE_S", "0")]).await;
     let alice = s.client().await;
     run(&alice, "keep", SETUP).await;
-    // Kill the relay (the exec the server holds) from the host, as the code's uid.
-    let (container, uid) = session_container(&s.instance).await;
-    let killer = "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            \
-                  cmd = open('/proc/%s/cmdline' % p, 'rb').read().split(b'\\0')\n        except OSError:\n            \
-                  continue\n        if b'attach' in cmd and any(c.endswith(b'keeper.py') for c in cmd):\n            \
-                  os.kill(int(p), signal.SIGKILL); print('killed', p)";
-    let out = std::process::Command::new("docker")
-        .args(["exec", "-u", &uid, &container, "python3", "-c", killer])
-        .output()
-        .expect("docker exec");
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(said.contains("killed"), "a relay was found and killed: {said} {}", String::from_utf8_lossy(&out.stderr));
+    kill_relay(&s.instance).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let sc = run(&alice, "keep", CHECK).await;
     assert_eq!(sc["result"], INTACT, "{sc}");
@@ -248,4 +254,148 @@ async fn sessions_past_the_grace_are_swept() {
     let _ = alice.cancel().await;
     let new = second.signal("-TERM").await;
     assert_cleaned_up(&new).await;
+}
+
+/// A job running across a SIGTERM and restart keeps running: the new server lists it under
+/// the same id, with the output printed before the restart and what came while no server was
+/// attached, and follows it to its result.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_running_across_a_restart_keeps_running_and_stays_readable() {
+    let state = StateDir::new("adopt-job");
+    let first = Server::start("adopt-job", &state, &[]).await;
+    let alice = first.client().await;
+    run(&alice, "keep", "x = 42").await;
+    let code = "import time\nfor i in range(10):\n    print('tick', i, flush=True)\n    time.sleep(0.8)\n'done', x";
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "keep", "code": code, "background": true })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let job = sc["job"].as_str().expect("job").to_owned();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let (_, sc) = call(&alice, "job_status", json!({ "job": job })).await;
+    assert_eq!(sc["status"], "running", "{sc}");
+    assert!(sc["stdout"].as_str().is_some_and(|s| s.contains("tick 1")), "{sc}");
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+    assert!(!containers_of(&old).await.is_empty(), "the session is left running");
+    // Printing goes on while no server is attached.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let second = Server::start("adopt-job", &state, &[]).await;
+    let alice = second.client().await;
+    let (_, sc) = call(&alice, "list_jobs", json!({})).await;
+    assert_eq!(sc["jobs"][0]["job"], job.as_str(), "the job is listed under its id: {sc}");
+    assert_eq!(sc["jobs"][0]["status"], "running", "{sc}");
+    let (_, sc) = call(&alice, "job_status", json!({ "job": job })).await;
+    assert_eq!(sc["status"], "running", "still running after the restart: {sc}");
+    let so_far = sc["stdout"].as_str().unwrap_or_default().to_owned();
+    assert!(so_far.contains("tick 0\ntick 1\n"), "the output from before the restart is readable: {sc}");
+    let (_, sc) = call(&alice, "job_status", json!({ "job": job, "wait_s": 30 })).await;
+    assert_eq!(sc["status"], "ok", "{sc}");
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    let ticks: Vec<&str> = out.lines().collect();
+    let want: Vec<String> = (0..10).map(|i| format!("tick {i}")).collect();
+    assert_eq!(ticks, want, "every line, none lost or doubled across the restart: {sc}");
+    assert_eq!(sc["result"]["result"], "('done', 42)", "its result, in the same interpreter: {sc}");
+    // A new job gets a fresh id, never the taken-over one's.
+    let (_, sc) = call(&alice, "run_python", json!({ "session": "keep", "code": "1", "background": true })).await;
+    assert_ne!(sc["job"].as_str(), Some(job.as_str()), "{sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "keep" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+    let left: Vec<_> = std::fs::read_dir(state.0.join("jobs")).map(|d| d.flatten().collect()).unwrap_or_default();
+    assert!(left.is_empty(), "no job record is left behind: {left:?}");
+}
+
+/// The state of `name` in `list_sessions`, if listed.
+async fn state_of(client: &RunningService<RoleClient, Recorder>, name: &str) -> Option<Value> {
+    let (_, sc) = call(client, "list_sessions", json!({})).await;
+    sc["sessions"].as_array().and_then(|a| a.iter().find(|x| x["session"] == name)).map(|x| x["state"].clone())
+}
+
+/// Hibernated sessions and snapshots are carried across a restart: the new server lists the
+/// sleepers, wakes one transparently with its state, lets another expire at its TTL counted
+/// from its last use, and restores a snapshot taken under the old server.
+#[tokio::test(flavor = "multi_thread")]
+async fn hibernated_sessions_and_snapshots_survive_a_restart() {
+    let state = StateDir::new("adopt-sleep");
+    let sleepy = [("PYBERTH_HIBERNATE_AFTER_S", "1")];
+    let first = Server::start("adopt-sleep", &state, &sleepy).await;
+    let alice = first.client().await;
+    run(&alice, "nap", "x = 42\nopen('kept.txt', 'w').write('kept')").await;
+    run(&alice, "gone", "y = 1").await;
+    let (r, _) = call(&alice, "snapshot_session", json!({ "session": "nap", "name": "before" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while state_of(&alice, "nap").await != Some(json!("hibernated"))
+        || state_of(&alice, "gone").await != Some(json!("hibernated"))
+    {
+        assert!(Instant::now() < deadline, "not hibernated");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let slept = Instant::now();
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+
+    let second =
+        Server::start("adopt-sleep", &state, &[("PYBERTH_HIBERNATE_AFTER_S", "0"), ("PYBERTH_IDLE_TTL", "25")]).await;
+    let alice = second.client().await;
+    assert_eq!(state_of(&alice, "nap").await, Some(json!("hibernated")), "the sleeper is carried over");
+    assert_eq!(state_of(&alice, "gone").await, Some(json!("hibernated")));
+    let (_, sc) = call(&alice, "list_snapshots", json!({})).await;
+    assert!(sc.to_string().contains("\"before\""), "the snapshot is still its principal's: {sc}");
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "nap", "code": "x, open('kept.txt').read()" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["result"], "(42, 'kept')", "woken with its variables and files: {sc}");
+    assert!(text(&r).contains("hibernated"), "the wake is told: {}", text(&r));
+    let (r, sc) = call(&alice, "restore_session", json!({ "snapshot": "before", "session": "copy" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = sc;
+    let sc = run(&alice, "copy", "x").await;
+    assert_eq!(sc["result"], "42", "{sc}");
+    // "gone" was last used before the restart: its TTL runs from then, not from the adoption.
+    while state_of(&alice, "gone").await.is_some() {
+        assert!(slept.elapsed() < Duration::from_secs(60), "the sleeper never expired");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(slept.elapsed() < Duration::from_secs(40), "expired at its TTL: {:?}", slept.elapsed());
+    for s in ["nap", "copy"] {
+        let (r, _) = call(&alice, "close_session", json!({ "session": s })).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    }
+    let (r, _) = call(&alice, "delete_snapshot", json!({ "snapshot": "before" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+}
+
+/// A stream that drops mid-run still ends that run: the server reattaches to the same
+/// interpreter and reads the rest of the run's events, its result included.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_dropped_mid_run_still_ends_that_run() {
+    let state = StateDir::new("adopt-midrun");
+    let s = Server::start("adopt-midrun", &state, &[("PYBERTH_ADOPT_GRACE_S", "0")]).await;
+    let alice = s.client().await;
+    run(&alice, "keep", SETUP).await;
+    let code = "import time\nfor i in range(8):\n    print('tick', i, flush=True)\n    time.sleep(0.5)\n('done', x)";
+    let running = call(&alice, "run_python", json!({ "session": "keep", "code": code }));
+    let killing = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        kill_relay(&s.instance).await;
+    };
+    let ((r, sc), ()) = tokio::join!(running, killing);
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["status"], "ok", "{sc}");
+    assert_eq!(sc["result"], "('done', 42)", "the run's own result, read after the drop: {sc}");
+    assert!(sc["stdout"].as_str().is_some_and(|o| o.contains("tick 7")), "output after the drop: {sc}");
+    assert!(!sc.to_string().contains("variables are gone"), "no state lost said: {sc}");
+    assert!(s.log().contains("reattached to the interpreter"), "the server says it reattached");
+    let sc = run(&alice, "keep", CHECK).await;
+    assert_eq!(sc["result"], INTACT, "{sc}");
+    let _ = alice.cancel().await;
+    let inst = s.signal("-TERM").await;
+    assert_cleaned_up(&inst).await;
 }

@@ -79,10 +79,15 @@ fn write_record(path: &Path, record: &Record) -> std::io::Result<()> {
 }
 
 impl Session {
+    /// Whether a next server may take this session over, and so its jobs too: only a server
+    /// that leaves its sessions for the next one keeps records.
+    pub(in crate::session) fn durable_jobs(&self) -> bool {
+        self.cfg.keep_sessions && self.cfg.adopt_grace_s != 0
+    }
+
     /// Writes this session's record (a few hundred bytes; called when it changes).
     pub(in crate::session) fn save_record(&self) {
-        // Only a server that leaves its sessions for the next one keeps records.
-        if !self.cfg.keep_sessions || self.cfg.adopt_grace_s == 0 {
+        if !self.durable_jobs() {
             return;
         }
         let Ok(created) = self.container.lock().map(|c| c.clone()) else { return };
@@ -184,10 +189,11 @@ impl Registry {
     pub(super) async fn adopt_leftovers(&self) -> Result<usize, docker::Error> {
         let state_dir = self.cfg.state_dir();
         let records = read_records(&state_dir);
-        if records.is_empty() {
+        let mut recorded: HashSet<String> = records.iter().map(|(_, r)| r.instance.clone()).collect();
+        recorded.extend(super::sleepers::recorded_instances(&state_dir));
+        if recorded.is_empty() {
             return Ok(0);
         }
-        let recorded: HashSet<String> = records.iter().map(|(_, r)| r.instance.clone()).collect();
         let found = container::inventory(&self.docker).await?;
         let grace = self.cfg.adopt_grace();
         let names = self.instance.claim_adoptable(&self.docker, &found.containers, &recorded, grace).await;
@@ -245,6 +251,11 @@ impl Registry {
             adopted += 1;
             tracing::info!(session = %name, container = %short(&id), "session adopted from a stopped server");
         }
+        // Hibernated sessions and snapshots have no running container to find.
+        let (kept, sleepers) = self.adopt_sleepers(&names, &host).await;
+        kept_ids.extend(kept.containers);
+        kept_volumes.extend(kept.volumes);
+        adopted += sleepers;
         // The rest of those instances' resources: pool containers, sessions without a record.
         for c in found.containers.iter().filter(|c| of_adopted(&c.labels) && !kept_ids.contains(&c.id)) {
             container::remove_leftover_container(&self.docker, &c.id).await;
@@ -255,6 +266,14 @@ impl Registry {
         if adopted > 0 {
             // Their sets are in use: no prune may take them.
             self.record_layers();
+        }
+        // Their jobs, running on under the keepers, are followed again.
+        let find = |principal: &str, name: &str| {
+            self.slots().get(&(principal.to_owned(), name.to_owned())).and_then(|slot| slot.get().cloned())
+        };
+        let jobs = self.jobs.take_over(&self.docker, &state_dir, &find).await;
+        if jobs > 0 {
+            tracing::info!(jobs, "following the jobs of stopped servers");
         }
         Ok(adopted)
     }

@@ -1,0 +1,359 @@
+//! Hibernated sessions and snapshots outlive their server too (docs/design.md D12).
+//!
+//! A hibernated session has no container for [`super::adopt`] to find: its snapshot is its
+//! whole state. When it hibernates, a record of it (its session record's fields and its
+//! snapshot's) is written to `<state dir>/sleepers/<volume>.json`; the snapshots of the
+//! catalogue are written to `<state dir>/snapshots/<volume>.json` when the server stops and
+//! leaves its sessions. The server that adopts their instance registers the sleeper again
+//! (woken on its next call, expiring at its TTL from its last use) and the snapshots again
+//! (their principal's, as before), and keeps their volumes from the sweep of that instance's
+//! leftovers. A record whose volume is gone (woken, closed, deleted) is stale and dropped.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::unix::fs::DirBuilderExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::Registry;
+use crate::docker::container::{self, Created};
+use crate::docker::snapshot::{Stored, Summary};
+use crate::protocol::Lost;
+use crate::session::snapshot::{Grade, Saved};
+use crate::session::{Inner, Session};
+
+const SLEEPERS: &str = "sleepers";
+const SNAPSHOTS: &str = "snapshots";
+/// Largest record read back (a snapshot's file sizes and digests are listed in it).
+const MAX_RECORD: u64 = 64 << 20;
+
+/// A snapshot, as stored in a record.
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedRecord {
+    volume: String,
+    helper: String,
+    environment: String,
+    requirements: Vec<String>,
+    env: BTreeMap<String, String>,
+    files: u64,
+    workspace_bytes: u64,
+    state_bytes: u64,
+    skipped: u64,
+    meta: Option<Vec<u8>>,
+    sizes: HashMap<String, u64>,
+    digests: HashMap<String, u64>,
+    /// Whether globals were saved (grade `files+globals`).
+    globals: bool,
+    saved: Vec<String>,
+    lost: Vec<(String, String)>,
+    took_ms: u64,
+}
+
+impl From<&Saved> for SavedRecord {
+    fn from(s: &Saved) -> Self {
+        Self {
+            volume: s.store.volume.clone(),
+            helper: s.store.helper.clone(),
+            environment: s.environment.clone(),
+            requirements: s.requirements.clone(),
+            env: s.env.clone(),
+            files: s.summary.files,
+            workspace_bytes: s.summary.workspace_bytes,
+            state_bytes: s.summary.state_bytes,
+            skipped: s.summary.skipped,
+            meta: s.summary.meta.clone(),
+            sizes: s.summary.sizes.clone(),
+            digests: s.summary.digests.clone(),
+            globals: s.grade == Grade::FilesAndGlobals,
+            saved: s.saved.clone(),
+            lost: s.lost.iter().map(|l| (l.name.clone(), l.why.clone())).collect(),
+            took_ms: u64::try_from(s.took.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+impl From<SavedRecord> for Saved {
+    fn from(r: SavedRecord) -> Self {
+        Saved {
+            store: Stored { volume: r.volume, helper: r.helper },
+            environment: r.environment,
+            requirements: r.requirements,
+            env: r.env,
+            summary: Summary {
+                files: r.files,
+                workspace_bytes: r.workspace_bytes,
+                state_bytes: r.state_bytes,
+                skipped: r.skipped,
+                meta: r.meta,
+                sizes: r.sizes,
+                digests: r.digests,
+            },
+            grade: if r.globals { Grade::FilesAndGlobals } else { Grade::Files },
+            saved: r.saved,
+            lost: r.lost.into_iter().map(|(name, why)| Lost { name, why }).collect(),
+            took: Duration::from_millis(r.took_ms),
+        }
+    }
+}
+
+/// A hibernated session.
+#[derive(Debug, Serialize, Deserialize)]
+struct Sleeper {
+    instance: String,
+    principal: String,
+    name: String,
+    environment: String,
+    image: String,
+    container: String,
+    volume: String,
+    uid: u32,
+    layers: Vec<crate::docker::layers::Layer>,
+    packages: Vec<String>,
+    env: BTreeMap<String, String>,
+    python: String,
+    /// Unix ms of its last use: its TTL runs from there.
+    last_used_ms: u64,
+    saved: SavedRecord,
+}
+
+/// A snapshot of the catalogue.
+#[derive(Debug, Serialize, Deserialize)]
+struct Snap {
+    instance: String,
+    principal: String,
+    name: String,
+    session: String,
+    saved: SavedRecord,
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    u64::try_from(t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// `<state dir>/<dir>/<volume>.json`; volume names are ours, anything else reaches no path.
+fn path_of(state_dir: &Path, dir: &str, volume: &str) -> Option<PathBuf> {
+    let plain = !volume.is_empty()
+        && volume.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !volume.starts_with('.');
+    plain.then(|| state_dir.join(dir).join(format!("{volume}.json")))
+}
+
+fn write<T: Serialize>(state_dir: &Path, dir: &str, volume: &str, record: &T) {
+    let Some(path) = path_of(state_dir, dir, volume) else { return };
+    let written = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(state_dir.join(dir))
+        .and_then(|()| serde_json::to_vec(record).map_err(std::io::Error::other))
+        .and_then(|bytes| crate::state_dir::replace(&path, &bytes));
+    if let Err(e) = written {
+        tracing::warn!(error = %e, path = %path.display(), "cannot write a record: a restarted server will not find it");
+    }
+}
+
+fn read<T: for<'de> Deserialize<'de>>(
+    state_dir: &Path,
+    dir: &str,
+    volume_of: impl Fn(&T) -> &str,
+) -> Vec<(PathBuf, T)> {
+    let Ok(entries) = std::fs::read_dir(state_dir.join(dir)) else { return Vec::new() };
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        match crate::state_dir::read(&path, MAX_RECORD)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<T>(&b).map_err(|e| e.to_string()))
+        {
+            Ok(r) if path_of(state_dir, dir, volume_of(&r)).as_deref() == Some(path.as_path()) => out.push((path, r)),
+            Ok(_) => tracing::warn!(path = %path.display(), "a record under another name; skipped"),
+            Err(e) => tracing::warn!(path = %path.display(), error = %e, "unreadable record; skipped"),
+        }
+    }
+    out
+}
+
+/// What [`Registry::adopt_sleepers`] kept from the sweep of the adopted instances.
+#[derive(Debug, Default)]
+pub(super) struct Kept {
+    pub(super) containers: HashSet<String>,
+    pub(super) volumes: HashSet<String>,
+}
+
+/// Instances named by sleeper and snapshot records: candidates for adoption.
+pub(super) fn recorded_instances(state_dir: &Path) -> HashSet<String> {
+    let mut names: HashSet<String> =
+        read::<Sleeper>(state_dir, SLEEPERS, |r| &r.saved.volume).into_iter().map(|(_, r)| r.instance).collect();
+    names.extend(read::<Snap>(state_dir, SNAPSHOTS, |r| &r.saved.volume).into_iter().map(|(_, r)| r.instance));
+    names
+}
+
+impl Session {
+    /// Records this hibernated session (called right after it hibernated).
+    fn save_sleeper(&self, state_dir: &Path) {
+        let Ok(inner) = self.inner.try_lock() else { return };
+        let Some(saved) = inner.sleeping.as_ref() else { return };
+        let created = inner.container.clone();
+        let idle = self.idle();
+        let record = Sleeper {
+            instance: self.owner.instance.clone(),
+            principal: self.principal.clone(),
+            name: self.name.clone(),
+            environment: self.environment.clone(),
+            image: self.image.clone(),
+            container: created.id,
+            volume: created.volume,
+            uid: created.uid,
+            layers: self.layers(),
+            packages: self.requirements(),
+            env: self.env(),
+            python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
+            last_used_ms: unix_ms(SystemTime::now().checked_sub(idle).unwrap_or(UNIX_EPOCH)),
+            saved: SavedRecord::from(saved),
+        };
+        write(state_dir, SLEEPERS, &saved.store.volume, &record);
+    }
+
+    /// A hibernated session from its record: woken on its next call.
+    fn readopt_asleep(
+        docker: bollard::Docker,
+        cfg: Arc<crate::config::SandboxConfig>,
+        owner: container::Owner,
+        record: Sleeper,
+    ) -> Arc<Self> {
+        let created = Created { id: record.container, volume: record.volume, uid: record.uid };
+        let saved = Saved::from(record.saved);
+        let stored = saved.store.clone();
+        let idle = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(record.last_used_ms));
+        let inner = Inner {
+            container: created.clone(),
+            agent: None,
+            lease: None,
+            watched: false,
+            pending: Vec::new(),
+            pending_lost: false,
+            reattach_pid: None,
+            sleeping: Some(saved),
+        };
+        Arc::new_cyclic(|me| Self {
+            name: record.name,
+            principal: record.principal,
+            environment: record.environment,
+            me: me.clone(),
+            lease_changed: Arc::new(tokio::sync::Notify::new()),
+            docker,
+            cfg,
+            image: record.image,
+            owner,
+            inner: tokio::sync::Mutex::new(inner),
+            container: std::sync::Mutex::new(created),
+            last_used: std::sync::Mutex::new(Instant::now().checked_sub(idle).unwrap_or_else(Instant::now)),
+            created: SystemTime::now(),
+            runs: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+            layers: std::sync::Mutex::new(record.layers),
+            packages: std::sync::Mutex::new(record.packages.into_iter().collect()),
+            env: std::sync::Mutex::new(record.env),
+            waiting: AtomicUsize::new(0),
+            python: std::sync::Mutex::new(record.python),
+            agent_pid: AtomicU32::new(0),
+            pool: std::sync::OnceLock::new(),
+            asleep: std::sync::Mutex::new(Some(stored)),
+        })
+    }
+}
+
+/// Whether a snapshot's volume and helper container are both still there.
+async fn store_exists(docker: &bollard::Docker, saved: &SavedRecord) -> bool {
+    docker.inspect_volume(&saved.volume).await.is_ok() && docker.inspect_container(&saved.helper, None).await.is_ok()
+}
+
+impl Registry {
+    /// After a session hibernated: its record, for a next server.
+    pub(super) fn record_sleeper(&self, session: &Session) {
+        if session.durable_jobs() {
+            session.save_sleeper(&self.cfg.state_dir());
+        }
+    }
+
+    /// At a stop that leaves the sessions: the catalogue's snapshots, for the next server.
+    pub(super) fn record_snapshots(&self) {
+        let state_dir = self.cfg.state_dir();
+        for e in self.snapshots.drain() {
+            // The instance its volume is labelled with (`pyberth-<instance>-snap-<id>`): one
+            // carried over from an adopted instance stays that instance's.
+            let instance = e
+                .saved
+                .store
+                .volume
+                .strip_prefix("pyberth-")
+                .and_then(|v| v.rsplit_once("-snap-"))
+                .map_or_else(|| self.instance.owner.instance.clone(), |(i, _)| i.to_owned());
+            let record = Snap {
+                instance,
+                principal: e.principal.clone(),
+                name: e.name.clone(),
+                session: e.session.clone(),
+                saved: SavedRecord::from(&e.saved),
+            };
+            write(&state_dir, SNAPSHOTS, &e.saved.store.volume, &record);
+        }
+    }
+
+    /// Registers the hibernated sessions and snapshots of the adopted instances `names`;
+    /// returns what of theirs the sweep of those instances must keep, and how many sessions.
+    pub(super) async fn adopt_sleepers(&self, names: &[String], host: &str) -> (Kept, usize) {
+        let state_dir = self.cfg.state_dir();
+        let mut kept = Kept::default();
+        let mut sessions = 0;
+        for (path, record) in read::<Sleeper>(&state_dir, SLEEPERS, |r| &r.saved.volume) {
+            if !names.contains(&record.instance) {
+                continue;
+            }
+            let key = (record.principal.clone(), record.name.clone());
+            // Woken or closed since (its snapshot is gone), or awake under a container record.
+            if !store_exists(&self.docker, &record.saved).await || self.slots().contains_key(&key) {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let Ok(env) = self.environments.get(Some(&record.environment)) else {
+                tracing::warn!(session = %record.name, "no such environment now; hibernated session not adopted");
+                let _ = std::fs::remove_file(&path);
+                continue;
+            };
+            kept.containers.insert(record.saved.helper.clone());
+            kept.volumes.insert(record.saved.volume.clone());
+            let owner = container::Owner { instance: record.instance.clone(), host: host.to_owned() };
+            let name = record.name.clone();
+            let session = Session::readopt_asleep(self.docker.clone(), env.cfg.clone(), owner, record);
+            let slot: super::Slot = Arc::default();
+            let _ = slot.set(session);
+            self.slots().insert(key, slot);
+            sessions += 1;
+            tracing::info!(session = %name, "hibernated session adopted from a stopped server");
+        }
+        for (path, record) in read::<Snap>(&state_dir, SNAPSHOTS, |r| &r.saved.volume) {
+            if !names.contains(&record.instance) {
+                continue;
+            }
+            let _ = std::fs::remove_file(&path);
+            if !store_exists(&self.docker, &record.saved).await {
+                continue;
+            }
+            kept.containers.insert(record.saved.helper.clone());
+            kept.volumes.insert(record.saved.volume.clone());
+            if let Some(old) =
+                self.snapshots.insert(&record.principal, &record.name, &record.session, record.saved.into())
+            {
+                // Two records of one name (two stops in a row): one is kept.
+                crate::docker::snapshot::remove(&self.docker, &old.saved.store).await;
+            }
+        }
+        (kept, sessions)
+    }
+}
