@@ -214,8 +214,16 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
 
     if args.installer_only {
         let result = installer_rows(&cfg, &docker, &img, &mut table).await;
-        let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
-        let _ = docker.remove_volume(&bench_store(), Some(opts)).await;
+        // The server's pooled containers mount the store and may still be going: retried.
+        for _ in 0..20 {
+            let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+            match docker.remove_volume(&bench_store(), Some(opts)).await {
+                Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                _ => break,
+            }
+        }
         result?;
         table.print();
         return Ok(());
