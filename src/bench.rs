@@ -95,6 +95,9 @@ pub(crate) struct BenchArgs {
     /// Measure only the durable-session figures (snapshot, restore, fork, hibernate, wake).
     #[arg(long)]
     pub durable_only: bool,
+    /// Measure only the first installs beside their floors (uv and pip in a plain container).
+    #[arg(long, conflicts_with = "durable_only")]
+    pub installer_only: bool,
 }
 
 /// `pyberth serve` as a child speaking over pipes, with extra environment.
@@ -113,7 +116,8 @@ fn serve_command(
     cmd.arg("serve")
         .env("PYBERTH_INSTANCE", instance)
         // Engine warnings were printed by this process already; failures still show.
-        .env("RUST_LOG", "error")
+        // PYBERTH_BENCH_SERVER_LOG: the servers' own filter, for a breakdown of their steps.
+        .env("RUST_LOG", std::env::var("PYBERTH_BENCH_SERVER_LOG").unwrap_or_else(|_| "error".into()))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -207,6 +211,23 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
         };
         let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
         let _ = docker.remove_volume(&bench_store(), Some(opts)).await;
+        result?;
+        table.print();
+        return Ok(());
+    }
+
+    if args.installer_only {
+        let result = installer_rows(&cfg, &docker, &img, &mut table).await;
+        // The server's pooled containers mount the store and may still be going: retried.
+        for _ in 0..20 {
+            let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+            match docker.remove_volume(&bench_store(), Some(opts)).await {
+                Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                _ => break,
+            }
+        }
         result?;
         table.print();
         return Ok(());
@@ -757,7 +778,8 @@ async fn exec_to_end(docker: &Docker, container: &str, cmd: Vec<&str>) -> anyhow
 /// the installer's tool volume, fetched beforehand by a warm-up install.
 async fn installer_rows(cfg: &SandboxConfig, docker: &Docker, img: &str, table: &mut Table) -> anyhow::Result<()> {
     let instance = format!("bench-{}-installer", std::process::id());
-    let env = [("PYBERTH_INSTALLER_CACHE_MB", "0".to_owned()), ("PYBERTH_POOL_SIZE", "0".to_owned())];
+    // The pool as configured, as a new user has it: the session that asks comes from it.
+    let env = [("PYBERTH_INSTALLER_CACHE_MB", "0".to_owned()), ("PYBERTH_POOL_SIZE", cfg.pool_size.to_string())];
     let server = Server::start(cfg, &instance, &env).await?;
     let result = async {
         // Warm-up: the sandbox image's first session, and uv in the tool volume.
@@ -765,10 +787,13 @@ async fn installer_rows(cfg: &SandboxConfig, docker: &Docker, img: &str, table: 
         let uv = tool_volume(docker, img, cfg).await;
         let mut rows = Vec::new();
         for (package, code) in [("idna", "import idna"), ("pandas", "import pandas")] {
-            let floor = floor_install(docker, img, cfg, uv.as_deref(), package, true).await?;
+            // pyberth first: whatever a proxy between here and the index caches then favours
+            // the floor, never pyberth.
             let t = Instant::now();
             server.run(&format!("first-{package}"), code, &[package]).await?;
-            rows.push((package, floor, t.elapsed()));
+            let ours = t.elapsed();
+            let floor = floor_install(docker, img, cfg, uv.as_deref(), package, true).await?;
+            rows.push((package, floor, ours));
         }
         for (package, floor, ours) in rows {
             let mut f = [floor];

@@ -281,6 +281,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 let layer =
                     layers::ensure(&docker, &env.cfg, &owner.owner, &base, &env.packages, &index, &egress, &progress)
                         .await;
+                layers::settle().await;
                 egress.shutdown().await;
                 let layer =
                     layer.with_context(|| format!("environment {}: its packages could not be installed", env.name))?;

@@ -35,6 +35,10 @@ use crate::docker::{LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABE
 
 /// The principal installs are accounted under in the proxy's records.
 const INSTALLER: &str = "pyberth-installer";
+/// How long an installer network is kept for the next install once its install is done.
+const INSTALLER_IDLE: Duration = Duration::from_secs(120);
+/// Installer networks kept idle at most (installs at once beyond this make their own).
+const MAX_IDLE_INSTALLERS: usize = 2;
 /// Label on the proxy container and the session networks: `proxy` or `network`.
 pub const LABEL_EGRESS: &str = "pyberth.egress";
 /// Where a session finds the CA bundle the server trusts ([`Attachment::after_start`]).
@@ -328,6 +332,9 @@ pub struct Manager {
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
     /// The executable run as the proxy (`None`: this one).
     exe: Option<std::path::PathBuf>,
+    /// Installer networks no install is using, with the proxy they lead to and when they
+    /// were freed: the next install takes one instead of making its own.
+    idle_installers: Mutex<Vec<(InstallerNet, String, std::time::Instant)>>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -398,6 +405,7 @@ impl Manager {
             sessions: Mutex::new(HashMap::new()),
             totals: Arc::default(),
             exe: None,
+            idle_installers: Mutex::new(Vec::new()),
         }
     }
 
@@ -883,6 +891,9 @@ impl Manager {
         index: &crate::docker::layers::IndexSettings,
     ) -> Result<InstallerNet, String> {
         let allow = index_hosts(index);
+        if let Some(net) = self.reuse_installer(&allow).await {
+            return Ok(net);
+        }
         let rules = policy::parse_list(&allow)?;
         let key = format!("install-{label}-{}", next_serial());
         let att = self.attach(INSTALLER, &key, image, rules, Headers::new()).await?;
@@ -895,6 +906,37 @@ impl Manager {
         })
     }
 
+    /// An idle installer network for `allow`, if one leads to the running proxy: networks
+    /// idle past [`INSTALLER_IDLE`], or whose proxy is gone, are removed on the way.
+    async fn reuse_installer(&self, allow: &[String]) -> Option<InstallerNet> {
+        let proxy = {
+            let slot = self.proxy.lock().await;
+            slot.as_ref().filter(|p| !p.reader.is_finished()).map(|p| p.id.clone())
+        };
+        let (mut stale, mut found) = (Vec::new(), None);
+        {
+            let mut idle = self.idle_installers.lock().unwrap_or_else(|e| e.into_inner());
+            for (net, via, since) in idle.drain(..) {
+                if since.elapsed() > INSTALLER_IDLE || Some(&via) != proxy.as_ref() {
+                    stale.push(net);
+                } else if found.is_none() && net.allow == allow {
+                    found = Some(net);
+                } else {
+                    stale.push(net);
+                }
+            }
+        }
+        for net in stale {
+            self.detach(INSTALLER, &net.key).await;
+        }
+        let net = found?;
+        // A fresh account: what the proxy refuses from now on is this install's.
+        let key = (INSTALLER.to_owned(), net.key.clone());
+        let local = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|n| n.local)?;
+        self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
+        Some(net)
+    }
+
     /// What the proxy refused or could not reach for the install on `net`, in its words.
     pub async fn installer_refused(&self, net: &InstallerNet) -> Vec<String> {
         self.totals(INSTALLER, &net.key).await.map(|t| t.denied).unwrap_or_default()
@@ -905,8 +947,38 @@ impl Manager {
         self.detach(INSTALLER, &net.key).await;
     }
 
+    /// After the installer container is gone: its network kept for the next install (never
+    /// shared with another install under way: one takes it at a time), else removed. Kept at
+    /// most [`MAX_IDLE_INSTALLERS`], each until an install finds it idle past
+    /// [`INSTALLER_IDLE`] or the proxy gone, or until [`Self::shutdown`].
+    pub async fn release_installer(&self, net: InstallerNet) {
+        let proxy = {
+            let slot = self.proxy.lock().await;
+            slot.as_ref().filter(|p| !p.reader.is_finished()).map(|p| p.id.clone())
+        };
+        if let Some(proxy) = proxy {
+            let mut idle = self.idle_installers.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.len() < MAX_IDLE_INSTALLERS {
+                idle.push((net, proxy, std::time::Instant::now()));
+                return;
+            }
+        }
+        self.detach(INSTALLER, &net.key).await;
+    }
+
+    /// Removes the installer networks kept for a next install (a server leaving its sessions
+    /// running for the next one keeps the proxy and their networks, not these).
+    pub async fn drop_idle_installers(&self) {
+        let idle: Vec<_> = self.idle_installers.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+        for (net, _, _) in idle {
+            self.detach(INSTALLER, &net.key).await;
+        }
+    }
+
     /// Removes the proxy and every network of this instance.
     pub async fn shutdown(&self) {
+        // Their networks are in `sessions`, removed below.
+        self.idle_installers.lock().unwrap_or_else(|e| e.into_inner()).clear();
         if let Some(p) = self.proxy.lock().await.take() {
             p.reader.abort();
             container::remove_container(&self.docker, &p.id).await;

@@ -817,6 +817,8 @@ impl Registry {
             let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
             self.instance.keep_lock_files();
             self.keeper.stop(&self.docker, &[], false).await;
+            layers::settle().await;
+            self.egress.drop_idle_installers().await;
             tracing::info!(
                 sessions = left,
                 grace_s = self.cfg.adopt_grace_s,
@@ -827,6 +829,8 @@ impl Registry {
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         self.record_layers();
+        // Installer volumes still being emptied: theirs before the sweep's.
+        layers::settle().await;
         let snapshots = self.snapshots.drain();
         futures::future::join_all(
             snapshots.iter().map(|e| crate::docker::snapshot::remove(&self.docker, &e.saved.store)),

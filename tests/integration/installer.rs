@@ -180,3 +180,92 @@ async fn the_datascience_environment_runs_pandas_and_returns_a_figure() {
     assert_eq!(s.ok("ds", code).await["result"], "True");
     s.stop().await;
 }
+
+/// The networks of `instance`, by name.
+async fn installer_networks(instance: &str) -> Vec<String> {
+    let label = format!("pyberth.instance={instance}");
+    let filters = std::collections::HashMap::from([("label", vec![label.as_str()])]);
+    let opts = bollard::query_parameters::ListNetworksOptionsBuilder::default().filters(&filters).build();
+    let nets = docker().await.list_networks(Some(opts)).await.expect("list networks");
+    let mut names: Vec<String> = nets.into_iter().filter_map(|n| n.name).collect();
+    names.sort();
+    names
+}
+
+/// Installer networks are kept for the next install (docs/design.md D14), which opens a new
+/// surface: two installs must never share one, since build code allowed by `allow_sdist`
+/// could then reach another installer under way. Two installs at once get two networks; a
+/// released one goes to the next install only, still reaching only the index; a network
+/// whose install failed is never kept; shutdown removes what was kept.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_installer_network_is_kept_for_the_next_install_and_never_shared() {
+    use std::sync::Arc;
+    let tag = crate::common::instance_name("inst-net-reuse");
+    let cfg = crate::common::server_settings();
+    let owner = pyberth::docker::container::Owner { instance: tag.clone(), host: "test".into() };
+    let index = pyberth::docker::layers::IndexSettings::from_config(&cfg).expect("index settings");
+    let ca = cfg.ca_bundle().expect("a CA bundle on this host");
+    let engine = pyberth::docker::connect(None).await.expect("engine");
+    let manager = pyberth::egress::Manager::new(engine, owner, Arc::new(cfg.clone()), None)
+        .with_executable(env!("CARGO_BIN_EXE_pyberth").into());
+    let image = pyberth::docker::image::sandbox_tag();
+    let a = manager.attach_installer("a", &image, &index).await.expect("installer network a");
+    let b = manager.attach_installer("b", &image, &index).await.expect("installer network b");
+    assert_ne!(a.network, b.network, "two installs under way share a network");
+    let (a_name, b_name) = (a.network.clone(), b.network.clone());
+    manager.release_installer(a).await;
+    // The next install takes the released network, and while it holds it, another install
+    // gets a network of its own (b is still held too).
+    let c = manager.attach_installer("c", &image, &index).await.expect("installer network c");
+    assert_eq!(c.network, a_name, "a released network is taken by the next install");
+    let d = manager.attach_installer("d", &image, &index).await.expect("installer network d");
+    assert!(d.network != a_name && d.network != b_name, "a held network is given again");
+    // The kept network leads to the index only, as a new one does.
+    let code = r#"
+import socket, subprocess, sys, urllib.request
+p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-d", "/tmp/d",
+                    "--cert", "/ca.pem", "six"], capture_output=True, text=True)
+print("pip", p.returncode)
+try:
+    urllib.request.urlopen("http://example.com/", timeout=10)
+    print("example reached")
+except Exception as e:
+    print("example refused", "403" in repr(e))
+try:
+    socket.create_connection(("172.17.0.1", 22), timeout=3).close()
+    print("host connected")
+except OSError:
+    print("host failed")
+"#;
+    let mut cmd = std::process::Command::new("docker");
+    cmd.args(["run", "--rm", "--network", &c.network, "--cap-drop", "ALL", "--user", "65534:65534"])
+        .args(["--label", &format!("pyberth.instance={tag}"), "-v", &format!("{}:/ca.pem:ro", ca.display())])
+        .args(["-e", "HOME=/tmp"]);
+    for dns in &c.dns {
+        cmd.args(["--dns", dns]);
+    }
+    for e in &c.env {
+        cmd.args(["-e", e]);
+    }
+    let out = cmd.args([image.as_str(), "python3", "-c", code]).output().expect("docker run");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(stdout.contains("pip 0"), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("example refused True"), "{stdout}");
+    assert!(stdout.contains("host failed"), "{stdout}");
+    // What the proxy refused on a kept network is told to the install that caused it, not
+    // to the next one.
+    assert!(!manager.installer_refused(&c).await.is_empty(), "the refusal of example.com is recorded");
+    manager.release_installer(c).await;
+    let e = manager.attach_installer("e", &image, &index).await.expect("installer network e");
+    assert_eq!(e.network, a_name);
+    assert!(manager.installer_refused(&e).await.is_empty(), "a kept network carries the last install's refusals");
+    // An install that failed removes its network (detach), never keeps it.
+    manager.detach_installer(e).await;
+    assert!(!installer_networks(&tag).await.contains(&a_name), "a detached network is removed");
+    manager.release_installer(b).await;
+    manager.release_installer(d).await;
+    assert_eq!(installer_networks(&tag).await.len(), 2, "released networks are kept (at most two)");
+    manager.shutdown().await;
+    assert!(installer_networks(&tag).await.is_empty(), "shutdown removes the kept networks");
+    crate::common::assert_cleaned_up(&tag).await;
+}

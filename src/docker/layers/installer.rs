@@ -142,6 +142,7 @@ pub(super) async fn install(
     index: &IndexSettings,
     progress: Progress<'_>,
 ) -> Result<(), Error> {
+    let mut t = std::time::Instant::now();
     let name = format!("pyberth-{}-install-{}", owner.instance, next_serial());
     let sdists = sdist_allowed(cfg, spec.requirements);
     let shared = match shared_volume(docker, cfg, spec.base, index, sdists.is_empty()).await {
@@ -152,6 +153,7 @@ pub(super) async fn install(
             None
         }
     };
+    super::lap("install: shared volume", &mut t);
     let set = spec.requirements.join(" ");
     if sdists.is_empty() {
         progress(&format!("installer for {set}: wheels only"));
@@ -189,6 +191,7 @@ async fn install_as(
     uid: u32,
     shared: Option<&Shared>,
 ) -> Result<(), Error> {
+    let mut t = std::time::Instant::now();
     let wheels_only = sdist_allowed(cfg, spec.requirements).is_empty();
     let mut labels = labels(owner, uid);
     labels.insert("pyberth.installer".to_owned(), "1".to_owned());
@@ -199,6 +202,7 @@ async fn install_as(
             ..Default::default()
         })
         .await?;
+    super::lap("install: create volume", &mut t);
     let result = async {
         let mut mounts = vec![Mount {
             target: Some(WORKSPACE.into()),
@@ -258,6 +262,7 @@ async fn install_as(
             spec.egress.attach_installer(name, spec.base, index).await.map_err(|e| {
                 Error::Failed(format!("install failed: the installer's network could not be set up: {e}"))
             })?;
+        super::lap("install: attach_installer", &mut t);
         let job = Job {
             name,
             image: spec.base,
@@ -271,28 +276,46 @@ async fn install_as(
             timeout: cfg.install_timeout(),
             timeout_error: Error::Timeout(cfg.install_timeout_s),
             on_line: progress,
+            wheels_only,
         };
-        let finished = match run_job(docker, cfg, job).await {
-            Ok(f) => f,
-            Err(e) => {
+        // The store's writer is created while the installer runs: off the critical path.
+        let writer = super::store::Writer::create(docker, spec.store, spec.base, spec.owner, spec.key);
+        let (finished, writer) = tokio::join!(run_job(docker, cfg, job), writer);
+        super::lap("install: run_job", &mut t);
+        let (finished, writer) = match (finished, writer) {
+            (Ok(f), Ok(w)) => (f, w),
+            (Err(e), writer) => {
+                if let Ok(w) = writer {
+                    w.discard(docker).await;
+                }
+                spec.egress.detach_installer(net).await;
+                return Err(e);
+            }
+            (Ok(f), Err(e)) => {
+                container::remove_container(docker, &f.id).await;
                 spec.egress.detach_installer(net).await;
                 return Err(e);
             }
         };
-        let built = async {
-            if finished.code != 0 {
-                let refused = spec.egress.installer_refused(&net).await;
-                return Err(explain(&finished.tail, index, wheels_only, &refused));
-            }
-            super::build_layer(docker, &finished.id, spec).await
-        }
-        .await;
-        container::remove_container(docker, &finished.id).await;
-        spec.egress.detach_installer(net).await;
+        let installer_gone = container::remove_container(docker, &finished.id);
+        let built = if finished.code != 0 {
+            let refused = spec.egress.installer_refused(&net).await;
+            installer_gone.await;
+            Err(explain(&finished.tail, index, wheels_only, &refused))
+        } else {
+            // Once the tree is out, the installer goes while the writer stores it.
+            super::build_layer(docker, &finished.id, spec, &writer, installer_gone).await
+        };
+        super::lap("install: build_layer", &mut t);
+        tokio::join!(writer.discard(docker), spec.egress.release_installer(net));
+        super::lap("install: writer removed, detach_installer", &mut t);
         built
     }
     .await;
-    container::remove_volume(docker, name).await;
+    // Emptying the tree's volume takes seconds for a big set (5.6 s for pandas here): it is
+    // done after the answer, by a task `settle` waits for at shutdown.
+    super::clean_up_later(docker, name);
+    super::lap("install: remove volume (handed off)", &mut t);
     result
 }
 
@@ -431,6 +454,7 @@ pub async fn evaluate_markers(
         timeout: Duration::from_secs(60),
         timeout_error: Error::Failed("the marker check did not finish within 60 s".into()),
         on_line: &|_| {},
+        wheels_only: false,
     };
     let result = async {
         let finished = run_job(docker, cfg, job).await?;
@@ -483,6 +507,8 @@ struct Job<'a> {
     timeout_error: Error,
     /// Each line of its output, as it comes.
     on_line: Progress<'a>,
+    /// It runs no package code (an install allowing no sdist): it may use every CPU.
+    wheels_only: bool,
 }
 
 /// How a [`Job`] ended. Its container is stopped, not removed: the caller removes it.
@@ -499,6 +525,11 @@ struct Finished {
 async fn run_job(docker: &Docker, cfg: &SandboxConfig, job: Job<'_>) -> Result<Finished, Error> {
     let mut hc = container::host_config(cfg, job.name);
     hc.mounts = if job.mounts.is_empty() { None } else { Some(job.mounts.clone()) };
+    if job.network.is_some() && job.wheels_only {
+        // Wheels only: no package code runs, only uv or pip, which decompress and compile
+        // bytecode on every core the machine has, as the same command outside pyberth does.
+        hc.nano_cpus = None;
+    }
     if job.network.is_some() {
         // The engine's default runtime: gVisor registered with --network=none would leave the
         // installer no network. Wheels-only installs run no package code; builds allowed by
@@ -523,9 +554,11 @@ async fn run_job(docker: &Docker, cfg: &SandboxConfig, job: Job<'_>) -> Result<F
     if let Some(net) = job.network {
         net.apply(&mut body);
     }
+    let mut t = std::time::Instant::now();
     let created =
         docker.create_container(Some(CreateContainerOptionsBuilder::default().name(job.name).build()), body).await?;
     let id = created.id;
+    super::lap("run_job: create", &mut t);
     match watch(docker, &id, job).await {
         Ok((code, stdout, tail)) => Ok(Finished { id, code, stdout, tail }),
         Err(e) => {
@@ -537,12 +570,20 @@ async fn run_job(docker: &Docker, cfg: &SandboxConfig, job: Job<'_>) -> Result<F
 
 /// Uploads, starts and follows the created container `id` to its exit.
 async fn watch(docker: &Docker, id: &str, job: Job<'_>) -> Result<(i64, Vec<u8>, Vec<String>), Error> {
-    for (dir, name, data) in &job.uploads {
-        upload_file(docker, id, dir, name, data).await?;
-    }
+    let mut t = std::time::Instant::now();
+    let uploads = async {
+        for (dir, name, data) in &job.uploads {
+            upload_file(docker, id, dir, name, data).await?;
+        }
+        Ok::<(), Error>(())
+    };
     let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
-    let mut output = docker.attach_container(id, Some(attach)).await?.output;
+    // Independent calls on the created container: at once.
+    let (uploaded, attached) = tokio::join!(uploads, docker.attach_container(id, Some(attach)));
+    uploaded?;
+    let mut output = attached?.output;
     docker.start_container(id, None).await?;
+    super::lap("run_job: uploads, attach, start", &mut t);
     let mut stdout = Vec::new();
     let mut tail: Vec<String> = Vec::new();
     let mut partial = String::new();
@@ -580,7 +621,9 @@ async fn watch(docker: &Docker, id: &str, job: Job<'_>) -> Result<(i64, Vec<u8>,
         }
     }
     line("\n");
+    super::lap("run_job: script", &mut t);
     let code = wait_exit(docker, id).await?;
+    super::lap("run_job: wait", &mut t);
     Ok((code, stdout, tail))
 }
 

@@ -164,6 +164,35 @@ pub struct Layer {
     pub cached: bool,
 }
 
+/// Logs how long one step of a first install took (`RUST_LOG=pyberth::layers=debug`), and
+/// starts the next step's clock: the breakdown docs/design.md D14 is measured with.
+pub(crate) fn lap(step: &str, t: &mut Instant) {
+    tracing::debug!(target: "pyberth::layers", step, ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX), "install step");
+    *t = Instant::now();
+}
+
+/// Removals handed off by installs, awaited by [`settle`].
+static CLEANUPS: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>> = std::sync::Mutex::new(Vec::new());
+
+/// Removes the volume `name` in a task of its own: the install answers without waiting. The
+/// engine finishes a removal it started even if this process stops; a volume it never got
+/// to is removed by the final sweep of this instance's objects, or the next server's.
+fn clean_up_later(docker: &Docker, name: &str) {
+    let (docker, name) = (docker.clone(), name.to_owned());
+    let task = tokio::spawn(async move { super::container::remove_volume(&docker, &name).await });
+    let mut pending = CLEANUPS.lock().unwrap_or_else(|e| e.into_inner());
+    pending.retain(|t| !t.is_finished());
+    pending.push(task);
+}
+
+/// Waits for the removals installs handed off (at shutdown, before the final sweep).
+pub async fn settle() {
+    let pending: Vec<_> = std::mem::take(&mut *CLEANUPS.lock().unwrap_or_else(|e| e.into_inner()));
+    for task in pending {
+        let _ = task.await;
+    }
+}
+
 /// The sets this process knows the store holds, by directory name: read once from the store,
 /// then kept as sets are stored and pruned. A set another server stored since is not known
 /// here; installing it again ends with the rename finding it there ([`store::Stored::Exists`]).
@@ -240,10 +269,12 @@ pub async fn ensure(
     egress: &crate::egress::Manager,
     progress: Progress<'_>,
 ) -> Result<Layer, Error> {
+    let mut t = Instant::now();
     let store = Store::get(docker).await?;
     let base_id = docker.inspect_image(base).await?.id.unwrap_or_else(|| base.to_owned());
     let key = set_key(&base_id, requirements, index, &installer::sdist_allowed(cfg, requirements));
     let dir = store.dir_name(&key);
+    lap("ensure: store and image", &mut t);
     let present = match known(&store, &dir) {
         Some(p) => p,
         None => {
@@ -254,6 +285,7 @@ pub async fn ensure(
         }
     };
     let site = store.site_path(&key);
+    lap("ensure: store listing", &mut t);
     if present {
         return Ok(Layer { key, site, cached: true });
     }
@@ -294,10 +326,15 @@ fn now_s() -> i64 {
 /// streams through a re-packer on a blocking thread (the `tar` crate is synchronous) into the
 /// store's upload; bounded channels join the three, so neither memory nor a runtime worker
 /// holds it. Two servers storing one set at once: the first rename wins, the other copy goes.
-async fn build_layer(docker: &Docker, installer: &str, spec: &LayerSpec<'_>) -> Result<(), Error> {
+async fn build_layer(
+    docker: &Docker,
+    installer: &str,
+    spec: &LayerSpec<'_>,
+    writer: &store::Writer,
+    after_download: impl std::future::Future<Output = ()>,
+) -> Result<(), Error> {
     let (tree_tx, tree_rx) = mpsc::channel(4);
     let (context_tx, context_rx) = mpsc::channel(4);
-    let tmp = store::tmp_name()?;
     let meta = Meta {
         key: spec.key.to_owned(),
         requirements: spec.requirements.to_vec(),
@@ -305,12 +342,18 @@ async fn build_layer(docker: &Docker, installer: &str, spec: &LayerSpec<'_>) -> 
         size: 0,
         created: now_s(),
     };
-    let tmp_name = tmp.clone();
+    let tmp_name = writer.tmp.clone();
     // Awaited below; if this future is dropped instead, both its channels close and it ends.
     let repacker = tokio::task::spawn_blocking(move || tree::repack(&tmp_name, meta, tree_rx, context_tx));
     let body = tree::context_body(context_rx).boxed();
-    let put = store::put(docker, spec.store, spec.base, spec.owner, &tmp, spec.key, body);
-    let (downloaded, stored) = tokio::join!(tree::download_tree(docker, installer, tree_tx), put);
+    let mut t = Instant::now();
+    let download = async {
+        let downloaded = tree::download_tree(docker, installer, tree_tx).await;
+        after_download.await;
+        downloaded
+    };
+    let (downloaded, stored) = tokio::join!(download, writer.put(docker, body));
+    lap("build_layer: download, re-pack, store", &mut t);
     let (packed, upload_gone) =
         repacker.await.map_err(|e| Error::Failed(format!("install failed: the re-packer stopped: {e}")))?;
     // The first failure is the cause; the others follow from the channels it closed.

@@ -215,6 +215,21 @@ async fn run_script(
     write: bool,
     upload: Option<Tar>,
 ) -> Result<(i64, String, Option<Error>), Error> {
+    let id = create_script(docker, store, image, owner, args, write).await?;
+    let result = finish_script(docker, &id, upload).await;
+    container::remove_container(docker, &id).await;
+    result
+}
+
+/// Creates (does not start) the container of [`run_script`].
+async fn create_script(
+    docker: &Docker,
+    store: &Store,
+    image: &str,
+    owner: &Owner,
+    args: Vec<String>,
+    write: bool,
+) -> Result<String, Error> {
     let name = format!("pyberth-{}-store-{}", owner.instance, super::installer::next_serial());
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
@@ -251,78 +266,103 @@ async fn run_script(
         host_config: Some(host_config),
         ..Default::default()
     };
+    let mut t = std::time::Instant::now();
     let created =
         docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
-    let id = created.id;
-    let result = async {
-        let mut upload_error = None;
-        if let Some(tar) = upload {
-            let opts = UploadToContainerOptionsBuilder::default().path(MOUNT).build();
-            let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let counter = sent.clone();
-            let tar = tar.inspect(move |c| {
-                if let Ok(c) = c {
-                    counter.fetch_add(c.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                }
-            });
-            if let Err(e) = docker.upload_to_container(&id, Some(opts), bollard::body_try_stream(tar)).await {
-                upload_error = Some(Error::from(e));
-            }
-            tracing::debug!(bytes = sent.load(std::sync::atomic::Ordering::Relaxed), "uploaded to the layer store");
-        }
-        let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
-        let mut output = docker.attach_container(&id, Some(attach)).await?.output;
-        docker.start_container(&id, None).await?;
-        let mut out = Vec::new();
-        let read = async {
-            while let Some(frame) = output.next().await {
-                match frame {
-                    Ok(LogOutput::StdOut { message }) => out.extend_from_slice(&message),
-                    Ok(LogOutput::StdErr { message }) => {
-                        tracing::warn!(output = %String::from_utf8_lossy(&message), "layer store script");
-                    }
-                    Ok(_) => {}
-                    Err(e) => return Err(Error::from(e)),
-                }
-            }
-            Ok(())
-        };
-        tokio::time::timeout(std::time::Duration::from_secs(600), read)
-            .await
-            .map_err(|_| Error::Failed("the layer store did not answer within 600 s".into()))??;
-        let code = match docker.wait_container(&id, None).next().await {
-            Some(Ok(r)) => r.status_code,
-            Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => code,
-            Some(Err(e)) => return Err(e.into()),
-            None => -1,
-        };
-        Ok((code, String::from_utf8_lossy(&out).into_owned(), upload_error))
-    };
-    let result = result.await;
-    container::remove_container(docker, &id).await;
-    result
+    super::lap("store: create", &mut t);
+    Ok(created.id)
 }
 
-/// Uploads `tar` (one `.tmp-*` directory holding `site/` and, last, `meta.json` naming
-/// `key`) and renames it into the set's place. A tar cut short has no whole `meta.json` and is
-/// discarded, as is a copy that lost the race to another writer.
-pub async fn put(
-    docker: &Docker,
-    store: &Store,
-    image: &str,
-    owner: &Owner,
-    tmp: &str,
-    key: &str,
-    tar: Tar,
-) -> Result<Stored, Error> {
-    let args = vec!["store".into(), tmp.to_owned(), store.dir_name(key), key.to_owned()];
-    let (code, _, upload_error) = run_script(docker, store, image, owner, args, true, Some(tar)).await?;
-    match (code, upload_error) {
-        (0, None) => Ok(Stored::New),
-        (1, None) => Ok(Stored::Exists),
-        (_, Some(e)) => Err(e),
-        (3, None) => Err(Error::Failed("install failed: the installed tree did not arrive whole".into())),
-        (code, None) => Err(Error::Failed(format!("install failed: the layer store refused the set (code {code})"))),
+/// Uploads `upload` into the created container `id`, starts it and waits for its script.
+/// The caller removes the container.
+async fn finish_script(docker: &Docker, id: &str, upload: Option<Tar>) -> Result<(i64, String, Option<Error>), Error> {
+    let mut t = std::time::Instant::now();
+    let mut upload_error = None;
+    if let Some(tar) = upload {
+        let opts = UploadToContainerOptionsBuilder::default().path(MOUNT).build();
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = sent.clone();
+        let tar = tar.inspect(move |c| {
+            if let Ok(c) = c {
+                counter.fetch_add(c.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        if let Err(e) = docker.upload_to_container(id, Some(opts), bollard::body_try_stream(tar)).await {
+            upload_error = Some(Error::from(e));
+        }
+        tracing::debug!(bytes = sent.load(std::sync::atomic::Ordering::Relaxed), "uploaded to the layer store");
+        super::lap("store: upload", &mut t);
+    }
+    let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
+    let mut output = docker.attach_container(id, Some(attach)).await?.output;
+    docker.start_container(id, None).await?;
+    let mut out = Vec::new();
+    let read = async {
+        while let Some(frame) = output.next().await {
+            match frame {
+                Ok(LogOutput::StdOut { message }) => out.extend_from_slice(&message),
+                Ok(LogOutput::StdErr { message }) => {
+                    tracing::warn!(output = %String::from_utf8_lossy(&message), "layer store script");
+                }
+                Ok(_) => {}
+                Err(e) => return Err(Error::from(e)),
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(600), read)
+        .await
+        .map_err(|_| Error::Failed("the layer store did not answer within 600 s".into()))??;
+    super::lap("store: attach, start, script", &mut t);
+    let code = match docker.wait_container(id, None).next().await {
+        Some(Ok(r)) => r.status_code,
+        Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => code,
+        Some(Err(e)) => return Err(e.into()),
+        None => -1,
+    };
+    super::lap("store: wait", &mut t);
+    Ok((code, String::from_utf8_lossy(&out).into_owned(), upload_error))
+}
+
+/// A store writer created ahead of the tree it will store (its creation then overlaps the
+/// install): [`Writer::put`] uploads and renames, [`Writer::discard`] removes it unused.
+#[derive(Debug)]
+pub struct Writer {
+    id: String,
+    /// The upload's temporary directory, in the store's root.
+    pub tmp: String,
+}
+
+impl Writer {
+    /// A writer for set `key`, created now and started by [`Writer::put`].
+    pub async fn create(docker: &Docker, store: &Store, image: &str, owner: &Owner, key: &str) -> Result<Self, Error> {
+        let tmp = tmp_name()?;
+        let args = vec!["store".into(), tmp.clone(), store.dir_name(key), key.to_owned()];
+        let id = create_script(docker, store, image, owner, args, true).await?;
+        Ok(Writer { id, tmp })
+    }
+
+    /// Uploads `tar` (one `.tmp-*` directory, [`Writer::tmp`], holding `site/` and, last,
+    /// `meta.json` naming the key) and renames it into the set's place. A tar cut short has no
+    /// whole `meta.json` and is discarded, as is a copy that lost the race to another writer.
+    /// The writer's container is left for [`Writer::discard`], which the caller may overlap
+    /// with its own clean-up.
+    pub async fn put(&self, docker: &Docker, tar: Tar) -> Result<Stored, Error> {
+        let (code, _, upload_error) = finish_script(docker, &self.id, Some(tar)).await?;
+        match (code, upload_error) {
+            (0, None) => Ok(Stored::New),
+            (1, None) => Ok(Stored::Exists),
+            (_, Some(e)) => Err(e),
+            (3, None) => Err(Error::Failed("install failed: the installed tree did not arrive whole".into())),
+            (code, None) => {
+                Err(Error::Failed(format!("install failed: the layer store refused the set (code {code})")))
+            }
+        }
+    }
+
+    /// Removes the writer's container.
+    pub async fn discard(self, docker: &Docker) {
+        container::remove_container(docker, &self.id).await;
     }
 }
 
