@@ -144,6 +144,9 @@ pub enum Request<'a> {
         id: u64,
         /// Most bytes of state.
         max_bytes: u64,
+        /// When the state and the workspace hold fewer bytes, the agent removes the state and
+        /// says `small`: the stream is the faster way for them.
+        small_below: u64,
     },
     /// Restore the state the server unpacked into `/workspace/.pyberth-restore`, then remove
     /// it. Answered by [`Event::Restored`].
@@ -329,6 +332,9 @@ pub(crate) enum Event {
         /// Names not saved, with why.
         #[serde(default)]
         lost: Vec<Lost>,
+        /// Below `small_below`: nothing kept, to be streamed instead.
+        #[serde(default)]
+        small: bool,
     },
     /// Answer to [`Request::Restore`].
     Restored {

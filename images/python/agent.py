@@ -927,6 +927,23 @@ SAVE_DIR = ".pyberth-snapshot"  # where `save_state` writes the state for the se
 MAX_LOST = 1000  # names listed as not saved or not restored
 
 
+def workspace_bytes(limit):
+    """Bytes of the workspace's regular files, counted until past `limit` (links not
+    followed)."""
+    total = 0
+    for root, dirs, files in os.walk(WORKSPACE):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                if total >= limit:
+                    return total
+    return total
+
+
 class NullSink:
     """A file that only counts: pickling into it tells whether a value pickles."""
 
@@ -1157,7 +1174,14 @@ class Durable:
             raise
         finally:
             os.close(dir_fd)
-        return {"saved": meta["saved"][:MAX_LOST], "lost": meta["lost"], "size": size + len(meta_bytes)}
+        size += len(meta_bytes)
+        reply = {"saved": meta["saved"][:MAX_LOST], "lost": meta["lost"], "size": size}
+        small = msg.get("small_below")
+        if small is not None and size + workspace_bytes(int(small) - size) < int(small):
+            # Small enough for the stream, which costs no container: said, and not kept.
+            shutil.rmtree(base, ignore_errors=True)
+            reply["small"] = True
+        return reply
 
     # -- restore ---------------------------------------------------------------------------
 

@@ -231,7 +231,10 @@ async fn run_packer(
     uid: u32,
     mounts: Vec<Mount>,
     args: Vec<String>,
+    writes_mib: u64,
 ) -> Result<Answer, String> {
+    // What it writes into a tmpfs-backed workspace is charged to its own memory.
+    let memory = i64::try_from((256 + writes_mib) << 20).unwrap_or(i64::MAX);
     use std::sync::atomic::{AtomicU64, Ordering};
     static SERIAL: AtomicU64 = AtomicU64::new(0);
     let name = format!("pyberth-{}-pack-{}", owner.instance, SERIAL.fetch_add(1, Ordering::Relaxed));
@@ -254,8 +257,8 @@ async fn run_packer(
             security_opt: Some(vec!["no-new-privileges:true".into()]),
             readonly_rootfs: Some(true),
             runtime: runtime.map(str::to_owned),
-            memory: Some(256 << 20),
-            memory_swap: Some(256 << 20),
+            memory: Some(memory),
+            memory_swap: Some(memory),
             pids_limit: Some(32),
             mounts: Some(mounts),
             ..Default::default()
@@ -280,12 +283,25 @@ async fn run_packer(
         if out.len() >= MAX_ANSWER {
             return Err("the packer's answer is too long".to_owned());
         }
+        if out.is_empty() {
+            let code = match docker.wait_container(&id, None).next().await {
+                Some(Ok(r)) => r.status_code,
+                Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => code,
+                _ => -1,
+            };
+            let why = String::from_utf8_lossy(&err).chars().take(300).collect::<String>();
+            return Err(format!("the packer stopped without an answer (exit status {code}) {why}"));
+        }
         serde_json::from_slice::<Answer>(&out).map_err(|e| {
             let why = String::from_utf8_lossy(&err);
-            format!("the packer failed ({e}): {}", why.chars().rev().take(300).collect::<String>().chars().rev().collect::<String>())
+            format!(
+                "the packer failed ({e}): {}",
+                why.chars().rev().take(300).collect::<String>().chars().rev().collect::<String>()
+            )
         })
     };
-    let answer = tokio::time::timeout(PACKER_TIMEOUT, run).await.unwrap_or_else(|_| Err("the packer took too long".into()));
+    let answer =
+        tokio::time::timeout(PACKER_TIMEOUT, run).await.unwrap_or_else(|_| Err("the packer took too long".into()));
     container::remove_container(docker, &id).await;
     answer
 }
@@ -317,14 +333,17 @@ pub async fn pack(
 ) -> Result<Summary, String> {
     // The snapshot's volume, new and empty, at the image's /workspace (1777): the engine
     // copies that mode up, so the packer's uid can write into its root.
-    let mounts = vec![volume_mount(workspace, "/src", true, false), volume_mount(&stored.volume, container::WORKSPACE, false, true)];
+    let mounts = vec![
+        volume_mount(workspace, "/src", true, false),
+        volume_mount(&stored.volume, container::WORKSPACE, false, true),
+    ];
     let args = vec![
         "save".to_owned(),
         bounds.bytes.to_string(),
         bounds.entries.to_string(),
         if with_state { "1" } else { "0" }.to_owned(),
     ];
-    let answer = run_packer(docker, owner, image, runtime, uid, mounts, args).await?;
+    let answer = run_packer(docker, owner, image, runtime, uid, mounts, args, 256).await?;
     if let Some(e) = answer.error {
         return Err(e);
     }
@@ -360,10 +379,13 @@ pub async fn unpack(
     expected: &Summary,
 ) -> Result<(), String> {
     let corrupt = |why: String| format!("the snapshot is corrupted: {why}");
-    let mounts = vec![volume_mount(&stored.volume, MOUNT, true, false), volume_mount(workspace, container::WORKSPACE, false, false)];
+    let mounts = vec![
+        volume_mount(&stored.volume, MOUNT, true, false),
+        volume_mount(workspace, container::WORKSPACE, false, false),
+    ];
     let entries = (expected.sizes.len() as u64).saturating_mul(2).saturating_add(100_000);
     let args = vec!["load".to_owned(), expected.bytes().to_string(), entries.to_string()];
-    let answer = run_packer(docker, owner, image, runtime, uid, mounts, args).await?;
+    let answer = run_packer(docker, owner, image, runtime, uid, mounts, args, expected.bytes() >> 20).await?;
     match answer.error {
         Some(e) if answer.corrupt => return Err(corrupt(e)),
         Some(e) => return Err(format!("cannot copy the snapshot's files: {e}")),
@@ -376,7 +398,11 @@ pub async fn unpack(
     }
     let found = answer.files.len();
     if found != expected.sizes.len() {
-        return Err(corrupt(format!("{} of its {} files are missing", expected.sizes.len() - found, expected.sizes.len())));
+        return Err(corrupt(format!(
+            "{} of its {} files are missing",
+            expected.sizes.len() - found,
+            expected.sizes.len()
+        )));
     }
     Ok(())
 }
