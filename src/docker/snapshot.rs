@@ -220,19 +220,26 @@ struct Answer {
     corrupt: bool,
 }
 
-/// Runs the packer with `args` and `mounts` as `uid`, in a container of `image` made for it
-/// and removed after: no network, no capabilities, no new privileges, a read-only root, and
-/// our labels (a sweep finds it if the server dies meanwhile).
-async fn run_packer(
-    docker: &Docker,
-    owner: &Owner,
-    image: &str,
-    runtime: Option<&str>,
-    uid: u32,
-    mounts: Vec<Mount>,
-    args: Vec<String>,
-    writes_mib: u64,
-) -> Result<Answer, String> {
+/// Where and as whom a packer runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Packer<'a> {
+    /// The engine.
+    pub docker: &'a Docker,
+    /// This instance (the packer's labels).
+    pub owner: &'a Owner,
+    /// The session's image.
+    pub image: &'a str,
+    /// The sessions' runtime (`--runtime`).
+    pub runtime: Option<&'a str>,
+    /// The session's own uid.
+    pub uid: u32,
+}
+
+/// Runs the packer with `args` and `mounts` as the session's uid, in a container of its image
+/// made for it and removed after: no network, no capabilities, no new privileges, a read-only
+/// root, and our labels (a sweep finds it if the server dies meanwhile).
+async fn run_packer(p: &Packer<'_>, mounts: Vec<Mount>, args: Vec<String>, writes_mib: u64) -> Result<Answer, String> {
+    let Packer { docker, owner, image, runtime, uid } = *p;
     // What it writes into a tmpfs-backed workspace is charged to its own memory.
     let memory = i64::try_from((256 + writes_mib) << 20).unwrap_or(i64::MAX);
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -319,13 +326,8 @@ fn volume_mount(source: &str, target: &str, read_only: bool, copy: bool) -> Moun
 
 /// Copies a session's workspace volume (as its `uid`), and with `with_state` the state the
 /// agent saved into it, into the snapshot's volume; checked against `bounds`.
-#[allow(clippy::too_many_arguments)]
 pub async fn pack(
-    docker: &Docker,
-    owner: &Owner,
-    image: &str,
-    runtime: Option<&str>,
-    uid: u32,
+    p: &Packer<'_>,
     workspace: &str,
     stored: &Stored,
     bounds: Bounds,
@@ -343,7 +345,7 @@ pub async fn pack(
         bounds.entries.to_string(),
         if with_state { "1" } else { "0" }.to_owned(),
     ];
-    let answer = run_packer(docker, owner, image, runtime, uid, mounts, args, 256).await?;
+    let answer = run_packer(p, mounts, args, 256).await?;
     if let Some(e) = answer.error {
         return Err(e);
     }
@@ -367,17 +369,7 @@ pub async fn pack(
 /// Copies a packed snapshot into the empty workspace volume of a new session, as its `uid`,
 /// the state into `.pyberth-restore`; every file must be there with the size and sum it was
 /// saved with, and nothing more (otherwise "the snapshot is corrupted: ...").
-#[allow(clippy::too_many_arguments)]
-pub async fn unpack(
-    docker: &Docker,
-    owner: &Owner,
-    image: &str,
-    runtime: Option<&str>,
-    uid: u32,
-    stored: &Stored,
-    workspace: &str,
-    expected: &Summary,
-) -> Result<(), String> {
+pub async fn unpack(p: &Packer<'_>, stored: &Stored, workspace: &str, expected: &Summary) -> Result<(), String> {
     let corrupt = |why: String| format!("the snapshot is corrupted: {why}");
     let mounts = vec![
         volume_mount(&stored.volume, MOUNT, true, false),
@@ -385,7 +377,7 @@ pub async fn unpack(
     ];
     let entries = (expected.sizes.len() as u64).saturating_mul(2).saturating_add(100_000);
     let args = vec!["load".to_owned(), expected.bytes().to_string(), entries.to_string()];
-    let answer = run_packer(docker, owner, image, runtime, uid, mounts, args, expected.bytes() >> 20).await?;
+    let answer = run_packer(p, mounts, args, expected.bytes() >> 20).await?;
     match answer.error {
         Some(e) if answer.corrupt => return Err(corrupt(e)),
         Some(e) => return Err(format!("cannot copy the snapshot's files: {e}")),

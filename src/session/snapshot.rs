@@ -157,18 +157,7 @@ impl Session {
             Ok(pair) => {
                 let c = inner.container.clone();
                 let runtime = self.cfg.runtime.as_deref();
-                let packed = store::pack(
-                    &self.docker,
-                    &self.owner,
-                    &self.image,
-                    runtime,
-                    c.uid,
-                    &c.volume,
-                    &volume,
-                    bounds,
-                    true,
-                )
-                .await;
+                let packed = store::pack(&self.packer(runtime, c.uid), &c.volume, &volume, bounds, true).await;
                 let copied = copying.elapsed();
                 self.drop_state(inner).await;
                 names = Some(pair);
@@ -256,6 +245,11 @@ impl Session {
             state_took: created,
             copy_took: copy_took.unwrap_or_else(|| copying.elapsed()),
         })
+    }
+
+    /// A packer as `uid`, of this session's image.
+    fn packer<'a>(&'a self, runtime: Option<&'a str>, uid: u32) -> store::Packer<'a> {
+        store::Packer { docker: &self.docker, owner: &self.owner, image: &self.image, runtime, uid }
     }
 
     /// Has the agent pickle the state into the workspace (`.pyberth-snapshot`, for the
@@ -399,17 +393,7 @@ impl Session {
         if saved.summary.packed {
             let c = inner.container.clone();
             let runtime = self.cfg.runtime.as_deref();
-            store::unpack(
-                &self.docker,
-                &self.owner,
-                &self.image,
-                runtime,
-                c.uid,
-                &saved.store,
-                &c.volume,
-                &saved.summary,
-            )
-            .await?;
+            store::unpack(&self.packer(runtime, c.uid), &saved.store, &c.volume, &saved.summary).await?;
         } else {
             self.restore_stream(inner, saved).await?;
         }
