@@ -941,11 +941,14 @@ async fn durable(
     let mut snaps = Vec::new();
     let mut restores = Vec::new();
     let (mut copies, mut globals) = (Vec::new(), Vec::new());
+    let (mut saves, mut packs) = (Vec::new(), Vec::new());
     let mut state_mib = 0.0;
     for i in 0..3 {
         let t = Instant::now();
         let (_, sc) = server.tool("snapshot_session", json!({"session": "big", "name": format!("big{i}")})).await?;
         snaps.push(t.elapsed());
+        saves.push(Duration::from_millis(sc["state_ms"].as_u64().unwrap_or(0)));
+        packs.push(Duration::from_millis(sc["copy_ms"].as_u64().unwrap_or(0)));
         state_mib = sc["state_bytes"].as_f64().unwrap_or(0.0) / f64::from(1u32 << 20);
         let t = Instant::now();
         let (_, rc) = server
@@ -958,6 +961,23 @@ async fn durable(
         server.tool("delete_snapshot", json!({"snapshot": format!("big{i}")})).await?;
         server.run("big", "len(blobs)", &[]).await?;
     }
+    // The way the state went before the packer, still taken when it does not fit in the
+    // workspace: through the agent's stream, re-packed by the server (one round; a restore
+    // would not fit either).
+    let streamed_env = [
+        ("PYBERTH_POOL_SIZE", "1".to_owned()),
+        ("PYBERTH_MEMORY_MB", "3072".to_owned()),
+        ("PYBERTH_WORKSPACE_MB", "256".to_owned()),
+        ("PYBERTH_SNAPSHOT_CACHE_MB", "4096".to_owned()),
+        ("PYBERTH_HIBERNATE_AFTER_S", "0".to_owned()),
+    ];
+    let streamed = Server::start(cfg, &format!("{instance}-streamed"), &streamed_env).await?;
+    streamed.run("big", big, &[]).await?;
+    let t = Instant::now();
+    streamed.tool("snapshot_session", json!({"session": "big", "name": "s"})).await?;
+    let mut stream_snaps = vec![t.elapsed()];
+    // Not restored: the state does not fit in such a workspace either way.
+    streamed.stop().await;
     let total_mib = state_mib + 100.0;
     let (snap_p50, _) =
         table.add("snapshot_session: 200 MiB of variables + 100 MiB of files", &mut snaps, String::new());
@@ -965,10 +985,19 @@ async fn durable(
         "{:.0} MiB/s ({state_mib:.0} MiB of state; bytes objects, numpy is not in the image); target 1000 ms",
         total_mib / (snap_p50 / 1e3)
     ));
+    table.add("  of which the interpreter pickling its state into the workspace", &mut saves, String::new());
+    let (pack_p50, _) =
+        table.add("  of which the packer copying state and files into the volume", &mut packs, String::new());
+    table.note(format!("{:.0} MiB/s, with the packer's container", total_mib / (pack_p50 / 1e3)));
     table.add("restore_session of it, whole call", &mut restores, "new session from the warm pool".into());
     let (copy_p50, _) = table.add("  of which copying state and files into the workspace", &mut copies, String::new());
     table.note(format!("{:.0} MiB/s", total_mib / (copy_p50 / 1e3)));
     table.add("  of which loading the globals", &mut globals, "target 300 ms".into());
+    table.add(
+        "snapshot_session, the same, state through the agent's stream",
+        &mut stream_snaps,
+        "a workspace too small for the pickles (--workspace-mb 256); 1 round".into(),
+    );
 
     // The floor: the engine's archive API moving the same amount of files (100 of 1 MiB) into
     // a container and out of it again, as `docker cp` does both ways.
@@ -1002,6 +1031,15 @@ async fn durable(
         }
     }
     remove(docker, &floor).await;
+    // The fixed cost of the packer: a container of the image made, run and removed.
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let c = floor_container(docker, img, cfg.runtime.as_deref()).await?;
+        remove(docker, &c).await;
+        runs.push(t.elapsed());
+    }
+    table.add("floor: a container made, started and removed", &mut runs, "what a packer costs before it copies".into());
     let (in_p50, _) = table.add("floor: docker cp of 100 MiB of files into a container", &mut ins, String::new());
     table.note(format!("{:.0} MiB/s", 100.0 / (in_p50 / 1e3)));
     let (out_p50, _) = table.add("floor: docker cp of them out of it", &mut outs, String::new());

@@ -136,6 +136,18 @@ pub enum Request<'a> {
         /// Most entries of any kind.
         max_entries: u64,
     },
+    /// Save the interpreter's state into `/workspace/.pyberth-snapshot` (`meta.json` and the
+    /// pickles, private to the code's uid), for the server's packer container to copy volume
+    /// to volume. Answered by [`Event::Saved`].
+    SaveState {
+        /// Request id.
+        id: u64,
+        /// Most bytes of state.
+        max_bytes: u64,
+        /// When the state and the workspace hold fewer bytes, the agent removes the state and
+        /// says `small`: the stream is the faster way for them.
+        small_below: u64,
+    },
     /// Restore the state the server unpacked into `/workspace/.pyberth-restore`, then remove
     /// it. Answered by [`Event::Restored`].
     Restore {
@@ -309,6 +321,20 @@ pub(crate) enum Event {
         id: u64,
         /// Installed distributions.
         packages: Vec<Package>,
+    },
+    /// Answer to [`Request::SaveState`].
+    Saved {
+        /// Request id.
+        id: u64,
+        /// Names saved.
+        #[serde(default)]
+        saved: Vec<String>,
+        /// Names not saved, with why.
+        #[serde(default)]
+        lost: Vec<Lost>,
+        /// Below `small_below`: nothing kept, to be streamed instead.
+        #[serde(default)]
+        small: bool,
     },
     /// Answer to [`Request::Restore`].
     Restored {

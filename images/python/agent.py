@@ -477,7 +477,7 @@ class Agent:
                     self.channel.send({"ev": "attached", "id": msg.get("id"), "missing": missing})
                 elif op == "packages":
                     self.channel.send({"ev": "packages", "id": msg.get("id"), "packages": distributions()})
-                elif op in ("snapshot", "restore"):
+                elif op in ("snapshot", "save_state", "restore"):
                     Durable(self).serve(msg)
                 elif op == "shutdown":
                     return
@@ -923,7 +923,25 @@ class Agent:
 SNAPSHOT_VERSION = 1
 SNAPSHOT_CHUNK = 4 << 20  # archive bytes per piece of a snapshot: 5.6 MB lines, far below the 16 MiB cap
 RESTORE_DIR = ".pyberth-restore"  # where the server puts a snapshot's state for `restore`
+SAVE_DIR = ".pyberth-snapshot"  # where `save_state` writes the state for the server's packer
 MAX_LOST = 1000  # names listed as not saved or not restored
+
+
+def workspace_bytes(limit):
+    """Bytes of the workspace's regular files, counted until past `limit` (links not
+    followed)."""
+    total = 0
+    for root, dirs, files in os.walk(WORKSPACE):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                if total >= limit:
+                    return total
+    return total
 
 
 class NullSink:
@@ -981,6 +999,9 @@ class Durable:
             if op == "snapshot":
                 reply = self.snapshot(msg)
                 reply.update({"ev": "file", "id": msg.get("id")})
+            elif op == "save_state":
+                reply = self.save_state(msg)
+                reply.update({"ev": "saved", "id": msg.get("id")})
             else:
                 reply = self.restore(msg)
                 reply.update({"ev": "restored", "id": msg.get("id")})
@@ -996,8 +1017,9 @@ class Durable:
 
     # -- snapshot --------------------------------------------------------------------------
 
-    def state(self):
-        """The interpreter's state as (meta, files): meta says what was saved and lost."""
+    def state(self, outs=None):
+        """The interpreter's state as (meta, outs): meta says what was saved and lost; the
+        pickles go into `outs` (file objects by name; in memory when not given)."""
         pickle = stdlib("pickle")
         namespace = self.agent.namespace
         modules, defs, imported, values, lost = {}, [], {}, {}, []
@@ -1033,10 +1055,16 @@ class Durable:
             else:
                 values[name] = value
 
-        def dumps(group, kind):
-            """Pickles a group whole; when that fails, finds and lists the names that refuse."""
+        def dump(group, kind, out):
+            """Pickles a group whole into `out`; when that fails, finds and lists the names
+            that refuse, and pickles the rest."""
+            def whole(group):
+                out.seek(0)
+                out.truncate()
+                pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(group)
+
             try:
-                return pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
+                return whole(group)
             except Exception:
                 pass
             kept = {}
@@ -1047,14 +1075,15 @@ class Durable:
                 except Exception as exc:
                     lose(name, "%s: %s" % (type(exc).__name__, str(exc)[:200]))
             try:
-                return pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL)
+                return whole(kept)
             except Exception as exc:  # the group fails though each name alone pickles
                 for name in kept:
                     lose(name, "%s could not be saved together: %s" % (kind, str(exc)[:200]))
-                return pickle.dumps({}, protocol=pickle.HIGHEST_PROTOCOL)
+                return whole({})
 
-        imported_blob = dumps(imported, "imported names")
-        values_blob = dumps(values, "variables")
+        outs = outs or {"imported.pkl": io.BytesIO(), "values.pkl": io.BytesIO()}
+        dump(imported, "imported names", outs["imported.pkl"])
+        dump(values, "variables", outs["values.pkl"])
         defs.sort()
         lost_names = {entry["name"] for entry in lost}
         saved = sorted(set(modules) | {d[2] for d in defs} | (set(imported) | set(values)) - lost_names)
@@ -1067,7 +1096,7 @@ class Durable:
             "saved": saved,
             "lost": lost,
         }
-        return meta, [("imported.pkl", imported_blob), ("values.pkl", values_blob)]
+        return meta, outs
 
     def snapshot(self, msg):
         """A tar of the state (state/meta.json first, then the pickles) and of the whole
@@ -1080,7 +1109,9 @@ class Durable:
             "seen": 0,
             "size": 0,
         }
-        meta, blobs = self.state()
+        meta, outs = self.state()
+        blobs = [(name, f.getvalue()) for name, f in sorted(outs.items())]
+        outs = None
         meta_bytes = json.dumps(meta, separators=(",", ":")).encode("utf-8")
         sink = PackSink(self.agent.channel, msg.get("id"))
         sink.chunk = SNAPSHOT_CHUNK
@@ -1104,6 +1135,54 @@ class Durable:
             sink.close()
         return {"size": limits["size"]}
 
+    def save_state(self, msg):
+        """Writes the state into SAVE_DIR of the workspace (meta.json last), for the server's
+        packer container to copy from the workspace volume into the snapshot's, volume to
+        volume, as this uid: the bytes never cross the agent's stream. Answers what was saved
+        and lost. The server deletes the directory when its packer is done."""
+        shutil = stdlib("shutil")
+        base = os.path.join(WORKSPACE, SAVE_DIR)
+        if os.path.lexists(base):
+            if os.path.isdir(base) and not os.path.islink(base):
+                shutil.rmtree(base)
+            else:
+                os.unlink(base)
+        os.mkdir(base, 0o700)
+        dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            outs = {}
+            try:
+                for name in ("imported.pkl", "values.pkl"):
+                    outs[name] = os.fdopen(os.open(name, flags, 0o600, dir_fd=dir_fd), "w+b", buffering=1 << 20)
+                meta, outs = self.state(outs)
+                size = 0
+                for f in outs.values():
+                    f.flush()
+                    size += f.tell()
+            finally:
+                for f in outs.values():
+                    f.close()
+            meta_bytes = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+            limit = msg.get("max_bytes")
+            if limit is not None and size + len(meta_bytes) > int(limit):
+                raise ValueError("the snapshot would be larger than %d bytes" % int(limit))
+            with os.fdopen(os.open("meta.json", flags, 0o600, dir_fd=dir_fd), "wb") as f:
+                f.write(meta_bytes)
+        except BaseException:
+            shutil.rmtree(base, ignore_errors=True)
+            raise
+        finally:
+            os.close(dir_fd)
+        size += len(meta_bytes)
+        reply = {"saved": meta["saved"][:MAX_LOST], "lost": meta["lost"], "size": size}
+        small = msg.get("small_below")
+        if small is not None and size + workspace_bytes(int(small) - size) < int(small):
+            # Small enough for the stream, which costs no container: said, and not kept.
+            shutil.rmtree(base, ignore_errors=True)
+            reply["small"] = True
+        return reply
+
     # -- restore ---------------------------------------------------------------------------
 
     def restore(self, msg):
@@ -1121,18 +1200,37 @@ class Durable:
                 lost.append({"name": clean(str(name), 200), "why": clean(why, 300)})
 
         def read(name):
+            """The file, open (it stays readable once the directory is removed)."""
             rel = RESTORE_DIR + "/" + name
             fd = open_regular(workspace_path(rel), rel, os.O_RDONLY)
-            with os.fdopen(fd, "rb") as f:
-                return f.read()
+            return os.fdopen(fd, "rb", buffering=1 << 20)
 
+        opened = []
         try:
-            meta = json.loads(read("meta.json").decode("utf-8"))
+            with read("meta.json") as f:
+                meta = json.loads(f.read().decode("utf-8"))
             if not isinstance(meta, dict) or meta.get("version") != SNAPSHOT_VERSION:
                 raise ValueError("the snapshot's state is of an unknown version")
-            imported_blob, values_blob = read("imported.pkl"), read("values.pkl")
+            imported_blob = read("imported.pkl")
+            opened.append(imported_blob)
+            values_blob = read("values.pkl")
+            opened.append(values_blob)
+        except BaseException:
+            for f in opened:
+                f.close()
+            raise
         finally:
             shutil.rmtree(base, ignore_errors=True)
+        try:
+            return self.load_state(namespace, meta, imported_blob, values_blob, restored, lost, lose)
+        finally:
+            for f in opened:
+                f.close()
+
+    def load_state(self, namespace, meta, imported_blob, values_blob, restored, lost, lose):
+        """Loads the state (the pickles as open files: pickle reads large buffers straight
+        into the objects they make, no copy of the whole file in memory)."""
+        pickle = stdlib("pickle")
         for name, modname in sorted((meta.get("modules") or {}).items()):
             try:
                 namespace[name] = stdlib("importlib").import_module(modname)
@@ -1142,7 +1240,8 @@ class Durable:
 
         def load(blob, kind):
             try:
-                group = pickle.loads(blob)
+                blob.seek(0)
+                group = pickle.load(blob)
                 if not isinstance(group, dict):
                     raise ValueError("not a mapping")
                 return group, None

@@ -94,6 +94,10 @@ pub(super) struct SnapshotOutput {
     pub lost: Vec<Lost>,
     /// Time the snapshot took, ms.
     pub took_ms: u64,
+    /// Of `took_ms`, the interpreter saving its state, ms.
+    pub state_ms: u64,
+    /// Of `took_ms`, copying the state and the files into the snapshot's volume, ms.
+    pub copy_ms: u64,
     /// Seconds since it was taken.
     pub age_s: u64,
 }
@@ -149,7 +153,9 @@ fn describe(entry: &Entry, with_names: bool) -> SnapshotOutput {
         skipped_entries: s.summary.skipped,
         saved: if with_names { s.saved.clone() } else { Vec::new() },
         lost: if with_names { s.lost.clone() } else { Vec::new() },
-        took_ms: u64::try_from(s.took.as_millis()).unwrap_or(u64::MAX),
+        took_ms: ms(s.took),
+        state_ms: ms(s.state_took),
+        copy_ms: ms(s.copy_took),
         age_s: entry.created.elapsed().map(|d| d.as_secs()).unwrap_or(0),
     }
 }

@@ -23,6 +23,12 @@ use crate::protocol::{Event, Lost, Request};
 
 /// How long the agent may take to load a snapshot's state.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Below this many bytes of state and files, a snapshot goes through the agent's stream: a
+/// packer's container costs 250-650 ms before it copies (the Benchmark), the stream moves
+/// about 37 MiB/s, so the packer wins only above some 10-25 MiB.
+const STREAM_BELOW: u64 = 16 << 20;
+/// What `save_state` answers for a session below [`STREAM_BELOW`].
+const SMALL: &str = "small enough for the stream";
 /// Most names listed as restored or lost.
 const MAX_NAMES: usize = 1000;
 /// Longest name or reason kept, in characters.
@@ -73,6 +79,10 @@ pub(crate) struct Saved {
     pub(crate) lost: Vec<Lost>,
     /// Time taken.
     pub(crate) took: Duration,
+    /// Of which the agent saving the state (the volume made meanwhile).
+    pub(crate) state_took: Duration,
+    /// Of which copying state and files into the volume.
+    pub(crate) copy_took: Duration,
 }
 
 /// What a restore brought back.
@@ -125,13 +135,47 @@ impl Session {
             inner.pending.push(n);
             inner.pending_lost = true;
         }
-        let volume = store::create(&self.docker, &self.owner, &self.principal, id, &self.image)
-            .await
-            .map_err(|e| format!("cannot create the snapshot's volume: {e}"))?;
+        // The agent pickles the state into the workspace while the volume is made.
+        let (volume, state) = tokio::join!(
+            store::create(&self.docker, &self.owner, &self.principal, id, &self.image),
+            self.save_state(inner, bounds)
+        );
+        let volume = match volume {
+            Ok(v) => v,
+            Err(e) => {
+                if state.is_ok() {
+                    self.drop_state(inner).await;
+                }
+                return Err(format!("cannot create the snapshot's volume: {e}"));
+            }
+        };
         let created = started.elapsed();
-        let (grade, summary, why) = match self.stream_snapshot(inner, &volume, bounds, false).await {
+        let copying = Instant::now();
+        let mut names = None;
+        let mut copy_took = None;
+        let first = match state {
+            Ok(pair) => {
+                let c = inner.container.clone();
+                let runtime = self.cfg.runtime.as_deref();
+                let packed = store::pack(&self.packer(runtime, c.uid), &c.volume, &volume, bounds, true).await;
+                let copied = copying.elapsed();
+                self.drop_state(inner).await;
+                names = Some(pair);
+                copy_took = Some(copied);
+                packed.map_err(Streamed::Store)
+            }
+            Err(why) if why.contains("would be larger than") => Err(Streamed::Agent(why)),
+            Err(why) if why == SMALL => self.stream_snapshot(inner, &volume, bounds, false).await,
+            Err(why) => {
+                // An agent that cannot write its state into the workspace (a full one, an
+                // older agent): the state travels through its stream instead.
+                tracing::info!(session = %self.name, %why, "state not saved into the workspace; streaming it");
+                self.stream_snapshot(inner, &volume, bounds, false).await
+            }
+        };
+        let (grade, summary, why) = match first {
             Ok(summary) => (Grade::FilesAndGlobals, summary, None),
-            Err(Streamed::Agent(why)) if why.contains("would be larger than") => {
+            Err(e) if e.to_string().contains("would be larger than") => {
                 store::remove(&self.docker, &volume).await;
                 return Err(format!(
                     "the session holds more than --snapshot-cache-mb ({} MiB) to save: make its workspace or its \
@@ -166,6 +210,7 @@ impl Session {
             }
         };
         let (saved, mut lost) = match (&summary.meta, &why) {
+            _ if names.is_some() && why.is_none() => names.unwrap_or_default(),
             (Some(meta), _) => match serde_json::from_slice::<Meta>(meta) {
                 Ok(m) => (m.saved, m.lost),
                 Err(e) => (
@@ -197,7 +242,53 @@ impl Session {
             saved: saved.into_iter().take(MAX_NAMES).map(cut).collect(),
             lost,
             took: started.elapsed(),
+            state_took: created,
+            copy_took: copy_took.unwrap_or_else(|| copying.elapsed()),
         })
+    }
+
+    /// A packer as `uid`, of this session's image.
+    fn packer<'a>(&'a self, runtime: Option<&'a str>, uid: u32) -> store::Packer<'a> {
+        store::Packer { docker: &self.docker, owner: &self.owner, image: &self.image, runtime, uid }
+    }
+
+    /// Has the agent pickle the state into the workspace (`.pyberth-snapshot`, for the
+    /// packer); answers the names saved and lost.
+    async fn save_state(&self, inner: &mut Inner, bounds: Bounds) -> Result<(Vec<String>, Vec<Lost>), String> {
+        let id = self
+            .submit(inner, &|id| Request::SaveState { id, max_bytes: bounds.bytes, small_below: STREAM_BELOW })
+            .await
+            .map_err(|e| e.to_string())?;
+        let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };
+        let answer = agent
+            .answer(
+                id,
+                |id, ev| match ev {
+                    Event::Saved { id: i, small: true, .. } if i == id => Some(Err(SMALL.to_owned())),
+                    Event::Saved { id: i, saved, lost, .. } if i == id => Some(Ok((saved, lost))),
+                    Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
+                    _ => None,
+                },
+                RESTORE_TIMEOUT,
+            )
+            .await;
+        match answer {
+            Ok(r) => r,
+            Err(e) => {
+                inner.agent = None;
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// Deletes the state the agent saved into the workspace.
+    async fn drop_state(&self, inner: &mut Inner) {
+        let path = store::SAVE_DIR;
+        match self.query(inner, |id| Request::Delete { id, path }, agent::file_answer).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(session = %self.name, error = %e, "cannot delete the saved state"),
+            Err(e) => tracing::warn!(session = %self.name, error = %e, "cannot delete the saved state"),
+        }
     }
 
     /// Streams the agent's snapshot (or, `files_only`, a pack of the workspace) through the
@@ -299,23 +390,13 @@ impl Session {
 
     async fn restore_steps(&self, inner: &mut Inner, saved: &Saved) -> Result<Restored, String> {
         let copying = Instant::now();
-        let (id, uid) = (inner.container.id.clone(), inner.container.uid);
-        let (tx, reader) = store::chunk_reader();
-        let (mut writer, rx) = store::chunk_writer();
-        let summary = saved.summary.clone();
-        let checker = tokio::task::spawn_blocking(move || {
-            let checked = store::check_outgoing(reader, &mut writer, uid, &summary);
-            if let Err(e) = &checked {
-                writer.fail(e);
-            }
-            checked
-        });
-        let read = store::read(&self.docker, &saved.store, tx);
-        let upload = store::upload_workspace(&self.docker, &id, rx);
-        let (read, upload) = tokio::join!(read, upload);
-        checker.await.map_err(|e| format!("the snapshot checker stopped: {e}"))??;
-        read.map_err(|e| format!("cannot read the snapshot: {e}"))?;
-        upload.map_err(|e| format!("cannot copy the snapshot's files: {e}"))?;
+        if saved.summary.packed {
+            let c = inner.container.clone();
+            let runtime = self.cfg.runtime.as_deref();
+            store::unpack(&self.packer(runtime, c.uid), &saved.store, &c.volume, &saved.summary).await?;
+        } else {
+            self.restore_stream(inner, saved).await?;
+        }
         let mut restored = Restored {
             files: saved.summary.files,
             bytes: saved.summary.workspace_bytes,
@@ -353,6 +434,29 @@ impl Session {
         restored.lost = cut_lost(lost);
         restored.globals = loading.elapsed();
         Ok(restored)
+    }
+
+    /// Restores a snapshot stored by the stream (not packed): the volume's tar, checked and
+    /// re-packed for the session's uid, through the archive API into its workspace.
+    async fn restore_stream(&self, inner: &mut Inner, saved: &Saved) -> Result<(), String> {
+        let (id, uid) = (inner.container.id.clone(), inner.container.uid);
+        let (tx, reader) = store::chunk_reader();
+        let (mut writer, rx) = store::chunk_writer();
+        let summary = saved.summary.clone();
+        let checker = tokio::task::spawn_blocking(move || {
+            let checked = store::check_outgoing(reader, &mut writer, uid, &summary);
+            if let Err(e) = &checked {
+                writer.fail(e);
+            }
+            checked
+        });
+        let read = store::read(&self.docker, &saved.store, tx);
+        let upload = store::upload_workspace(&self.docker, &id, rx);
+        let (read, upload) = tokio::join!(read, upload);
+        checker.await.map_err(|e| format!("the snapshot checker stopped: {e}"))??;
+        read.map_err(|e| format!("cannot read the snapshot: {e}"))?;
+        upload.map_err(|e| format!("cannot copy the snapshot's files: {e}"))?;
+        Ok(())
     }
 
     /// A fresh interpreter and an empty workspace.

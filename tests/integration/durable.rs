@@ -375,6 +375,57 @@ async fn a_corrupted_snapshot_gives_a_clear_error_and_a_fresh_session() {
     s.stop().await;
 }
 
+/// Sessions above 16 MiB go volume to volume through the packer container: state and files
+/// come back, and damage at rest (other bytes, a link put in a file's place) is found.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_session_goes_through_the_packer_and_damage_is_found() {
+    let s = Server::start("durable-packer", &[]).await;
+    let setup = "import os\nblob = os.urandom(9 << 20)\nos.makedirs('d/e', exist_ok=True)\n\
+                 open('d/e/big.bin', 'wb').write(os.urandom(9 << 20))\nopen('a.txt', 'w').write('a')\n\
+                 os.symlink('/etc/passwd', 'link')";
+    s.ok("b", setup).await;
+    for name in ["ok", "bytes", "link"] {
+        let r = s.call("snapshot_session", json!({"session": "b", "name": name})).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+        let sc = r.structured_content.clone().unwrap_or_default();
+        assert_eq!(sc["skipped_entries"], 1, "the link is not saved: {sc}");
+        assert!(sc["state_bytes"].as_u64().unwrap_or(0) > 9 << 20, "{sc}");
+    }
+    // The private state directory is gone from the workspace again.
+    let listed = s.ok("b", "import os; sorted(os.listdir('.'))").await;
+    assert_eq!(listed["result"], "['a.txt', 'd', 'link']", "{listed}");
+    let r = s.call("restore_session", json!({"snapshot": "ok", "session": "r0"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let back = s
+        .ok("r0", "import os, zlib; (len(blob), os.path.getsize('d/e/big.bin'), open('a.txt').read(), sorted(os.listdir('.')))")
+        .await;
+    assert_eq!(back["result"], "(9437184, 9437184, 'a', ['a.txt', 'd'])", "{back}");
+    let vols = snapshot_volumes(&s.instance).await;
+    let find = |n: &str| -> String {
+        let mut v: Vec<&(String, HashMap<String, String>)> = vols.iter().collect();
+        v.sort_by_key(|(_, l)| l.get("pyberth.snapshot").cloned());
+        let i = ["ok", "bytes", "link"].iter().position(|x| *x == n).expect("name");
+        v[i].0.clone()
+    };
+    // Written by the packer as the code's uid, not by the engine as root.
+    tamper(
+        &find("ok"),
+        "test $(stat -c %u /snap/state/values.pkl) -ne 0 && test $(stat -c %u /snap/workspace/a.txt) -ne 0",
+    )
+    .await;
+    tamper(&find("bytes"), "f=/snap/state/values.pkl; n=$(wc -c < $f); head -c $n /dev/zero > $f").await;
+    tamper(&find("link"), "rm /snap/workspace/a.txt; ln -s /etc/passwd /snap/workspace/a.txt").await;
+    for (snapshot, session) in [("bytes", "r1"), ("link", "r2")] {
+        let r = s.call("restore_session", json!({"snapshot": snapshot, "session": session})).await;
+        assert_eq!(r.is_error, Some(true), "{}", text(&r));
+        let t = text(&r);
+        assert!(t.contains("corrupted") && t.contains("fresh"), "a clear error that says the session is fresh: {t}");
+        let fresh = s.ok(session, "import os; ('blob' in globals(), os.listdir('.'))").await;
+        assert_eq!(fresh["result"], "(False, [])", "{fresh}");
+    }
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_ended_session_says_why() {
     let s = Server::start("durable-ended", &[("PYBERTH_IDLE_TTL", "2"), ("PYBERTH_HIBERNATE_AFTER_S", "0")]).await;

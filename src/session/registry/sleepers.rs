@@ -45,6 +45,10 @@ struct SavedRecord {
     meta: Option<Vec<u8>>,
     sizes: HashMap<String, u64>,
     digests: HashMap<String, u64>,
+    /// Stored by the packer, volume to volume: it must be restored the same way (absent in
+    /// records written before the packer: those were streamed).
+    #[serde(default)]
+    packed: bool,
     /// Whether globals were saved (grade `files+globals`).
     globals: bool,
     saved: Vec<String>,
@@ -67,6 +71,7 @@ impl From<&Saved> for SavedRecord {
             meta: s.summary.meta.clone(),
             sizes: s.summary.sizes.clone(),
             digests: s.summary.digests.clone(),
+            packed: s.summary.packed,
             globals: s.grade == Grade::FilesAndGlobals,
             saved: s.saved.clone(),
             lost: s.lost.iter().map(|l| (l.name.clone(), l.why.clone())).collect(),
@@ -90,11 +95,15 @@ impl From<SavedRecord> for Saved {
                 meta: r.meta,
                 sizes: r.sizes,
                 digests: r.digests,
+                packed: r.packed,
             },
             grade: if r.globals { Grade::FilesAndGlobals } else { Grade::Files },
             saved: r.saved,
             lost: r.lost.into_iter().map(|(name, why)| Lost { name, why }).collect(),
             took: Duration::from_millis(r.took_ms),
+            // How long the saving's parts took is not kept across a restart.
+            state_took: Duration::ZERO,
+            copy_took: Duration::ZERO,
         }
     }
 }
