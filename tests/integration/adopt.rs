@@ -401,18 +401,18 @@ async fn a_stream_dropped_mid_run_still_ends_that_run() {
 }
 
 /// Runs `code` in the egress session `e` of environment `net`, narrowed to the upstream's
-/// pinned name when it is made (`create`).
+/// pinned names when it is made (`create`).
 async fn run_net(client: &RunningService<RoleClient, Recorder>, code: &str, create: bool) -> Value {
     let mut args = json!({ "session": "e", "environment": "net", "code": code, "timeout_s": 60 });
     if create {
-        args["allow_hosts"] = json!(["upstream.test:8000"]);
+        args["allow_hosts"] = json!(["upstream.test:8000", "*.wild.test:8000"]);
     }
     let (r, sc) = call(client, "run_python", args).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     sc
 }
 
-/// A session with egress (narrowed with `allow_hosts`) left running, then adopted: `tamper`
+/// A session with egress (narrowed with `allow_hosts`, then `set_network`) left running, then adopted: `tamper`
 /// edits its record before the restart. Returns the second run's result after the restart,
 /// having closed the session and checked nothing is left of either server.
 async fn egress_across_a_restart(tag: &str, tamper: impl Fn(&mut Value)) -> (Value, String) {
@@ -427,6 +427,9 @@ async fn egress_across_a_restart(tag: &str, tamper: impl Fn(&mut Value)) -> (Val
     let sc =
         run_net(&alice, &format!("{}\nkept = 7\nca0 = {ca}", fetch("http://upstream.test:8000/before")), true).await;
     assert!(sc["stdout"].as_str().unwrap_or_default().starts_with("200 upstream ok /before"), "{sc}");
+    // Narrowed again: this list, not the one at creation, is what the next server puts back.
+    let (r, _) = call(&alice, "set_network", json!({ "session": "e", "allow_hosts": ["upstream.test:8000"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let _ = alice.cancel().await;
     let old = first.signal("-TERM").await;
     // The record keeps the narrowed list and the network, never a header value.
