@@ -59,6 +59,16 @@ pub struct Attachment {
     pub ca: Option<Arc<Vec<u8>>>,
     /// True when the server has no bundle: the image's own CAs go first in the session's.
     pub system_roots: bool,
+    /// The allow-list in force (narrowed by `set_network`), for the session's record: a
+    /// restarted server that adopts the session puts exactly this back.
+    pub rules: Arc<Mutex<Vec<String>>>,
+}
+
+impl Attachment {
+    /// The allow-list in force now.
+    pub fn allow(&self) -> Vec<String> {
+        self.rules.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 impl Attachment {
@@ -302,6 +312,8 @@ struct SessionNet {
     local: IpAddr,
     rules: Vec<Rule>,
     headers: Headers,
+    /// The same list as text, shared with the session's [`Attachment`] (its record).
+    shared: Arc<Mutex<Vec<String>>>,
 }
 
 /// The running proxy.
@@ -328,6 +340,9 @@ pub struct Manager {
     /// The image the proxy was last started from, to start it again if it goes.
     image: Mutex<Option<String>>,
     sessions: Mutex<HashMap<(String, String), SessionNet>>,
+    /// Adopted sessions whose egress could not be taken over: their network (removed when
+    /// they end) and why, said in each of their runs' notices.
+    lost: Mutex<HashMap<(String, String), (String, String)>>,
     /// Totals by the proxy's address on a session's network.
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
     /// The executable run as the proxy (`None`: this one).
@@ -403,6 +418,7 @@ impl Manager {
             proxy: tokio::sync::Mutex::new(None),
             image: Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
+            lost: Mutex::new(HashMap::new()),
             totals: Arc::default(),
             exe: None,
             idle_installers: Mutex::new(Vec::new()),
@@ -785,11 +801,133 @@ impl Manager {
         }
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
         let key = (principal.to_owned(), session.to_owned());
+        let shared = Arc::new(Mutex::new(rules.iter().map(|r| r.text().to_owned()).collect()));
         self.sessions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key, SessionNet { network: network.clone(), local, rules, headers });
-        Ok(Attachment { network, proxy_ip: local, ca: self.ca.clone(), system_roots: self.roots.is_none() })
+            .insert(key, SessionNet { network: network.clone(), local, rules, headers, shared: shared.clone() });
+        Ok(Attachment {
+            network,
+            proxy_ip: local,
+            ca: self.ca.clone(),
+            system_roots: self.roots.is_none(),
+            rules: shared,
+        })
+    }
+
+    /// The attachment of a session a stopped server left running, from its record: its
+    /// network, the old proxy's address there, and the list it had. [`Self::adopt`] then
+    /// puts this server's proxy behind it.
+    pub fn adopted_attachment(&self, network: String, proxy_ip: IpAddr, allow: Vec<String>) -> Attachment {
+        Attachment {
+            network,
+            proxy_ip,
+            ca: self.ca.clone(),
+            system_roots: self.roots.is_none(),
+            rules: Arc::new(Mutex::new(allow)),
+        }
+    }
+
+    /// Takes over the egress of an adopted session (the old server's proxy removed first):
+    /// this proxy joins the session's network, which keeps its old labels (the engine cannot
+    /// relabel) and is removed when the session ends; it must get the old proxy's address,
+    /// which the session's variables name; the list in force goes back in, never wider than
+    /// `bound` (the environment's list now), with the headers of this server's config; and
+    /// the session's CA bundle is written again, this server's CA being new. On failure the
+    /// session has no way out at all, and each of its runs says why.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn adopt(
+        &self,
+        principal: &str,
+        session: &str,
+        image: &str,
+        container: &str,
+        att: &Attachment,
+        bound: &[Rule],
+        headers: Headers,
+    ) -> Result<(), String> {
+        let key = (principal.to_owned(), session.to_owned());
+        let result = self.take_over(principal, session, image, container, att, bound, headers).await;
+        if let Err(e) = &result {
+            tracing::warn!(target: "pyberth::egress", session, error = %e, "egress of an adopted session not taken over");
+            let why = format!(
+                "this session's network access was lost when the server restarted ({e}): it can reach nothing now; \
+                 close it and open a new session to have egress again"
+            );
+            self.lost.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (att.network.clone(), why));
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn take_over(
+        &self,
+        principal: &str,
+        session: &str,
+        image: &str,
+        container: &str,
+        att: &Attachment,
+        bound: &[Rule],
+        headers: Headers,
+    ) -> Result<(), String> {
+        let allow = att.allow();
+        // Never wider than the environment allows now (its config may have been narrowed).
+        let rules = policy::narrow(bound, &allow)?;
+        let mut slot = self.proxy.lock().await;
+        let proxy = self.ensure_proxy(&mut slot, image).await?;
+        let network = att.network.clone();
+        let req = NetworkConnectRequest { container: proxy.id.clone(), endpoint_config: None };
+        self.docker
+            .connect_network(&network, req)
+            .await
+            .map_err(|e| format!("the proxy cannot join the session's network: {e}"))?;
+        let joined = match self.proxy_ip_on(&proxy.id, &network).await {
+            Ok(ip) if ip == att.proxy_ip => Ok(ip),
+            Ok(ip) => {
+                Err(format!("the new proxy got {ip} on its network, not {} which the session uses", att.proxy_ip))
+            }
+            Err(e) => Err(e),
+        };
+        let set = match joined {
+            Ok(local) => {
+                let set = Command::Set {
+                    local,
+                    session: session.to_owned(),
+                    principal: principal.to_owned(),
+                    allow,
+                    headers: headers.clone(),
+                };
+                self.send(proxy, &set).await.map(|()| local)
+            }
+            Err(e) => Err(e),
+        };
+        let local = match set {
+            Ok(local) => local,
+            Err(e) => {
+                // Off the network again: the session reaches nothing rather than a proxy
+                // that has no policy for it.
+                let req = NetworkDisconnectRequest { container: proxy.id.clone(), force: Some(true) };
+                let _ = self.docker.disconnect_network(&network, req).await;
+                return Err(e);
+            }
+        };
+        drop(slot);
+        self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            (principal.to_owned(), session.to_owned()),
+            SessionNet { network, local, rules, headers, shared: att.rules.clone() },
+        );
+        // This server's CA is new: without it the session would refuse every intercepted host.
+        if let Err(e) = att.after_start(&self.docker, container).await {
+            tracing::warn!(target: "pyberth::egress", session, error = %e, "cannot write the new CA bundle into an adopted session");
+        }
+        Ok(())
+    }
+
+    /// Why an adopted session has no egress now, said in each of its runs.
+    pub fn notice(&self, principal: &str, session: &str) -> Option<String> {
+        let key = (principal.to_owned(), session.to_owned());
+        self.lost.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|(_, why)| why.clone())
     }
 
     async fn remove_network(&self, network: &str, proxy: Option<&str>) {
@@ -806,6 +944,10 @@ impl Manager {
     /// After the session's container is gone: its policy out of the proxy, its network removed.
     pub async fn detach(&self, principal: &str, session: &str) {
         let key = (principal.to_owned(), session.to_owned());
+        let lost = self.lost.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        if let Some((network, _)) = lost {
+            self.remove_network(&network, None).await;
+        }
         let Some(net) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&key) else { return };
         let mut slot = self.proxy.lock().await;
         let id = match slot.as_mut() {
@@ -834,6 +976,9 @@ impl Manager {
             if asked.is_empty() && !s.contains_key(&key) {
                 return Ok(Vec::new()); // already offline
             }
+            if let Some((_, why)) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+                return Err(why.clone());
+            }
             let n = s.get(&key).ok_or_else(|| {
                 format!("session {session:?} has no network: its environment allows no egress, so there is nothing to narrow")
             })?;
@@ -853,6 +998,7 @@ impl Manager {
         self.send(proxy, &set).await?;
         if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {
             n.rules = rules;
+            *n.shared.lock().unwrap_or_else(|e| e.into_inner()) = allow.clone();
         }
         Ok(allow)
     }
@@ -983,8 +1129,9 @@ impl Manager {
             p.reader.abort();
             container::remove_container(&self.docker, &p.id).await;
         }
-        let nets: Vec<String> =
+        let mut nets: Vec<String> =
             self.sessions.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, n)| n.network).collect();
+        nets.extend(self.lost.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, (n, _))| n));
         for n in nets {
             self.remove_network(&n, None).await;
         }

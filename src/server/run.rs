@@ -49,9 +49,11 @@ impl SandboxServer {
         spec: RunSpec,
         timeout_s: Option<f64>,
         wait: Option<Duration>,
-        notices: Vec<String>,
+        mut notices: Vec<String>,
     ) -> ToolResult {
         let who = principal_of(ctx);
+        // An adopted session whose egress could not be taken over says so in every run.
+        notices.extend(self.registry.egress.notice(&who, &session.name));
         let timeout = check_timeout(timeout_s, session.settings())?;
         let slot = self.registry.run_permit(&who)?;
         if let Some(wait) = wait {
@@ -139,6 +141,7 @@ impl SandboxServer {
         if let (false, Some(asked)) = (opened.created, &args.allow_hosts) {
             // An existing session: the same narrowing as set_network.
             let now = self.registry.egress.narrow(&principal_of(&ctx), &name, asked).await?;
+            session.save_record();
             notices.push(format!(
                 "egress narrowed to: {}",
                 if now.is_empty() { "none (offline)".into() } else { now.join(", ") }

@@ -67,8 +67,10 @@ impl SandboxServer {
     #[tool(annotations(title = "Set network", destructive_hint = false, idempotent_hint = true), output_schema = schema_for_output::<NetworkPolicy>())]
     async fn set_network(&self, Parameters(args): Parameters<SetNetworkArgs>, Caller(who): Caller) -> ToolResult {
         let name = session_name(args.session.as_deref())?;
-        self.registry.get(&who, &name)?;
+        let session = self.registry.get(&who, &name)?;
         let allow_hosts = self.registry.egress.narrow(&who, &name, &args.allow_hosts).await?;
+        // The narrowed list is what a restarted server puts back.
+        session.save_record();
         let text = match allow_hosts.is_empty() {
             true => format!("session {name:?} is offline: no host is allowed"),
             false => format!("session {name:?} may reach: {}", allow_hosts.join(", ")),

@@ -399,3 +399,102 @@ async fn a_stream_dropped_mid_run_still_ends_that_run() {
     let inst = s.signal("-TERM").await;
     assert_cleaned_up(&inst).await;
 }
+
+/// Runs `code` in the egress session `e` of environment `net`, narrowed to the upstream's
+/// pinned names when it is made (`create`).
+async fn run_net(client: &RunningService<RoleClient, Recorder>, code: &str, create: bool) -> Value {
+    let mut args = json!({ "session": "e", "environment": "net", "code": code, "timeout_s": 60 });
+    if create {
+        args["allow_hosts"] = json!(["upstream.test:8000", "*.wild.test:8000"]);
+    }
+    let (r, sc) = call(client, "run_python", args).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    sc
+}
+
+/// A session with egress (narrowed with `allow_hosts`, then `set_network`) left running, then adopted: `tamper`
+/// edits its record before the restart. Returns the second run's result after the restart,
+/// having closed the session and checked nothing is left of either server.
+async fn egress_across_a_restart(tag: &str, tamper: impl Fn(&mut Value)) -> (Value, String) {
+    use crate::egress::{Upstream, config_file, fetch, networks_of};
+    let up = Upstream::start(&instance_name(tag)).await;
+    let config = config_file(tag, &up);
+    let env = [("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")), ("EGRESS_TEST_SECRET", crate::egress::SECRET)];
+    let state = StateDir::new(tag);
+    let first = Server::start(tag, &state, &env).await;
+    let alice = first.client().await;
+    let ca = "open('/tmp/.pyberth-egress/ca.pem').read()";
+    let sc =
+        run_net(&alice, &format!("{}\nkept = 7\nca0 = {ca}", fetch("http://upstream.test:8000/before")), true).await;
+    assert!(sc["stdout"].as_str().unwrap_or_default().starts_with("200 upstream ok /before"), "{sc}");
+    // Narrowed again: this list, not the one at creation, is what the next server puts back.
+    let (r, _) = call(&alice, "set_network", json!({ "session": "e", "allow_hosts": ["upstream.test:8000"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+    // The record keeps the narrowed list and the network, never a header value.
+    let records: Vec<_> = std::fs::read_dir(state.0.join("sessions")).expect("records").flatten().collect();
+    assert_eq!(records.len(), 1);
+    let path = records[0].path();
+    let raw = std::fs::read_to_string(&path).expect("record");
+    assert!(!raw.contains(crate::egress::SECRET), "{raw}");
+    let mut record: Value = serde_json::from_str(&raw).expect("json");
+    assert_eq!(record["egress"]["allow"], json!(["upstream.test:8000"]), "{record}");
+    tamper(&mut record);
+    std::fs::write(&path, record.to_string()).expect("record");
+
+    let second = Server::start(tag, &state, &env).await;
+    assert!(second.log().contains("adopted"), "the new server says it adopted sessions");
+    // Its network, labelled by the stopped server, lives on while the session does.
+    assert_eq!(networks_of(&old).await.len(), 1, "the session's network is kept");
+    let alice = second.client().await;
+    let code = format!(
+        "{}\n{}\nprint('kept', kept, 'new ca', {ca} != ca0)",
+        fetch("http://upstream.test:8000/after"),
+        fetch("http://a.wild.test:8000/")
+    );
+    let sc = run_net(&alice, &code, false).await;
+    let log = second.log();
+    let (r, _) = call(&alice, "close_session", json!({ "session": "e" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+    assert!(networks_of(&old).await.is_empty() && networks_of(&new).await.is_empty(), "networks left");
+    (sc, log)
+}
+
+/// The adopting server's proxy takes the session's network over at the old proxy's address,
+/// with the narrowed list, the operator's header and its own new CA in the session.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_adopted_session_keeps_its_egress_and_its_narrowed_list() {
+    use sha2::Digest as _;
+    if crate::common::gvisor() {
+        return; // no egress under gVisor: egress::egress_under_gvisor_is_a_clear_error
+    }
+    let (sc, log) = egress_across_a_restart("adopt-egress", |_| {}).await;
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.starts_with("200 upstream ok /after"), "the allowed upstream is reached: {sc}");
+    let sha = format!("{:x}", sha2::Sha256::digest(format!("key-{}", crate::egress::SECRET).as_bytes()));
+    assert!(out.contains(&format!("key-sha256: {sha}")), "the operator's header still arrives: {sc}");
+    assert!(out.contains("403 pyberth egress: a.wild.test:8000 denied"), "the narrowed list holds: {sc}");
+    assert!(out.contains("kept 7 new ca True"), "same variables, the new server's CA: {sc}");
+    assert!(log.contains("egress of the adopted session taken over"), "{log}");
+}
+
+/// When the proxy cannot be put back where the session expects it (here: the record names
+/// another address), the session reaches nothing and each run says why.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_adopted_session_whose_egress_is_lost_says_so_and_reaches_nothing() {
+    if crate::common::gvisor() {
+        return;
+    }
+    let (sc, _) =
+        egress_across_a_restart("adopt-egress-lost", |r| r["egress"]["proxy_ip"] = json!("10.255.255.254")).await;
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.starts_with("ERR") && !out.contains("upstream ok"), "nothing is reached: {sc}");
+    let notices = sc["notices"].to_string();
+    assert!(notices.contains("network access was lost when the server restarted"), "{sc}");
+    assert!(out.contains("kept 7"), "the session itself is kept: {sc}");
+}

@@ -12,13 +12,13 @@ use crate::common::{Server, assert_cleaned_up, docker, gvisor, instance_name, st
 
 /// The value the server adds as `X-Api-Key: key-<SECRET>` to plain HTTP requests to
 /// upstream.test, from its own environment.
-const SECRET: &str = "s3cr3t-0123456789";
+pub(crate) const SECRET: &str = "s3cr3t-0123456789";
 
 /// An HTTP upstream of the test's own: a container on the default bridge (where the proxy's
 /// outbound side is) answering every GET with its path and the headers it got.
-struct Upstream {
+pub(crate) struct Upstream {
     name: String,
-    ip: String,
+    pub(crate) ip: String,
 }
 
 const UPSTREAM: &str = r#"
@@ -61,7 +61,7 @@ http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 "#;
 
 impl Upstream {
-    async fn start(tag: &str) -> Upstream {
+    pub(crate) async fn start(tag: &str) -> Upstream {
         Self::start_with(tag, &[]).await
     }
 
@@ -122,7 +122,7 @@ async fn server_with(tag: &str, up: &Upstream, env: &[(&str, &str)]) -> Server {
     Server::start_as(tag, &env).await
 }
 
-fn config_file(tag: &str, up: &Upstream) -> std::path::PathBuf {
+pub(crate) fn config_file(tag: &str, up: &Upstream) -> std::path::PathBuf {
     let dir = state_dir().join(format!("egress-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let config = dir.join("pyberth.toml");
@@ -150,7 +150,7 @@ async fn run(s: &Server, session: &str, env: &str, code: &str) -> Value {
 }
 
 /// Python that fetches a URL through the proxy and prints status, body and seconds taken.
-fn fetch(url: &str) -> String {
+pub(crate) fn fetch(url: &str) -> String {
     format!(
         r#"
 import time, urllib.request, urllib.error
@@ -171,7 +171,7 @@ fn took(out: &str) -> f64 {
     out.lines().find_map(|l| l.strip_prefix("took ")).and_then(|t| t.trim().parse().ok()).unwrap_or(f64::MAX)
 }
 
-async fn networks_of(instance: &str) -> Vec<String> {
+pub(crate) async fn networks_of(instance: &str) -> Vec<String> {
     let label = format!("pyberth.instance={instance}");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
     let opts = bollard::query_parameters::ListNetworksOptionsBuilder::default().filters(&filters).build();
@@ -734,7 +734,7 @@ print("in env:", any("s3cr3t" in v for v in os.environ.values()))
 }
 
 /// The proxy container of instance `tag`, if any.
-async fn proxy_of(tag: &str) -> Option<String> {
+pub(crate) async fn proxy_of(tag: &str) -> Option<String> {
     let labels = [format!("pyberth.instance={tag}"), "pyberth.egress=proxy".to_owned()];
     let filters = HashMap::from([("label", labels.iter().map(String::as_str).collect::<Vec<_>>())]);
     let opts = bollard::query_parameters::ListContainersOptionsBuilder::default().all(true).filters(&filters).build();

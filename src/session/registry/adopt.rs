@@ -52,6 +52,21 @@ struct Record {
     python: String,
     /// The agent's pid when the record was written (0: unknown).
     pid: u32,
+    /// Its egress, if it has any.
+    #[serde(default)]
+    egress: Option<Egress>,
+}
+
+/// A session's egress as its record keeps it: header values are not kept (they come from the
+/// adopting server's config, by environment and host), nor the CA (a new one each start).
+#[derive(Debug, Serialize, Deserialize)]
+struct Egress {
+    /// Its own network (labelled with the instance that made it).
+    network: String,
+    /// The proxy's address there, which the session's proxy variables name.
+    proxy_ip: std::net::IpAddr,
+    /// The allow-list in force, `set_network` narrowing included.
+    allow: Vec<String>,
 }
 
 /// The record of `container`: container names are ours (`pyberth-<instance>-<session>-<n>`),
@@ -85,8 +100,9 @@ impl Session {
         self.cfg.keep_sessions && self.cfg.adopt_grace_s != 0
     }
 
-    /// Writes this session's record (a few hundred bytes; called when it changes).
-    pub(in crate::session) fn save_record(&self) {
+    /// Writes this session's record (a few hundred bytes; called when it changes, its egress
+    /// list included).
+    pub(crate) fn save_record(&self) {
         if !self.durable_jobs() {
             return;
         }
@@ -106,6 +122,11 @@ impl Session {
             env: self.env(),
             python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
             pid: self.agent_pid.load(Ordering::Relaxed),
+            egress: self.cfg.egress.as_ref().map(|a| Egress {
+                network: a.network.clone(),
+                proxy_ip: a.proxy_ip,
+                allow: a.allow(),
+            }),
         };
         if let Err(e) = write_record(&path, &record) {
             tracing::warn!(session = %self.name, error = %e, "cannot write the session's record: a restarted server will not adopt it");
@@ -210,6 +231,7 @@ impl Registry {
         let mut kept_ids = HashSet::new();
         let mut kept_volumes = HashSet::new();
         let mut adopted = 0;
+        let mut with_egress = Vec::new();
         for (path, record) in records {
             let info = match self.docker.inspect_container(&record.container, None).await {
                 Ok(info) => info,
@@ -244,7 +266,17 @@ impl Registry {
             // It stays its instance's: a container it is given later carries the same labels,
             // kept alive by the lock and heartbeat this server now holds for that instance.
             let owner = container::Owner { instance: record.instance.clone(), host: host.clone() };
-            let session = Session::readopt(self.docker.clone(), env.cfg.clone(), owner, record);
+            let mut cfg = env.cfg.clone();
+            if let Some(e) = &record.egress {
+                let att = self.egress.adopted_attachment(e.network.clone(), e.proxy_ip, e.allow.clone());
+                let mut c = (*cfg).clone();
+                c.egress = Some(Arc::new(att));
+                cfg = Arc::new(c);
+            }
+            let session = Session::readopt(self.docker.clone(), cfg, owner, record);
+            if session.cfg.egress.is_some() {
+                with_egress.push((session.clone(), env.clone()));
+            }
             let slot: Slot = Arc::default();
             let _ = slot.set(session);
             self.slots().insert(key, slot);
@@ -262,6 +294,16 @@ impl Registry {
         }
         for (name, _) in found.volumes.iter().filter(|(n, l)| of_adopted(l) && !kept_volumes.contains(n)) {
             container::remove_leftover_volume(&self.docker, name).await;
+        }
+        // With their old proxies gone (just above), this server's proxy takes their networks.
+        for (session, env) in with_egress {
+            let Some(att) = session.cfg.egress.clone() else { continue };
+            let id = session.container.lock().map(|c| c.id.clone()).unwrap_or_default();
+            let headers = env.egress_headers.0.clone();
+            let (principal, name) = (&session.principal, &session.name);
+            if self.egress.adopt(principal, name, &session.image, &id, &att, &env.egress, headers).await.is_ok() {
+                tracing::info!(session = %name, "egress of the adopted session taken over");
+            }
         }
         if adopted > 0 {
             // Their sets are in use: no prune may take them.
