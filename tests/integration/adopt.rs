@@ -498,3 +498,62 @@ async fn an_adopted_session_whose_egress_is_lost_says_so_and_reaches_nothing() {
     assert!(notices.contains("network access was lost when the server restarted"), "{sc}");
     assert!(out.contains("kept 7"), "the session itself is kept: {sc}");
 }
+
+/// A session with egress that hibernated before the restart wakes under the next server on a
+/// network of that server's, with the list in force when it slept (never wider), the
+/// operator's header, and its variables; the old server's network is gone with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hibernated_session_with_egress_wakes_with_its_list_after_a_restart() {
+    use crate::egress::{Upstream, config_file, fetch, networks_of};
+    use sha2::Digest as _;
+    if crate::common::gvisor() {
+        return; // no egress under gVisor: egress::egress_under_gvisor_is_a_clear_error
+    }
+    let tag = "adopt-egress-sleep";
+    let up = Upstream::start(&instance_name(tag)).await;
+    let config = config_file(tag, &up);
+    let cfg = config.to_str().expect("utf-8 path");
+    let state = StateDir::new(tag);
+    let secret = ("EGRESS_TEST_SECRET", crate::egress::SECRET);
+    let first =
+        Server::start(tag, &state, &[("PYBERTH_CONFIG", cfg), secret, ("PYBERTH_HIBERNATE_AFTER_S", "1")]).await;
+    let alice = first.client().await;
+    let sc = run_net(&alice, &format!("{}\nkept = 7", fetch("http://upstream.test:8000/before")), true).await;
+    assert!(sc["stdout"].as_str().unwrap_or_default().starts_with("200 upstream ok /before"), "{sc}");
+    let (r, _) = call(&alice, "set_network", json!({ "session": "e", "allow_hosts": ["upstream.test:8000"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while state_of(&alice, "e").await != Some(json!("hibernated")) {
+        assert!(Instant::now() < deadline, "not hibernated");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+    let sleepers: Vec<_> = std::fs::read_dir(state.0.join("sleepers")).expect("sleepers").flatten().collect();
+    assert_eq!(sleepers.len(), 1, "one sleeper recorded");
+    let raw = std::fs::read_to_string(sleepers[0].path()).expect("record");
+    assert!(!raw.contains(crate::egress::SECRET), "no header value in the record: {raw}");
+
+    let second = Server::start(tag, &state, &[("PYBERTH_CONFIG", cfg), secret]).await;
+    let alice = second.client().await;
+    assert_eq!(state_of(&alice, "e").await, Some(json!("hibernated")), "the sleeper is carried over");
+    let code = format!(
+        "{}\n{}\nprint('kept', kept)",
+        fetch("http://upstream.test:8000/after"),
+        fetch("http://a.wild.test:8000/")
+    );
+    let sc = run_net(&alice, &code, false).await;
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.starts_with("200 upstream ok /after"), "the woken session reaches its upstream: {sc}");
+    let sha = format!("{:x}", sha2::Sha256::digest(format!("key-{}", crate::egress::SECRET).as_bytes()));
+    assert!(out.contains(&format!("key-sha256: {sha}")), "the operator's header still arrives: {sc}");
+    assert!(out.contains("403 pyberth egress: a.wild.test:8000 denied"), "the list it slept with holds: {sc}");
+    assert!(out.contains("kept 7"), "woken with its variables: {sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "e" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+    assert!(networks_of(&old).await.is_empty() && networks_of(&new).await.is_empty(), "networks left");
+}

@@ -126,6 +126,10 @@ struct Sleeper {
     /// Unix ms of its last use: its TTL runs from there.
     last_used_ms: u64,
     saved: SavedRecord,
+    /// The allow-list in force when it slept, if it had egress (header values and the CA are
+    /// never kept: they come from the adopting server).
+    #[serde(default)]
+    egress: Option<Vec<String>>,
 }
 
 /// A snapshot of the catalogue.
@@ -224,6 +228,7 @@ impl Session {
             python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
             last_used_ms: unix_ms(SystemTime::now().checked_sub(idle).unwrap_or(UNIX_EPOCH)),
             saved: SavedRecord::from(saved),
+            egress: self.cfg.egress.as_ref().map(|a| a.allow()),
         };
         write(state_dir, SLEEPERS, &saved.store.volume, &record);
     }
@@ -234,6 +239,7 @@ impl Session {
         cfg: Arc<crate::config::SandboxConfig>,
         owner: container::Owner,
         record: Sleeper,
+        pending: Vec<String>,
     ) -> Arc<Self> {
         let created = Created { id: record.container, volume: record.volume, uid: record.uid };
         let saved = Saved::from(record.saved);
@@ -244,7 +250,7 @@ impl Session {
             agent: None,
             lease: None,
             watched: false,
-            pending: Vec::new(),
+            pending,
             pending_lost: false,
             reattach_pid: None,
             sleeping: Some(saved),
@@ -339,7 +345,34 @@ impl Registry {
             kept.volumes.insert(record.saved.volume.clone());
             let owner = container::Owner { instance: record.instance.clone(), host: host.to_owned() };
             let name = record.name.clone();
-            let session = Session::readopt_asleep(self.docker.clone(), env.cfg.clone(), owner, record);
+            // Its network went with the server that made it: it wakes on a new one of this
+            // server's, with the list it had (never wider than its environment's now).
+            let mut cfg = env.cfg.clone();
+            let mut pending = Vec::new();
+            if let Some(allow) = record.egress.clone() {
+                let attached = match crate::egress::policy::narrow(&env.egress, &allow) {
+                    Ok(rules) => {
+                        let headers = env.egress_headers.0.clone();
+                        self.egress.attach(&record.principal, &name, &record.image, rules, headers).await
+                    }
+                    Err(e) => Err(e),
+                };
+                match attached {
+                    Ok(att) => {
+                        let mut c = (*cfg).clone();
+                        c.egress = Some(Arc::new(att));
+                        cfg = Arc::new(c);
+                    }
+                    Err(e) => {
+                        tracing::warn!(session = %name, error = %e, "a hibernated session's egress could not be restored");
+                        pending.push(format!(
+                            "this session's network access was lost when the server restarted ({e}): it reaches \
+                             nothing; close it and start a new one to get it back"
+                        ));
+                    }
+                }
+            }
+            let session = Session::readopt_asleep(self.docker.clone(), cfg, owner, record, pending);
             let slot: super::Slot = Arc::default();
             let _ = slot.set(session);
             self.slots().insert(key, slot);
