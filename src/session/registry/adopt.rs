@@ -305,6 +305,15 @@ impl Registry {
                 tracing::info!(session = %name, "egress of the adopted session taken over");
             }
         }
+        // Networks of theirs nothing uses any more (a hibernated session's: it wakes on one of
+        // this server's). The engine refuses to remove one a container is still on: those of
+        // the running sessions just taken over stay.
+        let pick =
+            |l: &std::collections::HashMap<String, String>| l.get(LABEL_INSTANCE).is_some_and(|i| names.contains(i));
+        let nets = crate::egress::sweep_networks(&self.docker, &pick).await;
+        if nets > 0 {
+            tracing::info!(networks = nets, "removed egress networks of adopted instances that nothing uses");
+        }
         if adopted > 0 {
             // Their sets are in use: no prune may take them.
             self.record_layers();
