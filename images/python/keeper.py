@@ -4,9 +4,10 @@
 socket in DIR; when no keeper answers, it first starts one, fully detached (double fork,
 setsid, stdio on /dev/null, then exec'd as `keeper.py keep`, a command line of its own),
 which runs CMD (the agent) on pipes and listens on that socket.
-The attach process is then a thin relay: its stdin goes to the agent's stdin, and the agent's
-stdout and stderr come back framed over the socket and split again onto its own stdout and
-stderr, so the server sees exactly the byte streams of an agent it started itself.
+The attach process then becomes a thin relay (it execs relay.pl, in perl, on the socket's fd;
+relay() here when it cannot): its stdin goes to the agent's stdin, and the agent's stdout and
+stderr come back framed over the socket and split again onto its own stdout and stderr, so
+the server sees exactly the byte streams of an agent it started itself.
 
 When the exec stream drops (the server restarts, a network blip to a remote engine), only the
 relay dies: the keeper and the agent, with the interpreter's variables, threads and open files,
@@ -458,7 +459,27 @@ def attach(path, argv):
     os.close(lock)
     if sock is None:
         raise SystemExit("keeper: cannot reach the keeper at %s" % sock_path)
+    exec_relay(sock)
     relay(sock)
+
+
+# The relay in perl: the one process of a session that is not needed while it idles, so not a
+# second Python interpreter (~4.7 MiB private each). relay() stays for images without perl.
+PERL = "/usr/bin/perl"
+RELAY_PL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay.pl")
+
+
+def exec_relay(sock):
+    """Becomes relay.pl on SOCK's fd; returns only when that cannot be done."""
+    if not (os.access(PERL, os.X_OK) and os.path.isfile(RELAY_PL)):
+        return
+    fd = sock.fileno()
+    try:
+        os.set_inheritable(fd, True)
+        # An empty environment: nothing like PERL5OPT or PERL5LIB reaches the interpreter.
+        os.execve(PERL, [PERL, RELAY_PL, str(fd)], {})
+    except OSError:
+        os.set_inheritable(fd, False)
 
 
 def main():

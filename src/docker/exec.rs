@@ -1,10 +1,10 @@
 //! Execs: the one long-lived attached exec that reaches the agent, and the short one that kills
 //! runaway code (Docker has no API to kill an exec: moby#9098).
 //!
-//! The attached exec is a relay (`images/python/keeper.py attach`): the agent runs detached
-//! under a keeper inside the container and outlives the exec's stream, so a dropped stream (a
-//! server restart, a network blip to a remote engine) loses no state; the next attach reaches
-//! the same interpreter (docs/design.md D12).
+//! The attached exec is a relay (`images/python/keeper.py attach`, which execs `relay.pl` once
+//! connected): the agent runs detached under a keeper inside the container and outlives the
+//! exec's stream, so a dropped stream (a server restart, a network blip to a remote engine)
+//! loses no state; the next attach reaches the same interpreter (docs/design.md D12).
 
 use std::pin::Pin;
 

@@ -17,11 +17,14 @@ use crate::config::{DEFAULT_BASE, DEFAULT_RELEASE, SandboxConfig};
 pub const AGENT_PY: &str = include_str!("../../images/python/agent.py");
 /// The keeper that holds the agent across dropped exec streams (docs/design.md D12).
 const KEEPER_PY: &str = include_str!("../../images/python/keeper.py");
+/// The relay the attach execs into: perl, not a second Python interpreter per idle session.
+const RELAY_PL: &str = include_str!("../../images/python/relay.pl");
 const DOCKERFILE: &str = include_str!("../../images/python/Dockerfile");
 const BOOTSTRAP_SH: &str = include_str!("../../images/debootstrap-base.sh");
 
 /// Files of the build context, in a fixed order.
-const CONTEXT: [(&str, &str); 3] = [("Dockerfile", DOCKERFILE), ("agent.py", AGENT_PY), ("keeper.py", KEEPER_PY)];
+const CONTEXT: [(&str, &str); 4] =
+    [("Dockerfile", DOCKERFILE), ("agent.py", AGENT_PY), ("keeper.py", KEEPER_PY), ("relay.pl", RELAY_PL)];
 
 /// Repository of the images we build.
 pub const SANDBOX_REPO: &str = "pyberth-sandbox";
@@ -283,6 +286,6 @@ mod tests {
             .expect("entries")
             .map(|e| e.expect("entry").path().expect("path").display().to_string())
             .collect();
-        assert_eq!(names, ["Dockerfile", "agent.py", "keeper.py"]);
+        assert_eq!(names, ["Dockerfile", "agent.py", "keeper.py", "relay.pl"]);
     }
 }

@@ -197,3 +197,46 @@ async fn a_slow_repr_never_costs_the_session_its_variables() {
     assert_eq!(sc["result"], "False", "{sc}");
     s.stop().await;
 }
+
+/// Kills the session's keeper and serves its socket instead: every relay that connects gets a
+/// frame header claiming 4 GiB, then junk, on a connection held open (docs/design.md D12).
+const FORGED_KEEPER: &str = r#"import os, socket, struct, time
+d = '/tmp/.pyberth-keeper'
+keeper = [p for p in os.listdir('/proc') if p.isdigit() and b'keep' in open('/proc/%s/cmdline' % p, 'rb').read().split(b'\0')]
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.unlink(d + '/sock')
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(d + '/sock')
+        s.listen(8)
+        for p in keeper:
+            os.kill(int(p), 9)
+        held = []
+        while True:
+            c, _ = s.accept()
+            open('/workspace/accepted', 'a').write('1')
+            try:
+                c.sendall(struct.pack('>cI', b'1', 0xFFFFFFFF) + b'FORGED' * 1000)
+            except OSError:
+                pass
+            held.append(c)
+    os._exit(0)
+time.sleep(2)
+'planted'"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forged_keeper_is_dropped_and_the_session_recovers() {
+    let s = Server::start("forged-keeper", &[]).await;
+    s.ok("k", "x = 42").await;
+    let (r, sc) = within("the forging run", s.run_with(json!({ "session": "k", "code": FORGED_KEEPER }))).await;
+    assert!(!text(&r).contains("FORGED") && !sc.to_string().contains("FORGED"), "junk frames passed: {}", text(&r));
+    // The server attached to the forged keeper at least once and still answers.
+    let code = "print(len(open('/workspace/accepted').read()))";
+    let sc = within("the call after", s.run("k", code)).await.1;
+    let accepted: u32 = sc["stdout"].as_str().and_then(|o| o.trim().parse().ok()).unwrap_or(0);
+    assert!(accepted >= 1, "no relay reached the forged keeper: {sc}");
+    assert!(!sc.to_string().contains("FORGED"), "{sc}");
+    assert_eq!(s.ok("k", "print('after')").await["stdout"], "after\n");
+    s.stop().await;
+}

@@ -1,0 +1,101 @@
+# pyberth relay (docs/design.md D12): the long-lived end of the exec the server holds.
+#
+# `keeper.py attach` finds or starts the keeper, connects to its socket, then execs this with
+# the socket's fd: a Python interpreter costs ~4.7 MiB private for each idle session, perl
+# (perl-base is Essential in Debian) about a fifth of it. It does what keeper.py's relay()
+# does, byte for byte: stdin goes to the keeper in frames of kind `0`; frames `1` and `2` go
+# to stdout and stderr; frame `x` is the agent's exit status, ours once the output is written.
+# Frames: one byte of kind, four bytes of length (big-endian), the bytes.
+# Only modules of perl-base; run with an empty environment (no PERL5OPT, PERL5LIB).
+
+use strict;
+use Fcntl qw(F_GETFL F_SETFL O_NONBLOCK);
+use Errno qw(EAGAIN EWOULDBLOCK EINTR);
+
+# A reader gone is an error from write, not a signal that kills us before we tell.
+$SIG{PIPE} = 'IGNORE';
+
+my $LIMIT = 1 << 20;
+my $CHUNK = 1 << 16;
+# Longest frame the keeper may send; its are at most CHUNK.
+my $MAX_FRAME = 1 << 20;
+
+my $fd = $ARGV[0];
+exit 1 unless defined $fd && $fd =~ /\A[0-9]{1,4}\z/ && $fd > 2;
+open(my $sock, '+<&=', $fd) or exit 1;
+my $sfd = fileno($sock);
+for my $h (\*STDIN, \*STDOUT, \*STDERR, $sock) {
+    my $flags = fcntl($h, F_GETFL, 0);
+    fcntl($h, F_SETFL, $flags | O_NONBLOCK) if defined $flags;
+}
+
+sub again { return $! == EAGAIN || $! == EWOULDBLOCK || $! == EINTR }
+
+my ($to_sock, $incoming) = ('', '');
+my %to_fd = (1 => '', 2 => '');
+my %handle = (1 => \*STDOUT, 2 => \*STDERR);
+my $status;
+while (1) {
+    my $pending_out = length($to_fd{1}) + length($to_fd{2});
+    exit $status if defined $status && !$pending_out;
+    my ($rin, $win) = ('', '');
+    vec($rin, 0, 1) = 1 if length($to_sock) < $LIMIT;
+    # Little held here: what a killed relay held is lost, what the keeper holds is not.
+    vec($rin, $sfd, 1) = 1 if !defined $status && $pending_out < $CHUNK;
+    vec($win, $sfd, 1) = 1 if length $to_sock;
+    vec($win, $_, 1) = 1 for grep { length $to_fd{$_} } (1, 2);
+    my ($rout, $wout) = ($rin, $win);
+    if (select($rout, $wout, undef, undef) < 0) {
+        next if $! == EINTR;
+        exit 1;
+    }
+    if (vec($rout, 0, 1)) {
+        my $n = sysread(STDIN, my $data, $CHUNK);
+        if (defined $n || !again()) {
+            # The server closed its end (or it broke): it is gone. The agent stays with the keeper.
+            exit 0 unless $n;
+            $to_sock .= pack('aN', '0', $n) . $data;
+        }
+    }
+    if (vec($rout, $sfd, 1)) {
+        my $n = sysread($sock, my $data, $CHUNK);
+        if (defined $n || !again()) {
+            if (!$n) {
+                # The keeper is gone (killed, or replaced us with a newer relay).
+                $status = 1 unless defined $status;
+                next;
+            }
+            $incoming .= $data;
+            while (length($incoming) >= 5) {
+                my ($kind, $size) = unpack('aN', $incoming);
+                exit 1 if $size > $MAX_FRAME;
+                last if length($incoming) < 5 + $size;
+                my $payload = substr($incoming, 5, $size);
+                substr($incoming, 0, 5 + $size) = '';
+                if ($kind eq '1' || $kind eq '2') {
+                    $to_fd{$kind} .= $payload;
+                } elsif ($kind eq 'x') {
+                    $status = $payload =~ /\A\s*([-+]?[0-9]{1,18})\s*\z/ ? ($1 & 0xFF) : 1;
+                }
+            }
+        }
+    }
+    if (vec($wout, $sfd, 1)) {
+        my $n = syswrite($sock, $to_sock, $CHUNK);
+        if (defined $n) {
+            substr($to_sock, 0, $n) = '';
+        } elsif (!again()) {
+            exit 1;
+        }
+    }
+    for my $out (1, 2) {
+        next unless vec($wout, $out, 1);
+        my $n = syswrite($handle{$out}, $to_fd{$out}, $CHUNK);
+        if (defined $n) {
+            substr($to_fd{$out}, 0, $n) = '';
+        } elsif (!again()) {
+            # The server's end of the stream is gone.
+            exit 0;
+        }
+    }
+}
