@@ -102,11 +102,6 @@ impl Instance {
         true
     }
 
-    /// Lets go of a claimed lock, leaving its file free: the sweep then knows it dead.
-    fn unclaim(&self, name: &str) {
-        self.claimed.lock().unwrap_or_else(|e| e.into_inner()).retain(|(n, _, _)| n != name);
-    }
-
     /// The owners whose sessions this instance adopted, on this host.
     pub fn adopted_owners(&self) -> Vec<Owner> {
         let claimed = self.claimed.lock().unwrap_or_else(|e| e.into_inner());
@@ -120,15 +115,16 @@ impl Instance {
 
     /// Instances whose sessions this server adopts at start (docs/design.md D12), among
     /// `candidates` (those that left session records): dead ones of this host and state dir (their lock free, now held by us), and this instance's own name
-    /// when it was given again, whose heartbeat stopped less than `grace` ago, or is stopping
-    /// now. Instances beyond the grace are left to the sweep.
+    /// when it was given again. Those whose heartbeat stopped less than `grace` ago, or is
+    /// stopping now, come first; those beyond the grace second: nobody adopted their sessions
+    /// in time, so the adopting server puts them to sleep (issue 18: they hibernate).
     pub async fn claim_adoptable(
         &self,
         docker: &Docker,
         found: &[Found],
         candidates: &HashSet<String>,
         grace: Duration,
-    ) -> Vec<String> {
+    ) -> (Vec<String>, Vec<String>) {
         let mut names: Vec<&String> = found
             .iter()
             .filter(|c| c.labels.get(LABEL_HOST) == Some(&self.owner.host))
@@ -138,6 +134,7 @@ impl Instance {
         names.sort();
         names.dedup();
         let mut adoptable = Vec::new();
+        let mut late = Vec::new();
         let mut now: Option<Duration> = None;
         for name in names {
             let own = *name == self.owner.instance;
@@ -165,11 +162,11 @@ impl Instance {
             let within = running || latest.is_some_and(|at| now.unwrap_or_default().saturating_sub(at) < grace);
             if within {
                 adoptable.push(name.clone());
-            } else if !own {
-                self.unclaim(name);
+            } else {
+                late.push(name.clone());
             }
         }
-        adoptable
+        (adoptable, late)
     }
 
     /// Whether a resource with these labels is this instance's own.

@@ -1,7 +1,7 @@
 //! Sessions outlive their server (docs/design.md D12): a SIGTERM or a `kill -9` of the HTTP
 //! server, then a new server with the same state dir and token, finds the same session with
 //! its variables, an open file and a running thread; a dropped exec stream loses nothing; a
-//! live instance never adopts another's sessions; past the grace, sessions are swept.
+//! live instance never adopts another's sessions; past the grace, sessions hibernate.
 
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -237,23 +237,33 @@ async fn a_dropped_exec_stream_loses_no_state() {
     assert_cleaned_up(&inst).await;
 }
 
+/// A session nobody adopted within `--adopt-grace-s` is not lost: the server that finds it
+/// later puts it to sleep (its container goes, its state is kept) and it wakes on its next call.
 #[tokio::test(flavor = "multi_thread")]
-async fn sessions_past_the_grace_are_swept() {
+async fn sessions_past_the_grace_hibernate_and_wake() {
     let state = StateDir::new("adopt-late");
     let first = Server::start("adopt-late", &state, &[]).await;
     let alice = first.client().await;
-    run(&alice, "keep", "x = 42").await;
+    run(&alice, "keep", "x = 42\nopen('kept.txt', 'w').write('kept')").await;
     let _ = alice.cancel().await;
     let old = first.signal("-TERM").await;
-    assert!(!containers_of(&old).await.is_empty(), "left running");
+    let left: Vec<String> = containers_of(&old).await.into_iter().filter_map(|c| c.id).collect();
+    assert!(!left.is_empty(), "left running");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let second = Server::start("adopt-late", &state, &[("PYBERTH_ADOPT_GRACE_S", "2")]).await;
-    assert_cleaned_up(&old).await;
+    assert!(second.log().contains("put to sleep"), "the late session is hibernated at once");
+    let now: Vec<String> = containers_of(&old).await.into_iter().filter_map(|c| c.id).collect();
+    assert!(left.iter().all(|c| !now.contains(c)), "its containers are gone: {left:?} {now:?}");
     let alice = second.client().await;
-    let (_, sc) = call(&alice, "list_sessions", json!({})).await;
-    assert_eq!(sc["sessions"], json!([]), "{sc}");
+    assert_eq!(state_of(&alice, "keep").await, Some(json!("hibernated")));
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "keep", "code": "x, open('kept.txt').read()" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["result"], "(42, 'kept')", "woken with its variables and files: {sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "keep" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let _ = alice.cancel().await;
     let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
 }
 

@@ -217,7 +217,9 @@ impl Registry {
         }
         let found = container::inventory(&self.docker).await?;
         let grace = self.cfg.adopt_grace();
-        let names = self.instance.claim_adoptable(&self.docker, &found.containers, &recorded, grace).await;
+        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &found.containers, &recorded, grace).await;
+        names.extend(late.iter().cloned());
+        let mut asleep_now = Vec::new();
         let host = self.instance.owner.host.clone();
         let of_adopted = |l: &std::collections::HashMap<String, String>| {
             l.get(LABEL_HOST) == Some(&host) && l.get(LABEL_INSTANCE).is_some_and(|i| names.contains(i))
@@ -273,7 +275,11 @@ impl Registry {
                 c.egress = Some(Arc::new(att));
                 cfg = Arc::new(c);
             }
+            let late_one = late.contains(&record.instance);
             let session = Session::readopt(self.docker.clone(), cfg, owner, record);
+            if late_one {
+                asleep_now.push(session.clone());
+            }
             if session.cfg.egress.is_some() {
                 with_egress.push((session.clone(), env.clone()));
             }
@@ -325,6 +331,29 @@ impl Registry {
         let jobs = self.jobs.take_over(&self.docker, &state_dir, &find).await;
         if jobs > 0 {
             tracing::info!(jobs, "following the jobs of stopped servers");
+        }
+        // Sessions nobody adopted within the grace hibernate now (their server is long gone):
+        // their state is kept, their containers go. A session that cannot be put to sleep
+        // (hibernation off, or the snapshot fails) stays adopted and running.
+        if self.cfg.hibernate_after().is_some() {
+            let bounds = crate::docker::snapshot::Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: 100_000 };
+            for s in asleep_now {
+                // A running job keeps its session awake, as it does an idle one.
+                if self.jobs.list(&s.principal).iter().any(|j| j.session == s.name && !j.is_finished()) {
+                    continue;
+                }
+                let id = format!("h{}", self.snapshots.next_id());
+                match s.hibernate(&id, bounds).await {
+                    Ok(true) => {
+                        self.record_sleeper(&s);
+                        tracing::info!(session = %s.name, "a session left past the adoption grace was put to sleep");
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(session = %s.name, error = %e, "cannot hibernate a session left past the grace; it stays running")
+                    }
+                }
+            }
         }
         Ok(adopted)
     }
