@@ -360,7 +360,7 @@ fn apply(state: &Shared, c: Command) {
                 }
             };
             let mut secrets: Vec<Vec<u8>> =
-                headers.values().flatten().map(|(_, v)| v.as_bytes().to_vec()).filter(|v| !v.is_empty()).collect();
+                headers.values().flatten().filter(|(_, v)| !v.is_empty()).flat_map(|(_, v)| secret_forms(v)).collect();
             secrets.sort();
             secrets.dedup();
             let policy = Policy { session, principal, rules, headers, secrets, conns, budget };
@@ -418,25 +418,53 @@ async fn read_raw<R: tokio::io::AsyncRead + Unpin>(sock: &mut R) -> Result<(Stri
 /// Method, target and version.
 type RequestLine<'a> = (&'a str, &'a str, &'a str);
 
+/// A token character (RFC 9110 5.6.2): what a method and a header name are made of.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
 /// The request line's parts, and the header lines a request goes upstream with (no proxy,
 /// connection or Host headers: the proxy sets `Host` to the host it connects to, so a forged
 /// one cannot send an operator's secret to another site behind the same address).
+///
+/// Strict, because the head is forwarded: a lone `\n`, a stray `\r` or any other control
+/// byte, a folded line, or a space before a header's colon would let a lenient upstream read
+/// a second request the sandbox wrote, carrying the headers the proxy adds (smuggling).
 fn split_head(text: &str) -> Result<(RequestLine<'_>, Vec<String>), String> {
+    let bytes = text.as_bytes();
+    for (i, &b) in bytes.iter().enumerate() {
+        let crlf = (b == b'\r' && bytes.get(i + 1) == Some(&b'\n')) || (b == b'\n' && i > 0 && bytes[i - 1] == b'\r');
+        if (b < 0x20 && b != b'\t' && !crlf) || b == 0x7f {
+            return Err(format!("control byte 0x{b:02x} in the request head: refused"));
+        }
+    }
     let mut lines = text.split("\r\n");
     let first = lines.next().unwrap_or_default();
     let mut parts = first.split(' ');
     let line = match (parts.next(), parts.next(), parts.next(), parts.next()) {
-        (Some(m), Some(t), Some(v), None) if v.starts_with("HTTP/1.") => (m, t, v),
-        _ => return Err("not an HTTP/1 request line".into()),
+        (Some(m), Some(t), Some(v), None)
+            if !m.is_empty()
+                && m.bytes().all(is_tchar)
+                && !t.is_empty()
+                && !t.contains('\t')
+                && (v == "HTTP/1.1" || v == "HTTP/1.0") =>
+        {
+            (m, t, v)
+        }
+        _ => return Err("not an HTTP/1.0 or HTTP/1.1 request line".into()),
     };
-    let headers = lines
-        .filter(|l| !l.is_empty())
-        .filter(|l| {
-            let name = header_name(l);
-            !(name.starts_with("proxy-") || name == "connection" || name == "keep-alive" || name == "host")
-        })
-        .map(str::to_owned)
-        .collect();
+    let mut headers = Vec::new();
+    for l in lines.filter(|l| !l.is_empty()) {
+        let name = match l.split_once(':') {
+            Some((n, _)) if !n.is_empty() && n.bytes().all(is_tchar) => n,
+            // A folded line (leading space or tab) or a name with spaces: refused, not guessed.
+            _ => return Err(format!("malformed header line {:?}", l.chars().take(40).collect::<String>())),
+        };
+        let name = name.to_ascii_lowercase();
+        if !(name.starts_with("proxy-") || name == "connection" || name == "keep-alive" || name == "host") {
+            headers.push(l.to_owned());
+        }
+    }
     Ok((line, headers))
 }
 
@@ -498,16 +526,57 @@ fn header_name(line: &str) -> String {
     line.split(':').next().unwrap_or_default().trim().to_ascii_lowercase()
 }
 
+#[cfg(test)]
 impl Head {
+    fn clone_for_test(&self) -> Head {
+        Head {
+            connect: self.connect,
+            host: self.host.clone(),
+            port: self.port,
+            line: self.line.clone(),
+            host_header: self.host_header.clone(),
+            headers: self.headers.clone(),
+            rest: self.rest.clone(),
+        }
+    }
+}
+
+impl Head {
+    /// Whether a request may go out with `inject` (the operator's secrets) added: not one
+    /// the upstream answers by echoing it whole (TRACE, TRACK), nor one with a chunked body,
+    /// which the HTTP/1.0 it is sent as cannot carry.
+    fn carries_secret_safely(&self, inject: &[(String, String)]) -> Result<(), String> {
+        if inject.is_empty() {
+            return Ok(());
+        }
+        let method = self.line.split(' ').next().unwrap_or_default();
+        if method.eq_ignore_ascii_case("TRACE") || method.eq_ignore_ascii_case("TRACK") {
+            return Err(format!("{method} is refused to a host the operator adds headers for (it echoes them)"));
+        }
+        if self.headers.iter().any(|h| header_name(h) == "transfer-encoding") {
+            return Err(
+                "a chunked request body is refused to a host the operator adds headers for: send Content-Length".into(),
+            );
+        }
+        Ok(())
+    }
+
     /// The plain HTTP head to send upstream, with `inject` in place of the sandbox's headers
     /// of the same names.
     fn forward(&self, inject: &[(String, String)]) -> Vec<u8> {
-        let mut out = format!("{}\r\nHost: {}\r\n", self.line, self.host_header);
+        // With a secret on the request, the answer must come whole and plain: masking reads
+        // bytes, so no compression (Accept-Encoding, TE), no parts of it (Range) and no
+        // chunks (the request goes as HTTP/1.0, to which no server answers chunked: a chunk
+        // boundary inside an echoed secret would split it past the mask).
+        let line = match (inject.is_empty(), self.line.strip_suffix("HTTP/1.1")) {
+            (false, Some(start)) => format!("{start}HTTP/1.0"),
+            _ => self.line.clone(),
+        };
+        let mut out = format!("{line}\r\nHost: {}\r\n", self.host_header);
         for h in &self.headers {
             let name = header_name(h);
-            // With a secret on the request, the answer must come uncompressed: masking reads
-            // bytes, and a compressed echo of the value would pass it unmasked.
-            let dropped = !inject.is_empty() && name == "accept-encoding";
+            let dropped = !inject.is_empty()
+                && matches!(name.as_str(), "accept-encoding" | "te" | "range" | "if-range" | "expect");
             if !dropped && !inject.iter().any(|(n, _)| n.eq_ignore_ascii_case(&name)) {
                 out.push_str(h);
                 out.push_str("\r\n");
@@ -523,6 +592,30 @@ impl Head {
         out.push_str("Connection: close\r\n\r\n");
         out.into_bytes()
     }
+}
+
+/// A header value as an echo may show it: as sent, JSON-escaped (`/` as `\/`), percent-
+/// encoded, and in base64. Masking is best effort beyond these (docs/design.md D13): an
+/// upstream that echoes requests back otherwise transformed is not a host to add secrets for.
+fn secret_forms(value: &str) -> Vec<Vec<u8>> {
+    use base64::Engine as _;
+    let mut forms = vec![value.as_bytes().to_vec()];
+    forms.push(value.replace('/', "\\/").into_bytes());
+    let pct: String = value
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    forms.push(pct.into_bytes());
+    forms.push(base64::engine::general_purpose::STANDARD.encode(value).into_bytes());
+    forms.sort();
+    forms.dedup();
+    forms
 }
 
 /// Masks every secret in a stream with '*' of the same length (lengths, and so
@@ -727,11 +820,19 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
             // Ciphertext: nothing to mask, and holding bytes back would stall a handshake.
             splice(sock, upstream, head.rest, &policy.budget, Scrubber::default(), false).await
         }
-        (false, _) => {
-            let mut f = head.forward(inject);
-            f.extend_from_slice(&head.rest);
-            splice(sock, upstream, f, &policy.budget, scrub, true).await
-        }
+        (false, _) => match head.carries_secret_safely(inject) {
+            Ok(()) => {
+                let mut f = head.forward(inject);
+                f.extend_from_slice(&head.rest);
+                splice(sock, upstream, f, &policy.budget, scrub, true).await
+            }
+            Err(why) => {
+                record.allowed = false;
+                record.rule = format!("allowed by {}, but {why}", record.rule);
+                deny(&mut sock, "400 Bad Request", &why).await;
+                (0, 0)
+            }
+        },
     };
     record.up = up;
     record.down = down;
@@ -782,9 +883,10 @@ async fn intercept(
     };
     let (r, w) = sock.into_split();
     let joined = tokio::io::join(std::io::Cursor::new(rest).chain(r), w);
-    // 0x16: a TLS handshake record.
+    // 0x16: a TLS handshake record. The operator's headers go inside a tunnel only over TLS:
+    // plaintext there (to a port the operator meant for TLS) is forwarded without them.
     if first != 0x16 {
-        return forward_one(joined, upstream, host, port, 80, inject, budget, scrub).await;
+        return forward_one(joined, upstream, host, port, 80, &[], budget, scrub).await;
     }
     let client = tokio::time::timeout(HEAD_TIMEOUT, tokio_rustls::TlsAcceptor::from(leaf).accept(joined))
         .await
@@ -837,6 +939,10 @@ where
             return Err("no request head within 10 s".into());
         }
     };
+    if let Err(why) = head.carries_secret_safely(inject) {
+        deny(&mut client, "400 Bad Request", &why).await;
+        return Err(why);
+    }
     let mut first = head.forward(inject);
     first.extend_from_slice(&head.rest);
     Ok(splice(client, upstream, first, budget, scrub, true).await)
@@ -911,6 +1017,87 @@ where
 mod tests {
     use super::*;
 
+    /// The reviewer's smuggling head, and its cousins: every one refused before anything is
+    /// forwarded, so no second request of the sandbox's can carry the operator's headers.
+    #[test]
+    fn heads_that_could_smuggle_a_second_request_are_refused() {
+        let bad = [
+            "GET /a HTTP/1.1\r\nX: y\n\nGET /b HTTP/1.1\nHost: attacker.example\r\n\r\n",
+            "GET /a HTTP/1.1\nHost: x\r\n\r\n",
+            "GET /a HTTP/1.1\r\nX: a\rb\r\n\r\n",
+            "GET /a HTTP/1.1\r\nX: a\x00b\r\n\r\n",
+            "GET /a HTTP/1.1\r\nX : y\r\n\r\n",
+            "GET /a HTTP/1.1\r\nX: y\r\n folded\r\n\r\n",
+            "GET /a HTTP/1.1\r\n\tX: y\r\n\r\n",
+            "GET /a HTTP/1.1\r\nno colon\r\n\r\n",
+            "GET /a HTTP/1.1x\r\n\r\n",
+            "GET /a HTTP/1.2\r\n\r\n",
+            "G(T /a HTTP/1.1\r\n\r\n",
+            "GET  /a HTTP/1.1\r\n\r\n",
+            "GET /a\tb HTTP/1.1\r\n\r\n",
+            "GET /a HTTP/1.1\r\nX: \x7f\r\n\r\n",
+        ];
+        for head in bad {
+            assert!(split_head(head).is_err(), "{head:?} was accepted");
+        }
+        let ((m, t, v), headers) =
+            split_head("POST /p?q=1 HTTP/1.1\r\nHost: forged\r\nX-A: b\tc\r\nProxy-Authorization: z\r\n\r\n")
+                .expect("a plain head");
+        assert_eq!((m, t, v), ("POST", "/p?q=1", "HTTP/1.1"));
+        assert_eq!(headers, ["X-A: b\tc"], "Host and proxy headers dropped, a tab in a value kept");
+    }
+
+    #[test]
+    fn a_request_carrying_a_secret_goes_whole_and_plain() {
+        let (text, _) = (
+            "GET /x HTTP/1.1\r\nRange: bytes=0-3\r\nTE: gzip\r\nAccept-Encoding: br\r\nIf-Range: x\r\nX-Keep: 1\r\n\r\n",
+            (),
+        );
+        let ((m, t, v), headers) = split_head(text).expect("head");
+        let head = Head {
+            connect: false,
+            host: "api.test".into(),
+            port: 80,
+            line: format!("{m} {t} {v}"),
+            host_header: "api.test".into(),
+            headers,
+            rest: Vec::new(),
+        };
+        let inject = [("Authorization".to_owned(), "Bearer s".to_owned())];
+        let out = String::from_utf8(head.forward(&inject)).expect("text");
+        assert!(out.starts_with("GET /x HTTP/1.0\r\nHost: api.test\r\n"), "sent as HTTP/1.0: {out}");
+        for gone in ["Range", "TE:", "br", "If-Range"] {
+            assert!(!out.contains(gone), "{gone} kept: {out}");
+        }
+        assert!(out.contains("X-Keep: 1\r\n") && out.contains("Accept-Encoding: identity\r\n"), "{out}");
+        assert!(out.contains("Authorization: Bearer s\r\n"), "{out}");
+        // Without a secret the request goes as the sandbox sent it.
+        assert!(String::from_utf8(head.forward(&[])).expect("text").starts_with("GET /x HTTP/1.1\r\n"));
+        let trace = Head { line: "TRACE / HTTP/1.1".into(), ..head.clone_for_test() };
+        assert!(trace.carries_secret_safely(&inject).is_err() && trace.carries_secret_safely(&[]).is_ok());
+        let chunked = Head { headers: vec!["Transfer-Encoding: chunked".into()], ..head.clone_for_test() };
+        assert!(chunked.carries_secret_safely(&inject).is_err());
+        assert!(head.carries_secret_safely(&inject).is_ok());
+    }
+
+    #[test]
+    fn echoed_secrets_are_masked_in_their_common_encodings() {
+        let secret = "tok/en+1 2";
+        let mut scrub = Scrubber::new(secret_forms(secret));
+        let echo = format!("raw {secret} json {} pct {} b64 {}", secret.replace('/', "\\/"), "tok%2Fen%2B1%202", {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD.encode(secret)
+        });
+        let mut out = scrub.push(echo.as_bytes());
+        out.extend(scrub.finish());
+        let out = String::from_utf8(out).expect("text");
+        assert_eq!(out.len(), echo.len(), "lengths kept");
+        for form in secret_forms(secret) {
+            let form = String::from_utf8(form).expect("text");
+            assert!(!out.contains(&form), "{form} left in {out}");
+        }
+    }
+
     #[test]
     fn secrets_are_masked_across_chunk_boundaries() {
         let mut s = Scrubber::new(vec![b"s3cret-token".to_vec()]);
@@ -971,7 +1158,7 @@ mod tests {
         let out = String::from_utf8(head.forward(&[("Authorization".into(), "Bearer real".into())])).expect("utf-8");
         assert_eq!(
             out,
-            "GET / HTTP/1.1\r\nHost: h\r\nX-A: 1\r\nAccept-Encoding: identity\r\nAuthorization: Bearer real\r\nConnection: close\r\n\r\n"
+            "GET / HTTP/1.0\r\nHost: h\r\nX-A: 1\r\nAccept-Encoding: identity\r\nAuthorization: Bearer real\r\nConnection: close\r\n\r\n"
         );
     }
 }

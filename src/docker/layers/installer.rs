@@ -307,7 +307,16 @@ async fn install_as(
             super::build_layer(docker, &finished.id, spec, &writer, installer_gone).await
         };
         super::lap("install: build_layer", &mut t);
-        tokio::join!(writer.discard(docker), spec.egress.release_installer(net));
+        // A network where package code ran (an sdist build) is never handed to the next
+        // install: connections it left open would hold that install's slots.
+        let network = async {
+            if wheels_only {
+                spec.egress.release_installer(net).await;
+            } else {
+                spec.egress.detach_installer(net).await;
+            }
+        };
+        tokio::join!(writer.discard(docker), network);
         super::lap("install: writer removed, detach_installer", &mut t);
         built
     }
