@@ -832,6 +832,9 @@ impl Registry {
         // Installer volumes still being emptied: theirs before the sweep's.
         layers::settle().await;
         let snapshots = self.snapshots.drain();
+        for e in &snapshots {
+            self.forget_snapshot(&e.saved);
+        }
         futures::future::join_all(
             snapshots.iter().map(|e| crate::docker::snapshot::remove(&self.docker, &e.saved.store)),
         )

@@ -145,6 +145,9 @@ async fn survives(tag: &str, signal: &str) {
     let first = Server::start(tag, &state, &[]).await;
     let alice = first.client().await;
     run(&alice, "keep", SETUP).await;
+    // A snapshot is the next server's too, whether this one stops cleanly or is killed.
+    let (r, _) = call(&alice, "snapshot_session", json!({ "session": "keep", "name": "before" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let _ = alice.cancel().await;
     let old = first.signal(signal).await;
     assert!(!containers_of(&old).await.is_empty(), "the session is left running after {signal}");
@@ -160,8 +163,12 @@ async fn survives(tag: &str, signal: &str) {
     assert_eq!(sc["result"], "42", "{sc}");
     let sc = run(&alice, "keep", CHECK).await;
     assert_eq!(sc["result"], INTACT, "{sc}");
+    let (_, sc) = call(&alice, "list_snapshots", json!({})).await;
+    assert!(sc.to_string().contains("\"before\""), "the snapshot survives {signal}: {sc}");
     // Closing it leaves nothing of either server.
     let (r, _) = call(&alice, "close_session", json!({ "session": "keep" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let (r, _) = call(&alice, "delete_snapshot", json!({ "snapshot": "before" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let _ = alice.cancel().await;
     let new = second.signal("-TERM").await;

@@ -298,26 +298,43 @@ impl Registry {
 
     /// At a stop that leaves the sessions: the catalogue's snapshots, for the next server.
     pub(super) fn record_snapshots(&self) {
-        let state_dir = self.cfg.state_dir();
         for e in self.snapshots.drain() {
-            // The instance its volume is labelled with (`pyberth-<instance>-snap-<id>`): one
-            // carried over from an adopted instance stays that instance's.
-            let instance = e
-                .saved
-                .store
-                .volume
-                .strip_prefix("pyberth-")
-                .and_then(|v| v.rsplit_once("-snap-"))
-                .map_or_else(|| self.instance.owner.instance.clone(), |(i, _)| i.to_owned());
-            let record = Snap {
-                instance,
-                principal: e.principal.clone(),
-                name: e.name.clone(),
-                session: e.session.clone(),
-                saved: SavedRecord::from(&e.saved),
-            };
-            write(&state_dir, SNAPSHOTS, &e.saved.store.volume, &record);
+            self.write_snapshot(&e.principal, &e.name, &e.session, &e.saved);
         }
+    }
+
+    /// A snapshot recorded as it is made, so that a server killed with -9 leaves it to the
+    /// next one as a clean stop does (only where a next server may take sessions over).
+    pub(crate) fn record_snapshot(&self, principal: &str, name: &str, session: &str, saved: &Saved) {
+        if self.cfg.keep_sessions && self.cfg.adopt_grace_s != 0 {
+            self.write_snapshot(principal, name, session, saved);
+        }
+    }
+
+    /// A snapshot deleted or pruned: its record goes with it.
+    pub(crate) fn forget_snapshot(&self, saved: &Saved) {
+        if let Some(path) = path_of(&self.cfg.state_dir(), SNAPSHOTS, &saved.store.volume) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    fn write_snapshot(&self, principal: &str, name: &str, session: &str, saved: &Saved) {
+        // The instance its volume is labelled with (`pyberth-<instance>-snap-<id>`): one
+        // carried over from an adopted instance stays that instance's.
+        let instance = saved
+            .store
+            .volume
+            .strip_prefix("pyberth-")
+            .and_then(|v| v.rsplit_once("-snap-"))
+            .map_or_else(|| self.instance.owner.instance.clone(), |(i, _)| i.to_owned());
+        let record = Snap {
+            instance,
+            principal: principal.to_owned(),
+            name: name.to_owned(),
+            session: session.to_owned(),
+            saved: SavedRecord::from(saved),
+        };
+        write(&self.cfg.state_dir(), SNAPSHOTS, &saved.store.volume, &record);
     }
 
     /// Registers the hibernated sessions and snapshots of the adopted instances `names`;
@@ -383,8 +400,8 @@ impl Registry {
             if !names.contains(&record.instance) {
                 continue;
             }
-            let _ = std::fs::remove_file(&path);
             if !store_exists(&self.docker, &record.saved).await {
+                let _ = std::fs::remove_file(&path);
                 continue;
             }
             kept.containers.insert(record.saved.helper.clone());
@@ -393,6 +410,7 @@ impl Registry {
                 self.snapshots.insert(&record.principal, &record.name, &record.session, record.saved.into())
             {
                 // Two records of one name (two stops in a row): one is kept.
+                self.forget_snapshot(&old.saved);
                 crate::docker::snapshot::remove(&self.docker, &old.saved.store).await;
             }
         }
