@@ -222,7 +222,8 @@ impl Jobs {
         let id = format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed));
         let durable = session.durable_jobs().then(|| {
             let container = session.container.lock().map(|c| c.id.clone()).unwrap_or_default();
-            let record = durable::Record::new(&id, principal, &session.name, &container, timeout, cap);
+            let instance = &session.owner.instance;
+            let record = durable::Record::new(&id, instance, principal, &session.name, &container, timeout, cap);
             durable::Files::open(&session.cfg.state_dir(), record, true)
                 .map_err(|e| tracing::warn!(error = %e, "cannot record a job: a restarted server will not find it"))
                 .ok()
@@ -270,18 +271,26 @@ impl Jobs {
         job
     }
 
-    /// At start, after adopting sessions: the jobs earlier servers of this state dir left.
-    /// Those of an adopted session are shown again under their ids and followed to their end;
-    /// those whose container is gone end, saying so; the rest (a live server's) are not ours.
+    /// At start, after adopting sessions: the jobs the earlier servers of `instances` (those
+    /// this server claimed) left; other instances' records are not read. Those of an adopted
+    /// session are shown again under their ids and followed to their end; those whose
+    /// container is gone end, saying so; the rest are not ours.
     pub(crate) async fn take_over(
         &self,
         docker: &bollard::Docker,
         state_dir: &std::path::Path,
+        instances: &[String],
         adopted: &dyn Fn(&str, &str) -> Option<Arc<Session>>,
     ) -> usize {
         let mut taken = 0;
-        for left in durable::read_left(state_dir) {
+        for left in instances.iter().flat_map(|i| durable::read_left(state_dir, i)) {
             let r = &left.record;
+            // Two claimed instances may each have left a `job-1`: the first keeps the id, the
+            // other's record is left as it is (its run goes on unread) rather than clobbered.
+            if self.jobs.lock().is_ok_and(|j| j.contains_key(&r.id)) {
+                tracing::warn!(job = %r.id, instance = %r.instance, "another taken-over job has this id; not followed");
+                continue;
+            }
             let session =
                 adopted(&r.principal, &r.session).filter(|s| s.container.lock().is_ok_and(|c| c.id == r.container));
             let gone = session.is_none()
@@ -311,7 +320,7 @@ impl Jobs {
                 jobs.insert(job.id.clone(), job.clone());
             }
             let Some(session) = session.filter(|_| r.run != 0) else {
-                durable::forget(state_dir, &r.id);
+                durable::forget(state_dir, &r.instance, &r.id);
                 job.finish(Finished::Failed(
                     "the server restarted, and the job's session could not be taken over (its container is gone, \
                      or the run had not started)"

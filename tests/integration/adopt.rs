@@ -276,7 +276,8 @@ async fn sessions_past_the_grace_hibernate_and_wake() {
 
 /// A job running across a SIGTERM and restart keeps running: the new server lists it under
 /// the same id, with the output printed before the restart and what came while no server was
-/// attached, and follows it to its result.
+/// attached, and follows it to its result. Another instance's record of the same id, whose
+/// container is gone, is neither imported nor removed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_job_running_across_a_restart_keeps_running_and_stays_readable() {
     let state = StateDir::new("adopt-job");
@@ -296,16 +297,25 @@ async fn a_job_running_across_a_restart_keeps_running_and_stays_readable() {
     assert!(!containers_of(&old).await.is_empty(), "the session is left running");
     // Printing goes on while no server is attached.
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A live server of the same state dir, its `job-1` recorded under its own instance.
+    let other = state.0.join("jobs").join(instance_name("adopt-job-other"));
+    std::fs::create_dir_all(&other).expect("other's folder");
+    let planted = json!({ "id": job, "instance": other.file_name().and_then(|n| n.to_str()), "principal": "alice",
+        "session": "keep", "container": "pyberth-gone-0", "run": 7, "started_ms": 0, "deadline_ms": 0, "cap": 1024 });
+    std::fs::write(other.join(format!("{job}.json")), planted.to_string()).expect("plant");
+    std::fs::write(other.join(format!("{job}.out")), "another instance's output\n").expect("plant");
 
     let second = Server::start("adopt-job", &state, &[]).await;
     let alice = second.client().await;
     let (_, sc) = call(&alice, "list_jobs", json!({})).await;
     assert_eq!(sc["jobs"][0]["job"], job.as_str(), "the job is listed under its id: {sc}");
+    assert_eq!(sc["jobs"].as_array().map(Vec::len), Some(1), "another instance's record is not imported: {sc}");
     assert_eq!(sc["jobs"][0]["status"], "running", "{sc}");
     let (_, sc) = call(&alice, "job_status", json!({ "job": job })).await;
     assert_eq!(sc["status"], "running", "still running after the restart: {sc}");
     let so_far = sc["stdout"].as_str().unwrap_or_default().to_owned();
     assert!(so_far.contains("tick 0\ntick 1\n"), "the output from before the restart is readable: {sc}");
+    assert!(!so_far.contains("another instance"), "{sc}");
     let (_, sc) = call(&alice, "job_status", json!({ "job": job, "wait_s": 30 })).await;
     assert_eq!(sc["status"], "ok", "{sc}");
     let out = sc["stdout"].as_str().unwrap_or_default();
@@ -322,8 +332,11 @@ async fn a_job_running_across_a_restart_keeps_running_and_stays_readable() {
     let new = second.signal("-TERM").await;
     assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
-    let left: Vec<_> = std::fs::read_dir(state.0.join("jobs")).map(|d| d.flatten().collect()).unwrap_or_default();
-    assert!(left.is_empty(), "no job record is left behind: {left:?}");
+    let left: Option<Vec<_>> =
+        std::fs::read_dir(state.0.join("jobs")).ok().map(|d| d.flatten().map(|e| e.path()).collect());
+    assert_eq!(left, Some(vec![other.clone()]), "no job record of ours is left behind");
+    let theirs = std::fs::read_dir(&other).map(|d| d.count()).unwrap_or_default();
+    assert_eq!(theirs, 2, "another instance's record and output are not removed");
 }
 
 /// The state of `name` in `list_sessions`, if listed.

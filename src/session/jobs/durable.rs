@@ -1,12 +1,16 @@
 //! Jobs that outlive their server (docs/design.md D12).
 //!
 //! A job of a session the server would leave for the next one is recorded in the state dir
-//! (`<state dir>/jobs/<job>.json`: whose, which session and container, the run's request id,
-//! its start and time limit), with its output so far appended beside it (`<job>.out`,
-//! `<job>.err`, each at most the output cap). A server that adopts the session finds the
-//! record, shows the job again under the same id with that output, and follows the run to
-//! its end: the agent went on under its keeper meanwhile, which held what it printed
+//! (`<state dir>/jobs/<instance>/<job>.json`: whose, which session and container, the run's
+//! request id, its start and time limit), with its output so far appended beside it
+//! (`<job>.out`, `<job>.err`, each at most the output cap). A server that adopts the session
+//! finds the record, shows the job again under the same id with that output, and follows the
+//! run to its end: the agent went on under its keeper meanwhile, which held what it printed
 //! (bounded; past the bound the agent waits). A finished job's files go with it.
+//!
+//! Records are kept by the session's owning instance: several servers share a state dir and
+//! each counts its job ids from 1, so only the folder tells their `job-1`s apart, and a server
+//! reads only the folders of the instances it claimed.
 
 use std::fs::File;
 use std::io::Write as _;
@@ -28,6 +32,8 @@ const MAX_RECORD: u64 = 64 << 10;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Record {
     pub(crate) id: String,
+    /// The instance owning the job's session: the folder its files are in.
+    pub(crate) instance: String,
     pub(crate) principal: String,
     pub(crate) session: String,
     pub(crate) container: String,
@@ -47,6 +53,7 @@ fn unix_ms(t: SystemTime) -> u64 {
 impl Record {
     pub(crate) fn new(
         id: &str,
+        instance: &str,
         principal: &str,
         session: &str,
         container: &str,
@@ -56,6 +63,7 @@ impl Record {
         let now = SystemTime::now();
         Self {
             id: id.to_owned(),
+            instance: instance.to_owned(),
             principal: principal.to_owned(),
             session: session.to_owned(),
             container: container.to_owned(),
@@ -87,12 +95,22 @@ fn plain(id: &str) -> bool {
     id.strip_prefix("job-").is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-fn open_append(path: &Path, truncate: bool) -> std::io::Result<File> {
+/// Instance names are ours (`[A-Za-z0-9-]`, as `crate::instance` checks them).
+fn plain_instance(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+}
+
+/// The folder of `instance`'s records, when its name may reach a path.
+fn folder(state_dir: &Path, instance: &str) -> Option<PathBuf> {
+    plain_instance(instance).then(|| state_dir.join(DIR).join(instance))
+}
+
+/// Opens an output file to append to: a new job's must not exist yet (another's is never
+/// truncated nor shared), one taken over must.
+fn open_append(path: &Path, fresh: bool) -> std::io::Result<File> {
     std::fs::OpenOptions::new()
-        .create(true)
-        .append(!truncate)
-        .write(true)
-        .truncate(truncate)
+        .create_new(fresh)
+        .append(true)
         .mode(0o600)
         .custom_flags(crate::state_dir::no_follow())
         .open(path)
@@ -113,11 +131,31 @@ impl Files {
         if !plain(&record.id) {
             return Err(std::io::Error::other("not a job id"));
         }
-        let dir = state_dir.join(DIR);
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+        let dir = folder(state_dir, &record.instance).ok_or_else(|| std::io::Error::other("not an instance name"))?;
         let json = dir.join(format!("{}.json", record.id));
-        let out = open_append(&json.with_extension("out"), fresh)?;
-        let err = open_append(&json.with_extension("err"), fresh)?;
+        if fresh && json.symlink_metadata().is_ok() {
+            return Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "a record of that job id is there"));
+        }
+        // The output files are the claim on the id: created exclusively, so a collision fails
+        // here before the record is written. The folder goes when its last job ends, maybe
+        // just now: made again then.
+        let mut tries = 0;
+        let out = loop {
+            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
+            match open_append(&json.with_extension("out"), fresh) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && fresh && tries < 3 => tries += 1,
+                r => break r?,
+            }
+        };
+        let err = match open_append(&json.with_extension("err"), fresh) {
+            Ok(f) => f,
+            Err(e) => {
+                if fresh {
+                    let _ = std::fs::remove_file(json.with_extension("out"));
+                }
+                return Err(e);
+            }
+        };
         let files = Self { json, record: Mutex::new(record), out: Mutex::new((out, err)) };
         files.save()?;
         Ok(files)
@@ -165,6 +203,10 @@ fn remove(json: &Path) {
     for ext in ["json", "out", "err"] {
         let _ = std::fs::remove_file(json.with_extension(ext));
     }
+    // The instance's folder, once empty (fails while another job's files are there).
+    if let Some(dir) = json.parent() {
+        let _ = std::fs::remove_dir(dir);
+    }
 }
 
 /// A job left by an earlier server: its record and its output so far.
@@ -174,9 +216,10 @@ pub(crate) struct Left {
     pub(crate) stderr: Vec<u8>,
 }
 
-/// Every job an earlier server of this state dir left. Unreadable records are removed.
-pub(crate) fn read_left(state_dir: &Path) -> Vec<Left> {
-    let Ok(entries) = std::fs::read_dir(state_dir.join(DIR)) else { return Vec::new() };
+/// Every job an earlier server of `instance` left. Unreadable records are removed.
+pub(crate) fn read_left(state_dir: &Path, instance: &str) -> Vec<Left> {
+    let Some(dir) = folder(state_dir, instance) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut left = Vec::new();
     for entry in entries.flatten() {
         let path = entry.path();
@@ -187,7 +230,7 @@ pub(crate) fn read_left(state_dir: &Path) -> Vec<Left> {
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()));
         match record {
-            Ok(r) if plain(&r.id) && path.file_stem().is_some_and(|s| s == r.id.as_str()) => {
+            Ok(r) if plain(&r.id) && r.instance == instance && path.file_stem().is_some_and(|s| s == r.id.as_str()) => {
                 let cap = r.cap as u64;
                 let stdout = crate::state_dir::read(&path.with_extension("out"), cap).unwrap_or_default();
                 let stderr = crate::state_dir::read(&path.with_extension("err"), cap).unwrap_or_default();
@@ -207,9 +250,9 @@ pub(crate) fn read_left(state_dir: &Path) -> Vec<Left> {
 }
 
 /// Removes the files of a job left by an earlier server that cannot be followed.
-pub(crate) fn forget(state_dir: &Path, id: &str) {
-    if plain(id) {
-        remove(&state_dir.join(DIR).join(format!("{id}.json")));
+pub(crate) fn forget(state_dir: &Path, instance: &str, id: &str) {
+    if let Some(dir) = folder(state_dir, instance).filter(|_| plain(id)) {
+        remove(&dir.join(format!("{id}.json")));
     }
 }
 
@@ -221,20 +264,70 @@ mod tests {
     fn a_job_s_record_and_output_come_back_and_go_when_it_ends() {
         let dir = std::env::temp_dir().join(format!("pyberth-jobs-durable-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let record = Record::new("job-7", "alice", "s", "c", Duration::from_secs(60), 1024);
+        let record = Record::new("job-7", "inst-a", "alice", "s", "c", Duration::from_secs(60), 1024);
         let files = Files::open(&dir, record, true).expect("files");
         files.set_run(42);
         files.append(Stream::Stdout, b"one ");
         files.append(Stream::Stdout, b"two");
         files.append(Stream::Stderr, b"oops");
-        let left = read_left(&dir);
+        let left = read_left(&dir, "inst-a");
         assert_eq!(left.len(), 1);
         assert_eq!((left[0].record.run, left[0].record.number()), (42, Some(7)));
         assert_eq!((left[0].stdout.as_slice(), left[0].stderr.as_slice()), (&b"one two"[..], &b"oops"[..]));
         assert!(left[0].record.left() > Duration::from_secs(50));
         files.remove();
-        assert!(read_left(&dir).is_empty());
-        assert!(Files::open(&dir, Record::new("../x", "a", "s", "c", Duration::ZERO, 1), true).is_err(), "no path");
+        assert!(read_left(&dir, "inst-a").is_empty());
+        assert!(
+            Files::open(&dir, Record::new("../x", "inst-a", "a", "s", "c", Duration::ZERO, 1), true).is_err(),
+            "no path"
+        );
+        assert!(
+            Files::open(&dir, Record::new("job-1", "../x", "a", "s", "c", Duration::ZERO, 1), true).is_err(),
+            "no path"
+        );
+        assert!(read_left(&dir, "..").is_empty() && read_left(&dir, "").is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Two servers of one state dir both count from `job-1`: neither touches the other's.
+    #[test]
+    fn two_instances_jobs_of_one_id_are_kept_apart() {
+        let dir = std::env::temp_dir().join(format!("pyberth-jobs-durable-two-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let record = |instance: &str, principal: &str| {
+            Record::new("job-1", instance, principal, "s", "c", Duration::from_secs(60), 1024)
+        };
+        let a = Files::open(&dir, record("inst-a", "alice"), true).expect("a");
+        a.append(Stream::Stdout, b"from a");
+        let b = Files::open(&dir, record("inst-b", "bob"), true).expect("b");
+        b.append(Stream::Stdout, b"from b");
+        a.append(Stream::Stdout, b", more");
+        let only = |instance: &str| {
+            let left = read_left(&dir, instance);
+            assert_eq!(left.len(), 1, "{instance}");
+            (left[0].record.principal.clone(), left[0].record.instance.clone(), left[0].stdout.clone())
+        };
+        assert_eq!(only("inst-a"), ("alice".into(), "inst-a".into(), b"from a, more".to_vec()));
+        assert_eq!(only("inst-b"), ("bob".into(), "inst-b".into(), b"from b".to_vec()));
+        // A second fresh job-1 of one instance fails rather than clobbers.
+        let again = Files::open(&dir, record("inst-a", "mallory"), true);
+        assert_eq!(again.map(|_| ()).map_err(|e| e.kind()), Err(std::io::ErrorKind::AlreadyExists));
+        assert_eq!(only("inst-a"), ("alice".into(), "inst-a".into(), b"from a, more".to_vec()));
+        // A record planted in one folder naming another instance is not that folder's.
+        let planted = dir.join(DIR).join("inst-a").join("job-9.json");
+        let mut bob = record("inst-b", "bob");
+        bob.id = "job-9".into();
+        std::fs::write(&planted, serde_json::to_vec(&bob).expect("json")).expect("plant");
+        assert_eq!(only("inst-a").0, "alice");
+        assert!(!planted.exists(), "removed as not the folder's");
+        // One instance's end removes its files only.
+        a.remove();
+        assert!(read_left(&dir, "inst-a").is_empty());
+        assert_eq!(only("inst-b"), ("bob".into(), "inst-b".into(), b"from b".to_vec()));
+        forget(&dir, "inst-a", "job-1");
+        assert_eq!(only("inst-b").2, b"from b".to_vec());
+        b.remove();
+        assert_eq!(std::fs::read_dir(dir.join(DIR)).map(Iterator::count).ok(), Some(0), "no empty folders left");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -328,7 +328,7 @@ impl Registry {
         let find = |principal: &str, name: &str| {
             self.slots().get(&(principal.to_owned(), name.to_owned())).and_then(|slot| slot.get().cloned())
         };
-        let jobs = self.jobs.take_over(&self.docker, &state_dir, &find).await;
+        let jobs = self.jobs.take_over(&self.docker, &state_dir, &names, &find).await;
         if jobs > 0 {
             tracing::info!(jobs, "following the jobs of stopped servers");
         }
