@@ -35,26 +35,46 @@ const DIR: &str = "sessions";
 /// What a server needs to take a running session over.
 #[derive(Debug, Serialize, Deserialize)]
 struct Record {
-    /// The instance its container is labelled with.
-    instance: String,
-    principal: String,
-    name: String,
-    environment: String,
-    image: String,
-    container: String,
-    volume: String,
-    uid: u32,
-    /// The sets on its path, attached again to every new interpreter.
-    #[serde(default)]
-    layers: Vec<crate::docker::layers::Layer>,
-    packages: Vec<String>,
-    env: BTreeMap<String, String>,
-    python: String,
+    #[serde(flatten)]
+    about: About,
     /// The agent's pid when the record was written (0: unknown).
     pid: u32,
     /// Its egress, if it has any.
     #[serde(default)]
     egress: Option<Egress>,
+}
+
+/// What both records of a session keep: this one of a running session, and
+/// `sleepers::Sleeper` of a hibernated one.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct About {
+    /// The instance its container is labelled with.
+    pub(super) instance: String,
+    pub(super) principal: String,
+    pub(super) name: String,
+    pub(super) environment: String,
+    pub(super) image: String,
+    pub(super) container: String,
+    pub(super) volume: String,
+    pub(super) uid: u32,
+    /// The sets on its path, attached again to every new interpreter.
+    #[serde(default)]
+    pub(super) layers: Vec<crate::docker::layers::Layer>,
+    pub(super) packages: Vec<String>,
+    pub(super) env: BTreeMap<String, String>,
+    pub(super) python: String,
+}
+
+/// How a session comes back from its record, beyond what [`About`] says.
+pub(super) struct Revived {
+    /// The agent's pid to reattach to (a running session's).
+    pub(super) pid: Option<u32>,
+    /// Its snapshot, for a hibernated session: woken on its next call.
+    pub(super) sleeping: Option<crate::session::snapshot::Saved>,
+    /// Notices for its next call.
+    pub(super) pending: Vec<String>,
+    /// How long it had been idle.
+    pub(super) idle: std::time::Duration,
 }
 
 /// A session's egress as its record keeps it: header values are not kept (they come from the
@@ -109,18 +129,7 @@ impl Session {
         let Ok(created) = self.container.lock().map(|c| c.clone()) else { return };
         let Some(path) = record_path(&self.cfg.state_dir(), &created.id) else { return };
         let record = Record {
-            instance: self.owner.instance.clone(),
-            principal: self.principal.clone(),
-            name: self.name.clone(),
-            environment: self.environment.clone(),
-            image: self.image.clone(),
-            container: created.id,
-            volume: created.volume,
-            uid: created.uid,
-            layers: self.layers(),
-            packages: self.requirements(),
-            env: self.env(),
-            python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
+            about: self.about(created),
             pid: self.agent_pid.load(Ordering::Relaxed),
             egress: self.cfg.egress.as_ref().map(|a| Egress {
                 network: a.network.clone(),
@@ -159,47 +168,68 @@ impl Session {
     }
 
     /// A session from a record, its container running, its agent reached on first use.
-    fn readopt(
+    /// What the records of this session keep of it, `created` being its container.
+    pub(super) fn about(&self, created: Created) -> About {
+        About {
+            instance: self.owner.instance.clone(),
+            principal: self.principal.clone(),
+            name: self.name.clone(),
+            environment: self.environment.clone(),
+            image: self.image.clone(),
+            container: created.id,
+            volume: created.volume,
+            uid: created.uid,
+            layers: self.layers(),
+            packages: self.requirements(),
+            env: self.env(),
+            python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
+        }
+    }
+
+    /// A session from its record: running (reattached on its first call) or hibernated.
+    pub(super) fn revive(
         docker: bollard::Docker,
         cfg: Arc<crate::config::SandboxConfig>,
         owner: container::Owner,
-        record: Record,
+        about: About,
+        how: Revived,
     ) -> Arc<Self> {
-        let created = Created { id: record.container, volume: record.volume, uid: record.uid };
+        let created = Created { id: about.container, volume: about.volume, uid: about.uid };
+        let asleep = how.sleeping.as_ref().map(|s| s.store.clone());
         let inner = Inner {
             container: created.clone(),
             agent: None,
             lease: None,
             watched: false,
-            pending: Vec::new(),
+            pending: how.pending,
             pending_lost: false,
-            reattach_pid: Some(record.pid),
-            sleeping: None,
+            reattach_pid: how.pid,
+            sleeping: how.sleeping,
         };
         Arc::new_cyclic(|me| Self {
-            name: record.name,
-            principal: record.principal,
-            environment: record.environment,
+            name: about.name,
+            principal: about.principal,
+            environment: about.environment,
             me: me.clone(),
             lease_changed: Arc::new(tokio::sync::Notify::new()),
             docker,
             cfg,
-            image: record.image,
+            image: about.image,
             owner,
             inner: tokio::sync::Mutex::new(inner),
             container: std::sync::Mutex::new(created),
-            last_used: std::sync::Mutex::new(Instant::now()),
+            last_used: std::sync::Mutex::new(Instant::now().checked_sub(how.idle).unwrap_or_else(Instant::now)),
             created: SystemTime::now(),
             runs: AtomicU64::new(0),
             closed: AtomicBool::new(false),
-            layers: std::sync::Mutex::new(record.layers),
-            packages: std::sync::Mutex::new(record.packages.into_iter().collect()),
-            env: std::sync::Mutex::new(record.env),
+            layers: std::sync::Mutex::new(about.layers),
+            packages: std::sync::Mutex::new(about.packages.into_iter().collect()),
+            env: std::sync::Mutex::new(about.env),
             waiting: AtomicUsize::new(0),
-            python: std::sync::Mutex::new(record.python),
-            agent_pid: AtomicU32::new(record.pid),
+            python: std::sync::Mutex::new(about.python),
+            agent_pid: AtomicU32::new(how.pid.unwrap_or(0)),
             pool: std::sync::OnceLock::new(),
-            asleep: std::sync::Mutex::new(None),
+            asleep: std::sync::Mutex::new(asleep),
         })
     }
 }
@@ -210,7 +240,7 @@ impl Registry {
     pub(super) async fn adopt_leftovers(&self) -> Result<usize, docker::Error> {
         let state_dir = self.cfg.state_dir();
         let records = read_records(&state_dir);
-        let mut recorded: HashSet<String> = records.iter().map(|(_, r)| r.instance.clone()).collect();
+        let mut recorded: HashSet<String> = records.iter().map(|(_, r)| r.about.instance.clone()).collect();
         recorded.extend(super::sleepers::recorded_instances(&state_dir));
         if recorded.is_empty() {
             return Ok(0);
@@ -235,7 +265,7 @@ impl Registry {
         let mut adopted = 0;
         let mut with_egress = Vec::new();
         for (path, record) in records {
-            let info = match self.docker.inspect_container(&record.container, None).await {
+            let info = match self.docker.inspect_container(&record.about.container, None).await {
                 Ok(info) => info,
                 Err(e) => {
                     // Its container is gone (swept, or removed by hand): so is the record.
@@ -246,16 +276,16 @@ impl Registry {
                 }
             };
             let labels = info.config.as_ref().and_then(|c| c.labels.clone()).unwrap_or_default();
-            if !of_adopted(&labels) || labels.get(LABEL_INSTANCE) != Some(&record.instance) {
+            if !of_adopted(&labels) || labels.get(LABEL_INSTANCE) != Some(&record.about.instance) {
                 continue;
             }
             let running = info.state.as_ref().and_then(|s| s.running).unwrap_or(false);
-            let Ok(env) = self.environments.get(Some(&record.environment)) else {
-                tracing::warn!(session = %record.name, environment = %record.environment, "no such environment now; not adopted");
+            let Ok(env) = self.environments.get(Some(&record.about.environment)) else {
+                tracing::warn!(session = %record.about.name, environment = %record.about.environment, "no such environment now; not adopted");
                 let _ = std::fs::remove_file(&path);
                 continue;
             };
-            let key = (record.principal.clone(), record.name.clone());
+            let key = (record.about.principal.clone(), record.about.name.clone());
             if !running || self.slots().contains_key(&key) {
                 let _ = std::fs::remove_file(&path);
                 continue;
@@ -263,11 +293,11 @@ impl Registry {
             if let Some(id) = info.id {
                 kept_ids.insert(id);
             }
-            kept_volumes.insert(record.volume.clone());
-            let (name, id) = (record.name.clone(), record.container.clone());
+            kept_volumes.insert(record.about.volume.clone());
+            let (name, id) = (record.about.name.clone(), record.about.container.clone());
             // It stays its instance's: a container it is given later carries the same labels,
             // kept alive by the lock and heartbeat this server now holds for that instance.
-            let owner = container::Owner { instance: record.instance.clone(), host: host.clone() };
+            let owner = container::Owner { instance: record.about.instance.clone(), host: host.clone() };
             let mut cfg = env.cfg.clone();
             if let Some(e) = &record.egress {
                 let att = self.egress.adopted_attachment(e.network.clone(), e.proxy_ip, e.allow.clone());
@@ -275,8 +305,9 @@ impl Registry {
                 c.egress = Some(Arc::new(att));
                 cfg = Arc::new(c);
             }
-            let late_one = late.contains(&record.instance);
-            let session = Session::readopt(self.docker.clone(), cfg, owner, record);
+            let late_one = late.contains(&record.about.instance);
+            let how = Revived { pid: Some(record.pid), sleeping: None, pending: Vec::new(), idle: Default::default() };
+            let session = Session::revive(self.docker.clone(), cfg, owner, record.about, how);
             if late_one {
                 asleep_now.push(session.clone());
             }
@@ -372,7 +403,9 @@ fn read_records(state_dir: &Path) -> Vec<(PathBuf, Record)> {
             .map_err(|e| e.to_string())
             .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()))
         {
-            Ok(r) if record_path(state_dir, &r.container).as_deref() == Some(path.as_path()) => records.push((path, r)),
+            Ok(r) if record_path(state_dir, &r.about.container).as_deref() == Some(path.as_path()) => {
+                records.push((path, r))
+            }
             Ok(_) => tracing::warn!(path = %path.display(), "a session record under another name; skipped"),
             Err(e) => tracing::warn!(path = %path.display(), error = %e, "unreadable session record; skipped"),
         }

@@ -13,17 +13,17 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
 use super::Registry;
-use crate::docker::container::{self, Created};
+use super::adopt::{About, Revived};
+use crate::docker::container;
 use crate::docker::snapshot::{Stored, Summary};
 use crate::protocol::Lost;
+use crate::session::Session;
 use crate::session::snapshot::{Grade, Saved};
-use crate::session::{Inner, Session};
 
 const SLEEPERS: &str = "sleepers";
 const SNAPSHOTS: &str = "snapshots";
@@ -111,18 +111,8 @@ impl From<SavedRecord> for Saved {
 /// A hibernated session.
 #[derive(Debug, Serialize, Deserialize)]
 struct Sleeper {
-    instance: String,
-    principal: String,
-    name: String,
-    environment: String,
-    image: String,
-    container: String,
-    volume: String,
-    uid: u32,
-    layers: Vec<crate::docker::layers::Layer>,
-    packages: Vec<String>,
-    env: BTreeMap<String, String>,
-    python: String,
+    #[serde(flatten)]
+    about: About,
     /// Unix ms of its last use: its TTL runs from there.
     last_used_ms: u64,
     saved: SavedRecord,
@@ -201,7 +191,7 @@ pub(super) struct Kept {
 /// Instances named by sleeper and snapshot records: candidates for adoption.
 pub(super) fn recorded_instances(state_dir: &Path) -> HashSet<String> {
     let mut names: HashSet<String> =
-        read::<Sleeper>(state_dir, SLEEPERS, |r| &r.saved.volume).into_iter().map(|(_, r)| r.instance).collect();
+        read::<Sleeper>(state_dir, SLEEPERS, |r| &r.saved.volume).into_iter().map(|(_, r)| r.about.instance).collect();
     names.extend(read::<Snap>(state_dir, SNAPSHOTS, |r| &r.saved.volume).into_iter().map(|(_, r)| r.instance));
     names
 }
@@ -214,72 +204,12 @@ impl Session {
         let created = inner.container.clone();
         let idle = self.idle();
         let record = Sleeper {
-            instance: self.owner.instance.clone(),
-            principal: self.principal.clone(),
-            name: self.name.clone(),
-            environment: self.environment.clone(),
-            image: self.image.clone(),
-            container: created.id,
-            volume: created.volume,
-            uid: created.uid,
-            layers: self.layers(),
-            packages: self.requirements(),
-            env: self.env(),
-            python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
+            about: self.about(created),
             last_used_ms: unix_ms(SystemTime::now().checked_sub(idle).unwrap_or(UNIX_EPOCH)),
             saved: SavedRecord::from(saved),
             egress: self.cfg.egress.as_ref().map(|a| a.allow()),
         };
         write(state_dir, SLEEPERS, &saved.store.volume, &record);
-    }
-
-    /// A hibernated session from its record: woken on its next call.
-    fn readopt_asleep(
-        docker: bollard::Docker,
-        cfg: Arc<crate::config::SandboxConfig>,
-        owner: container::Owner,
-        record: Sleeper,
-        pending: Vec<String>,
-    ) -> Arc<Self> {
-        let created = Created { id: record.container, volume: record.volume, uid: record.uid };
-        let saved = Saved::from(record.saved);
-        let stored = saved.store.clone();
-        let idle = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(record.last_used_ms));
-        let inner = Inner {
-            container: created.clone(),
-            agent: None,
-            lease: None,
-            watched: false,
-            pending,
-            pending_lost: false,
-            reattach_pid: None,
-            sleeping: Some(saved),
-        };
-        Arc::new_cyclic(|me| Self {
-            name: record.name,
-            principal: record.principal,
-            environment: record.environment,
-            me: me.clone(),
-            lease_changed: Arc::new(tokio::sync::Notify::new()),
-            docker,
-            cfg,
-            image: record.image,
-            owner,
-            inner: tokio::sync::Mutex::new(inner),
-            container: std::sync::Mutex::new(created),
-            last_used: std::sync::Mutex::new(Instant::now().checked_sub(idle).unwrap_or_else(Instant::now)),
-            created: SystemTime::now(),
-            runs: AtomicU64::new(0),
-            closed: AtomicBool::new(false),
-            layers: std::sync::Mutex::new(record.layers),
-            packages: std::sync::Mutex::new(record.packages.into_iter().collect()),
-            env: std::sync::Mutex::new(record.env),
-            waiting: AtomicUsize::new(0),
-            python: std::sync::Mutex::new(record.python),
-            agent_pid: AtomicU32::new(0),
-            pool: std::sync::OnceLock::new(),
-            asleep: std::sync::Mutex::new(Some(stored)),
-        })
     }
 }
 
@@ -344,24 +274,24 @@ impl Registry {
         let mut kept = Kept::default();
         let mut sessions = 0;
         for (path, record) in read::<Sleeper>(&state_dir, SLEEPERS, |r| &r.saved.volume) {
-            if !names.contains(&record.instance) {
+            if !names.contains(&record.about.instance) {
                 continue;
             }
-            let key = (record.principal.clone(), record.name.clone());
+            let key = (record.about.principal.clone(), record.about.name.clone());
             // Woken or closed since (its snapshot is gone), or awake under a container record.
             if !store_exists(&self.docker, &record.saved).await || self.slots().contains_key(&key) {
                 let _ = std::fs::remove_file(&path);
                 continue;
             }
-            let Ok(env) = self.environments.get(Some(&record.environment)) else {
-                tracing::warn!(session = %record.name, "no such environment now; hibernated session not adopted");
+            let Ok(env) = self.environments.get(Some(&record.about.environment)) else {
+                tracing::warn!(session = %record.about.name, "no such environment now; hibernated session not adopted");
                 let _ = std::fs::remove_file(&path);
                 continue;
             };
             kept.containers.insert(record.saved.helper.clone());
             kept.volumes.insert(record.saved.volume.clone());
-            let owner = container::Owner { instance: record.instance.clone(), host: host.to_owned() };
-            let name = record.name.clone();
+            let owner = container::Owner { instance: record.about.instance.clone(), host: host.to_owned() };
+            let name = record.about.name.clone();
             // Its network went with the server that made it: it wakes on a new one of this
             // server's, with the list it had (never wider than its environment's now).
             let mut cfg = env.cfg.clone();
@@ -370,7 +300,7 @@ impl Registry {
                 let attached = match crate::egress::policy::narrow(&env.egress, &allow) {
                     Ok(rules) => {
                         let headers = env.egress_headers.0.clone();
-                        self.egress.attach(&record.principal, &name, &record.image, rules, headers).await
+                        self.egress.attach(&record.about.principal, &name, &record.about.image, rules, headers).await
                     }
                     Err(e) => Err(e),
                 };
@@ -389,7 +319,9 @@ impl Registry {
                     }
                 }
             }
-            let session = Session::readopt_asleep(self.docker.clone(), cfg, owner, record, pending);
+            let idle = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(record.last_used_ms));
+            let how = Revived { pid: None, sleeping: Some(Saved::from(record.saved)), pending, idle };
+            let session = Session::revive(self.docker.clone(), cfg, owner, record.about, how);
             let slot: super::Slot = Arc::default();
             let _ = slot.set(session);
             self.slots().insert(key, slot);
