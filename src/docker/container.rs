@@ -412,3 +412,56 @@ pub async fn sweep(
     }
     Ok((containers, volumes))
 }
+
+/// What a short-lived utility container of ours runs as, and what it may use.
+pub(crate) struct Utility<'a> {
+    /// Its name (ours: `pyberth-<instance>-…`).
+    pub(crate) name: &'a str,
+    pub(crate) owner: &'a Owner,
+    pub(crate) image: &'a str,
+    /// The Python source it runs (`python3 -I -S -c`), and its arguments.
+    pub(crate) script: &'a str,
+    pub(crate) args: Vec<String>,
+    /// `uid:gid`.
+    pub(crate) user: String,
+    pub(crate) memory: i64,
+    pub(crate) pids: i64,
+    pub(crate) runtime: Option<&'a str>,
+    pub(crate) mounts: Vec<Mount>,
+}
+
+/// Creates (does not start) a utility container: a trusted script from the image, with no
+/// network, no capabilities, no new privileges, a read-only root, bounded memory and pids, and
+/// our labels, so a sweep finds it if the server dies meanwhile. The layer store's writer and
+/// the snapshot packer are both made here, so their fences cannot drift apart.
+pub(crate) async fn create_utility(docker: &Docker, u: Utility<'_>) -> Result<String, bollard::errors::Error> {
+    let labels = HashMap::from([
+        (LABEL_MANAGED.to_owned(), "1".to_owned()),
+        (LABEL_INSTANCE.to_owned(), u.owner.instance.clone()),
+        (LABEL_HOST.to_owned(), u.owner.host.clone()),
+    ]);
+    let cmd = ["python3", "-I", "-S", "-c", u.script].iter().map(|s| (*s).to_owned()).chain(u.args).collect();
+    let body = ContainerCreateBody {
+        image: Some(u.image.into()),
+        cmd: Some(cmd),
+        user: Some(u.user),
+        env: Some(vec!["PATH=/usr/local/bin:/usr/bin:/bin".into(), "LANG=C.UTF-8".into()]),
+        labels: Some(labels),
+        network_disabled: Some(true),
+        host_config: Some(HostConfig {
+            network_mode: Some("none".into()),
+            cap_drop: Some(vec!["ALL".into()]),
+            security_opt: Some(vec!["no-new-privileges:true".into()]),
+            readonly_rootfs: Some(true),
+            runtime: u.runtime.map(str::to_owned),
+            memory: Some(u.memory),
+            memory_swap: Some(u.memory),
+            pids_limit: Some(u.pids),
+            mounts: Some(u.mounts),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let opts = CreateContainerOptionsBuilder::default().name(u.name).build();
+    Ok(docker.create_container(Some(opts), body).await?.id)
+}

@@ -245,35 +245,19 @@ async fn run_packer(p: &Packer<'_>, mounts: Vec<Mount>, args: Vec<String>, write
     use std::sync::atomic::{AtomicU64, Ordering};
     static SERIAL: AtomicU64 = AtomicU64::new(0);
     let name = format!("pyberth-{}-pack-{}", owner.instance, SERIAL.fetch_add(1, Ordering::Relaxed));
-    let labels = HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
-        (LABEL_HOST.to_owned(), owner.host.clone()),
-    ]);
-    let cmd = ["python3", "-I", "-S", "-c", PACKER].iter().map(|s| (*s).to_owned()).chain(args).collect();
-    let body = ContainerCreateBody {
-        image: Some(image.into()),
-        cmd: Some(cmd),
-        user: Some(format!("{uid}:{uid}")),
-        env: Some(vec!["PATH=/usr/local/bin:/usr/bin:/bin".into(), "LANG=C.UTF-8".into()]),
-        labels: Some(labels),
-        network_disabled: Some(true),
-        host_config: Some(HostConfig {
-            network_mode: Some("none".into()),
-            cap_drop: Some(vec!["ALL".into()]),
-            security_opt: Some(vec!["no-new-privileges:true".into()]),
-            readonly_rootfs: Some(true),
-            runtime: runtime.map(str::to_owned),
-            memory: Some(memory),
-            memory_swap: Some(memory),
-            pids_limit: Some(32),
-            mounts: Some(mounts),
-            ..Default::default()
-        }),
-        ..Default::default()
+    let utility = container::Utility {
+        name: &name,
+        owner,
+        image,
+        script: PACKER,
+        args,
+        user: format!("{uid}:{uid}"),
+        memory,
+        pids: 32,
+        runtime,
+        mounts,
     };
-    let opts = CreateContainerOptionsBuilder::default().name(&name).build();
-    let id = docker.create_container(Some(opts), body).await.map_err(|e| format!("cannot create the packer: {e}"))?.id;
+    let id = container::create_utility(docker, utility).await.map_err(|e| format!("cannot create the packer: {e}"))?;
     let run = async {
         let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
         let mut output = docker.attach_container(&id, Some(attach)).await.map_err(|e| e.to_string())?.output;

@@ -14,15 +14,13 @@ use std::collections::HashMap;
 
 use bollard::Docker;
 use bollard::container::LogOutput;
-use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType, MountVolumeOptions, VolumeCreateRequest};
-use bollard::query_parameters::{
-    AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, UploadToContainerOptionsBuilder,
-};
+use bollard::models::{Mount, MountType, MountVolumeOptions, VolumeCreateRequest};
+use bollard::query_parameters::{AttachContainerOptionsBuilder, UploadToContainerOptionsBuilder};
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
+use super::super::LABEL_MANAGED;
 use super::super::container::{self, Owner};
-use super::super::{LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED};
 use super::Error;
 
 /// Where the store is mounted in sessions (read-only).
@@ -231,46 +229,31 @@ async fn create_script(
     write: bool,
 ) -> Result<String, Error> {
     let name = format!("pyberth-{}-store-{}", owner.instance, super::installer::next_serial());
-    let labels = HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
-        (LABEL_HOST.to_owned(), owner.host.clone()),
-    ]);
-    let host_config = HostConfig {
-        network_mode: Some("none".into()),
-        cap_drop: Some(vec!["ALL".into()]),
-        security_opt: Some(vec!["no-new-privileges:true".into()]),
-        readonly_rootfs: Some(true),
-        memory: Some(256 << 20),
-        memory_swap: Some(256 << 20),
-        pids_limit: Some(64),
-        mounts: Some(vec![Mount {
-            target: Some(MOUNT.into()),
-            source: Some(store.volume.clone()),
-            typ: Some(MountType::VOLUME),
-            read_only: Some(!write),
-            volume_options: Some(MountVolumeOptions { no_copy: Some(true), ..Default::default() }),
-            ..Default::default()
-        }]),
+    let mounts = vec![Mount {
+        target: Some(MOUNT.into()),
+        source: Some(store.volume.clone()),
+        typ: Some(MountType::VOLUME),
+        read_only: Some(!write),
+        volume_options: Some(MountVolumeOptions { no_copy: Some(true), ..Default::default() }),
         ..Default::default()
-    };
-    let cmd = ["python3", "-I", "-S", "-c", SCRIPT].iter().map(|s| (*s).to_owned()).chain(args).collect();
-    let body = ContainerCreateBody {
-        image: Some(image.into()),
-        cmd: Some(cmd),
+    }];
+    let utility = container::Utility {
+        name: &name,
+        owner,
+        image,
+        script: SCRIPT,
+        args,
         // Root, without capabilities: the owner of the store's root and of every set in it.
-        user: Some("0:0".into()),
-        env: Some(vec!["PATH=/usr/local/bin:/usr/bin:/bin".into(), "LANG=C.UTF-8".into()]),
-        labels: Some(labels),
-        network_disabled: Some(true),
-        host_config: Some(host_config),
-        ..Default::default()
+        user: "0:0".into(),
+        memory: 256 << 20,
+        pids: 64,
+        runtime: None,
+        mounts,
     };
     let mut t = std::time::Instant::now();
-    let created =
-        docker.create_container(Some(CreateContainerOptionsBuilder::default().name(&name).build()), body).await?;
+    let id = container::create_utility(docker, utility).await?;
     super::lap("store: create", &mut t);
-    Ok(created.id)
+    Ok(id)
 }
 
 /// Uploads `upload` into the created container `id`, starts it and waits for its script.
