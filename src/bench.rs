@@ -24,7 +24,7 @@ use serde_json::json;
 use tokio::io::AsyncWriteExt;
 
 use pyberth::config::SandboxConfig;
-use pyberth::docker::{self, LABEL_INSTANCE, LABEL_MANAGED, image};
+use pyberth::docker::{LABEL_INSTANCE, LABEL_MANAGED, image};
 
 /// p50 and p95 of a set of durations, in milliseconds.
 fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
@@ -193,10 +193,10 @@ fn mib(kb: Option<u64>) -> String {
 
 /// Runs the benchmark and prints its figures.
 pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
-    cfg.validate()?;
-    let docker = docker::connect(cfg.docker_host.as_deref()).await?;
+    let host = pyberth::app::Host::open(&cfg).await?;
     // Settles the runtime (`auto` included) and says whether gVisor is there, as serve does.
-    let engine = docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
+    let engine = host.check(&mut cfg, pyberth::app::Voice::Loud).await?;
+    let docker = host.docker;
     let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
     let img = image::ensure(&docker, &cfg, &progress).await?;
     let mut table = Table(Vec::new(), Vec::new());

@@ -19,6 +19,8 @@
 //! `docs/architecture.md` follows the same path in more detail; `docs/agent-protocol.md` is the
 //! wire format between the server and `images/python/agent.py`.
 
+/// The runtime every command starts from: engine, instance, owners, background tasks, stop.
+pub mod app;
 /// Checks on caller input, before any Docker call, shared by the MCP tools and `pyberth run`.
 pub(crate) mod checks;
 /// Every setting: flags, environment variables and the TOML file, in one struct.

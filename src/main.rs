@@ -7,14 +7,14 @@ mod bench;
 
 use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
+use pyberth::app::{Host, Runtime, Voice};
 use pyberth::config::{self, SandboxConfig};
-use pyberth::docker::{self, image, layers};
+use pyberth::docker::{image, layers};
 use pyberth::environment::Environments;
 use pyberth::http::HttpArgs;
 use pyberth::instance::Instance;
 use pyberth::{Registry, SandboxServer};
 use rmcp::ServiceExt as _;
-use tokio_util::sync::CancellationToken;
 
 /// Runs Python for AI agents in hardened Docker containers, over MCP.
 #[derive(Debug, Parser)]
@@ -237,10 +237,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Image { action: ImageAction::Build { cfg, force, all, environment } } => {
-            cfg.validate()?;
-            let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
+            let host = Host::open(&cfg).await?;
             let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
-            let docker = docker::connect(cfg.docker_host.as_deref()).await?;
+            let docker = host.docker.clone();
             let progress = |line: &str| eprintln!("{line}");
             let targets: Vec<_> = if all {
                 envs.all().cloned().collect()
@@ -265,10 +264,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 // (`datascience`): the installer's containers carry a live instance's labels.
                 let owner = match &instance {
                     Some(i) => i,
-                    None => instance.insert(
-                        pyberth::instance::Instance::acquire(&state_dir, None)
-                            .with_context(|| format!("cannot take an instance lock in {}", state_dir.display()))?,
-                    ),
+                    None => instance.insert(host.instance(None)?),
                 };
                 let base = image::ensure(&docker, &env.cfg, &progress).await?;
                 let index = layers::IndexSettings::from_config(&env.cfg).context("cannot read the CA bundle")?;
@@ -325,12 +321,11 @@ async fn run(command: Command) -> anyhow::Result<()> {
 async fn layer_store_access(
     cfg: &SandboxConfig,
 ) -> anyhow::Result<(bollard::Docker, String, Instance, std::path::PathBuf)> {
-    let docker = docker::connect(cfg.docker_host.as_deref()).await?;
-    let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
+    let host = Host::open(cfg).await?;
     let progress = |line: &str| eprintln!("{line}");
-    let img = image::ensure(&docker, cfg, &progress).await?;
-    let instance = Instance::acquire(&state_dir, None)?;
-    Ok((docker, img, instance, state_dir))
+    let img = image::ensure(&host.docker, cfg, &progress).await?;
+    let instance = host.instance(None)?;
+    Ok((host.docker, img, instance, host.state_dir))
 }
 
 /// Bytes as `docker images` shows them: decimal units, one decimal (84.7 kB, 1.2 MB).
@@ -345,75 +340,38 @@ fn human_size(bytes: i64) -> String {
 }
 
 async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
-    cfg.validate()?;
     if http.http.is_none() && std::io::IsTerminal::is_terminal(&std::io::stdin()) {
         eprintln!(
             "pyberth serve speaks MCP on stdin and stdout, for an MCP client to start (see the README's \
              client configuration); for a service, use --http 127.0.0.1:8080. Ctrl-D quits."
         );
     }
-    let docker = docker::connect(cfg.docker_host.as_deref()).await?;
-    let state_dir = cfg.secure_state_dir().map_err(anyhow::Error::msg)?;
-    let engine = docker::engine::check(&docker, &mut cfg, true).await.map_err(anyhow::Error::msg)?;
-    docker::identity::warn_overlaps(cfg.uid_range);
     // Over HTTP, a stopped server leaves its sessions for the next one (docs/design.md D12);
     // over stdio they end with the client unless asked.
     if http.http.is_some() {
         cfg.keep_sessions = true;
     }
     let leave = cfg.keep_sessions && cfg.adopt_grace_s > 0;
-    let cfg = Arc::new(cfg);
-    let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
-        .with_context(|| format!("cannot take an instance lock in {}", state_dir.display()))?;
-    tracing::info!(instance = %instance.owner.instance, runtime = %engine.runtime, "pyberth starting");
-    let registry = Arc::new(Registry::new(docker, cfg.clone(), instance).map_err(anyhow::Error::msg)?);
-    if let Err(e) = registry.sweep_leftovers().await {
-        tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
-    }
-
-    let shutdown = CancellationToken::new();
-    let tasks = tokio_util::task::TaskTracker::new();
-    tasks.spawn(registry.clone().reaper(shutdown.clone()));
-    tasks.spawn(registry.clone().pool_keeper(shutdown.clone()));
-    // Find or build the image now, so the first call does not wait for it.
-    let warm = registry.clone();
-    let stop_warming = shutdown.clone();
-    tasks.spawn(async move {
-        let env = warm.environments.get(None);
-        let built = match &env {
-            Ok(env) => tokio::select! {
-                built = warm.image(env, &|_| {}) => built.map(|_| ()),
-                () = stop_warming.cancelled() => Ok(()),
-            },
-            Err(e) => Err(pyberth::RegistryError::Environment(e.clone())),
-        };
-        if let Err(e) = built {
-            tracing::error!(error = %e, "sandbox image unavailable");
-        }
-    });
-
+    let runtime = Runtime::start(cfg, Voice::Loud).await?;
+    runtime.background();
+    let (registry, cfg) = (runtime.registry.clone(), runtime.cfg.clone());
     let served = match http.http {
         Some(addr) => {
-            let stop = shutdown.clone();
-            let signal = tasks.spawn(async move {
+            let stop = runtime.shutdown_token();
+            let signal = runtime.spawn(async move {
                 pyberth::shutdown_signal().await;
                 tracing::info!("signal received; shutting down");
                 stop.cancel();
             });
-            let served = pyberth::http::serve(&http, addr, registry.clone(), cfg.clone(), shutdown.clone())
+            let served = pyberth::http::serve(&http, addr, registry, cfg, runtime.shutdown_token())
                 .await
                 .map_err(anyhow::Error::from);
             signal.abort();
             served
         }
-        None => serve_stdio(registry.clone(), cfg.clone()).await,
+        None => serve_stdio(registry, cfg).await,
     };
-    shutdown.cancel();
-    tasks.close();
-    // The tasks first: a pool container being made when the stop came must be in the pool (or
-    // gone) before the registry removes what it holds, or it outlives the server.
-    tasks.wait().await;
-    registry.shutdown(leave).await;
+    runtime.stop(leave).await;
     tracing::info!("pyberth stopped");
     served
 }

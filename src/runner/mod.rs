@@ -19,10 +19,10 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
-use crate::docker;
+
+use crate::app::{Runtime, Voice};
 use crate::docker::archive::{Cap, CopyBack, Moved};
 use crate::docker::layers::Error as InstallError;
-use crate::instance::Instance;
 use crate::protocol::Stream;
 use crate::session::registry::{Error as RegistryError, Registry};
 use crate::session::{RunOutcome, RunSpec, RunStatus};
@@ -276,22 +276,15 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
     let packages =
         crate::checks::wanted_packages(Some(&args.with), script_text.as_deref(), cfg.max_packages).map_err(usage)?;
 
-    let docker = docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| infra(e.to_string()))?;
-    let mut cfg = cfg.clone();
-    docker::engine::check(&docker, &mut cfg, false).await.map_err(infra)?;
-    docker::identity::warn_overlaps(cfg.uid_range);
-    let state_dir = cfg.secure_state_dir().map_err(usage)?;
-    let instance = Instance::acquire(&state_dir, cfg.instance.as_deref())
-        .map_err(|e| infra(format!("cannot take an instance lock in {}: {e}", state_dir.display())))?;
-    let cfg = Arc::new(cfg);
-    let registry = Registry::new(docker.clone(), cfg.clone(), instance).map_err(usage)?;
-    if let Err(e) = registry.sweep_leftovers().await {
-        tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
-    }
-    let registry = Arc::new(registry);
+    let runtime = Runtime::start(cfg.clone(), Voice::Quiet).await.map_err(|e| match e {
+        crate::app::Error::Settings(e) => usage(e),
+        crate::app::Error::Engine(e) => infra(e),
+    })?;
+    let registry = runtime.registry.clone();
     let result = in_session(args, status, &registry, &packages, target, env).await;
     status.clear();
-    registry.shutdown(false).await;
+    drop(registry);
+    runtime.stop(false).await;
     result
 }
 

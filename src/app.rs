@@ -1,0 +1,150 @@
+//! The runtime a command stands on, built in one place: the engine, the state dir, this
+//! server's instance, the owners (the registry and what it holds) and their background tasks,
+//! and the order they stop in. `serve`, `run`, `bench`, `image` and `layers` all start here, so
+//! the start-up sequence is written once.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bollard::Docker;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::SandboxConfig;
+use crate::docker;
+use crate::docker::engine::EngineFacts;
+use crate::instance::Instance;
+use crate::session::registry::{Error as RegistryError, Registry};
+
+/// Why the runtime could not start: the caller's settings, or the engine and the host.
+/// `pyberth run` turns them into different exit codes (usage, infra).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A setting, the state dir or an environment definition is wrong: the caller can fix it.
+    #[error("{0}")]
+    Settings(String),
+    /// The engine or the host failed.
+    #[error("{0}")]
+    Engine(String),
+}
+
+/// The engine, reached and checked, and the state dir: what every command needs first.
+#[derive(Debug)]
+pub struct Host {
+    /// The engine.
+    pub docker: Docker,
+    /// The private state dir (locks, records).
+    pub state_dir: PathBuf,
+}
+
+impl Host {
+    /// Validates the settings, reaches the engine and secures the state dir.
+    pub async fn open(cfg: &SandboxConfig) -> Result<Self, Error> {
+        cfg.validate().map_err(|e| Error::Settings(e.to_string()))?;
+        let docker = docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| Error::Engine(e.to_string()))?;
+        let state_dir = cfg.secure_state_dir().map_err(Error::Settings)?;
+        Ok(Self { docker, state_dir })
+    }
+
+    /// Checks the engine: settles the runtime (`auto` included) and the seccomp profile of
+    /// sandboxes, says what is known to be wrong with it, and refuses under `--strict-engine`.
+    pub async fn check(&self, cfg: &mut SandboxConfig, voice: Voice) -> Result<EngineFacts, Error> {
+        let engine = docker::engine::check(&self.docker, cfg, voice == Voice::Loud).await.map_err(Error::Engine)?;
+        docker::identity::warn_overlaps(cfg.uid_range);
+        Ok(engine)
+    }
+
+    /// This server's instance: a lock in the state dir that tells it from a dead one's leftovers.
+    pub fn instance(&self, name: Option<&str>) -> Result<Instance, Error> {
+        Instance::acquire(&self.state_dir, name)
+            .map_err(|e| Error::Engine(format!("cannot take an instance lock in {}: {e}", self.state_dir.display())))
+    }
+}
+
+/// How loudly a command speaks of the engine at start (`pyberth run` shares stderr with the
+/// program it runs, so it keeps quiet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Voice {
+    /// Engine facts and warnings at INFO and WARN.
+    Loud,
+    /// At DEBUG only.
+    Quiet,
+}
+
+/// A started server: its settings as the engine settled them, the engine's facts, and the
+/// registry with everything it owns.
+#[derive(Debug)]
+pub struct Runtime {
+    /// The settings, with the runtime the engine check chose.
+    pub cfg: Arc<SandboxConfig>,
+    /// What the engine check found.
+    pub engine: EngineFacts,
+    /// Sessions and everything they use.
+    pub registry: Arc<Registry>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl Runtime {
+    /// Checks the engine, takes this server's instance, builds the owners and adopts or sweeps
+    /// what stopped servers left behind. Background tasks start with [`Runtime::background`].
+    pub async fn start(mut cfg: SandboxConfig, voice: Voice) -> Result<Self, Error> {
+        let host = Host::open(&cfg).await?;
+        let engine = host.check(&mut cfg, voice).await?;
+        let instance = host.instance(cfg.instance.as_deref())?;
+        if voice == Voice::Loud {
+            tracing::info!(instance = %instance.owner.instance, runtime = %engine.runtime, "pyberth starting");
+        }
+        let cfg = Arc::new(cfg);
+        let registry = Arc::new(Registry::new(host.docker, cfg.clone(), instance).map_err(Error::Settings)?);
+        if let Err(e) = registry.sweep_leftovers().await {
+            tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
+        }
+        Ok(Self { cfg, engine, registry, shutdown: CancellationToken::new(), tasks: TaskTracker::new() })
+    }
+
+    /// A token cancelled when the runtime stops (and that a front may cancel to stop it).
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// The tasks of a long-lived server: the idle reaper, the warm pool, and the image found
+    /// or built now so the first call does not wait for it.
+    pub fn background(&self) {
+        self.tasks.spawn(self.registry.clone().reaper(self.shutdown.clone()));
+        self.tasks.spawn(self.registry.clone().pool_keeper(self.shutdown.clone()));
+        let warm = self.registry.clone();
+        let stop = self.shutdown.clone();
+        self.tasks.spawn(async move {
+            let built = match warm.environments.get(None) {
+                Ok(env) => tokio::select! {
+                    built = warm.image(&env, &|_| {}) => built.map(|_| ()),
+                    () = stop.cancelled() => Ok(()),
+                },
+                Err(e) => Err(RegistryError::Environment(e)),
+            };
+            if let Err(e) = built {
+                tracing::error!(error = %e, "sandbox image unavailable");
+            }
+        });
+    }
+
+    /// Spawns a task the runtime owns: it is waited for at [`Runtime::stop`].
+    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<()>
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.tasks.spawn(task)
+    }
+
+    /// Stops the background tasks, then the registry. With `leave`, sessions stay for the next
+    /// server of the state dir (docs/design.md D12).
+    pub async fn stop(self, leave: bool) {
+        self.shutdown.cancel();
+        self.tasks.close();
+        // The tasks first: a pool container being made when the stop came must be in the pool
+        // (or gone) before the registry removes what it holds, or it outlives the server.
+        self.tasks.wait().await;
+        self.registry.shutdown(leave).await;
+    }
+}
