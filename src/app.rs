@@ -96,7 +96,9 @@ impl Runtime {
             tracing::info!(instance = %instance.owner.instance, runtime = %engine.runtime, "pyberth starting");
         }
         let cfg = Arc::new(cfg);
-        let registry = Arc::new(Registry::new(host.docker, cfg.clone(), instance).map_err(Error::Settings)?);
+        let registry = Arc::new(
+            Registry::new(host.docker, cfg.clone(), instance, engine.sandboxing.clone()).map_err(Error::Settings)?,
+        );
         if let Err(e) = registry.sweep_leftovers().await {
             tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
         }

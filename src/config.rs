@@ -251,16 +251,6 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_RUNTIME")]
     pub runtime: Option<String>,
 
-    /// The chosen runtime is gVisor (found at start-up from the engine's runtimes).
-    #[arg(skip)]
-    #[serde(skip)]
-    pub gvisor: bool,
-
-    /// The seccomp profile chosen at start-up (JSON), from --seccomp and the engine version.
-    #[arg(skip)]
-    #[serde(skip)]
-    pub seccomp_profile: Option<String>,
-
     /// Environment of sessions whose caller names none.
     #[arg(long, env = "PYBERTH_ENVIRONMENT", default_value = "default")]
     pub default_environment: String,
@@ -269,12 +259,6 @@ pub struct SandboxConfig {
     #[arg(skip)]
     #[serde(default)]
     pub environments: std::collections::BTreeMap<String, crate::environment::EnvironmentSpec>,
-
-    /// Read-only mounts of the environment these settings belong to (set from an environment,
-    /// never by a flag or the file's top level).
-    #[arg(skip)]
-    #[serde(skip)]
-    pub mounts: Vec<crate::environment::MountSpec>,
 
     /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
     #[arg(long, env = "PYBERTH_STATE_DIR")]
@@ -311,12 +295,6 @@ pub struct SandboxConfig {
     #[arg(skip)]
     #[serde(default)]
     pub egress_pin: std::collections::BTreeMap<String, String>,
-
-    /// The egress network of the session these settings belong to (set per session, never
-    /// by a flag or the file).
-    #[arg(skip)]
-    #[serde(skip)]
-    pub egress: Option<std::sync::Arc<crate::egress::Attachment>>,
 
     /// Name of this server instance in container labels (default: random). For tests.
     #[arg(long, env = "PYBERTH_INSTANCE", hide = true)]

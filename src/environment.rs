@@ -98,6 +98,8 @@ pub struct Environment {
     pub cfg: Arc<SandboxConfig>,
     /// Preinstalled requirements, canonical and sorted.
     pub packages: Vec<String>,
+    /// Host folders its sandboxes see read-only.
+    pub mounts: Vec<MountSpec>,
     /// The egress allow-list its sessions start with; empty: no network (`NetworkMode none`).
     pub egress: Vec<crate::egress::policy::Rule>,
     /// Headers the proxy adds, by host, values resolved (secret: never shown).
@@ -370,8 +372,8 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
         }
     }
     cfg.max_timeout_s = cfg.max_timeout_s.max(cfg.timeout_s);
-    cfg.mounts = spec.mounts.iter().map(|m| check_mount(name, m)).collect::<Result<_, _>>()?;
-    let mut paths: Vec<&str> = cfg.mounts.iter().map(|m| m.path.as_str()).collect();
+    let mounts: Vec<MountSpec> = spec.mounts.iter().map(|m| check_mount(name, m)).collect::<Result<_, _>>()?;
+    let mut paths: Vec<&str> = mounts.iter().map(|m| m.path.as_str()).collect();
     paths.sort_unstable();
     if paths.windows(2).any(|w| Path::new(w[1]).starts_with(w[0])) {
         return Err(format!("environments.{name}.mounts: two mounts overlap"));
@@ -393,7 +395,7 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
     }
     let egress_headers =
         crate::egress::SecretHeaders(resolve_headers(name, spec.egress_headers.as_ref(), &|v| std::env::var(v).ok())?);
-    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages, egress, egress_headers })
+    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages, mounts, egress, egress_headers })
 }
 
 /// `${VAR}` in header values replaced from `var`; names and values checked. Errors name the
@@ -468,7 +470,7 @@ mod tests {
         let science = envs.get(Some("science")).expect("science");
         assert_eq!(science.packages, vec!["numpy".to_owned()]);
         assert_eq!(science.cfg.memory_mb, 1024);
-        assert_eq!(science.cfg.mounts[0].path, "/data");
+        assert_eq!(science.mounts[0].path, "/data");
         let py313 = envs.get(Some("python3.13")).expect("python3.13");
         assert_eq!(py313.description, "mine");
         assert_eq!(py313.cfg.fallback_release, "trixie", "unset fields keep the built-in's");

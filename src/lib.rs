@@ -43,6 +43,8 @@ pub(crate) mod output;
 pub(crate) mod protocol;
 /// `pyberth run`: a script or command in a fresh sandbox for CI, exit code passed through.
 pub mod runner;
+/// What a session's containers are made from: settings, engine facts, mounts, egress.
+pub mod sandbox;
 /// The MCP tool table.
 pub(crate) mod server;
 /// Sessions (one container and one agent each), their registry and background jobs.

@@ -9,10 +9,12 @@ use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use pyberth::app::{Host, Runtime, Voice};
 use pyberth::config::{self, SandboxConfig};
+use pyberth::docker::container::Sandboxing;
 use pyberth::docker::{image, layers};
 use pyberth::environment::Environments;
 use pyberth::http::HttpArgs;
 use pyberth::instance::Instance;
+use pyberth::sandbox::Blueprint;
 use pyberth::{Registry, SandboxServer};
 use rmcp::ServiceExt as _;
 
@@ -268,6 +270,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 };
                 let base = image::ensure(&docker, &env.cfg, &progress).await?;
                 let index = layers::IndexSettings::from_config(&env.cfg).context("cannot read the CA bundle")?;
+                // No engine check here: the installer gets the runtime as configured, as before.
+                let sandboxing = Sandboxing { runtime: env.cfg.runtime.clone(), ..Default::default() };
+                let blueprint = Blueprint::new(env.cfg.clone(), &sandboxing, &env.mounts, None);
                 let egress = pyberth::egress::Manager::new(
                     docker.clone(),
                     owner.owner.clone(),
@@ -275,7 +280,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                     index.ca_bundle.clone(),
                 );
                 let layer =
-                    layers::ensure(&docker, &env.cfg, &owner.owner, &base, &env.packages, &index, &egress, &progress)
+                    layers::ensure(&docker, &blueprint, &owner.owner, &base, &env.packages, &index, &egress, &progress)
                         .await;
                 layers::settle().await;
                 egress.shutdown().await;

@@ -12,11 +12,9 @@ use bollard::query_parameters::{
     CreateContainerOptionsBuilder, ListContainersOptionsBuilder, ListVolumesOptionsBuilder,
     RemoveContainerOptionsBuilder, RemoveVolumeOptionsBuilder,
 };
-use futures::future::OptionFuture;
 
 use super::identity::{self, LABEL_UID};
 use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
-use crate::config::SandboxConfig;
 
 /// Where the session workspace (a named volume) is mounted, and the code's working directory.
 pub const WORKSPACE: &str = "/workspace";
@@ -83,27 +81,91 @@ pub struct Created {
 /// their own, so the code keeps the budget `--pids` gives it under either runtime.
 const GVISOR_PIDS: i64 = 64;
 
+/// What the engine found at start that shapes every sandbox: the runtime chosen (`auto`
+/// settled), whether it is gVisor, and the seccomp profile sandboxes get.
+#[derive(Debug, Clone, Default)]
+pub struct Sandboxing {
+    /// The OCI runtime of sandboxes; `None`: the engine's default.
+    pub runtime: Option<String>,
+    /// The runtime is gVisor.
+    pub gvisor: bool,
+    /// Our seccomp profile (JSON), when sandboxes get it instead of Docker's.
+    pub seccomp_profile: Option<std::sync::Arc<str>>,
+}
+
+/// A session's network: the engine puts the container on it with these DNS servers and
+/// environment variables (the owner of egress says what they are).
+#[derive(Debug, Clone)]
+pub struct NetworkJoin {
+    /// The network's name.
+    pub network: String,
+    /// Its DNS servers.
+    pub dns: Vec<String>,
+    /// Variables added to the container's fixed environment.
+    pub env: Vec<String>,
+}
+
+/// A session container, as plain data: its limits from the settings of its environment, the
+/// engine facts, its extra mounts and its network. The owners build it; the engine asks nobody.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// Memory (and memory + swap), MiB.
+    pub memory_mb: u64,
+    /// CPUs.
+    pub cpus: f64,
+    /// Processes of the code.
+    pub pids: i64,
+    /// `/tmp`, MiB.
+    pub tmp_mb: u64,
+    /// A hard bound on the workspace (a tmpfs volume), MiB; `None`: a plain volume.
+    pub workspace_mb: Option<u64>,
+    /// Where the code's uid is picked from.
+    pub uid_range: identity::UidRange,
+    /// Runtime and seccomp.
+    pub sandboxing: Sandboxing,
+    /// Mounts besides the workspace (the layer store, read-only host folders).
+    pub mounts: Vec<Mount>,
+    /// The session's network, when it has egress; `None`: no network at all.
+    pub network: Option<NetworkJoin>,
+}
+
+/// A read-only bind mount of a host folder that never propagates mounts either way.
+pub fn read_only_bind(host: &std::path::Path, path: &str) -> Mount {
+    Mount {
+        target: Some(path.to_owned()),
+        source: Some(host.to_string_lossy().into_owned()),
+        typ: Some(MountType::BIND),
+        read_only: Some(true),
+        bind_options: Some(bollard::models::MountBindOptions {
+            propagation: Some(bollard::models::MountBindOptionsPropagationEnum::RPRIVATE),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// The hardened host configuration of a session container.
-pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
-    let memory = i64::try_from(cfg.memory_mb << 20).unwrap_or(i64::MAX);
+pub fn host_config(spec: &Spec, volume: &str) -> HostConfig {
+    let memory = i64::try_from(spec.memory_mb << 20).unwrap_or(i64::MAX);
     let ulimit = |name: &str, soft: i64, hard: i64| ResourcesUlimits {
         name: Some(name.into()),
         soft: Some(soft),
         hard: Some(hard),
     };
+    let sandboxing = &spec.sandboxing;
     HostConfig {
         network_mode: Some("none".into()),
         cap_drop: Some(vec!["ALL".into()]),
         security_opt: Some(
             std::iter::once("no-new-privileges:true".to_owned())
-                .chain(cfg.seccomp_profile.as_ref().map(|p| format!("seccomp={p}")))
+                .chain(sandboxing.seccomp_profile.as_ref().map(|p| format!("seccomp={p}")))
                 .collect(),
         ),
-        runtime: cfg.runtime.clone(),
+        runtime: sandboxing.runtime.clone(),
         readonly_rootfs: Some(true),
         tmpfs: Some(HashMap::from([(
             "/tmp".into(),
-            format!("rw,nosuid,nodev,size={}m,nr_inodes=16384,mode=1777", cfg.tmp_mb),
+            format!("rw,nosuid,nodev,size={}m,nr_inodes=16384,mode=1777", spec.tmp_mb),
         )])),
         mounts: Some(vec![Mount {
             target: Some(WORKSPACE.into()),
@@ -115,8 +177,8 @@ pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
         memory_swap: Some(memory),
         // Validated to a small positive number of CPUs: the product fits.
         #[allow(clippy::cast_possible_truncation)]
-        nano_cpus: Some((cfg.cpus * 1e9) as i64),
-        pids_limit: Some(if cfg.gvisor { cfg.pids + GVISOR_PIDS } else { cfg.pids }),
+        nano_cpus: Some((spec.cpus * 1e9) as i64),
+        pids_limit: Some(if sandboxing.gvisor { spec.pids + GVISOR_PIDS } else { spec.pids }),
         ulimits: Some(vec![ulimit("nofile", 1024, 1024), ulimit("fsize", 1 << 30, 1 << 30), ulimit("core", 0, 0)]),
         init: Some(true),
         ipc_mode: Some("private".into()),
@@ -133,7 +195,7 @@ pub fn host_config(cfg: &SandboxConfig, volume: &str) -> HostConfig {
 /// Creates the workspace volume and the container of one session, and starts it.
 pub async fn create(
     docker: &Docker,
-    cfg: &SandboxConfig,
+    spec: &Spec,
     image: &str,
     owner: &Owner,
     session: &str,
@@ -142,27 +204,14 @@ pub async fn create(
     // A serial keeps names unique when a session is recreated after its container died.
     let serial = next_serial();
     let name = format!("pyberth-{}-{}-{serial}", owner.instance, session);
-    let uid = identity::pick(docker, cfg.uid_range).await?;
+    let uid = identity::pick(docker, spec.uid_range).await?;
     let mut labels = owner.labels(session, principal);
     labels.insert(LABEL_UID.to_owned(), uid.to_string());
-    // The layer store, opened (made if absent) before any container mounts it: a mount of a
-    // missing volume would make an unlabelled one, with no secret.
-    let store = match super::layers::Store::open(docker).await {
-        Ok(s) => s,
-        Err(e) => {
-            identity::release(uid);
-            return Err(match e {
-                super::layers::Error::Docker(e) => e,
-                // A plain message (`NoBaseImage` prints its text as is).
-                other => Error::NoBaseImage(format!("cannot open the layer store: {other}")),
-            });
-        }
-    };
     {
         let volume = &name;
         let mut request =
             VolumeCreateRequest { name: Some(volume.clone()), labels: Some(labels.clone()), ..Default::default() };
-        if let Some(mb) = cfg.workspace_bound_mb() {
+        if let Some(mb) = spec.workspace_mb {
             // A hard size and inode bound on any filesystem: tmpfs through the local driver,
             // owned by the code's uid (a tmpfs has no copy-up from the image).
             request.driver = Some("local".into());
@@ -174,24 +223,9 @@ pub async fn create(
             return Err(e.into());
         }
     }
-    let mut hc = host_config(cfg, &name);
+    let mut hc = host_config(spec, &name);
     if let Some(mounts) = hc.mounts.as_mut() {
-        // Every set, read-only; a session reaches the sets it asked for by name (docs/design.md D6).
-        mounts.push(store.session_mount());
-        // The environment's host folders, read-only, never propagating mounts either way.
-        for m in &cfg.mounts {
-            mounts.push(Mount {
-                target: Some(m.path.clone()),
-                source: Some(m.host.to_string_lossy().into_owned()),
-                typ: Some(MountType::BIND),
-                read_only: Some(true),
-                bind_options: Some(bollard::models::MountBindOptions {
-                    propagation: Some(bollard::models::MountBindOptionsPropagationEnum::RPRIVATE),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            });
-        }
+        mounts.extend(spec.mounts.iter().cloned());
     }
     let mut body = ContainerCreateBody {
         image: Some(image.into()),
@@ -204,8 +238,15 @@ pub async fn create(
         host_config: Some(hc),
         ..Default::default()
     };
-    if let Some(egress) = &cfg.egress {
-        egress.apply(&mut body);
+    if let Some(join) = &spec.network {
+        // Its own network instead of none; DNS points where the owner of the network says.
+        body.network_disabled = Some(false);
+        body.env.get_or_insert_with(Vec::new).extend(join.env.iter().cloned());
+        let hc = body.host_config.get_or_insert_with(HostConfig::default);
+        hc.network_mode = Some(join.network.clone());
+        hc.dns = Some(join.dns.clone());
+        hc.dns_search = Some(Vec::new());
+        hc.dns_options = Some(Vec::new());
     }
     let opts = CreateContainerOptionsBuilder::default().name(&name).build();
     let made = Created { id: name.clone(), volume: name.clone(), uid };
@@ -218,10 +259,6 @@ pub async fn create(
     };
     let made = Created { id: created.id, ..made };
     if let Err(e) = docker.start_container(&made.id, None).await {
-        destroy(docker, &made).await;
-        return Err(e.into());
-    }
-    if let Some(Err(e)) = OptionFuture::from(cfg.egress.as_ref().map(|e| e.after_start(docker, &made.id))).await {
         destroy(docker, &made).await;
         return Err(e.into());
     }

@@ -367,6 +367,8 @@ pub struct EngineFacts {
     pub gvisor: Option<Gvisor>,
     /// Known problems, one line each.
     pub warnings: Vec<String>,
+    /// What every sandbox is made with: the runtime chosen, gVisor or not, the seccomp profile.
+    pub sandboxing: super::container::Sandboxing,
 }
 
 /// `--runtime auto`: gVisor when the engine has it, else the engine's default runtime.
@@ -545,8 +547,9 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
     } else {
         tracing::debug!(target: "pyberth::engine", "{line}");
     }
+    // The operator's `auto` settled, as validation settles other settings: what the server
+    // found about the engine itself goes into the facts below, never into the settings.
     cfg.runtime = chosen;
-    cfg.gvisor = under_gvisor;
     let warnings = assess(&engine, runc.as_deref(), under_gvisor);
     for w in &warnings {
         tracing::debug!(target: "pyberth::engine", "{w}");
@@ -582,9 +585,13 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
         SeccompMode::Pyberth => true,
         SeccompMode::Docker => false,
     };
-    cfg.seccomp_profile = ours.then(profile);
+    let sandboxing = super::container::Sandboxing {
+        runtime: cfg.runtime.clone(),
+        gvisor: under_gvisor,
+        seccomp_profile: ours.then(|| profile().into()),
+    };
     let runtime = cfg.runtime.clone().unwrap_or_else(|| default.clone());
-    Ok(EngineFacts { engine, runc, runtime, default_runtime: default, gvisor, warnings })
+    Ok(EngineFacts { engine, runc, runtime, default_runtime: default, gvisor, warnings, sandboxing })
 }
 
 #[cfg(test)]

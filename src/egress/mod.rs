@@ -90,17 +90,14 @@ impl Attachment {
         env
     }
 
-    /// Puts a session container on its network instead of none. DNS points at the proxy's
-    /// address, where nothing answers port 53: Docker's embedded resolver then forwards from
-    /// the container's own namespace, which has no route out (CVE-2024-29018 on Docker < 26).
-    pub fn apply(&self, body: &mut ContainerCreateBody) {
-        body.network_disabled = Some(false);
-        body.env.get_or_insert_with(Vec::new).extend(self.env());
-        let hc = body.host_config.get_or_insert_with(HostConfig::default);
-        hc.network_mode = Some(self.network.clone());
-        hc.dns = Some(vec![self.proxy_ip.to_string()]);
-        hc.dns_search = Some(Vec::new());
-        hc.dns_options = Some(Vec::new());
+    /// How a session container joins its network instead of none: DNS points at the proxy's
+    /// resolver, and the proxy and CA variables are set.
+    pub fn join(&self) -> crate::docker::container::NetworkJoin {
+        crate::docker::container::NetworkJoin {
+            network: self.network.clone(),
+            dns: vec![self.proxy_ip.to_string()],
+            env: self.env(),
+        }
     }
 
     /// Only the proxy variables (no CA paths: a container that gets no CA bundle written).
@@ -347,6 +344,8 @@ pub struct Manager {
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
     /// The executable run as the proxy (`None`: this one).
     exe: Option<std::path::PathBuf>,
+    /// The seccomp profile the engine check chose for sandboxes; the proxy gets it too.
+    seccomp: Option<Arc<str>>,
     /// Installer networks no install is using, with the proxy they lead to and when they
     /// were freed: the next install takes one instead of making its own.
     idle_installers: Mutex<Vec<(InstallerNet, String, std::time::Instant)>>,
@@ -421,6 +420,7 @@ impl Manager {
             lost: Mutex::new(HashMap::new()),
             totals: Arc::default(),
             exe: None,
+            seccomp: None,
             idle_installers: Mutex::new(Vec::new()),
         }
     }
@@ -429,6 +429,12 @@ impl Manager {
     /// that embeds the library, such as a test.
     pub fn with_executable(mut self, exe: std::path::PathBuf) -> Self {
         self.exe = Some(exe);
+        self
+    }
+
+    /// The proxy container gets the seccomp profile sandboxes get.
+    pub fn with_sandboxing(mut self, sandboxing: &crate::docker::container::Sandboxing) -> Self {
+        self.seccomp = sandboxing.seccomp_profile.clone();
         self
     }
 
@@ -575,7 +581,7 @@ impl Manager {
             cap_drop: Some(vec!["ALL".into()]),
             security_opt: Some(
                 std::iter::once("no-new-privileges:true".to_owned())
-                    .chain(self.cfg.seccomp_profile.as_ref().map(|p| format!("seccomp={p}")))
+                    .chain(self.seccomp.as_ref().map(|p| format!("seccomp={p}")))
                     .collect(),
             ),
             memory: Some(256 << 20),

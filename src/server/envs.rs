@@ -130,7 +130,7 @@ fn describe(env: &Environment, default: &str) -> EnvironmentInfo {
         debian_fallback: env.cfg.fallback_release.clone(),
         packages: env.packages.clone(),
         limits: Limits::of(&env.cfg),
-        mounts: mounts(&env.cfg.mounts),
+        mounts: mounts(&env.mounts),
         egress: env.egress.iter().map(|r| r.text().to_owned()).collect(),
     }
 }
@@ -192,7 +192,7 @@ impl SandboxServer {
             limits: Limits::of(cfg),
             network,
             egress,
-            mounts: mounts(&cfg.mounts),
+            mounts: mounts(session.mounts()),
             packages_installed: packages,
             package_index: cfg.index_url().unwrap_or_else(|| "https://pypi.org/simple".into()),
             ca_bundle: cfg.ca_bundle().map(|p| p.display().to_string()),

@@ -39,6 +39,7 @@ use crate::docker::container::{self, Created, Owner, short};
 use crate::docker::layers;
 use crate::docker::{self, exec};
 use crate::protocol::{self, Event, FileEntry, Package, Request, Variable};
+use crate::sandbox::Blueprint;
 
 /// How long an agent query (variables, packages, attach) may take.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -220,6 +221,8 @@ pub struct Session {
     lease_changed: Arc<tokio::sync::Notify>,
     docker: Docker,
     cfg: Arc<SandboxConfig>,
+    /// What its containers are made from (the same `cfg`, the engine's spec, its egress).
+    blueprint: Arc<Blueprint>,
     image: String,
     owner: Owner,
     inner: tokio::sync::Mutex<Inner>,
@@ -273,13 +276,13 @@ impl Prepared {
     /// Creates a container under `label` and starts its agent.
     pub async fn make(
         docker: &Docker,
-        cfg: &SandboxConfig,
+        blueprint: &Blueprint,
         image: &str,
         owner: &Owner,
         label: &str,
         principal: &str,
     ) -> Result<Self, Error> {
-        let created = container::create(docker, cfg, image, owner, label, principal).await?;
+        let created = blueprint.create(docker, image, owner, label, principal).await?;
         match greet(docker, &created, label).await {
             Ok((agent, python)) => Ok(Self { inner: Inner::new(created, agent), python }),
             Err(e) => {
@@ -299,21 +302,21 @@ impl Session {
     /// Creates the container and starts the agent.
     pub async fn start(
         docker: Docker,
-        cfg: Arc<SandboxConfig>,
+        blueprint: Arc<Blueprint>,
         image: String,
         owner: Owner,
         naming: Naming,
         packages: Vec<String>,
     ) -> Result<Arc<Self>, Error> {
-        let prepared = Prepared::make(&docker, &cfg, &image, &owner, &naming.name, &naming.principal).await?;
-        Ok(Self::adopt(docker, cfg, image, owner, naming, packages, prepared))
+        let prepared = Prepared::make(&docker, &blueprint, &image, &owner, &naming.name, &naming.principal).await?;
+        Ok(Self::adopt(docker, blueprint, image, owner, naming, packages, prepared))
     }
 
     /// Makes a prepared container someone's session.
     #[allow(clippy::too_many_arguments)] // the parts of a session, each needed once
     pub fn adopt(
         docker: Docker,
-        cfg: Arc<SandboxConfig>,
+        blueprint: Arc<Blueprint>,
         image: String,
         owner: Owner,
         naming: Naming,
@@ -331,7 +334,8 @@ impl Session {
             me: me.clone(),
             lease_changed: Arc::new(tokio::sync::Notify::new()),
             docker,
-            cfg,
+            cfg: blueprint.cfg.clone(),
+            blueprint,
             image,
             owner,
             inner: tokio::sync::Mutex::new(prepared.inner),
@@ -362,6 +366,11 @@ impl Session {
     /// The settings the session was made with (its environment's limits and mounts).
     pub fn settings(&self) -> &SandboxConfig {
         &self.cfg
+    }
+
+    /// Its environment's read-only host folders.
+    pub fn mounts(&self) -> &[crate::environment::MountSpec] {
+        &self.blueprint.mounts
     }
 
     /// The image its container runs.
@@ -471,7 +480,7 @@ impl Session {
         container::destroy(&self.docker, &inner.container).await;
         inner.lease = None;
         inner.container =
-            container::create(&self.docker, &self.cfg, &self.image, &self.owner, &self.name, &self.principal).await?;
+            self.blueprint.create(&self.docker, &self.image, &self.owner, &self.name, &self.principal).await?;
         if let Ok(mut c) = self.container.lock() {
             *c = inner.container.clone();
         }

@@ -15,11 +15,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Error as SessionError, Session, SessionInfo};
 use crate::config::SandboxConfig;
+use crate::docker::container::Sandboxing;
 use crate::docker::image::Progress;
 use crate::docker::layers::{self, IndexSettings, Layer};
 use crate::docker::{self, container, image};
 use crate::environment::{Environment, Environments};
 use crate::instance::{Instance, Keeper};
+use crate::sandbox::Blueprint;
 
 mod adopt;
 mod sleepers;
@@ -102,6 +104,8 @@ pub struct Registry {
     keeper: Keeper,
     /// The egress proxy and the networks of sessions that have egress.
     pub egress: crate::egress::Manager,
+    /// What the engine found at start that shapes every sandbox (runtime, seccomp).
+    sandboxing: Sandboxing,
 }
 
 /// An environment's image, found or built once, and the latest line of its build.
@@ -144,11 +148,17 @@ pub struct Installed {
 impl Registry {
     /// A registry for this instance.
     /// Fails on a bad environment definition or an unreadable CA bundle, saying which.
-    pub fn new(docker: Docker, cfg: Arc<SandboxConfig>, instance: Instance) -> Result<Self, String> {
+    pub fn new(
+        docker: Docker,
+        cfg: Arc<SandboxConfig>,
+        instance: Instance,
+        sandboxing: Sandboxing,
+    ) -> Result<Self, String> {
         let index = IndexSettings::from_config(&cfg).map_err(|e| format!("cannot read the CA bundle: {e}"))?;
         let environments = Environments::from_config(&cfg)?;
         let egress =
-            crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone());
+            crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone())
+                .with_sandboxing(&sandboxing);
         Ok(Self {
             docker,
             cfg,
@@ -167,7 +177,17 @@ impl Registry {
             markers: Mutex::new(HashMap::new()),
             keeper: Keeper::default(),
             egress,
+            sandboxing,
         })
+    }
+
+    /// What sessions of `env` (with `egress`, when they have a network) are made from.
+    pub(crate) fn blueprint(
+        &self,
+        env: &Environment,
+        egress: Option<Arc<crate::egress::Attachment>>,
+    ) -> Arc<Blueprint> {
+        Arc::new(Blueprint::new(env.cfg.clone(), &self.sandboxing, &env.mounts, egress))
     }
 
     /// The layer holding `requirements` (canonical, sorted) on an environment's image,
@@ -186,7 +206,7 @@ impl Registry {
         let _guard = lock.lock().await;
         let layer = layers::ensure(
             &self.docker,
-            &env.cfg,
+            &self.blueprint(env, None),
             &self.instance.owner,
             &base,
             requirements,
@@ -287,7 +307,15 @@ impl Registry {
         unknown.sort();
         unknown.dedup();
         if !unknown.is_empty() {
-            match layers::evaluate_markers(&self.docker, &env.cfg, &self.instance.owner, &image, &unknown).await {
+            match layers::evaluate_markers(
+                &self.docker,
+                &self.blueprint(&env, None),
+                &self.instance.owner,
+                &image,
+                &unknown,
+            )
+            .await
+            {
                 Ok(verdicts) => {
                     let mut cache = self.markers.lock().unwrap_or_else(|e| e.into_inner());
                     for (m, v) in unknown.into_iter().zip(verdicts) {
@@ -502,9 +530,11 @@ impl Registry {
                     _ if with_egress => self.start_with_egress(&env, image, naming, egress.clone()).await?,
                     Some(prepared) => {
                         self.pool_wake.notify_one();
-                        Session::adopt(docker, env.cfg.clone(), image, owner, naming, Vec::new(), prepared)
+                        Session::adopt(docker, self.blueprint(&env, None), image, owner, naming, Vec::new(), prepared)
                     }
-                    None => Session::start(docker, env.cfg.clone(), image, owner, naming, Vec::new()).await?,
+                    None => {
+                        Session::start(docker, self.blueprint(&env, None), image, owner, naming, Vec::new()).await?
+                    }
                 };
                 if let Some(layer) = layer
                     && let Err(e) = session.add_layer(&layer, &all).await
@@ -564,11 +594,10 @@ impl Registry {
         let (principal, name) = (naming.principal.clone(), naming.name.clone());
         let headers = env.egress_headers.0.clone();
         let attachment = self.egress.attach(&principal, &name, &image, rules, headers).await.map_err(Error::Egress)?;
-        let mut cfg = (*env.cfg).clone();
-        cfg.egress = Some(Arc::new(attachment));
+        let blueprint = self.blueprint(env, Some(Arc::new(attachment)));
         let owner = self.instance.owner.clone();
         // Never from the pool: a pooled container has no network to put the proxy on.
-        match Session::start(self.docker.clone(), Arc::new(cfg), image, owner, naming, Vec::new()).await {
+        match Session::start(self.docker.clone(), blueprint, image, owner, naming, Vec::new()).await {
             Ok(s) => Ok(s),
             Err(e) => {
                 self.egress.detach(&principal, &name).await;
@@ -766,9 +795,16 @@ impl Registry {
                 image = self.image(&env, &|_| {}) => image,
             };
             let made = match image {
-                Ok(image) => super::Prepared::make(&self.docker, &env.cfg, &image, &self.instance.owner, &label, "")
-                    .await
-                    .map_err(Error::from),
+                Ok(image) => super::Prepared::make(
+                    &self.docker,
+                    &self.blueprint(&env, None),
+                    &image,
+                    &self.instance.owner,
+                    &label,
+                    "",
+                )
+                .await
+                .map_err(Error::from),
                 Err(e) => Err(e),
             };
             if shutdown.is_cancelled() {

@@ -156,7 +156,7 @@ impl Session {
         let first = match state {
             Ok(pair) => {
                 let c = inner.container.clone();
-                let runtime = self.cfg.runtime.as_deref();
+                let runtime = self.blueprint.spec.sandboxing.runtime.as_deref();
                 let packed = store::pack(&self.packer(runtime, c.uid), &c.volume, &volume, bounds, true).await;
                 let copied = copying.elapsed();
                 self.drop_state(inner).await;
@@ -392,7 +392,7 @@ impl Session {
         let copying = Instant::now();
         if saved.summary.packed {
             let c = inner.container.clone();
-            let runtime = self.cfg.runtime.as_deref();
+            let runtime = self.blueprint.spec.sandboxing.runtime.as_deref();
             store::unpack(&self.packer(runtime, c.uid), &saved.store, &c.volume, &saved.summary).await?;
         } else {
             self.restore_stream(inner, saved).await?;
@@ -519,8 +519,15 @@ impl Session {
         let prepared = match taken {
             Some(p) => p,
             None => {
-                match Prepared::make(&self.docker, &self.cfg, &self.image, &self.owner, &self.name, &self.principal)
-                    .await
+                match Prepared::make(
+                    &self.docker,
+                    &self.blueprint,
+                    &self.image,
+                    &self.owner,
+                    &self.name,
+                    &self.principal,
+                )
+                .await
                 {
                     Ok(p) => p,
                     Err(e) => {

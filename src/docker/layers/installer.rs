@@ -280,7 +280,7 @@ async fn install_as(
         };
         // The store's writer is created while the installer runs: off the critical path.
         let writer = super::store::Writer::create(docker, spec.store, spec.base, spec.owner, spec.key);
-        let (finished, writer) = tokio::join!(run_job(docker, cfg, job), writer);
+        let (finished, writer) = tokio::join!(run_job(docker, spec.sandbox, job), writer);
         super::lap("install: run_job", &mut t);
         let (finished, writer) = match (finished, writer) {
             (Ok(f), Ok(w)) => (f, w),
@@ -442,11 +442,12 @@ print(json.dumps(out))
 /// would skip its requirement for; `None`, one it could not evaluate (pip then decides).
 pub async fn evaluate_markers(
     docker: &Docker,
-    cfg: &SandboxConfig,
+    blueprint: &crate::sandbox::Blueprint,
     owner: &Owner,
     image: &str,
     markers: &[String],
 ) -> Result<Vec<Option<bool>>, Error> {
+    let cfg = &*blueprint.cfg;
     let uid = identity::pick(docker, cfg.uid_range).await?;
     let name = format!("pyberth-{}-markers-{}", owner.instance, next_serial());
     let cmd = ["python3", "-I", "-c", MARKERS_PY].iter().map(|s| (*s).to_owned()).chain(markers.iter().cloned());
@@ -466,7 +467,7 @@ pub async fn evaluate_markers(
         wheels_only: false,
     };
     let result = async {
-        let finished = run_job(docker, cfg, job).await?;
+        let finished = run_job(docker, &blueprint.spec, job).await?;
         container::remove_container(docker, &finished.id).await;
         let line = String::from_utf8_lossy(&finished.stdout);
         let verdicts: Option<Vec<Option<bool>>> = serde_json::from_str(line.trim()).ok();
@@ -531,8 +532,8 @@ struct Finished {
 }
 
 /// Creates, starts and waits for `job`'s container. On any failure the container is removed.
-async fn run_job(docker: &Docker, cfg: &SandboxConfig, job: Job<'_>) -> Result<Finished, Error> {
-    let mut hc = container::host_config(cfg, job.name);
+async fn run_job(docker: &Docker, sandbox: &container::Spec, job: Job<'_>) -> Result<Finished, Error> {
+    let mut hc = container::host_config(sandbox, job.name);
     hc.mounts = if job.mounts.is_empty() { None } else { Some(job.mounts.clone()) };
     if job.network.is_some() && job.wheels_only {
         // Wheels only: no package code runs, only uv or pip, which decompress and compile

@@ -150,6 +150,8 @@ struct LayerSpec<'a> {
     owner: &'a Owner,
     /// Gives the installer its network: only the index hosts, through the egress proxy.
     egress: &'a crate::egress::Manager,
+    /// The hardening of the environment's sandboxes, which the installer's container keeps.
+    sandbox: &'a super::container::Spec,
 }
 
 /// A layer ready for use. Serializable, for records of a session's layers (a session adopted
@@ -261,7 +263,7 @@ pub fn forget(site: &str) {
 #[allow(clippy::too_many_arguments)] // what a set is, where it goes, and the installer network
 pub async fn ensure(
     docker: &Docker,
-    cfg: &SandboxConfig,
+    blueprint: &crate::sandbox::Blueprint,
     owner: &Owner,
     base: &str,
     requirements: &[String],
@@ -269,6 +271,7 @@ pub async fn ensure(
     egress: &crate::egress::Manager,
     progress: Progress<'_>,
 ) -> Result<Layer, Error> {
+    let cfg = &*blueprint.cfg;
     let mut t = Instant::now();
     let store = Store::get(docker).await?;
     let base_id = docker.inspect_image(base).await?.id.unwrap_or_else(|| base.to_owned());
@@ -291,7 +294,7 @@ pub async fn ensure(
     }
     progress(&format!("installing {} into a new layer", requirements.join(" ")));
     let started = Instant::now();
-    let spec = LayerSpec { base, requirements, key: &key, store: &store, owner, egress };
+    let spec = LayerSpec { base, requirements, key: &key, store: &store, owner, egress, sandbox: &blueprint.spec };
     // `build_layer` records it as known, with its size.
     installer::install(docker, cfg, owner, &spec, index, progress).await?;
     progress(&format!("layer {key} ready in {:.1} s", started.elapsed().as_secs_f64()));

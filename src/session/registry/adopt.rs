@@ -131,7 +131,7 @@ impl Session {
         let record = Record {
             about: self.about(created),
             pid: self.agent_pid.load(Ordering::Relaxed),
-            egress: self.cfg.egress.as_ref().map(|a| Egress {
+            egress: self.blueprint.egress.as_ref().map(|a| Egress {
                 network: a.network.clone(),
                 proxy_ip: a.proxy_ip,
                 allow: a.allow(),
@@ -189,7 +189,7 @@ impl Session {
     /// A session from its record: running (reattached on its first call) or hibernated.
     pub(super) fn revive(
         docker: bollard::Docker,
-        cfg: Arc<crate::config::SandboxConfig>,
+        blueprint: Arc<crate::sandbox::Blueprint>,
         owner: container::Owner,
         about: About,
         how: Revived,
@@ -213,7 +213,8 @@ impl Session {
             me: me.clone(),
             lease_changed: Arc::new(tokio::sync::Notify::new()),
             docker,
-            cfg,
+            cfg: blueprint.cfg.clone(),
+            blueprint,
             image: about.image,
             owner,
             inner: tokio::sync::Mutex::new(inner),
@@ -298,20 +299,18 @@ impl Registry {
             // It stays its instance's: a container it is given later carries the same labels,
             // kept alive by the lock and heartbeat this server now holds for that instance.
             let owner = container::Owner { instance: record.about.instance.clone(), host: host.clone() };
-            let mut cfg = env.cfg.clone();
-            if let Some(e) = &record.egress {
-                let att = self.egress.adopted_attachment(e.network.clone(), e.proxy_ip, e.allow.clone());
-                let mut c = (*cfg).clone();
-                c.egress = Some(Arc::new(att));
-                cfg = Arc::new(c);
-            }
+            let egress = record
+                .egress
+                .as_ref()
+                .map(|e| Arc::new(self.egress.adopted_attachment(e.network.clone(), e.proxy_ip, e.allow.clone())));
+            let blueprint = self.blueprint(&env, egress);
             let late_one = late.contains(&record.about.instance);
             let how = Revived { pid: Some(record.pid), sleeping: None, pending: Vec::new(), idle: Default::default() };
-            let session = Session::revive(self.docker.clone(), cfg, owner, record.about, how);
+            let session = Session::revive(self.docker.clone(), blueprint, owner, record.about, how);
             if late_one {
                 asleep_now.push(session.clone());
             }
-            if session.cfg.egress.is_some() {
+            if session.blueprint.egress.is_some() {
                 with_egress.push((session.clone(), env.clone()));
             }
             let slot: Slot = Arc::default();
@@ -334,7 +333,7 @@ impl Registry {
         }
         // With their old proxies gone (just above), this server's proxy takes their networks.
         for (session, env) in with_egress {
-            let Some(att) = session.cfg.egress.clone() else { continue };
+            let Some(att) = session.blueprint.egress.clone() else { continue };
             let id = session.container.lock().map(|c| c.id.clone()).unwrap_or_default();
             let headers = env.egress_headers.0.clone();
             let (principal, name) = (&session.principal, &session.name);

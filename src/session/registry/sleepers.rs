@@ -207,7 +207,7 @@ impl Session {
             about: self.about(created),
             last_used_ms: unix_ms(SystemTime::now().checked_sub(idle).unwrap_or(UNIX_EPOCH)),
             saved: SavedRecord::from(saved),
-            egress: self.cfg.egress.as_ref().map(|a| a.allow()),
+            egress: self.blueprint.egress.as_ref().map(|a| a.allow()),
         };
         write(state_dir, SLEEPERS, &saved.store.volume, &record);
     }
@@ -294,7 +294,7 @@ impl Registry {
             let name = record.about.name.clone();
             // Its network went with the server that made it: it wakes on a new one of this
             // server's, with the list it had (never wider than its environment's now).
-            let mut cfg = env.cfg.clone();
+            let mut egress = None;
             let mut pending = Vec::new();
             if let Some(allow) = record.egress.clone() {
                 let attached = match crate::egress::policy::narrow(&env.egress, &allow) {
@@ -305,11 +305,7 @@ impl Registry {
                     Err(e) => Err(e),
                 };
                 match attached {
-                    Ok(att) => {
-                        let mut c = (*cfg).clone();
-                        c.egress = Some(Arc::new(att));
-                        cfg = Arc::new(c);
-                    }
+                    Ok(att) => egress = Some(Arc::new(att)),
                     Err(e) => {
                         tracing::warn!(session = %name, error = %e, "a hibernated session's egress could not be restored");
                         pending.push(format!(
@@ -321,7 +317,7 @@ impl Registry {
             }
             let idle = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(record.last_used_ms));
             let how = Revived { pid: None, sleeping: Some(Saved::from(record.saved)), pending, idle };
-            let session = Session::revive(self.docker.clone(), cfg, owner, record.about, how);
+            let session = Session::revive(self.docker.clone(), self.blueprint(&env, egress), owner, record.about, how);
             let slot: super::Slot = Arc::default();
             let _ = slot.set(session);
             self.slots().insert(key, slot);

@@ -1,0 +1,80 @@
+//! What a session's containers are made from: the settings of its environment, what the
+//! engine found at start, its mounts and its egress, put together once by the owner that makes
+//! the session and handed down as plain data. The engine reads the [`container::Spec`];
+//! nothing is written back into the settings.
+
+use std::sync::Arc;
+
+use bollard::Docker;
+
+use crate::config::SandboxConfig;
+use crate::docker::container::{self, Created, Owner, Sandboxing};
+use crate::docker::{self, layers};
+use crate::egress::Attachment;
+use crate::environment::MountSpec;
+
+/// The make of a session's containers, for its life (a container replaced, a wake, a restore
+/// are made from the same blueprint).
+#[derive(Debug)]
+pub struct Blueprint {
+    /// The settings of the session's environment.
+    pub cfg: Arc<SandboxConfig>,
+    /// What the engine is told.
+    pub spec: container::Spec,
+    /// The session's egress attachment, when it has a network.
+    pub egress: Option<Arc<Attachment>>,
+    /// Its environment's read-only host folders, as the operator named them.
+    pub mounts: Vec<MountSpec>,
+}
+
+impl Blueprint {
+    /// The blueprint of sessions of an environment's settings, with their mounts and egress.
+    pub fn new(
+        cfg: Arc<SandboxConfig>,
+        sandboxing: &Sandboxing,
+        mounts: &[MountSpec],
+        egress: Option<Arc<Attachment>>,
+    ) -> Self {
+        let spec = container::Spec {
+            memory_mb: cfg.memory_mb,
+            cpus: cfg.cpus,
+            pids: cfg.pids,
+            tmp_mb: cfg.tmp_mb,
+            workspace_mb: cfg.workspace_bound_mb(),
+            uid_range: cfg.uid_range,
+            sandboxing: sandboxing.clone(),
+            mounts: mounts.iter().map(|m| container::read_only_bind(&m.host, &m.path)).collect(),
+            network: egress.as_ref().map(|a| a.join()),
+        };
+        Self { cfg, spec, egress, mounts: mounts.to_vec() }
+    }
+
+    /// Makes and starts a container: the layer store opened first (a mount of a missing volume
+    /// would make an unlabelled one, with no secret), then the engine's create, then egress
+    /// finishes (the CA bundle in place before any code runs).
+    pub async fn create(
+        &self,
+        docker: &Docker,
+        image: &str,
+        owner: &Owner,
+        label: &str,
+        principal: &str,
+    ) -> Result<Created, docker::Error> {
+        let store = layers::Store::open(docker).await.map_err(|e| match e {
+            layers::Error::Docker(e) => e,
+            // A plain message (`NoBaseImage` prints its text as is).
+            other => docker::Error::NoBaseImage(format!("cannot open the layer store: {other}")),
+        })?;
+        let mut spec = self.spec.clone();
+        // Every set, read-only; a session reaches the sets it asked for by name (docs/design.md D6).
+        spec.mounts.insert(0, store.session_mount());
+        let made = container::create(docker, &spec, image, owner, label, principal).await?;
+        if let Some(egress) = &self.egress
+            && let Err(e) = egress.after_start(docker, &made.id).await
+        {
+            container::destroy(docker, &made).await;
+            return Err(e.into());
+        }
+        Ok(made)
+    }
+}
