@@ -49,7 +49,12 @@ impl Host {
     /// Checks the engine: settles the runtime (`auto` included) and the seccomp profile of
     /// sandboxes, says what is known to be wrong with it, and refuses under `--strict-engine`.
     pub async fn check(&self, cfg: &mut SandboxConfig, voice: Voice) -> Result<EngineFacts, Error> {
-        let engine = docker::engine::check(&self.docker, cfg, voice == Voice::Loud).await.map_err(Error::Engine)?;
+        let engine = docker::engine::check(&self.docker, &cfg.engine_ask(), voice == Voice::Loud)
+            .await
+            .map_err(Error::Engine)?;
+        // The operator's `auto` settled, as validation settles a setting; what the engine
+        // itself is found to be stays in the facts, never in the settings.
+        cfg.runtime.clone_from(&engine.sandboxing.runtime);
         docker::identity::warn_overlaps(cfg.uid_range);
         Ok(engine)
     }

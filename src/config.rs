@@ -10,22 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// The default base of the sandbox image.
-pub const DEFAULT_BASE: &str = "python:3.12-slim";
-/// The default Debian release bootstrapped offline.
-pub const DEFAULT_RELEASE: &str = "bookworm";
-
-/// Which seccomp profile sandboxes get.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SeccompMode {
-    /// Ours where the engine's default leaves io_uring open (Docker < 25), Docker's otherwise.
-    Auto,
-    /// Always ours.
-    Pyberth,
-    /// Always Docker's default.
-    Docker,
-}
+pub use crate::docker::engine::SeccompMode;
+pub use crate::docker::image::{DEFAULT_BASE, DEFAULT_RELEASE};
 
 /// The size of a session's workspace (`--workspace-mb`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -258,7 +244,7 @@ pub struct SandboxConfig {
     /// Environments defined by the operator (config file only: `[environments.NAME]`).
     #[arg(skip)]
     #[serde(default)]
-    pub environments: std::collections::BTreeMap<String, crate::environment::EnvironmentSpec>,
+    pub environments: std::collections::BTreeMap<String, crate::environment::spec::EnvironmentSpec>,
 
     /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
     #[arg(long, env = "PYBERTH_STATE_DIR")]
@@ -497,6 +483,36 @@ impl SandboxConfig {
         let dir = self.state_dir();
         secure_dir(&dir, rustix::process::geteuid().as_raw())?;
         Ok(dir)
+    }
+}
+
+impl crate::docker::image::Recipe for SandboxConfig {
+    fn pinned(&self) -> Option<&str> {
+        self.image.as_deref()
+    }
+    fn base_image(&self) -> &str {
+        &self.base_image
+    }
+    fn fallback_release(&self) -> &str {
+        &self.fallback_release
+    }
+    fn debian_mirror(&self) -> &str {
+        &self.debian_mirror
+    }
+    fn lock_dir(&self) -> PathBuf {
+        self.state_dir()
+    }
+}
+
+impl SandboxConfig {
+    /// What the engine check is asked: the runtime, the seccomp choice, strictness.
+    pub fn engine_ask(&self) -> crate::docker::engine::Ask {
+        crate::docker::engine::Ask {
+            runtime: self.runtime.clone(),
+            seccomp: self.seccomp,
+            strict: self.strict_engine,
+            state_dir: self.state_dir(),
+        }
     }
 }
 

@@ -24,7 +24,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions, TryLockError};
-use std::io::Read;
+
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -64,7 +64,7 @@ impl Instance {
         std::fs::create_dir_all(dir)?;
         let instance = match name {
             Some(n) => n.to_owned(),
-            None => random_id()?,
+            None => crate::state_dir::random_id()?,
         };
         let lock_path = dir.join(format!("{instance}.lock"));
         let lock = crate::state_dir::open_lock(&lock_path)?;
@@ -463,7 +463,7 @@ async fn keep_beating(
     let mut pause = Duration::from_secs(1);
     loop {
         let started = match image::exists(&docker, &tag).await {
-            Ok(true) => match random_id() {
+            Ok(true) => match crate::state_dir::random_id() {
                 Ok(suffix) => heartbeat::start(&docker, &tag, &owner, &suffix).await.map(Some),
                 Err(e) => Err(engine::Error::Io { context: "no random heartbeat name".into(), source: e }),
             },
@@ -515,13 +515,6 @@ async fn keep_beating(
             _ = tokio::time::sleep(pause) => {}
         }
     }
-}
-
-/// Twelve random hex digits.
-pub(crate) fn random_id() -> std::io::Result<String> {
-    let mut bytes = [0u8; 6];
-    File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Hostname plus boot id: a new boot is a new host, whose old instances are all dead.

@@ -6,7 +6,7 @@
 //! 2. `server/run.rs` checks the arguments ([`checks`]) and opens the session through
 //!    [`session::registry::Registry::open`], which finds it or creates it (a warm-pool
 //!    container or a new one, made by [`docker::container`] from the image [`docker::image`]
-//!    builds, or from a dependency layer of [`docker::layers`]) and installs missing packages.
+//!    builds, or from a dependency layer of [`packages`]) and installs missing packages.
 //! 3. [`session::Session`] writes a [`protocol::Request`] line into the agent's attached exec
 //!    ([`docker::exec`]) and reads [`protocol::Event`] lines back, reassembled from Docker frames
 //!    by [`protocol::LineDecoder`]; output is kept per stream, capped, by [`output::Capture`].
@@ -39,6 +39,9 @@ pub mod http;
 pub mod instance;
 /// Capped capture of a run's output streams, exact bytes kept.
 pub(crate) mod output;
+/// Dependency layers as a service: the set's key, the installer (uv or pip, sdist opt-ins),
+/// the layer store and its use records (docs/design.md D6, D14).
+pub mod packages;
 /// The server↔agent wire format: newline-delimited JSON, reassembled from Docker frames.
 pub(crate) mod protocol;
 /// `pyberth run`: a script or command in a fresh sandbox for CI, exit code passed through.
@@ -51,6 +54,8 @@ pub(crate) mod server;
 pub(crate) mod session;
 /// Files in the state dir: never through a symlink, replaced through exclusive temp files.
 pub(crate) mod state_dir;
+/// The hostile-tar rules shared by uploads, layers and snapshots: pure, no I/O.
+pub(crate) mod tarcheck;
 
 pub use server::SandboxServer;
 pub use session::registry::{Error as RegistryError, Registry};

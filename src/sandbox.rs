@@ -8,10 +8,10 @@ use std::sync::Arc;
 use bollard::Docker;
 
 use crate::config::SandboxConfig;
+use crate::docker;
 use crate::docker::container::{self, Created, Owner, Sandboxing};
-use crate::docker::{self, layers};
 use crate::egress::Attachment;
-use crate::environment::MountSpec;
+use crate::environment::spec::MountSpec;
 
 /// The make of a session's containers, for its life (a container replaced, a wake, a restore
 /// are made from the same blueprint).
@@ -49,25 +49,19 @@ impl Blueprint {
         Self { cfg, spec, egress, mounts: mounts.to_vec() }
     }
 
-    /// Makes and starts a container: the layer store opened first (a mount of a missing volume
-    /// would make an unlabelled one, with no secret), then the engine's create, then egress
-    /// finishes (the CA bundle in place before any code runs).
+    /// Makes and starts a container with `store` (the layer store's read-only mount) as well:
+    /// the engine's create, then egress finishes (the CA bundle in place before any code runs).
     pub async fn create(
         &self,
         docker: &Docker,
+        store: bollard::models::Mount,
         image: &str,
         owner: &Owner,
         label: &str,
         principal: &str,
     ) -> Result<Created, docker::Error> {
-        let store = layers::Store::open(docker).await.map_err(|e| match e {
-            layers::Error::Docker(e) => e,
-            // A plain message (`NoBaseImage` prints its text as is).
-            other => docker::Error::NoBaseImage(format!("cannot open the layer store: {other}")),
-        })?;
         let mut spec = self.spec.clone();
-        // Every set, read-only; a session reaches the sets it asked for by name (docs/design.md D6).
-        spec.mounts.insert(0, store.session_mount());
+        spec.mounts.insert(0, store);
         let made = container::create(docker, &spec, image, owner, label, principal).await?;
         if let Some(egress) = &self.egress
             && let Err(e) = egress.after_start(docker, &made.id).await

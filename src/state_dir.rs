@@ -36,7 +36,7 @@ pub(crate) fn read(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
 /// at `path` itself, never its target.
 pub(crate) fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
-    let tmp = path.with_file_name(format!(".{name}.{}.{}.tmp", std::process::id(), crate::instance::random_id()?));
+    let tmp = path.with_file_name(format!(".{name}.{}.{}.tmp", std::process::id(), random_id()?));
     let written = OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -49,6 +49,13 @@ pub(crate) fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     written
+}
+
+/// Twelve random hex digits.
+pub(crate) fn random_id() -> std::io::Result<String> {
+    let mut bytes = [0u8; 6];
+    File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use super::container::WORKSPACE;
 pub use super::copyback::{CopyBack, HeldBack};
-use super::layers::safe_relative;
+use crate::tarcheck::safe_relative;
 
 /// Directory names never copied back: interpreter and test-runner caches, not results.
 const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];

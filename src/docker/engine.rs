@@ -21,8 +21,6 @@ use bollard::Docker;
 use bollard::models::Runtime;
 use serde_json::{Value, json};
 
-use crate::config::{SandboxConfig, SeccompMode};
-
 /// Syscalls a sandbox may make (names of x86_64 and aarch64; a name unknown on the running
 /// architecture is skipped by libseccomp). Everything else answers EPERM.
 const ALLOWED: &[&str] = &[
@@ -521,10 +519,35 @@ fn first_time(state_dir: &std::path::Path, versions: &str) -> bool {
     std::fs::OpenOptions::new().write(true).create_new(true).open(marker).is_ok()
 }
 
+/// Which seccomp profile sandboxes get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SeccompMode {
+    /// Ours where the engine's default leaves io_uring open (Docker < 25), Docker's otherwise.
+    Auto,
+    /// Always ours.
+    Pyberth,
+    /// Always Docker's default.
+    Docker,
+}
+
+/// What the operator asks of the engine check.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    /// `--runtime`: a runtime name, `auto`, or `None` for the engine's default.
+    pub runtime: Option<String>,
+    /// `--seccomp`.
+    pub seccomp: SeccompMode,
+    /// `--strict-engine`: refuse engines with known escapes.
+    pub strict: bool,
+    /// Where the once-per-version marker of the warnings lives (the state dir).
+    pub state_dir: std::path::PathBuf,
+}
+
 /// Checks the engine, logs what is known to be wrong with it (as warnings when `announce`,
 /// else at debug level: `pyberth run` shares stderr with the program), refuses to go on under
-/// `--strict-engine`, and sets the seccomp profile sandboxes get.
-pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> Result<EngineFacts, String> {
+/// `--strict-engine`, and says what sandboxes are made with (runtime, seccomp profile).
+pub async fn check(docker: &Docker, ask: &Ask, announce: bool) -> Result<EngineFacts, String> {
     // Both at once: start-up waits for one round trip, not two.
     let (version, info) = tokio::join!(docker.version(), docker.info());
     let version = version.map_err(|e| format!("cannot read the engine's version: {e}"))?;
@@ -538,7 +561,7 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
     let info = info.map_err(|e| format!("cannot read the engine's runtimes: {e}"))?;
     let runtimes = info.runtimes.unwrap_or_default();
     let default = info.default_runtime.unwrap_or_else(|| "runc".to_owned());
-    let (chosen, line) = choose(cfg.runtime.as_deref(), &runtimes, &default)?;
+    let (chosen, line) = choose(ask.runtime.as_deref(), &runtimes, &default)?;
     let gvisor = find_gvisor(&runtimes);
     let under = gvisor_named(&runtimes, chosen.as_deref().unwrap_or(&default));
     let under_gvisor = under.is_some();
@@ -547,9 +570,6 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
     } else {
         tracing::debug!(target: "pyberth::engine", "{line}");
     }
-    // The operator's `auto` settled, as validation settles other settings: what the server
-    // found about the engine itself goes into the facts below, never into the settings.
-    cfg.runtime = chosen;
     let warnings = assess(&engine, runc.as_deref(), under_gvisor);
     for w in &warnings {
         tracing::debug!(target: "pyberth::engine", "{w}");
@@ -557,7 +577,7 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
     // Once per engine and runc version, in one line: the same four warnings at every start
     // teach nothing and bury what follows.
     let versions = format!("Docker {engine}, runc {}", runc.as_deref().unwrap_or("?"));
-    if announce && !warnings.is_empty() && first_time(&cfg.state_dir(), &versions) {
+    if announce && !warnings.is_empty() && first_time(&ask.state_dir, &versions) {
         tracing::warn!(
             target: "pyberth::engine",
             "{versions}: {} known security issue(s) (RUST_LOG=pyberth::engine=debug lists them; \
@@ -574,23 +594,23 @@ pub async fn check(docker: &Docker, cfg: &mut SandboxConfig, announce: bool) -> 
             tracing::debug!(target: "pyberth::engine", "{w}");
         }
     }
-    if cfg.strict_engine && !warnings.is_empty() {
+    if ask.strict && !warnings.is_empty() {
         return Err(format!(
             "refusing to start under --strict-engine: {} (upgrade the engine, or drop --strict-engine)",
             warnings.join("; ")
         ));
     }
-    let ours = match cfg.seccomp {
+    let ours = match ask.seccomp {
         SeccompMode::Auto => older(&engine, &[25]),
         SeccompMode::Pyberth => true,
         SeccompMode::Docker => false,
     };
     let sandboxing = super::container::Sandboxing {
-        runtime: cfg.runtime.clone(),
+        runtime: chosen.clone(),
         gvisor: under_gvisor,
         seccomp_profile: ours.then(|| profile().into()),
     };
-    let runtime = cfg.runtime.clone().unwrap_or_else(|| default.clone());
+    let runtime = chosen.unwrap_or_else(|| default.clone());
     Ok(EngineFacts { engine, runc, runtime, default_runtime: default, gvisor, warnings, sandboxing })
 }
 

@@ -11,7 +11,6 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncBufReadExt;
 
 use super::{Error, LABEL_IMAGE};
-use crate::config::{DEFAULT_BASE, DEFAULT_RELEASE, SandboxConfig};
 
 /// The agent, as baked into the image.
 pub const AGENT_PY: &str = include_str!("../../images/python/agent.py");
@@ -30,6 +29,43 @@ const CONTEXT: [(&str, &str); 4] =
 pub const SANDBOX_REPO: &str = "pyberth-sandbox";
 /// Repository of offline bases made by debootstrap.
 pub const BASE_REPO: &str = "pyberth-base";
+
+/// The default base of the sandbox image.
+pub const DEFAULT_BASE: &str = "python:3.12-slim";
+/// The default Debian release bootstrapped offline.
+pub const DEFAULT_RELEASE: &str = "bookworm";
+
+/// What an image is made from, as the operator set it: the settings answer these.
+pub trait Recipe {
+    /// `--image`: a pinned image used as is.
+    fn pinned(&self) -> Option<&str>;
+    /// The base image to build on.
+    fn base_image(&self) -> &str;
+    /// The Debian release bootstrapped offline when no registry answers.
+    fn fallback_release(&self) -> &str;
+    /// The Debian mirror of that bootstrap.
+    fn debian_mirror(&self) -> &str;
+    /// Where the machine-wide build lock lives (the state dir).
+    fn lock_dir(&self) -> std::path::PathBuf;
+}
+
+impl<T: Recipe + ?Sized> Recipe for std::sync::Arc<T> {
+    fn pinned(&self) -> Option<&str> {
+        (**self).pinned()
+    }
+    fn base_image(&self) -> &str {
+        (**self).base_image()
+    }
+    fn fallback_release(&self) -> &str {
+        (**self).fallback_release()
+    }
+    fn debian_mirror(&self) -> &str {
+        (**self).debian_mirror()
+    }
+    fn lock_dir(&self) -> std::path::PathBuf {
+        (**self).lock_dir()
+    }
+}
 
 /// Receives human-readable progress lines.
 pub type Progress<'a> = &'a (dyn Fn(&str) + Send + Sync);
@@ -50,14 +86,14 @@ pub fn sandbox_tag() -> String {
 
 /// The sandbox image tag for a config: the content tag, plus a key of the base when it is not
 /// the default one (each environment's image is its own).
-pub fn tag_for(cfg: &SandboxConfig) -> String {
-    if cfg.base_image == DEFAULT_BASE && cfg.fallback_release == DEFAULT_RELEASE {
+pub fn tag_for(cfg: &(impl Recipe + ?Sized)) -> String {
+    if cfg.base_image() == DEFAULT_BASE && cfg.fallback_release() == DEFAULT_RELEASE {
         return sandbox_tag();
     }
     let mut h = Sha256::new();
-    h.update(cfg.base_image.as_bytes());
+    h.update(cfg.base_image().as_bytes());
     h.update([0]);
-    h.update(cfg.fallback_release.as_bytes());
+    h.update(cfg.fallback_release().as_bytes());
     let key: String = h.finalize().iter().take(4).map(|b| format!("{b:02x}")).collect();
     format!("{}-{key}", sandbox_tag())
 }
@@ -72,12 +108,12 @@ pub async fn exists(docker: &Docker, name: &str) -> Result<bool, Error> {
 }
 
 /// The image sessions run: `--image` as given, or the sandbox image, built when absent.
-pub async fn ensure(docker: &Docker, cfg: &SandboxConfig, progress: Progress<'_>) -> Result<String, Error> {
-    if let Some(image) = &cfg.image {
+pub async fn ensure(docker: &Docker, cfg: &(impl Recipe + ?Sized), progress: Progress<'_>) -> Result<String, Error> {
+    if let Some(image) = cfg.pinned() {
         if exists(docker, image).await? {
-            return Ok(image.clone());
+            return Ok(image.to_owned());
         }
-        return Err(Error::MissingImage(image.clone()));
+        return Err(Error::MissingImage(image.to_owned()));
     }
     let tag = tag_for(cfg);
     if exists(docker, &tag).await? {
@@ -85,7 +121,7 @@ pub async fn ensure(docker: &Docker, cfg: &SandboxConfig, progress: Progress<'_>
     }
     // Several servers (or parallel tests) may start on a fresh machine at once: one builds,
     // the others wait for it and then find the image.
-    let _lock = build_lock(&cfg.state_dir()).await?;
+    let _lock = build_lock(&cfg.lock_dir()).await?;
     if !exists(docker, &tag).await? {
         build(docker, cfg, &tag, progress).await?;
     }
@@ -105,7 +141,12 @@ async fn build_lock(dir: &std::path::Path) -> Result<std::fs::File, Error> {
 }
 
 /// Builds the sandbox image under `tag`, finding or making a base first.
-pub async fn build(docker: &Docker, cfg: &SandboxConfig, tag: &str, progress: Progress<'_>) -> Result<(), Error> {
+pub async fn build(
+    docker: &Docker,
+    cfg: &(impl Recipe + ?Sized),
+    tag: &str,
+    progress: Progress<'_>,
+) -> Result<(), Error> {
     let base = resolve_base(docker, cfg, progress).await?;
     progress(&format!("building {tag} on {base}"));
     let context =
@@ -157,17 +198,17 @@ fn context_tar() -> std::io::Result<Vec<u8>> {
 
 /// The base to build on: the configured image if present or pullable, else the offline
 /// Debian base, bootstrapped if needed.
-async fn resolve_base(docker: &Docker, cfg: &SandboxConfig, progress: Progress<'_>) -> Result<String, Error> {
-    let base = &cfg.base_image;
+async fn resolve_base(docker: &Docker, cfg: &(impl Recipe + ?Sized), progress: Progress<'_>) -> Result<String, Error> {
+    let base = cfg.base_image();
     if exists(docker, base).await? {
-        return Ok(base.clone());
+        return Ok(base.to_owned());
     }
     progress(&format!("pulling {base}"));
     let pull_error = match pull(docker, base).await {
-        Ok(()) => return Ok(base.clone()),
+        Ok(()) => return Ok(base.to_owned()),
         Err(e) => e,
     };
-    let fallback = format!("{BASE_REPO}:{}", cfg.fallback_release);
+    let fallback = format!("{BASE_REPO}:{}", cfg.fallback_release());
     progress(&format!("cannot pull {base} ({pull_error}); using the offline base {fallback}"));
     if exists(docker, &fallback).await? {
         return Ok(fallback);
@@ -195,14 +236,19 @@ async fn pull(docker: &Docker, image: &str) -> Result<(), Error> {
 }
 
 /// Runs images/debootstrap-base.sh and imports its root filesystem as `tag`.
-async fn bootstrap(docker: &Docker, cfg: &SandboxConfig, tag: &str, progress: Progress<'_>) -> Result<(), Error> {
+async fn bootstrap(
+    docker: &Docker,
+    cfg: &(impl Recipe + ?Sized),
+    tag: &str,
+    progress: Progress<'_>,
+) -> Result<(), Error> {
     let io = |context: &str| {
         let context = context.to_owned();
         move |source| Error::Io { context, source }
     };
     // A new private directory of a random name in a shared temp dir: never one planted there
     // in advance (with a symlink in it to lead the rootfs write elsewhere), never removed if so.
-    let suffix = crate::instance::random_id().map_err(io("no random name for a temporary directory"))?;
+    let suffix = crate::state_dir::random_id().map_err(io("no random name for a temporary directory"))?;
     let dir = std::env::temp_dir().join(format!("pyberth-bootstrap-{}-{suffix}", std::process::id()));
     {
         use std::os::unix::fs::DirBuilderExt as _;
@@ -218,13 +264,17 @@ async fn bootstrap(docker: &Docker, cfg: &SandboxConfig, tag: &str, progress: Pr
             .custom_flags(crate::state_dir::no_follow())
             .open(&rootfs)
             .map_err(io("cannot create the rootfs file"))?;
-        progress(&format!("bootstrapping Debian {} from {} (a few minutes)", cfg.fallback_release, cfg.debian_mirror));
+        progress(&format!(
+            "bootstrapping Debian {} from {} (a few minutes)",
+            cfg.fallback_release(),
+            cfg.debian_mirror()
+        ));
         let mut child = tokio::process::Command::new("sh")
             .arg("-c")
             .arg(BOOTSTRAP_SH)
             .arg("debootstrap-base")
-            .arg(&cfg.fallback_release)
-            .arg(&cfg.debian_mirror)
+            .arg(cfg.fallback_release())
+            .arg(cfg.debian_mirror())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(Stdio::piped())

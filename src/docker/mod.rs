@@ -10,7 +10,6 @@ pub mod exec;
 pub mod heartbeat;
 pub mod identity;
 pub mod image;
-pub mod layers;
 pub mod snapshot;
 
 use bollard::Docker;

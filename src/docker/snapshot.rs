@@ -32,8 +32,8 @@ use tokio::sync::mpsc;
 
 pub use super::chunks::{chunk_reader, chunk_writer};
 use super::container::{self, Owner};
-use super::layers::safe_relative;
 use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER};
+use crate::tarcheck::safe_relative;
 
 /// Label naming the snapshot a volume holds.
 pub const LABEL_SNAPSHOT: &str = "pyberth.snapshot";

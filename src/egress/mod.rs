@@ -263,45 +263,14 @@ impl InstallerNet {
     }
 }
 
-/// The hosts an installer needs: those of the index URLs (PyPI's two when none is set).
-pub fn index_hosts(index: &crate::docker::layers::IndexSettings) -> Vec<String> {
-    let urls: Vec<&String> = index.index_url.iter().chain(&index.extra_index_url).collect();
-    if index.index_url.is_none() {
-        let mut hosts = vec!["pypi.org".to_owned(), "files.pythonhosted.org".to_owned()];
-        hosts.extend(urls.iter().filter_map(|u| url_host(u)));
-        return hosts;
-    }
-    urls.iter().filter_map(|u| url_host(u)).collect()
+/// What an installer's index is: the hosts its network must reach (the packages owner
+/// says; egress only enforces).
+pub trait IndexHosts {
+    /// `host` or `host:port` allow-list entries.
+    fn index_hosts(&self) -> Vec<String>;
 }
 
-/// `host` or `host:port` of an http(s) URL, as an allow-list entry.
-fn url_host(url: &str) -> Option<String> {
-    let (scheme, rest) = url.split_once("://")?;
-    let authority = rest.split(['/', '?', '#']).next()?;
-    let authority = authority.rsplit('@').next()?;
-    let (host, port) = policy::split_host_port(authority).ok()?;
-    let default = if scheme.eq_ignore_ascii_case("https") { 443 } else { 80 };
-    let rule = match port {
-        Some(p) if p != default => format!("{host}:{p}"),
-        _ => host,
-    };
-    Rule::parse(&rule).ok().map(|r| r.text().to_owned())
-}
-
-/// Headers the proxy adds to plain HTTP requests, by host: (name, value), values secret.
-pub type Headers = HashMap<String, Vec<(String, String)>>;
-
-/// [`Headers`] whose `Debug` shows hosts and header names, never values.
-#[derive(Clone, Default)]
-pub struct SecretHeaders(pub Headers);
-
-impl std::fmt::Debug for SecretHeaders {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names: HashMap<&String, Vec<&String>> =
-            self.0.iter().map(|(h, v)| (h, v.iter().map(|(n, _)| n).collect())).collect();
-        write!(f, "SecretHeaders({names:?})")
-    }
-}
+pub use policy::{Headers, SecretHeaders};
 
 /// One session's egress.
 struct SessionNet {
@@ -361,18 +330,6 @@ fn next_serial() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SERIAL: AtomicU64 = AtomicU64::new(0);
     SERIAL.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Whether sandboxes of `cfg` can have a network at all: gVisor is registered here with
-/// `--network=none`, so its sandboxes never get an interface.
-pub fn runtime_refusal(cfg: &SandboxConfig) -> Option<String> {
-    cfg.runtime.as_deref().filter(|r| r.contains("runsc")).map(|r| {
-        format!(
-            "this environment allows egress, but sandboxes run under {r} (gVisor), which this engine registers with \
-             --network=none: a session there can have no network. Ask the operator to run such sessions under runc, \
-             or use a session without egress"
-        )
-    })
 }
 
 impl Manager {
@@ -1040,9 +997,9 @@ impl Manager {
         &self,
         label: &str,
         image: &str,
-        index: &crate::docker::layers::IndexSettings,
+        index: &impl IndexHosts,
     ) -> Result<InstallerNet, String> {
-        let allow = index_hosts(index);
+        let allow = index.index_hosts();
         if let Some(net) = self.reuse_installer(&allow).await {
             return Ok(net);
         }
@@ -1194,22 +1151,4 @@ pub async fn sweep_networks(docker: &Docker, pick: &(dyn Fn(&HashMap<String, Str
         }
     }
     n
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::docker::layers::IndexSettings;
-
-    #[test]
-    fn installer_hosts_come_from_the_index_urls() {
-        let pypi = IndexSettings::default();
-        assert_eq!(index_hosts(&pypi), ["pypi.org", "files.pythonhosted.org"]);
-        let own = IndexSettings {
-            index_url: Some("https://user:pw@Index.Example.com:8443/simple/".into()),
-            extra_index_url: Some("http://mirror.example.org/simple".into()),
-            ca_bundle: None,
-        };
-        assert_eq!(index_hosts(&own), ["index.example.com:8443", "mirror.example.org"]);
-    }
 }

@@ -1,6 +1,7 @@
 //! Egress rules: what a session may reach, how a caller narrows them, and which addresses
 //! are never reached whatever the rules say.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// Ports a rule without one allows: plain HTTP and HTTPS.
@@ -236,6 +237,21 @@ fn refused_v6(ip: Ipv6Addr) -> Option<&'static str> {
         Some("IPv4-compatible (deprecated)")
     } else {
         None
+    }
+}
+
+/// Headers the proxy adds to plain HTTP requests, by host: (name, value), values secret.
+pub type Headers = HashMap<String, Vec<(String, String)>>;
+
+/// [`Headers`] whose `Debug` shows hosts and header names, never values.
+#[derive(Clone, Default)]
+pub struct SecretHeaders(pub Headers);
+
+impl std::fmt::Debug for SecretHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: HashMap<&String, Vec<&String>> =
+            self.0.iter().map(|(h, v)| (h, v.iter().map(|(n, _)| n).collect())).collect();
+        write!(f, "SecretHeaders({names:?})")
     }
 }
 

@@ -22,7 +22,7 @@ use crate::config::SandboxConfig;
 
 use crate::app::{Runtime, Voice};
 use crate::docker::archive::{Cap, CopyBack, Moved};
-use crate::docker::layers::Error as InstallError;
+use crate::packages::Error as InstallError;
 use crate::protocol::Stream;
 use crate::session::registry::{Error as RegistryError, Registry};
 use crate::session::{RunOutcome, RunSpec, RunStatus};

@@ -36,8 +36,8 @@ use self::agent::{Agent, greet};
 use crate::checks::check_path;
 use crate::config::SandboxConfig;
 use crate::docker::container::{self, Created, Owner, short};
-use crate::docker::layers;
 use crate::docker::{self, exec};
+use crate::packages;
 use crate::protocol::{self, Event, FileEntry, Package, Request, Variable};
 use crate::sandbox::Blueprint;
 
@@ -235,7 +235,7 @@ pub struct Session {
     /// because close must not wait for a run that holds the mutex.
     closed: AtomicBool,
     /// The layers on its path, in the order asked for: attached again to every new agent.
-    layers: std::sync::Mutex<Vec<layers::Layer>>,
+    layers: std::sync::Mutex<Vec<packages::Layer>>,
     /// Requirements installed: those of its layers.
     packages: std::sync::Mutex<BTreeSet<String>>,
     /// Environment variables set for every run of the session.
@@ -266,6 +266,25 @@ pub struct Naming {
     pub environment: String,
 }
 
+/// Makes a session container from `blueprint`, with every dependency set read-only (a session
+/// reaches the sets it asked for by name, docs/design.md D6). The layer store is opened first:
+/// a mount of a missing volume would make an unlabelled one, with no secret.
+async fn make_container(
+    docker: &Docker,
+    blueprint: &Blueprint,
+    image: &str,
+    owner: &Owner,
+    label: &str,
+    principal: &str,
+) -> Result<Created, docker::Error> {
+    let store = packages::Store::open(docker).await.map_err(|e| match e {
+        packages::Error::Docker(e) => e,
+        // A plain message (`NoBaseImage` prints its text as is).
+        other => docker::Error::NoBaseImage(format!("cannot open the layer store: {other}")),
+    })?;
+    blueprint.create(docker, store.session_mount(), image, owner, label, principal).await
+}
+
 /// A started container whose agent has greeted, not yet anyone's session (the warm pool).
 pub struct Prepared {
     inner: Inner,
@@ -282,7 +301,7 @@ impl Prepared {
         label: &str,
         principal: &str,
     ) -> Result<Self, Error> {
-        let created = blueprint.create(docker, image, owner, label, principal).await?;
+        let created = make_container(docker, blueprint, image, owner, label, principal).await?;
         match greet(docker, &created, label).await {
             Ok((agent, python)) => Ok(Self { inner: Inner::new(created, agent), python }),
             Err(e) => {
@@ -480,7 +499,8 @@ impl Session {
         container::destroy(&self.docker, &inner.container).await;
         inner.lease = None;
         inner.container =
-            self.blueprint.create(&self.docker, &self.image, &self.owner, &self.name, &self.principal).await?;
+            make_container(&self.docker, &self.blueprint, &self.image, &self.owner, &self.name, &self.principal)
+                .await?;
         if let Ok(mut c) = self.container.lock() {
             *c = inner.container.clone();
         }
@@ -675,7 +695,7 @@ impl Session {
 
     /// Puts a layer of the store on the session's path (its interpreter's and its children's)
     /// and records its requirements; the interpreter state is kept.
-    pub async fn add_layer(&self, layer: &layers::Layer, requirements: &[String]) -> Result<(), Error> {
+    pub async fn add_layer(&self, layer: &packages::Layer, requirements: &[String]) -> Result<(), Error> {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.ensure_agent(&mut inner).await?;
@@ -695,7 +715,7 @@ impl Session {
     }
 
     /// The layers on the session's path, in the order asked for.
-    pub fn layers(&self) -> Vec<layers::Layer> {
+    pub fn layers(&self) -> Vec<packages::Layer> {
         self.layers.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
@@ -747,7 +767,7 @@ fn gone_layers(missing: &[String]) -> Option<Error> {
         return None;
     }
     for m in missing {
-        layers::forget(m);
+        packages::forget(m);
     }
     Some(Error::Install(
         "a package set was removed from the layer cache meanwhile (pruned); ask again to install it anew".into(),

@@ -17,10 +17,10 @@ use super::{Error as SessionError, Session, SessionInfo};
 use crate::config::SandboxConfig;
 use crate::docker::container::Sandboxing;
 use crate::docker::image::Progress;
-use crate::docker::layers::{self, IndexSettings, Layer};
 use crate::docker::{self, container, image};
 use crate::environment::{Environment, Environments};
 use crate::instance::{Instance, Keeper};
+use crate::packages::{self, IndexSettings, Layer};
 use crate::sandbox::Blueprint;
 
 mod adopt;
@@ -54,7 +54,7 @@ pub enum Error {
     Image(#[source] docker::Error),
     /// Installing packages failed.
     #[error(transparent)]
-    Install(#[from] layers::Error),
+    Install(#[from] packages::Error),
     /// The session failed to start.
     #[error(transparent)]
     Session(#[from] SessionError),
@@ -204,7 +204,7 @@ impl Registry {
             shared(&mut installs, requirements.to_vec(), Default::default)
         };
         let _guard = lock.lock().await;
-        let layer = layers::ensure(
+        let layer = packages::ensure(
             &self.docker,
             &self.blueprint(env, None),
             &self.instance.owner,
@@ -218,16 +218,16 @@ impl Registry {
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.
         let (dir, key) = (state_dir.clone(), layer.key.clone());
-        if let Err(e) = tokio::task::spawn_blocking(move || layers::touch(&dir, &key)).await {
+        if let Err(e) = tokio::task::spawn_blocking(move || packages::touch(&dir, &key)).await {
             tracing::debug!(error = %e, "cannot record layer use");
         }
-        if !layer.cached && layers::over(&self.docker, self.cfg.layer_cache_mb << 20).await {
+        if !layer.cached && packages::over(&self.docker, self.cfg.layer_cache_mb << 20).await {
             // Never the set just made, nor one a session of ours holds (the record of this
             // instance may lag a session being created).
             let mut protect = self.layers_in_use();
             protect.push(layer.key.clone());
             let (owner, keep) = (&self.instance.owner, self.cfg.layer_cache_mb << 20);
-            match layers::prune(&self.docker, &base, owner, &state_dir, keep, &protect).await {
+            match packages::prune(&self.docker, &base, owner, &state_dir, keep, &protect).await {
                 Ok(removed) if !removed.is_empty() => {
                     let removed: Vec<&str> = removed.iter().map(|l| l.key.as_str()).collect();
                     tracing::info!(?removed, "layer cache over its size; pruned");
@@ -251,7 +251,7 @@ impl Registry {
     /// Writes this instance's record of the layers its sessions hold, which every prune on
     /// this host reads (docs/design.md D6): a small file, written in place of the last.
     fn record_layers(&self) {
-        layers::record_in_use(&self.cfg.state_dir(), &self.instance.owner.instance, &self.layers_in_use());
+        packages::record_in_use(&self.cfg.state_dir(), &self.instance.owner.instance, &self.layers_in_use());
     }
 
     /// Adds requirements to a running session (a no-op for those it has).
@@ -307,7 +307,7 @@ impl Registry {
         unknown.sort();
         unknown.dedup();
         if !unknown.is_empty() {
-            match layers::evaluate_markers(
+            match packages::evaluate_markers(
                 &self.docker,
                 &self.blueprint(&env, None),
                 &self.instance.owner,
@@ -480,7 +480,7 @@ impl Registry {
             Some(asked) => crate::egress::policy::narrow(&env.egress, asked).map_err(Error::Egress)?,
             None => env.egress.clone(),
         };
-        if let Some(why) = crate::egress::runtime_refusal(&env.cfg).filter(|_| !egress.is_empty()) {
+        if let Some(why) = crate::environment::runtime_refusal(&env.cfg).filter(|_| !egress.is_empty()) {
             return Err(Error::Egress(why));
         }
         let key = (principal.to_owned(), name.to_owned());
@@ -768,7 +768,7 @@ impl Registry {
                 {
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
-                        () = layers::preload(&self.docker, &image, owner) => {}
+                        () = packages::preload(&self.docker, &image, owner) => {}
                     }
                 }
                 continue;
@@ -853,7 +853,7 @@ impl Registry {
             let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
             self.instance.keep_lock_files();
             self.keeper.stop(&self.docker, &[], false).await;
-            layers::settle().await;
+            packages::settle().await;
             self.egress.drop_idle_installers().await;
             tracing::info!(
                 sessions = left,
@@ -866,7 +866,7 @@ impl Registry {
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         self.record_layers();
         // Installer volumes still being emptied: theirs before the sweep's.
-        layers::settle().await;
+        packages::settle().await;
         let snapshots = self.snapshots.drain();
         for e in &snapshots {
             self.forget_snapshot(&e.saved);

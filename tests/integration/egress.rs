@@ -637,7 +637,7 @@ async fn the_installer_network_reaches_the_index_and_nothing_else() {
     let tag = instance_name("egress-installer");
     let cfg = crate::common::server_settings();
     let owner = pyberth::docker::container::Owner { instance: tag.clone(), host: "test".into() };
-    let index = pyberth::docker::layers::IndexSettings::from_config(&cfg).expect("index settings");
+    let index = pyberth::packages::IndexSettings::from_config(&cfg).expect("index settings");
     let ca = cfg.ca_bundle().expect("a CA bundle on this host");
     let engine = pyberth::docker::connect(None).await.expect("engine");
     let manager = pyberth::egress::Manager::new(engine, owner, Arc::new(cfg.clone()), None)

@@ -203,7 +203,7 @@ async fn an_installer_network_is_kept_for_the_next_install_and_never_shared() {
     let tag = crate::common::instance_name("inst-net-reuse");
     let cfg = crate::common::server_settings();
     let owner = pyberth::docker::container::Owner { instance: tag.clone(), host: "test".into() };
-    let index = pyberth::docker::layers::IndexSettings::from_config(&cfg).expect("index settings");
+    let index = pyberth::packages::IndexSettings::from_config(&cfg).expect("index settings");
     let ca = cfg.ca_bundle().expect("a CA bundle on this host");
     let engine = pyberth::docker::connect(None).await.expect("engine");
     let manager = pyberth::egress::Manager::new(engine, owner, Arc::new(cfg.clone()), None)

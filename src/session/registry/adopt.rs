@@ -59,7 +59,7 @@ pub(super) struct About {
     pub(super) uid: u32,
     /// The sets on its path, attached again to every new interpreter.
     #[serde(default)]
-    pub(super) layers: Vec<crate::docker::layers::Layer>,
+    pub(super) layers: Vec<crate::packages::Layer>,
     pub(super) packages: Vec<String>,
     pub(super) env: BTreeMap<String, String>,
     pub(super) python: String,

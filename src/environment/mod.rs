@@ -6,12 +6,13 @@
 //! as it always has. Callers only pick a name: they cannot add mounts or change limits.
 
 use std::collections::BTreeMap;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Component, Path};
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
 use crate::config::SandboxConfig;
+
+pub mod spec;
+pub use spec::{EnvironmentSpec, MountSpec};
 
 /// The environment used when a caller names none, unless configured otherwise.
 pub const DEFAULT: &str = "default";
@@ -38,55 +39,6 @@ const RESERVED: &[&str] = &[
     "/workspace",
 ];
 
-/// A host folder (or file) mounted read-only into every session of an environment.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct MountSpec {
-    /// Path on the host; must exist when the server starts.
-    pub host: PathBuf,
-    /// Absolute path inside the sandbox, e.g. /data.
-    pub path: String,
-}
-
-/// An environment as written in the config file, `[environments.NAME]`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EnvironmentSpec {
-    /// What it is for, shown to models by list_environments.
-    pub description: Option<String>,
-    /// Base image with Python (e.g. python:3.11-slim), pulled if a registry answers.
-    pub base: Option<String>,
-    /// Debian release bootstrapped offline when the base cannot be pulled (bookworm: 3.11,
-    /// trixie: 3.13).
-    pub debian: Option<String>,
-    /// Packages preinstalled as a dependency layer, built once.
-    #[serde(default)]
-    pub packages: Vec<String>,
-    /// Memory per session, MiB.
-    pub memory_mb: Option<u64>,
-    /// CPU share per session.
-    pub cpus: Option<f64>,
-    /// Processes and threads per session.
-    pub pids: Option<i64>,
-    /// Size of /tmp, MiB.
-    pub tmp_mb: Option<u64>,
-    /// Default time limit of a run, seconds.
-    pub timeout_s: Option<u64>,
-    /// Host folders mounted read-only.
-    #[serde(default)]
-    pub mounts: Vec<MountSpec>,
-    /// Hosts its sessions may reach through the egress proxy (`pypi.org`, `*.example.com`,
-    /// `api.example.com:8443`, `*`); absent or empty: no network.
-    pub egress: Option<Vec<String>>,
-    /// Headers the egress proxy adds to plain HTTP requests to a host (replacing the code's
-    /// own), by host: `"api.example.com" = { Authorization = "Bearer ${EXAMPLE_TOKEN}" }`.
-    /// `${VAR}` is read from the server's environment: the code never sees the value.
-    pub egress_headers: Option<BTreeMap<String, BTreeMap<String, String>>>,
-    /// Packages its installs may build from source, beside the server's `allow_sdist`.
-    #[serde(default)]
-    pub allow_sdist: Vec<String>,
-}
-
 /// A resolved environment.
 #[derive(Debug)]
 pub struct Environment {
@@ -103,7 +55,7 @@ pub struct Environment {
     /// The egress allow-list its sessions start with; empty: no network (`NetworkMode none`).
     pub egress: Vec<crate::egress::policy::Rule>,
     /// Headers the proxy adds, by host, values resolved (secret: never shown).
-    pub egress_headers: crate::egress::SecretHeaders,
+    pub egress_headers: crate::egress::policy::SecretHeaders,
 }
 
 /// Every environment of a server.
@@ -334,6 +286,18 @@ impl Environments {
     }
 }
 
+/// Whether sandboxes of `cfg` can have a network at all: gVisor is registered here with
+/// `--network=none`, so its sandboxes never get an interface.
+pub fn runtime_refusal(cfg: &SandboxConfig) -> Option<String> {
+    cfg.runtime.as_deref().filter(|r| r.contains("runsc")).map(|r| {
+        format!(
+            "this environment allows egress, but sandboxes run under {r} (gVisor), which this engine registers with \
+             --network=none: a session there can have no network. Ask the operator to run such sessions under runc, \
+             or use a session without egress"
+        )
+    })
+}
+
 fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<Environment, String> {
     let mut cfg = base.clone();
     cfg.environments.clear();
@@ -389,12 +353,14 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
     let egress = crate::egress::policy::parse_list(spec.egress.as_deref().unwrap_or_default())
         .map_err(|e| format!("environments.{name}.egress: {e}"))?;
     if !egress.is_empty()
-        && let Some(why) = crate::egress::runtime_refusal(&cfg)
+        && let Some(why) = runtime_refusal(&cfg)
     {
         tracing::warn!(environment = %name, "{why}");
     }
     let egress_headers =
-        crate::egress::SecretHeaders(resolve_headers(name, spec.egress_headers.as_ref(), &|v| std::env::var(v).ok())?);
+        crate::egress::policy::SecretHeaders(resolve_headers(name, spec.egress_headers.as_ref(), &|v| {
+            std::env::var(v).ok()
+        })?);
     Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages, mounts, egress, egress_headers })
 }
 
@@ -404,8 +370,8 @@ fn resolve_headers(
     env: &str,
     spec: Option<&BTreeMap<String, BTreeMap<String, String>>>,
     var: &dyn Fn(&str) -> Option<String>,
-) -> Result<crate::egress::Headers, String> {
-    let mut out = crate::egress::Headers::new();
+) -> Result<crate::egress::policy::Headers, String> {
+    let mut out = crate::egress::policy::Headers::new();
     for (host, headers) in spec.into_iter().flatten() {
         let at = format!("environments.{env}.egress_headers.{host:?}");
         let h = crate::egress::policy::normalize_host(host).ok_or_else(|| format!("{at}: not a host name"))?;
@@ -551,7 +517,7 @@ mod tests {
         let var = |k: &str| (k == "TOKEN").then(|| "t0k3n".to_owned());
         let h = resolve_headers("e", Some(&spec), &var).expect("resolves");
         assert_eq!(h["api.example.com"], [("Authorization".to_owned(), "Bearer t0k3n".to_owned())]);
-        assert!(!format!("{:?}", crate::egress::SecretHeaders(h)).contains("t0k3n"));
+        assert!(!format!("{:?}", crate::egress::policy::SecretHeaders(h)).contains("t0k3n"));
         let none = |_: &str| None;
         let e = resolve_headers("e", Some(&spec), &none).expect_err("unset");
         assert!(e.contains("${TOKEN} is not set") && e.contains("egress_headers"), "{e}");

@@ -261,7 +261,4 @@ fn normalize(p: &std::path::Path) -> std::path::PathBuf {
     out
 }
 
-/// A relative path with no `..`, root or prefix components.
-pub fn safe_relative(p: &std::path::Path) -> bool {
-    p.components().all(|c| matches!(c, std::path::Component::Normal(_) | std::path::Component::CurDir))
-}
+pub use crate::tarcheck::safe_relative;

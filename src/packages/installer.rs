@@ -29,12 +29,12 @@ use bollard::query_parameters::{
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
-use super::super::container::{self, Owner, WORKSPACE};
-use super::super::identity::{self, LABEL_UID};
-use super::super::{LABEL_INSTANCE, LABEL_MANAGED};
 use super::{Error, IndexSettings, LayerSpec};
 use crate::config::SandboxConfig;
+use crate::docker::container::{self, Owner, WORKSPACE};
+use crate::docker::identity::{self, LABEL_UID};
 use crate::docker::image::Progress;
+use crate::docker::{LABEL_INSTANCE, LABEL_MANAGED};
 
 /// Where installers mount the shared volume. An image path that is mode 1777 in every base
 /// (Debian's, the official Python images'): a new volume takes the mode of the path it is
@@ -490,7 +490,7 @@ fn labels(owner: &Owner, uid: u32) -> HashMap<String, String> {
     HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
         (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
-        (super::super::LABEL_HOST.to_owned(), owner.host.clone()),
+        (crate::docker::LABEL_HOST.to_owned(), owner.host.clone()),
         (LABEL_UID.to_owned(), uid.to_string()),
     ])
 }

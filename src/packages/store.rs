@@ -19,9 +19,9 @@ use bollard::query_parameters::{AttachContainerOptionsBuilder, UploadToContainer
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 
-use super::super::LABEL_MANAGED;
-use super::super::container::{self, Owner};
 use super::Error;
+use crate::docker::LABEL_MANAGED;
+use crate::docker::container::{self, Owner};
 
 /// Where the store is mounted in sessions (read-only).
 pub const STORE_DIR: &str = "/opt/pyberth/layers";

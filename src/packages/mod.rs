@@ -25,10 +25,10 @@ pub use installer::evaluate_markers;
 pub use store::{STORE_DIR, Store};
 pub use tree::safe_relative;
 
-use super::container::Owner;
-use super::{Error as DockerError, LABEL_IMAGE};
 use crate::config::SandboxConfig;
+use crate::docker::container::Owner;
 use crate::docker::image::Progress;
+use crate::docker::{Error as DockerError, LABEL_IMAGE};
 
 /// Repository of the layer images of pyberth before the store; `layers prune` removes them.
 pub const LAYER_REPO: &str = "pyberth-layer";
@@ -151,7 +151,34 @@ struct LayerSpec<'a> {
     /// Gives the installer its network: only the index hosts, through the egress proxy.
     egress: &'a crate::egress::Manager,
     /// The hardening of the environment's sandboxes, which the installer's container keeps.
-    sandbox: &'a super::container::Spec,
+    sandbox: &'a crate::docker::container::Spec,
+}
+
+impl crate::egress::IndexHosts for IndexSettings {
+    /// The hosts an installer needs: those of the index URLs (PyPI's two when none is set).
+    fn index_hosts(&self) -> Vec<String> {
+        let urls: Vec<&String> = self.index_url.iter().chain(&self.extra_index_url).collect();
+        if self.index_url.is_none() {
+            let mut hosts = vec!["pypi.org".to_owned(), "files.pythonhosted.org".to_owned()];
+            hosts.extend(urls.iter().filter_map(|u| url_host(u)));
+            return hosts;
+        }
+        urls.iter().filter_map(|u| url_host(u)).collect()
+    }
+}
+
+/// `host` or `host:port` of an http(s) URL, as an allow-list entry.
+fn url_host(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit('@').next()?;
+    let (host, port) = crate::egress::policy::split_host_port(authority).ok()?;
+    let default = if scheme.eq_ignore_ascii_case("https") { 443 } else { 80 };
+    let rule = match port {
+        Some(p) if p != default => format!("{host}:{p}"),
+        _ => host,
+    };
+    crate::egress::policy::Rule::parse(&rule).ok().map(|r| r.text().to_owned())
 }
 
 /// A layer ready for use. Serializable, for records of a session's layers (a session adopted
@@ -181,7 +208,7 @@ static CLEANUPS: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>> = std::sync:
 /// to is removed by the final sweep of this instance's objects, or the next server's.
 fn clean_up_later(docker: &Docker, name: &str) {
     let (docker, name) = (docker.clone(), name.to_owned());
-    let task = tokio::spawn(async move { super::container::remove_volume(&docker, &name).await });
+    let task = tokio::spawn(async move { crate::docker::container::remove_volume(&docker, &name).await });
     let mut pending = CLEANUPS.lock().unwrap_or_else(|e| e.into_inner());
     pending.retain(|t| !t.is_finished());
     pending.push(task);
@@ -472,9 +499,12 @@ pub fn record_in_use(state_dir: &std::path::Path, instance: &str, keys: &[String
 /// a container on the engine (an instance without one has no session holding a set; its
 /// record is left from a crash and is removed).
 async fn in_use(docker: &Docker, state_dir: &std::path::Path) -> Result<HashSet<String>, DockerError> {
-    let inventory = super::container::inventory(docker).await?;
-    let alive: HashSet<&str> =
-        inventory.containers.iter().filter_map(|c| c.labels.get(super::LABEL_INSTANCE).map(String::as_str)).collect();
+    let inventory = crate::docker::container::inventory(docker).await?;
+    let alive: HashSet<&str> = inventory
+        .containers
+        .iter()
+        .filter_map(|c| c.labels.get(crate::docker::LABEL_INSTANCE).map(String::as_str))
+        .collect();
     let mut keys = HashSet::new();
     let Ok(entries) = std::fs::read_dir(state_dir) else { return Ok(keys) };
     for entry in entries.flatten() {
@@ -551,6 +581,20 @@ pub async fn prune_old_images(docker: &Docker) -> Result<Vec<String>, DockerErro
 mod tests {
     use super::tree::*;
     use super::*;
+    use crate::egress::IndexHosts as _;
+
+    #[test]
+    fn installer_hosts_come_from_the_index_urls() {
+        let pypi = IndexSettings::default();
+        assert_eq!(pypi.index_hosts(), ["pypi.org", "files.pythonhosted.org"]);
+        let own = IndexSettings {
+            index_url: Some("https://user:pw@Index.Example.com:8443/simple/".into()),
+            extra_index_url: Some("http://mirror.example.org/simple".into()),
+            ca_bundle: None,
+        };
+        assert_eq!(own.index_hosts(), ["index.example.com:8443", "mirror.example.org"]);
+    }
+
     use bytes::Bytes;
 
     fn tree(entries: &[(&str, tar::EntryType, &str)]) -> Vec<u8> {
