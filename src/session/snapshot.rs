@@ -531,6 +531,8 @@ impl Session {
             }
         };
         let Prepared { inner: fresh, python } = prepared;
+        // The pid a next server reattaches to: this agent's, not the one that slept.
+        self.agent_pid.store(fresh.agent.as_ref().and_then(agent::Agent::pid).unwrap_or(0), Ordering::Relaxed);
         inner.container = fresh.container;
         inner.agent = fresh.agent;
         if let Ok(mut c) = self.container.lock() {
@@ -565,6 +567,9 @@ impl Session {
         if let Ok(mut asleep) = self.asleep.lock() {
             *asleep = None;
         }
+        // Its new container is the one a next server must adopt (issue 26: without this
+        // record a woken session was swept at the next restart).
+        self.save_record();
         Ok(())
     }
 
