@@ -47,7 +47,7 @@ impl Drop for StateDir {
 pub(crate) struct Server {
     child: Child,
     port: u16,
-    instance: String,
+    pub(crate) instance: String,
     log: Arc<Mutex<String>>,
 }
 

@@ -1,7 +1,7 @@
 //! Every way a session changes its container, then a restart (issue 26, finding 1): a session
-//! that hibernated and woke, one woken under an adopting server, a fork, a restore, and one
-//! whose interpreter an OOM kill restarted are each adopted by the next server with their state,
-//! never dropped for a fresh session.
+//! that hibernated and woke, one woken under an adopting server, a fork, a restore, one whose
+//! interpreter an OOM kill restarted and one whose container was replaced are each adopted by
+//! the next server with their state, never dropped for a fresh session.
 
 use std::time::{Duration, Instant};
 
@@ -81,11 +81,22 @@ async fn a_session_that_hibernated_and_woke_is_adopted_after_a_restart() {
     }
 }
 
-/// A forked session, a restored one, and one whose interpreter was OOM-killed and restarted
-/// (its state lost, and said) each carry what they hold after the change across a SIGTERM and
-/// restart.
+/// Kills the container of session `name` of `instance` behind the server's back.
+async fn kill_session_container(instance: &str, name: &str) {
+    let found = crate::common::containers_of(instance).await;
+    let of = |c: &&bollard::models::ContainerSummary| {
+        c.labels.as_ref().and_then(|l| l.get("pyberth.session")).is_some_and(|s| s == name)
+    };
+    let id = found.iter().find(of).and_then(|c| c.id.clone()).expect("the session's container");
+    let docker = crate::common::docker().await;
+    docker.kill_container(&id, None::<bollard::query_parameters::KillContainerOptions>).await.expect("kill");
+}
+
+/// A forked session, a restored one, one whose interpreter was OOM-killed and restarted, and
+/// one whose container was killed and replaced (state lost in both, and said) each carry what
+/// they hold after the change across a SIGTERM and restart.
 #[tokio::test(flavor = "multi_thread")]
-async fn forked_restored_and_oom_restarted_sessions_are_adopted_after_a_restart() {
+async fn forked_restored_oom_restarted_and_replaced_sessions_are_adopted_after_a_restart() {
     let state = StateDir::new("changed-restart");
     let first = Server::start("changed-restart", &state, &[("PYBERTH_MEMORY_MB", "256")]).await;
     let alice = first.client().await;
@@ -103,20 +114,28 @@ async fn forked_restored_and_oom_restarted_sessions_are_adopted_after_a_restart(
     let (r, sc) = call(&alice, "run_python", json!({ "session": "oom", "code": hog, "timeout_s": 60 })).await;
     assert_eq!(sc["state_lost"], true, "the OOM kill lost the interpreter, and says so: {} {sc}", text(&r));
     run(&alice, "oom", "x = 4").await;
+    run(&alice, "replaced", "x = 0").await;
+    kill_session_container(&first.instance, "replaced").await;
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "replaced", "code": "x = 5" })).await;
+    assert!(text(&r).contains("was replaced") && sc["state_lost"] == true, "{}", text(&r));
     let _ = alice.cancel().await;
     let old = first.signal("-TERM").await;
 
     let second = Server::start("changed-restart", &state, &[]).await;
     let alice = second.client().await;
     let code = "x, open('f.txt').read() if __import__('os').path.exists('f.txt') else None";
-    for (name, want) in
-        [("base", "(1, 'base')"), ("forked", "(2, 'base')"), ("restored", "(3, 'base')"), ("oom", "(4, None)")]
-    {
+    for (name, want) in [
+        ("base", "(1, 'base')"),
+        ("forked", "(2, 'base')"),
+        ("restored", "(3, 'base')"),
+        ("oom", "(4, None)"),
+        ("replaced", "(5, None)"),
+    ] {
         adopted_with(&alice, name, code, want).await;
     }
     let (r, _) = call(&alice, "delete_snapshot", json!({ "snapshot": "s" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
-    let new = close_and_stop(second, alice, &["base", "forked", "restored", "oom"]).await;
+    let new = close_and_stop(second, alice, &["base", "forked", "restored", "oom", "replaced"]).await;
     assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
 }
