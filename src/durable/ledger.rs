@@ -88,7 +88,9 @@ impl Ledger {
     }
 
     /// A session's state changed to `now`: its record is written and the one it had, `was`,
-    /// removed when that was another; `was` becomes the record it has now.
+    /// removed when that was another; `was` becomes the record it has now. A ledger that does
+    /// not keep records writes none, and removes one (an adopted session's) only once it no
+    /// longer describes the session.
     pub(crate) fn session(&self, was: &mut Option<Key>, now: &SessionRecord) {
         let key = now.key();
         if self.keeps {
@@ -98,12 +100,14 @@ impl Ledger {
                 SessionRecord::Gone => {}
             }
         }
-        if let Some(old) = was.take()
-            && Some(&old) != key.as_ref()
-        {
-            self.forget(&old);
+        match was.take() {
+            Some(old) if Some(&old) != key.as_ref() => self.forget(&old),
+            // The same record: written again just above, or left as it is.
+            same => *was = same,
         }
-        *was = key.filter(|_| self.keeps);
+        if self.keeps {
+            *was = key;
+        }
     }
 
     /// Removes a session's record (one found stale at adoption).
@@ -309,6 +313,17 @@ mod tests {
         let r = Running { about: about("pyberth-i1-h-1"), pid: 7, egress: None };
         ledger.session(&mut was, &SessionRecord::Running(Box::new(r)));
         assert!(!dir.exists() && was.is_none(), "not kept: no file");
+        // An adopted session's record (written by the server before) stays while it holds,
+        // and goes when the session does.
+        std::fs::create_dir_all(dir.join(SESSIONS)).expect("dir");
+        let planted = dir.join(SESSIONS).join("pyberth-i1-h-1.json");
+        std::fs::write(&planted, b"{}").expect("plant");
+        let mut was = Some(Key::Running("pyberth-i1-h-1".into()));
+        let r = Running { about: about("pyberth-i1-h-1"), pid: 8, egress: None };
+        ledger.session(&mut was, &SessionRecord::Running(Box::new(r)));
+        assert!(planted.exists() && was.is_some(), "still its record");
+        ledger.session(&mut was, &SessionRecord::Gone);
+        assert!(!planted.exists() && was.is_none(), "closed: its record went");
         let ledger = Ledger::new(dir.clone(), true);
         let r = Running { about: about("../escape"), pid: 7, egress: None };
         ledger.session(&mut None, &SessionRecord::Running(Box::new(r)));
