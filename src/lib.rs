@@ -29,6 +29,8 @@ pub mod config;
 pub(crate) mod deps;
 /// Everything that talks to the Docker engine (containers, execs, images, layers, archives).
 pub mod docker;
+/// What outlives a server: the ledger, the one writer of the state dir's records.
+pub(crate) mod durable;
 /// Controlled egress: the filtering proxy and the session networks (issue 17).
 pub mod egress;
 /// Named sandbox flavours (Python version, packages, mounts, limits) a session is created in.

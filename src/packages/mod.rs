@@ -428,7 +428,7 @@ pub async fn list_by_use(
     let store = Store::open(docker).await?;
     let index = store::index(docker, &store, image, owner).await?;
     set_known(&store, sizes(index.clone()));
-    let used = read_uses(state_dir);
+    let used = crate::durable::layer_use::read_uses(state_dir);
     let mut out: Vec<LayerInfo> = index
         .into_iter()
         .map(|(dir, meta)| {
@@ -445,56 +445,6 @@ pub async fn list_by_use(
     Ok(out)
 }
 
-fn uses_path(state_dir: &std::path::Path) -> std::path::PathBuf {
-    state_dir.join("layers-used.json")
-}
-
-/// Largest use record read: tens of thousands of layers.
-const MAX_USES: u64 = 4 << 20;
-
-fn read_uses(state_dir: &std::path::Path) -> HashMap<String, i64> {
-    crate::state_dir::read(&uses_path(state_dir), MAX_USES)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default()
-}
-
-/// Records that a layer was used now. A lost update between two servers only blurs the
-/// LRU order, so a write to a fresh temp file and a rename is enough; never through a
-/// symlink planted in the state dir (`state_dir::replace`).
-pub fn touch(state_dir: &std::path::Path, key: &str) {
-    let mut used = read_uses(state_dir);
-    used.insert(key.to_owned(), now_s());
-    let written = serde_json::to_vec(&used)
-        .map_err(std::io::Error::other)
-        .and_then(|b| crate::state_dir::replace(&uses_path(state_dir), &b));
-    if let Err(e) = written {
-        tracing::debug!(error = %e, "cannot record layer use");
-    }
-}
-
-/// The file where instance `instance` records the sets its sessions use.
-fn in_use_path(state_dir: &std::path::Path, instance: &str) -> std::path::PathBuf {
-    state_dir.join(format!("layers-in-use-{instance}.json"))
-}
-
-/// Records the sets (keys) the sessions of `instance` use now, for prunes by any server or
-/// `pyberth layers prune` on this host: a set removed under a session breaks its imports.
-pub fn record_in_use(state_dir: &std::path::Path, instance: &str, keys: &[String]) {
-    let path = in_use_path(state_dir, instance);
-    let written = if keys.is_empty() {
-        match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
-        }
-    } else {
-        serde_json::to_vec(keys).map_err(std::io::Error::other).and_then(|b| crate::state_dir::replace(&path, &b))
-    };
-    if let Err(e) = written {
-        tracing::warn!(error = %e, "cannot record the layers in use");
-    }
-}
-
 /// The sets in use by any live instance's sessions: the records of instances that still have
 /// a container on the engine (an instance without one has no session holding a set; its
 /// record is left from a crash and is removed).
@@ -505,24 +455,7 @@ async fn in_use(docker: &Docker, state_dir: &std::path::Path) -> Result<HashSet<
         .iter()
         .filter_map(|c| c.labels.get(crate::docker::LABEL_INSTANCE).map(String::as_str))
         .collect();
-    let mut keys = HashSet::new();
-    let Ok(entries) = std::fs::read_dir(state_dir) else { return Ok(keys) };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(instance) = name.strip_prefix("layers-in-use-").and_then(|n| n.strip_suffix(".json")) else {
-            continue;
-        };
-        if !alive.contains(instance) {
-            let _ = std::fs::remove_file(entry.path());
-            continue;
-        }
-        let listed: Vec<String> = crate::state_dir::read(&entry.path(), MAX_USES)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default();
-        keys.extend(listed);
-    }
-    Ok(keys)
+    Ok(crate::durable::layer_use::in_use_of(state_dir, &alive))
 }
 
 /// Removes sets, least recently used first, until their bytes are at most `keep_bytes` (0
@@ -631,25 +564,6 @@ mod tests {
                 (e.path().expect("path").display().to_string(), e.header().mode().expect("mode"))
             })
             .collect()
-    }
-
-    #[test]
-    fn the_use_record_never_writes_through_a_planted_symlink() {
-        let dir = std::env::temp_dir().join(format!("pyberth-touch-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("dir");
-        let victim = dir.join("victim");
-        std::fs::write(&victim, b"precious").expect("victim");
-        // The old temp name, and the record itself, both planted as links to the victim.
-        for name in [format!("layers-used.json.{}", std::process::id()), "layers-used.json".to_owned()] {
-            std::os::unix::fs::symlink(&victim, dir.join(name)).expect("symlink");
-        }
-        touch(&dir, "pyberth-layer:abc");
-        assert_eq!(std::fs::read(&victim).expect("victim"), b"precious", "written through a symlink");
-        let record = std::fs::symlink_metadata(uses_path(&dir)).expect("record");
-        assert!(record.is_file(), "the record is a file of ours, not the planted link");
-        assert!(read_uses(&dir).contains_key("pyberth-layer:abc"));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

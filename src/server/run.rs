@@ -140,8 +140,7 @@ impl SandboxServer {
         let mut notices = Vec::new();
         if let (false, Some(asked)) = (opened.created, &args.allow_hosts) {
             // An existing session: the same narrowing as set_network.
-            let now = self.registry.egress.narrow(&principal_of(&ctx), &name, asked).await?;
-            session.save_record();
+            let now = self.registry.narrow(&session, asked).await?;
             notices.push(format!(
                 "egress narrowed to: {}",
                 if now.is_empty() { "none (offline)".into() } else { now.join(", ") }

@@ -68,9 +68,8 @@ impl SandboxServer {
     async fn set_network(&self, Parameters(args): Parameters<SetNetworkArgs>, Caller(who): Caller) -> ToolResult {
         let name = session_name(args.session.as_deref())?;
         let session = self.registry.get(&who, &name)?;
-        let allow_hosts = self.registry.egress.narrow(&who, &name, &args.allow_hosts).await?;
-        // The narrowed list is what a restarted server puts back.
-        session.save_record();
+        // The narrowed list is what a restarted server puts back (the session's record).
+        let allow_hosts = self.registry.narrow(&session, &args.allow_hosts).await?;
         let text = match allow_hosts.is_empty() {
             true => format!("session {name:?} is offline: no host is allowed"),
             false => format!("session {name:?} may reach: {}", allow_hosts.join(", ")),

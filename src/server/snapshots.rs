@@ -17,10 +17,11 @@ use super::render::structured;
 use super::{Caller, SandboxServer};
 use crate::checks::session_name;
 use crate::docker::snapshot::{Bounds, remove};
+use crate::durable::catalogue::Entry;
 use crate::output::one_line;
 use crate::protocol::Lost;
 use crate::session::Session;
-use crate::session::snapshot::{Entry, Grade, Restored, Saved};
+use crate::session::snapshot::{Grade, Restored, Saved};
 
 /// Most entries (files, directories) one snapshot holds.
 const MAX_ENTRIES: u64 = 100_000;
@@ -259,14 +260,11 @@ impl SandboxServer {
             )
             .into());
         }
-        self.registry.record_snapshot(&who, &snap, &session_name_, &saved);
         if let Some(old) = self.registry.snapshots.insert(&who, &snap, &session_name_, saved) {
-            self.registry.forget_snapshot(&old.saved);
             remove(self.registry.docker(), &old.saved.store).await;
         }
         for gone in self.registry.snapshots.prune(cap, &who, &snap) {
             tracing::info!(snapshot = %gone.name, bytes = gone.saved.summary.bytes(), "snapshot cache over its size; pruned");
-            self.registry.forget_snapshot(&gone.saved);
             remove(self.registry.docker(), &gone.saved.store).await;
         }
         let entry = self.registry.snapshots.get(&who, &snap).ok_or_else(|| no_snapshot(&snap))?;
@@ -323,7 +321,6 @@ impl SandboxServer {
         Caller(who): Caller,
     ) -> ToolResult {
         let entry = self.registry.snapshots.remove(&who, &args.snapshot).ok_or_else(|| no_snapshot(&args.snapshot))?;
-        self.registry.forget_snapshot(&entry.saved);
         remove(self.registry.docker(), &entry.saved.store).await;
         Ok(rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
             "snapshot {:?} deleted",

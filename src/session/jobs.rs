@@ -16,7 +16,8 @@ use tokio_util::task::TaskTracker;
 use super::{RunOutcome, RunSpec, RunStatus, Session};
 use crate::protocol::Stream;
 
-mod durable;
+use crate::durable::jobs as durable;
+use crate::durable::ledger::Ledger;
 
 /// Finished jobs kept at most this long.
 const KEEP_FINISHED: Duration = Duration::from_secs(3600);
@@ -220,11 +221,13 @@ impl Jobs {
     ) -> Arc<Job> {
         self.prune();
         let id = format!("job-{}", self.next.fetch_add(1, Ordering::Relaxed));
-        let durable = session.durable_jobs().then(|| {
+        let durable = session.ledger.keeps().then(|| {
             let container = session.container.lock().map(|c| c.id.clone()).unwrap_or_default();
             let instance = &session.owner.instance;
             let record = durable::Record::new(&id, instance, principal, &session.name, &container, timeout, cap);
-            durable::Files::open(&session.cfg.state_dir(), record, true)
+            session
+                .ledger
+                .job(record, true)
                 .map_err(|e| tracing::warn!(error = %e, "cannot record a job: a restarted server will not find it"))
                 .ok()
         });
@@ -278,12 +281,12 @@ impl Jobs {
     pub(crate) async fn take_over(
         &self,
         docker: &bollard::Docker,
-        state_dir: &std::path::Path,
+        ledger: &Ledger,
         instances: &[String],
         adopted: &dyn Fn(&str, &str) -> Option<Arc<Session>>,
     ) -> usize {
         let mut taken = 0;
-        for left in instances.iter().flat_map(|i| durable::read_left(state_dir, i)) {
+        for left in instances.iter().flat_map(|i| ledger.jobs_left(i)) {
             let r = &left.record;
             // Two claimed instances may each have left a `job-1`: the first keeps the id, the
             // other's record is left as it is (its run goes on unread) rather than clobbered.
@@ -306,7 +309,8 @@ impl Jobs {
             }
             let started = Instant::now().checked_sub(r.age()).unwrap_or_else(Instant::now);
             let files = match &session {
-                Some(_) => durable::Files::open(state_dir, r.clone(), false)
+                Some(_) => ledger
+                    .job(r.clone(), false)
                     .map_err(|e| tracing::warn!(job = %r.id, error = %e, "cannot reopen a job's record"))
                     .ok(),
                 None => None,
@@ -320,7 +324,7 @@ impl Jobs {
                 jobs.insert(job.id.clone(), job.clone());
             }
             let Some(session) = session.filter(|_| r.run != 0) else {
-                durable::forget(state_dir, &r.instance, &r.id);
+                ledger.forget_job(&r.instance, &r.id);
                 job.finish(Finished::Failed(
                     "the server restarted, and the job's session could not be taken over (its container is gone, \
                      or the run had not started)"

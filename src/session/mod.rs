@@ -17,6 +17,7 @@ mod agent;
 mod agent_tests;
 mod extras;
 pub(crate) mod jobs;
+mod recorded;
 pub(crate) mod registry;
 mod run;
 pub(crate) mod snapshot;
@@ -246,13 +247,17 @@ pub struct Session {
     /// listings can read it while a run holds the session.
     python: std::sync::Mutex<String>,
     /// Pid of the agent last greeted (0: none yet), for the session's record
-    /// (`registry/adopt.rs`).
+    /// (`recorded.rs`).
     agent_pid: AtomicU32,
     /// Where a wake takes its container from, when the warm pool holds containers of the
     /// session's image.
     pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
-    /// The hibernation snapshot's volume while the session sleeps; readable without the lock.
-    asleep: std::sync::Mutex<Option<crate::docker::snapshot::Stored>>,
+    /// The hibernation snapshot while the session sleeps; readable without the lock.
+    asleep: std::sync::Mutex<Option<snapshot::Saved>>,
+    /// The state dir's records, which follow the session's state (`recorded.rs`).
+    ledger: crate::durable::ledger::Ledger,
+    /// The record the session has there now.
+    recorded: std::sync::Mutex<Option<crate::durable::ledger::Key>>,
 }
 
 /// Whose a new session is and what it is called.
@@ -346,6 +351,7 @@ impl Session {
         let created = prepared.inner.container.clone();
         tracing::info!(session = %name, container = %short(&created.id), "session created");
         let pid = prepared.inner.agent.as_ref().and_then(Agent::pid).unwrap_or(0);
+        let ledger = crate::durable::ledger::Ledger::of(&blueprint.cfg);
         let session = Arc::new_cyclic(|me| Self {
             name,
             principal,
@@ -371,8 +377,10 @@ impl Session {
             agent_pid: AtomicU32::new(pid),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(None),
+            ledger,
+            recorded: std::sync::Mutex::new(None),
         });
-        session.save_record();
+        session.write_through();
         session
     }
 
@@ -458,7 +466,7 @@ impl Session {
         if let Ok(mut p) = self.python.lock() {
             *p = python;
         }
-        self.save_record();
+        self.write_through();
         Ok(())
     }
 
@@ -494,7 +502,6 @@ impl Session {
         } else {
             tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
-        self.forget_record();
         inner.reattach_pid = None;
         container::destroy(&self.docker, &inner.container).await;
         inner.lease = None;
@@ -665,7 +672,7 @@ impl Session {
         if let Ok(mut env) = self.env.lock() {
             env.extend(vars.clone());
         }
-        self.save_record();
+        self.write_through();
     }
 
     /// The session's own environment variables.
@@ -710,7 +717,7 @@ impl Session {
         if let Ok(mut p) = self.packages.lock() {
             p.extend(requirements.iter().cloned());
         }
-        self.save_record();
+        self.write_through();
         Ok(())
     }
 
@@ -741,7 +748,7 @@ impl Session {
     pub async fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         let created = self.container.lock().map(|c| c.clone()).ok();
-        self.forget_record();
+        self.write_through();
         if let Some(c) = created {
             container::destroy(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");

@@ -95,7 +95,7 @@ pub struct Registry {
     /// Wakes the pool keeper when a container was taken.
     pool_wake: Arc<tokio::sync::Notify>,
     /// Snapshots of every principal (issue 18).
-    pub(crate) snapshots: super::snapshot::Catalogue,
+    pub(crate) snapshots: crate::durable::catalogue::Catalogue,
     /// Why recently ended sessions ended, for a later call that names one (docs/design.md D9).
     ended: Mutex<HashMap<Key, String>>,
     /// Environment markers evaluated, by (image, marker): true when they hold there.
@@ -106,6 +106,8 @@ pub struct Registry {
     pub egress: crate::egress::Manager,
     /// What the engine found at start that shapes every sandbox (runtime, seccomp).
     sandboxing: Sandboxing,
+    /// The state dir's records: adoption reads them, layer use is written there.
+    ledger: crate::durable::ledger::Ledger,
 }
 
 /// An environment's image, found or built once, and the latest line of its build.
@@ -159,6 +161,8 @@ impl Registry {
         let egress =
             crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone())
                 .with_sandboxing(&sandboxing);
+        let ledger = crate::durable::ledger::Ledger::of(&cfg);
+        let snapshots = crate::durable::catalogue::Catalogue::new(ledger.clone(), instance.owner.instance.clone());
         Ok(Self {
             docker,
             cfg,
@@ -172,12 +176,13 @@ impl Registry {
             runs: Mutex::new(HashMap::new()),
             pool: Arc::default(),
             pool_wake: Arc::default(),
-            snapshots: super::snapshot::Catalogue::default(),
+            snapshots,
             ended: Mutex::new(HashMap::new()),
             markers: Mutex::new(HashMap::new()),
             keeper: Keeper::default(),
             egress,
             sandboxing,
+            ledger,
         })
     }
 
@@ -217,8 +222,8 @@ impl Registry {
         .await?;
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.
-        let (dir, key) = (state_dir.clone(), layer.key.clone());
-        if let Err(e) = tokio::task::spawn_blocking(move || packages::touch(&dir, &key)).await {
+        let (ledger, key) = (self.ledger.clone(), layer.key.clone());
+        if let Err(e) = tokio::task::spawn_blocking(move || ledger.layer_used(&key)).await {
             tracing::debug!(error = %e, "cannot record layer use");
         }
         if !layer.cached && packages::over(&self.docker, self.cfg.layer_cache_mb << 20).await {
@@ -251,7 +256,7 @@ impl Registry {
     /// Writes this instance's record of the layers its sessions hold, which every prune on
     /// this host reads (docs/design.md D6): a small file, written in place of the last.
     fn record_layers(&self) {
-        packages::record_in_use(&self.cfg.state_dir(), &self.instance.owner.instance, &self.layers_in_use());
+        self.ledger.layers_in_use(&self.instance.owner.instance, &self.layers_in_use());
     }
 
     /// Adds requirements to a running session (a no-op for those it has).
@@ -606,6 +611,14 @@ impl Registry {
         }
     }
 
+    /// Narrows what `session` may reach (never widens): the list in force after, which its
+    /// record keeps for a next server.
+    pub async fn narrow(&self, session: &Session, asked: &[String]) -> Result<Vec<String>, String> {
+        let now = self.egress.narrow(&session.principal, &session.name, asked).await?;
+        session.write_through();
+        Ok(now)
+    }
+
     /// Sessions of one principal, sorted by name.
     pub fn list(&self, principal: &str) -> Vec<SessionInfo> {
         let sessions: Vec<Arc<Session>> = self
@@ -685,10 +698,9 @@ impl Registry {
         let bounds = crate::docker::snapshot::Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: 100_000 };
         for s in idle {
             let id = format!("h{}", self.snapshots.next_id());
-            match s.hibernate(&id, bounds).await {
-                Ok(true) => self.record_sleeper(&s),
-                Ok(false) => {}
-                Err(e) => tracing::warn!(session = %s.name, error = %e, "cannot hibernate; the session stays awake"),
+            // Its record follows (the session writes it as it falls asleep).
+            if let Err(e) = s.hibernate(&id, bounds).await {
+                tracing::warn!(session = %s.name, error = %e, "cannot hibernate; the session stays awake");
             }
         }
     }
@@ -849,7 +861,7 @@ impl Registry {
             self.jobs.shutdown().await;
         }
         if leave {
-            self.record_snapshots();
+            // Snapshots and sessions are recorded already, as they changed.
             let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
             self.instance.keep_lock_files();
             self.keeper.stop(&self.docker, &[], false).await;
@@ -868,9 +880,6 @@ impl Registry {
         // Installer volumes still being emptied: theirs before the sweep's.
         packages::settle().await;
         let snapshots = self.snapshots.drain();
-        for e in &snapshots {
-            self.forget_snapshot(&e.saved);
-        }
         futures::future::join_all(
             snapshots.iter().map(|e| crate::docker::snapshot::remove(&self.docker, &e.saved.store)),
         )

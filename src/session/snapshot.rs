@@ -9,10 +9,10 @@
 //! state. Nothing half-succeeds silently: every name not saved or not restored is listed, and
 //! a restore that fails leaves the session fresh (no variables, an empty workspace) and says so.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -498,9 +498,10 @@ impl Session {
         inner.agent = None;
         inner.lease = None;
         if let Ok(mut asleep) = self.asleep.lock() {
-            *asleep = Some(saved.store.clone());
+            *asleep = Some(saved.clone());
         }
         inner.sleeping = Some(saved);
+        self.write_through();
         Ok(true)
     }
 
@@ -538,6 +539,8 @@ impl Session {
             }
         };
         let Prepared { inner: fresh, python } = prepared;
+        // The pid a next server reattaches to: this agent's, not the one that slept.
+        self.agent_pid.store(fresh.agent.as_ref().and_then(agent::Agent::pid).unwrap_or(0), Ordering::Relaxed);
         inner.container = fresh.container;
         inner.agent = fresh.agent;
         if let Ok(mut c) = self.container.lock() {
@@ -572,12 +575,15 @@ impl Session {
         if let Ok(mut asleep) = self.asleep.lock() {
             *asleep = None;
         }
+        // Its new container is the one a next server must adopt (issue 26: without this
+        // record a woken session was swept at the next restart).
+        self.write_through();
         Ok(())
     }
 
     /// The hibernation snapshot's storage, if the session sleeps (removed by close).
     pub(super) fn asleep_store(&self) -> Option<store::Stored> {
-        self.asleep.lock().ok().and_then(|a| a.clone())
+        self.asleep.lock().ok().and_then(|a| a.as_ref().map(|s| s.store.clone()))
     }
 }
 
@@ -596,122 +602,5 @@ impl std::fmt::Display for Streamed {
             Streamed::Agent(e) => write!(f, "the interpreter could not save its state: {e}"),
             Streamed::Store(e) => f.write_str(e),
         }
-    }
-}
-
-/// One snapshot of the catalogue.
-#[derive(Debug)]
-pub(crate) struct Entry {
-    /// Its name, unique per principal.
-    pub(crate) name: String,
-    /// Whose it is.
-    pub(crate) principal: String,
-    /// The session it was taken from.
-    pub(crate) session: String,
-    /// When it was taken.
-    pub(crate) created: SystemTime,
-    last_used: Mutex<Instant>,
-    /// What the store holds.
-    pub(crate) saved: Saved,
-}
-
-impl Entry {
-    fn touch(&self) {
-        if let Ok(mut t) = self.last_used.lock() {
-            *t = Instant::now();
-        }
-    }
-
-    fn used(&self) -> Instant {
-        self.last_used.lock().map(|t| *t).unwrap_or_else(|_| Instant::now())
-    }
-}
-
-/// The snapshots of a server: by (principal, name), bounded in total bytes, least recently
-/// used first out. Another principal's snapshot behaves exactly as a missing one.
-#[derive(Debug, Default)]
-pub(crate) struct Catalogue {
-    entries: Mutex<HashMap<(String, String), Arc<Entry>>>,
-    serial: AtomicU64,
-}
-
-impl Catalogue {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Arc<Entry>>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A fresh id for a snapshot volume (unique within the instance).
-    pub(crate) fn next_id(&self) -> String {
-        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-        format!("{}-{nanos:08x}", self.serial.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// A name for a snapshot the caller did not name.
-    pub(crate) fn default_name(&self, session: &str) -> String {
-        let n = self.serial.fetch_add(1, Ordering::Relaxed);
-        let base: String = session.chars().take(30).collect();
-        format!("{base}-{n}")
-    }
-
-    /// Adds a snapshot; returns the one it replaced (same principal and name), to remove.
-    pub(crate) fn insert(&self, principal: &str, name: &str, session: &str, saved: Saved) -> Option<Arc<Entry>> {
-        let entry = Arc::new(Entry {
-            name: name.to_owned(),
-            principal: principal.to_owned(),
-            session: session.to_owned(),
-            created: SystemTime::now(),
-            last_used: Mutex::new(Instant::now()),
-            saved,
-        });
-        self.map().insert((principal.to_owned(), name.to_owned()), entry)
-    }
-
-    /// A snapshot of `principal`, marked used.
-    pub(crate) fn get(&self, principal: &str, name: &str) -> Option<Arc<Entry>> {
-        let e = self.map().get(&(principal.to_owned(), name.to_owned())).cloned()?;
-        e.touch();
-        Some(e)
-    }
-
-    /// The snapshots of `principal`, newest first.
-    pub(crate) fn list(&self, principal: &str) -> Vec<Arc<Entry>> {
-        let mut all: Vec<Arc<Entry>> = self.map().values().filter(|e| e.principal == principal).cloned().collect();
-        all.sort_by_key(|e| std::cmp::Reverse(e.created));
-        all
-    }
-
-    /// Takes a snapshot of `principal` out of the catalogue.
-    pub(crate) fn remove(&self, principal: &str, name: &str) -> Option<Arc<Entry>> {
-        self.map().remove(&(principal.to_owned(), name.to_owned()))
-    }
-
-    /// Bytes of every snapshot.
-    pub(crate) fn total(&self) -> u64 {
-        self.map().values().map(|e| e.saved.summary.bytes()).sum()
-    }
-
-    /// Takes out least recently used snapshots until all fit in `cap` bytes, `principal`'s
-    /// own first, then anyone's; never `keep`. Returns them, for their volumes to be removed.
-    pub(crate) fn prune(&self, cap: u64, principal: &str, keep: &str) -> Vec<Arc<Entry>> {
-        let mut map = self.map();
-        let mut total: u64 = map.values().map(|e| e.saved.summary.bytes()).sum();
-        let mut order: Vec<Arc<Entry>> =
-            map.values().filter(|e| !(e.principal == principal && e.name == keep)).cloned().collect();
-        order.sort_by_key(|e| (e.principal != principal, e.used()));
-        let mut out = Vec::new();
-        for e in order {
-            if total <= cap {
-                break;
-            }
-            total = total.saturating_sub(e.saved.summary.bytes());
-            map.remove(&(e.principal.clone(), e.name.clone()));
-            out.push(e);
-        }
-        out
-    }
-
-    /// Everything, for shutdown.
-    pub(crate) fn drain(&self) -> Vec<Arc<Entry>> {
-        self.map().drain().map(|(_, e)| e).collect()
     }
 }

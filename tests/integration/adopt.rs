@@ -28,10 +28,10 @@ const CHECK: &str = "c0 = count[0]\ntime.sleep(0.3)\n(x, f.closed, f.name, t.is_
 const INTACT: &str = "(42, False, '/tmp/held.txt', True, True)";
 
 /// A private state dir, removed at the end.
-struct StateDir(std::path::PathBuf);
+pub(crate) struct StateDir(pub(crate) std::path::PathBuf);
 
 impl StateDir {
-    fn new(tag: &str) -> StateDir {
+    pub(crate) fn new(tag: &str) -> StateDir {
         let dir = std::env::temp_dir().join(format!("pyberth-adopt-{}", instance_name(tag)));
         std::fs::create_dir_all(&dir).expect("state dir");
         StateDir(dir)
@@ -44,10 +44,10 @@ impl Drop for StateDir {
     }
 }
 
-struct Server {
+pub(crate) struct Server {
     child: Child,
     port: u16,
-    instance: String,
+    pub(crate) instance: String,
     log: Arc<Mutex<String>>,
 }
 
@@ -57,7 +57,7 @@ fn free_port() -> u16 {
 }
 
 impl Server {
-    async fn start(tag: &str, state: &StateDir, env: &[(&str, &str)]) -> Server {
+    pub(crate) async fn start(tag: &str, state: &StateDir, env: &[(&str, &str)]) -> Server {
         let instance = instance_name(tag);
         let tokens = state.0.join(format!("tokens-{instance}"));
         std::fs::write(&tokens, format!("alice:{ALICE}\n")).expect("tokens");
@@ -103,14 +103,14 @@ impl Server {
         }
     }
 
-    async fn client(&self) -> RunningService<RoleClient, Recorder> {
+    pub(crate) async fn client(&self) -> RunningService<RoleClient, Recorder> {
         let uri = format!("http://127.0.0.1:{}/mcp", self.port);
         let config = StreamableHttpClientTransportConfig::with_uri(uri).auth_header(ALICE);
         Recorder::default().serve(StreamableHttpClientTransport::from_config(config)).await.expect("MCP initialise")
     }
 
     /// Sends `signal` and waits for the exit.
-    async fn signal(mut self, signal: &str) -> String {
+    pub(crate) async fn signal(mut self, signal: &str) -> String {
         let pid = self.child.id().expect("pid");
         let _ = std::process::Command::new("kill").args([signal, &pid.to_string()]).status();
         let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
@@ -118,12 +118,12 @@ impl Server {
         self.instance.clone()
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.log.lock().expect("log").clone()
     }
 }
 
-async fn run(client: &RunningService<RoleClient, Recorder>, session: &str, code: &str) -> Value {
+pub(crate) async fn run(client: &RunningService<RoleClient, Recorder>, session: &str, code: &str) -> Value {
     let (r, sc) = call(client, "run_python", json!({ "session": session, "code": code })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     sc
@@ -340,7 +340,7 @@ async fn a_job_running_across_a_restart_keeps_running_and_stays_readable() {
 }
 
 /// The state of `name` in `list_sessions`, if listed.
-async fn state_of(client: &RunningService<RoleClient, Recorder>, name: &str) -> Option<Value> {
+pub(crate) async fn state_of(client: &RunningService<RoleClient, Recorder>, name: &str) -> Option<Value> {
     let (_, sc) = call(client, "list_sessions", json!({})).await;
     sc["sessions"].as_array().and_then(|a| a.iter().find(|x| x["session"] == name)).map(|x| x["state"].clone())
 }

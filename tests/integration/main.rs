@@ -39,6 +39,8 @@ mod sandbox;
 mod slow_client;
 // Sessions that outlive their server: restarts, kill -9, dropped exec streams, the grace.
 mod adopt;
+// Each way a session changes its container (wake, fork, restore, OOM), then a restart.
+mod adopt_transitions;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.

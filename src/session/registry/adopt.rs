@@ -1,8 +1,9 @@
 //! Sessions that outlive their server (docs/design.md D12).
 //!
 //! Each session's container is described by a record in the state dir
-//! (`<state dir>/sessions/<container>.json`): whose it is, its name, environment, image,
-//! packages, variables set with `set_env`, and its agent's pid. Labels cannot say it all: a
+//! (`<state dir>/sessions/<container>.json`, kept by the ledger: `durable/ledger.rs`): whose
+//! it is, its name, environment, image, packages, variables set with `set_env`, and its
+//! agent's pid. Labels cannot say it all: a
 //! container taken from the warm pool keeps the pool's labels, and what changes while a
 //! session runs (packages, env) cannot be relabelled. The state dir is private to the server's
 //! user, so nothing in a container can write a record.
@@ -14,235 +15,22 @@
 //! from then on, so no other server sweeps what it adopted; the interpreter is reached again
 //! through its keeper on the session's first call.
 
-use std::collections::{BTreeMap, HashSet};
-use std::io::Write as _;
-use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
-use std::path::{Path, PathBuf};
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::time::{Instant, SystemTime};
-
-use serde::{Deserialize, Serialize};
 
 use super::{Registry, Slot};
-use crate::docker::container::{self, Created, short};
+use crate::docker::container::{self, short};
 use crate::docker::{self, LABEL_HOST, LABEL_INSTANCE};
-use crate::session::{Inner, Session};
-
-/// Folder of the records, in the state dir.
-const DIR: &str = "sessions";
-
-/// What a server needs to take a running session over.
-#[derive(Debug, Serialize, Deserialize)]
-struct Record {
-    #[serde(flatten)]
-    about: About,
-    /// The agent's pid when the record was written (0: unknown).
-    pid: u32,
-    /// Its egress, if it has any.
-    #[serde(default)]
-    egress: Option<Egress>,
-}
-
-/// What both records of a session keep: this one of a running session, and
-/// `sleepers::Sleeper` of a hibernated one.
-#[derive(Debug, Serialize, Deserialize)]
-pub(super) struct About {
-    /// The instance its container is labelled with.
-    pub(super) instance: String,
-    pub(super) principal: String,
-    pub(super) name: String,
-    pub(super) environment: String,
-    pub(super) image: String,
-    pub(super) container: String,
-    pub(super) volume: String,
-    pub(super) uid: u32,
-    /// The sets on its path, attached again to every new interpreter.
-    #[serde(default)]
-    pub(super) layers: Vec<crate::packages::Layer>,
-    pub(super) packages: Vec<String>,
-    pub(super) env: BTreeMap<String, String>,
-    pub(super) python: String,
-}
-
-/// How a session comes back from its record, beyond what [`About`] says.
-pub(super) struct Revived {
-    /// The agent's pid to reattach to (a running session's).
-    pub(super) pid: Option<u32>,
-    /// Its snapshot, for a hibernated session: woken on its next call.
-    pub(super) sleeping: Option<crate::session::snapshot::Saved>,
-    /// Notices for its next call.
-    pub(super) pending: Vec<String>,
-    /// How long it had been idle.
-    pub(super) idle: std::time::Duration,
-}
-
-/// A session's egress as its record keeps it: header values are not kept (they come from the
-/// adopting server's config, by environment and host), nor the CA (a new one each start).
-#[derive(Debug, Serialize, Deserialize)]
-struct Egress {
-    /// Its own network (labelled with the instance that made it).
-    network: String,
-    /// The proxy's address there, which the session's proxy variables name.
-    proxy_ip: std::net::IpAddr,
-    /// The allow-list in force, `set_network` narrowing included.
-    allow: Vec<String>,
-}
-
-/// The record of `container`: container names are ours (`pyberth-<instance>-<session>-<n>`),
-/// anything else never reaches a path.
-fn record_path(state_dir: &Path, container: &str) -> Option<PathBuf> {
-    let plain = !container.is_empty()
-        && container.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        && !container.starts_with('.');
-    plain.then(|| state_dir.join(DIR).join(format!("{container}.json")))
-}
-
-fn write_record(path: &Path, record: &Record) -> std::io::Result<()> {
-    let dir = path.parent().ok_or_else(|| std::io::Error::other("no parent"))?;
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    let tmp = path.with_extension("json.tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(crate::state_dir::no_follow())
-        .open(&tmp)?;
-    f.write_all(&serde_json::to_vec(record).map_err(std::io::Error::other)?)?;
-    std::fs::rename(&tmp, path)
-}
-
-impl Session {
-    /// Whether a next server may take this session over, and so its jobs too: only a server
-    /// that leaves its sessions for the next one keeps records.
-    pub(in crate::session) fn durable_jobs(&self) -> bool {
-        self.cfg.keep_sessions && self.cfg.adopt_grace_s != 0
-    }
-
-    /// Writes this session's record (a few hundred bytes; called when it changes, its egress
-    /// list included).
-    pub(crate) fn save_record(&self) {
-        if !self.durable_jobs() {
-            return;
-        }
-        let Ok(created) = self.container.lock().map(|c| c.clone()) else { return };
-        let Some(path) = record_path(&self.cfg.state_dir(), &created.id) else { return };
-        let record = Record {
-            about: self.about(created),
-            pid: self.agent_pid.load(Ordering::Relaxed),
-            egress: self.blueprint.egress.as_ref().map(|a| Egress {
-                network: a.network.clone(),
-                proxy_ip: a.proxy_ip,
-                allow: a.allow(),
-            }),
-        };
-        if let Err(e) = write_record(&path, &record) {
-            tracing::warn!(session = %self.name, error = %e, "cannot write the session's record: a restarted server will not adopt it");
-        }
-    }
-
-    /// Removes this session's record (closed, or its container replaced).
-    pub(in crate::session) fn forget_record(&self) {
-        let Ok(id) = self.container.lock().map(|c| c.id.clone()) else { return };
-        if let Some(path) = record_path(&self.cfg.state_dir(), &id) {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-
-    /// After an agent answered where a dropped stream's agent was expected: a notice when it
-    /// is another one (that one is gone, and its state with it).
-    pub(in crate::session) fn reattached(&self, inner: &mut Inner) -> Option<String> {
-        let expected = inner.reattach_pid.take()?;
-        let now = inner.agent.as_ref().and_then(super::super::agent::Agent::pid);
-        if now == Some(expected) {
-            tracing::info!(session = %self.name, pid = expected, "reattached to the running interpreter");
-            return None;
-        }
-        tracing::warn!(session = %self.name, "the interpreter had stopped while no server was attached; a new one started");
-        Some(
-            "the interpreter had stopped while no server was attached to it, and a new one was started: variables \
-             are gone, workspace files are kept"
-                .into(),
-        )
-    }
-
-    /// A session from a record, its container running, its agent reached on first use.
-    /// What the records of this session keep of it, `created` being its container.
-    pub(super) fn about(&self, created: Created) -> About {
-        About {
-            instance: self.owner.instance.clone(),
-            principal: self.principal.clone(),
-            name: self.name.clone(),
-            environment: self.environment.clone(),
-            image: self.image.clone(),
-            container: created.id,
-            volume: created.volume,
-            uid: created.uid,
-            layers: self.layers(),
-            packages: self.requirements(),
-            env: self.env(),
-            python: self.python.lock().map(|p| p.clone()).unwrap_or_default(),
-        }
-    }
-
-    /// A session from its record: running (reattached on its first call) or hibernated.
-    pub(super) fn revive(
-        docker: bollard::Docker,
-        blueprint: Arc<crate::sandbox::Blueprint>,
-        owner: container::Owner,
-        about: About,
-        how: Revived,
-    ) -> Arc<Self> {
-        let created = Created { id: about.container, volume: about.volume, uid: about.uid };
-        let asleep = how.sleeping.as_ref().map(|s| s.store.clone());
-        let inner = Inner {
-            container: created.clone(),
-            agent: None,
-            lease: None,
-            watched: false,
-            pending: how.pending,
-            pending_lost: false,
-            reattach_pid: how.pid,
-            sleeping: how.sleeping,
-        };
-        Arc::new_cyclic(|me| Self {
-            name: about.name,
-            principal: about.principal,
-            environment: about.environment,
-            me: me.clone(),
-            lease_changed: Arc::new(tokio::sync::Notify::new()),
-            docker,
-            cfg: blueprint.cfg.clone(),
-            blueprint,
-            image: about.image,
-            owner,
-            inner: tokio::sync::Mutex::new(inner),
-            container: std::sync::Mutex::new(created),
-            last_used: std::sync::Mutex::new(Instant::now().checked_sub(how.idle).unwrap_or_else(Instant::now)),
-            created: SystemTime::now(),
-            runs: AtomicU64::new(0),
-            closed: AtomicBool::new(false),
-            layers: std::sync::Mutex::new(about.layers),
-            packages: std::sync::Mutex::new(about.packages.into_iter().collect()),
-            env: std::sync::Mutex::new(about.env),
-            waiting: AtomicUsize::new(0),
-            python: std::sync::Mutex::new(about.python),
-            agent_pid: AtomicU32::new(how.pid.unwrap_or(0)),
-            pool: std::sync::OnceLock::new(),
-            asleep: std::sync::Mutex::new(asleep),
-        })
-    }
-}
+use crate::durable::ledger::Key;
+use crate::session::Session;
+use crate::session::recorded::Revived;
 
 impl Registry {
     /// At start, before the sweep: adopts the sessions that dead instances of this state dir
     /// left running within `--adopt-grace-s` (see the module doc). Returns how many.
     pub(super) async fn adopt_leftovers(&self) -> Result<usize, docker::Error> {
-        let state_dir = self.cfg.state_dir();
-        let records = read_records(&state_dir);
-        let mut recorded: HashSet<String> = records.iter().map(|(_, r)| r.about.instance.clone()).collect();
-        recorded.extend(super::sleepers::recorded_instances(&state_dir));
+        let records = self.ledger.running();
+        let recorded = self.ledger.recorded_instances();
         if recorded.is_empty() {
             return Ok(0);
         }
@@ -265,13 +53,14 @@ impl Registry {
         let mut kept_volumes = HashSet::new();
         let mut adopted = 0;
         let mut with_egress = Vec::new();
-        for (path, record) in records {
+        for record in records {
+            let stale = Key::Running(record.about.container.clone());
             let info = match self.docker.inspect_container(&record.about.container, None).await {
                 Ok(info) => info,
                 Err(e) => {
                     // Its container is gone (swept, or removed by hand): so is the record.
                     if docker::Error::from(e).is_gone() {
-                        let _ = std::fs::remove_file(&path);
+                        self.ledger.forget(&stale);
                     }
                     continue;
                 }
@@ -283,12 +72,12 @@ impl Registry {
             let running = info.state.as_ref().and_then(|s| s.running).unwrap_or(false);
             let Ok(env) = self.environments.get(Some(&record.about.environment)) else {
                 tracing::warn!(session = %record.about.name, environment = %record.about.environment, "no such environment now; not adopted");
-                let _ = std::fs::remove_file(&path);
+                self.ledger.forget(&stale);
                 continue;
             };
             let key = (record.about.principal.clone(), record.about.name.clone());
             if !running || self.slots().contains_key(&key) {
-                let _ = std::fs::remove_file(&path);
+                self.ledger.forget(&stale);
                 continue;
             }
             if let Some(id) = info.id {
@@ -358,7 +147,7 @@ impl Registry {
         let find = |principal: &str, name: &str| {
             self.slots().get(&(principal.to_owned(), name.to_owned())).and_then(|slot| slot.get().cloned())
         };
-        let jobs = self.jobs.take_over(&self.docker, &state_dir, &names, &find).await;
+        let jobs = self.jobs.take_over(&self.docker, &self.ledger, &names, &find).await;
         if jobs > 0 {
             tracing::info!(jobs, "following the jobs of stopped servers");
         }
@@ -375,7 +164,6 @@ impl Registry {
                 let id = format!("h{}", self.snapshots.next_id());
                 match s.hibernate(&id, bounds).await {
                     Ok(true) => {
-                        self.record_sleeper(&s);
                         tracing::info!(session = %s.name, "a session left past the adoption grace was put to sleep");
                     }
                     Ok(false) => {}
@@ -387,27 +175,4 @@ impl Registry {
         }
         Ok(adopted)
     }
-}
-
-/// Every readable record in the state dir; unreadable ones are skipped (and said).
-fn read_records(state_dir: &Path) -> Vec<(PathBuf, Record)> {
-    let Ok(entries) = std::fs::read_dir(state_dir.join(DIR)) else { return Vec::new() };
-    let mut records = Vec::new();
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.extension().is_none_or(|e| e != "json") {
-            continue;
-        }
-        match std::fs::read(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|b| serde_json::from_slice::<Record>(&b).map_err(|e| e.to_string()))
-        {
-            Ok(r) if record_path(state_dir, &r.about.container).as_deref() == Some(path.as_path()) => {
-                records.push((path, r))
-            }
-            Ok(_) => tracing::warn!(path = %path.display(), "a session record under another name; skipped"),
-            Err(e) => tracing::warn!(path = %path.display(), error = %e, "unreadable session record; skipped"),
-        }
-    }
-    records
 }
