@@ -23,6 +23,7 @@ mod jobs;
 // The HTTP service: tokens, principals, streaming, healthz.
 mod http;
 mod http_abuse; // The HTTP service under attack: foreign MCP sessions, caps, Host/Origin, slow clients.
+mod http_fair; // Fair admission: a few client addresses cannot take every connection.
 // Environments: Python versions, operator environments, mounts.
 mod environments;
 // The CI runner, `pyberth run`.
