@@ -12,6 +12,7 @@ pub mod identity;
 pub mod image;
 pub mod layers;
 pub mod snapshot;
+mod unpack;
 
 use bollard::Docker;
 

@@ -132,14 +132,16 @@ pub struct Failure {
     pub code: u8,
     /// What happened and what to do.
     pub message: String,
+    /// The program's own exit code, when it ran to the end before the failure (the copy back).
+    pub program_exit: Option<u8>,
 }
 
 fn usage(message: impl Into<String>) -> Failure {
-    Failure { code: exit::USAGE, message: message.into() }
+    Failure { code: exit::USAGE, message: message.into(), program_exit: None }
 }
 
 fn infra(message: impl Into<String>) -> Failure {
-    Failure { code: exit::INFRA, message: message.into() }
+    Failure { code: exit::INFRA, message: message.into(), program_exit: None }
 }
 
 /// What runs: a script (workspace path and its bytes, if not already uploaded) or a command.
@@ -238,7 +240,9 @@ pub async fn run(args: RunArgs) -> u8 {
         Err(f) => {
             status.clear();
             if args.json {
-                let json = serde_json::json!({ "status": "failed", "exit_code": f.code, "error": f.message });
+                let json = serde_json::json!({
+                    "status": "failed", "exit_code": f.code, "error": f.message, "program_exit_code": f.program_exit,
+                });
                 #[allow(clippy::print_stdout)] // --json: the result is the command's output
                 {
                     println!("{json}");
@@ -359,16 +363,21 @@ async fn in_session(
     watcher.abort();
     let mid_line = echo.finish();
     let outcome = ran.map_err(|e| infra(format!("the run could not complete: {e}")))?;
+    let code = exit_code(&outcome);
     let copied = match &args.output {
         Some(out) => {
             // Whole seconds in the archive: anything touched in the run's first second counts.
             let since = started - Duration::from_secs(1);
             let rules = CopyBack { given, overwrite: args.output_overwrite, exclude: args.output_exclude.clone() };
-            Some(session.download_changed(since, rules, out, cap).await.map_err(infra)?)
+            // The copy's failure is ours (125), but the program's own status is not lost.
+            let failed = |e: String| Failure {
+                program_exit: Some(code),
+                ..infra(format!("{e}; the program exited {code} ({})", outcome.status))
+            };
+            Some(session.download_changed(since, rules, out, cap).await.map_err(failed)?)
         }
         None => None,
     };
-    let code = exit_code(&outcome);
     if json {
         print_json(&outcome, code, copied.as_ref());
     } else {
