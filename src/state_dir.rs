@@ -8,7 +8,29 @@
 use std::fs::{File, OpenOptions};
 use std::io::{Read as _, Write as _};
 use std::os::unix::fs::OpenOptionsExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The state dir when none is given: `$XDG_RUNTIME_DIR/pyberth` (the login manager makes it,
+/// the user's own); else under the user's cache directory (`$XDG_CACHE_HOME/pyberth`,
+/// `~/.cache/pyberth`), which no other user can make first, as one could `$TMPDIR/pyberth-<uid>`
+/// and so stop every default start (issue 27); `$TMPDIR/pyberth-<uid>` only without a home.
+pub(crate) fn default_dir() -> PathBuf {
+    let absolute = |name: &str| std::env::var_os(name).map(PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(run) = absolute("XDG_RUNTIME_DIR") {
+        return run.join("pyberth");
+    }
+    let cache = absolute("XDG_CACHE_HOME").or_else(|| absolute("HOME").map(|h| h.join(".cache")));
+    let (dir, why) = match cache {
+        Some(cache) => (cache.join("pyberth"), "no XDG_RUNTIME_DIR: state is kept under the user's cache directory"),
+        None => (
+            std::env::temp_dir().join(format!("pyberth-{}", rustix::process::geteuid().as_raw())),
+            "neither XDG_RUNTIME_DIR nor HOME: state is kept in the shared temp directory (set --state-dir)",
+        ),
+    };
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| tracing::info!(state_dir = %dir.display(), "{why}"));
+    dir
+}
 
 /// `O_NOFOLLOW`: opening a symlink fails (`ELOOP`) instead of opening its target.
 pub(crate) fn no_follow() -> i32 {
