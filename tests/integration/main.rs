@@ -24,6 +24,7 @@ mod jobs;
 mod http;
 mod http_abuse; // The HTTP service under attack: foreign MCP sessions, caps, Host/Origin, slow clients.
 mod http_fair; // Fair admission: a few client addresses cannot take every connection.
+mod http_tenants; // Two principals racing for their caps: sessions and jobs created at once.
 // Environments: Python versions, operator environments, mounts.
 mod environments;
 // The CI runner, `pyberth run`.
