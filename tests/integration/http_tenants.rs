@@ -81,3 +81,52 @@ async fn per_principal_caps_hold_exactly_under_concurrent_creates_and_jobs() {
     let _ = bob.cancel().await;
     s.stop().await;
 }
+
+/// The layer store between two principals (issue 27, "Also"): sets are shared by content, so
+/// alice and bob asking for the same requirements get the same directory. Alice's code tries
+/// to poison it for bob: write into the set, plant a `.pth` beside it, and install under a
+/// name that looks the same but is another set. Bob's `six` is the one from the index.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_principal_cannot_poison_the_dependency_set_of_another() {
+    let store = crate::common::PrivateStore::new("tenants");
+    let s = HttpServer::start_with("http-layers", &[store.env()], None).await;
+    let alice = s.client(ALICE).await;
+    let bob = s.client(BOB).await;
+    let fingerprint = "import six, hashlib, os\nd = os.path.dirname(six.__file__)\n\
+                       (d, hashlib.sha256(open(six.__file__, 'rb').read()).hexdigest())";
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "a", "code": fingerprint, "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let before = sc["result"].as_str().expect("result").to_owned();
+    assert!(before.contains("/opt/pyberth/layers/"), "{before}");
+    let attack = r#"
+import six, os
+site = os.path.dirname(six.__file__)
+out = {}
+for what, path in [("module", six.__file__), ("pth", site + "/zz-evil.pth"), ("sibling", site + "/../evil")]:
+    try:
+        open(path, "a").write("\nimport os; os.environ['POISONED'] = '1'\n")
+        out[what] = "written"
+    except OSError as e:
+        out[what] = type(e).__name__
+out
+"#;
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "a", "code": attack })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let result = sc["result"].as_str().expect("result");
+    assert!(!result.contains("written"), "alice wrote into the shared set: {result}");
+    // Requirement strings that would change what is installed under the same set are refused.
+    for bad in ["six @ https://example.invalid/six.whl", "six --index-url=http://example.invalid", "./six"] {
+        let (r, _) = call(&alice, "install_packages", json!({ "session": "a", "packages": [bad] })).await;
+        assert_eq!(r.is_error, Some(true), "{bad}: {}", text(&r));
+    }
+    // Bob asks for the same set: the same directory, the index's bytes, nothing of alice's.
+    let probe = "import six, hashlib, os\nd = os.path.dirname(six.__file__)\n\
+                 (d, hashlib.sha256(open(six.__file__, 'rb').read()).hexdigest(), os.environ.get('POISONED'))";
+    let (r, sc) = call(&bob, "run_python", json!({ "session": "b", "code": probe, "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let seen = sc["result"].as_str().expect("result");
+    assert_eq!(seen, format!("{}, None)", before.trim_end_matches(')')), "bob's six is alice's first, untouched");
+    let _ = alice.cancel().await;
+    let _ = bob.cancel().await;
+    s.stop().await;
+}
