@@ -93,6 +93,18 @@ impl Table {
     }
 }
 
+/// The address a connection counts against: an IPv6 client's /64, which one host is commonly
+/// given whole (counted one by one, a single host would have 2^64 fair shares).
+fn bucket(client: IpAddr) -> IpAddr {
+    match client {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
+        },
+        v4 => v4,
+    }
+}
+
 /// Connections open now, and what each is doing.
 #[derive(Debug)]
 pub(super) struct Admission {
@@ -121,6 +133,7 @@ impl Admission {
 
     /// A place for a connection from `client`, or the flag whose limit refuses it.
     pub(super) fn admit(self: &Arc<Self>, client: IpAddr) -> Result<Place, &'static str> {
+        let client = bucket(client);
         let max = self.limits.max_connections;
         let general = max - self.reserve();
         let mut t = self.table();
@@ -268,6 +281,25 @@ mod tests {
         assert!(!theirs.is_empty());
         assert!(!trusted.displaced().is_cancelled() && !busy.displaced().is_cancelled());
         assert!(waiting.iter().any(|p| p.displaced().is_cancelled()));
+    }
+
+    #[test]
+    fn an_ipv6_host_counts_as_its_64() {
+        let admission = Admission::new(limits(64, 2));
+        let a: IpAddr = "2001:db8:1:2::1".parse().expect("ip");
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().expect("ip");
+        let other: IpAddr = "2001:db8:1:3::1".parse().expect("ip");
+        let _a = admission.admit(a).expect("a");
+        let _b = admission.admit(b).expect("b");
+        assert_eq!(
+            admission.admit("2001:db8:1:2:1:2:3:4".parse().expect("ip")).err(),
+            Some("--max-connections-per-client")
+        );
+        assert!(admission.admit(other).is_ok(), "another /64 is another client");
+        let mapped: IpAddr = "::ffff:127.0.0.2".parse().expect("ip");
+        let _m = admission.admit(mapped).expect("mapped");
+        let _v4 = admission.admit(ip(2)).expect("v4");
+        assert_eq!(admission.admit(ip(2)).err(), Some("--max-connections-per-client"), "a mapped IPv4 is that IPv4");
     }
 
     #[test]
