@@ -7,8 +7,7 @@
 //! only regular files and directories are written, links are skipped, and nothing on the host
 //! is written through a symlink.
 //!
-//! Why this file passes 500 lines: a third of it is tests that feed hostile archives to the
-//! unpackers; the copy-back policy lives apart, in `copyback.rs`, its writing in `unpack.rs`.
+//! The copy-back policy lives apart, in `copyback.rs`, its writing in `unpack.rs`.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
