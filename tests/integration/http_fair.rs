@@ -60,28 +60,46 @@ async fn healthz_from(source: u8, target: SocketAddr) -> Result<String, String> 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_few_addresses_cannot_take_every_connection() {
     // The review's numbers: 256 places, 32 per address, 8 addresses that each fill their 32.
-    let env = [("PYBERTH_MAX_CONNECTIONS", "256"), ("PYBERTH_MAX_CONNECTIONS_PER_CLIENT", "32")];
-    let s = HttpServer::start_with("http-fair", &env, None).await;
+    hold_and_probe("http-fair", 256, 32, 8).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_addresses_cannot_take_a_small_server() {
+    // The review's second case: --max-connections 64, two addresses were enough.
+    hold_and_probe("http-fair-small", 64, 32, 2).await;
+}
+
+/// `attackers` addresses (127.0.0.2 on) each keep `per_client` half-sent requests open against
+/// a server of `max` places; a fresh address asks for /healthz 30 times and must get it each
+/// time, and an authenticated client must get in too.
+async fn hold_and_probe(tag: &str, max: usize, per_client: usize, attackers: u8) {
+    let env =
+        [("PYBERTH_MAX_CONNECTIONS", max.to_string()), ("PYBERTH_MAX_CONNECTIONS_PER_CLIENT", per_client.to_string())];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let s = HttpServer::start_with(tag, &env, None).await;
     let target: SocketAddr = format!("127.0.0.1:{}", s.port).parse().expect("addr");
 
     let stop = CancellationToken::new();
     let opened = Arc::new(AtomicUsize::new(0));
-    let attackers: Vec<_> =
-        (2u8..=9).map(|source| tokio::spawn(hold_share(source, 32, target, stop.clone(), opened.clone()))).collect();
+    let sources = 2..2 + attackers;
+    let tasks: Vec<_> = sources
+        .map(|source| tokio::spawn(hold_share(source, per_client, target, stop.clone(), opened.clone())))
+        .collect();
     // Let them fill every place first.
     let filling = Instant::now();
-    while opened.load(Ordering::Relaxed) < 256 && filling.elapsed() < Duration::from_secs(30) {
+    while opened.load(Ordering::Relaxed) < max && filling.elapsed() < Duration::from_secs(30) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(opened.load(Ordering::Relaxed) >= 256, "the attack opened {opened:?} connections");
+    assert!(opened.load(Ordering::Relaxed) >= max, "the attack opened {opened:?} connections");
 
-    // A ninth address asks for /healthz 30 times while the eight keep refilling their share.
+    // A fresh address asks for /healthz 30 times while the others keep refilling their share.
+    let fresh = 2 + attackers;
     let mut failures = Vec::new();
     let mut slowest = Duration::ZERO;
     let probing = Instant::now();
     for i in 0..30 {
         let asked = Instant::now();
-        let answer = tokio::time::timeout(Duration::from_secs(5), healthz_from(10, target)).await;
+        let answer = tokio::time::timeout(Duration::from_secs(5), healthz_from(fresh, target)).await;
         slowest = slowest.max(asked.elapsed());
         match answer {
             Ok(Ok(line)) if line.contains(" 200 ") => {}
@@ -90,14 +108,16 @@ async fn a_few_addresses_cannot_take_every_connection() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let took = probing.elapsed();
-    eprintln!("fair admission: 30 probes in {took:?}, slowest {slowest:?}, {opened:?} attack connections opened");
+    eprintln!(
+        "fair admission ({tag}): 30 probes in {took:?}, slowest {slowest:?}, {opened:?} attack connections opened"
+    );
     assert!(failures.is_empty(), "/healthz from a fresh address failed {} of 30: {failures:?}", failures.len());
     assert!(took < Duration::from_secs(60), "30 probes took {took:?}");
     // An authenticated client gets in as well.
     let alice = tokio::time::timeout(Duration::from_secs(20), s.client(ALICE)).await;
     stop.cancel();
-    for a in attackers {
-        let _ = a.await;
+    for t in tasks {
+        let _ = t.await;
     }
     let alice = alice.expect("MCP initialize in time");
     let (r, _) = call(&alice, "list_sessions", json!({})).await;
