@@ -448,16 +448,41 @@ async fn a_planted_shared_state_dir_does_not_stop_a_default_start() {
     }
     let home = dir.join("home");
     std::fs::create_dir_all(&home).expect("home");
-    let instance = instance_name("plantedtmp");
+    let (out, instance) = default_start(&dir, &home, "plantedtmp").await;
+    let (stdout, err) = streams(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(stdout.trim(), "ran");
+    let state = home.join(".cache/pyberth");
+    let meta = std::fs::metadata(&state).expect("the state dir is under the user's cache");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o700);
+    assert!(err.contains(&state.display().to_string()), "the log says where the state is: {err}");
+    assert_cleaned_up(&instance).await;
+
+    // A home where no cache can be made (a system user's): the shared temp dir, as before.
+    std::fs::remove_dir_all(&planted).expect("unplant");
+    let file_home = dir.join("not-a-dir");
+    std::fs::write(&file_home, "").expect("file");
+    let (out, instance) = default_start(&dir, &file_home, "plantedtmp2").await;
+    let (_, err) = streams(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(planted.is_dir() && err.contains("cannot be made"), "{err}");
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `pyberth run -` with `print('ran')`, with no state dir given, no XDG_RUNTIME_DIR, TMPDIR
+/// under `dir` and HOME `home`.
+async fn default_start(dir: &Path, home: &Path, tag: &str) -> (Output, String) {
+    let instance = instance_name(tag);
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"));
     cmd.args(["run", "-"])
-        .current_dir(&dir)
+        .current_dir(dir)
         .env("PYBERTH_INSTANCE", &instance)
         .env_remove("PYBERTH_STATE_DIR")
         .env_remove("XDG_RUNTIME_DIR")
         .env_remove("XDG_CACHE_HOME")
         .env("TMPDIR", dir.join("tmp"))
-        .env("HOME", &home)
+        .env("HOME", home)
         .env("RUST_LOG", "pyberth=info")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -472,13 +497,5 @@ async fn a_planted_shared_state_dir_does_not_stop_a_default_start() {
         .await
         .expect("in time")
         .expect("output");
-    let (stdout, err) = streams(&out);
-    assert_eq!(out.status.code(), Some(0), "{err}");
-    assert_eq!(stdout.trim(), "ran");
-    let state = home.join(".cache/pyberth");
-    let meta = std::fs::metadata(&state).expect("the state dir is under the user's cache");
-    assert_eq!(meta.permissions().mode() & 0o777, 0o700);
-    assert!(err.contains(&state.display().to_string()), "the log says where the state is: {err}");
-    assert_cleaned_up(&instance).await;
-    let _ = std::fs::remove_dir_all(&dir);
+    (out, instance)
 }
