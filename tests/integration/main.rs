@@ -29,6 +29,7 @@ mod http_tenants; // Two principals racing for their caps: sessions and jobs cre
 mod environments;
 // The CI runner, `pyberth run`.
 mod cli;
+mod cli_state; // The default state dir: one another user made first does not stop a start.
 // Hostile code: exhaustion, protocol abuse, isolation probes, with the four checks.
 mod hostile;
 // Code that speaks as the agent: forged images and notices, its stderr, FIFOs, slow reprs.
