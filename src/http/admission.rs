@@ -3,10 +3,10 @@
 //! So, besides the caps overall and per address:
 //! - a reserve (an eighth of the places) that connections still waiting for a request head
 //!   without having shown a token never fill: past that, a newcomer takes the place of the
-//!   oldest such connection of the address holding the most places (if it holds more than
-//!   the newcomer would), so a fresh address always gets in;
-//! - near the cap (three quarters), a fair share per address: the places outside the reserve
-//!   divided by the addresses holding places;
+//!   oldest such connection of the address holding the most places, so a fresh address
+//!   always gets in, and one that sends its request at once is served;
+//! - near the cap (three quarters), a fair share per address of tokenless waits: the places
+//!   outside the reserve divided by the addresses holding places;
 //! - near the cap, a shorter header timeout (a quarter, at least 1 s) for those connections.
 //!
 //! Connections that are being served, or that have shown a valid token on an earlier request
@@ -78,15 +78,14 @@ impl Table {
         }
     }
 
-    /// The oldest displaceable connection of the address holding the most places, if that
-    /// address holds more than `newcomer` would once admitted.
-    fn victim(&self, newcomer: IpAddr) -> Option<u64> {
-        let theirs = self.per_client.get(&newcomer).copied().unwrap_or(0) + 1;
+    /// The oldest displaceable connection of the address holding the most places. Even one
+    /// no bigger than the newcomer's: 70 addresses of one place each took all 64 places
+    /// otherwise. A client that sends its request head at once is never the oldest wait.
+    fn victim(&self) -> Option<u64> {
         self.conns
             .iter()
             .filter_map(|(id, e)| e.displaceable().map(|since| (*id, e.client, since)))
             .map(|(id, client, since)| (id, self.per_client.get(&client).copied().unwrap_or(0), since))
-            .filter(|&(_, held, _)| held > theirs)
             // Most places first, then the oldest wait (ids break ties: lower is older).
             .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(b.0.cmp(&a.0)))
             .map(|(id, _, _)| id)
@@ -151,14 +150,17 @@ impl Admission {
             for id in stale {
                 t.displace(id);
             }
+            // Shares are of tokenless waits: a client that showed a token opens its next
+            // connections (an MCP client keeps a stream beside its requests) whatever it holds.
+            let waiting_mine = t.conns.values().filter(|e| e.client == client && e.displaceable().is_some()).count();
             let clients = t.per_client.len() + usize::from(mine == 0);
-            if mine >= (general / clients.max(1)).max(1) {
+            if waiting_mine >= (general / clients.max(1)).max(1) {
                 return Err("a fair share of --max-connections");
             }
         }
         let waiting = t.conns.values().filter(|e| e.displaceable().is_some()).count();
         if t.conns.len() >= max || waiting >= general {
-            match t.victim(client) {
+            match t.victim() {
                 Some(id) => t.displace(id),
                 None if t.conns.len() >= max => return Err("--max-connections"),
                 None => {}
@@ -281,6 +283,32 @@ mod tests {
         assert!(!theirs.is_empty());
         assert!(!trusted.displaced().is_cancelled() && !busy.displaced().is_cancelled());
         assert!(waiting.iter().any(|p| p.displaced().is_cancelled()));
+    }
+
+    #[test]
+    fn among_equal_holders_the_oldest_wait_gives_way() {
+        let admission = Admission::new(limits(8, 1));
+        // The 7 places outside the reserve of 1, one address each.
+        let held: Vec<Place> = (2..9).map(|i| admission.admit(ip(i)).expect("one each")).collect();
+        assert!(held.iter().all(|p| !p.displaced().is_cancelled()));
+        let fresh = admission.admit(ip(20)).expect("a fresh address gets a place");
+        assert!(held[0].displaced().is_cancelled(), "the oldest wait gave its place");
+        assert_eq!(held.iter().filter(|p| p.displaced().is_cancelled()).count(), 1);
+        fresh.serving();
+        let _more: Vec<Place> = (30..60).filter_map(|i| admission.admit(ip(i)).ok()).collect();
+        assert!(!fresh.displaced().is_cancelled(), "a connection being served stays");
+    }
+
+    #[test]
+    fn a_client_that_showed_a_token_opens_more_connections_near_the_cap() {
+        let admission = Admission::new(limits(8, 8));
+        let mine = admission.admit(ip(1)).expect("mine");
+        mine.serving();
+        mine.waiting(true);
+        let _others: Vec<Place> = (2..9).filter_map(|i| admission.admit(ip(i)).ok()).collect();
+        // Fair share now 1 per address; ip(1) holds 1, but not a tokenless wait.
+        assert!(admission.admit(ip(1)).is_ok(), "a token holder's next connection");
+        assert!(!mine.displaced().is_cancelled());
     }
 
     #[test]

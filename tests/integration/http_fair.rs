@@ -60,19 +60,25 @@ async fn healthz_from(source: u8, target: SocketAddr) -> Result<String, String> 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_few_addresses_cannot_take_every_connection() {
     // The review's numbers: 256 places, 32 per address, 8 addresses that each fill their 32.
-    hold_and_probe("http-fair", 256, 32, 8).await;
+    hold_and_probe("http-fair", 256, 32, 32, 8).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_addresses_cannot_take_a_small_server() {
     // The review's second case: --max-connections 64, two addresses were enough.
-    hold_and_probe("http-fair-small", 64, 32, 2).await;
+    hold_and_probe("http-fair-small", 64, 32, 32, 2).await;
 }
 
-/// `attackers` addresses (127.0.0.2 on) each keep `per_client` half-sent requests open against
-/// a server of `max` places; a fresh address asks for /healthz 30 times and must get it each
+#[tokio::test(flavor = "multi_thread")]
+async fn many_addresses_of_one_place_each_cannot_take_every_connection() {
+    // No address is bigger than another: 70 addresses of one half-sent request each, 64 places.
+    hold_and_probe("http-fair-many", 64, 2, 1, 70).await;
+}
+
+/// `attackers` addresses (127.0.0.2 on) each keep `share` half-sent requests open against a
+/// server of `max` places, `per_client` per address; a fresh address asks for /healthz 30 times and must get it each
 /// time, and an authenticated client must get in too.
-async fn hold_and_probe(tag: &str, max: usize, per_client: usize, attackers: u8) {
+async fn hold_and_probe(tag: &str, max: usize, per_client: usize, share: usize, attackers: u8) {
     let env =
         [("PYBERTH_MAX_CONNECTIONS", max.to_string()), ("PYBERTH_MAX_CONNECTIONS_PER_CLIENT", per_client.to_string())];
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
@@ -82,9 +88,8 @@ async fn hold_and_probe(tag: &str, max: usize, per_client: usize, attackers: u8)
     let stop = CancellationToken::new();
     let opened = Arc::new(AtomicUsize::new(0));
     let sources = 2..2 + attackers;
-    let tasks: Vec<_> = sources
-        .map(|source| tokio::spawn(hold_share(source, per_client, target, stop.clone(), opened.clone())))
-        .collect();
+    let tasks: Vec<_> =
+        sources.map(|source| tokio::spawn(hold_share(source, share, target, stop.clone(), opened.clone()))).collect();
     // Let them fill every place first.
     let filling = Instant::now();
     while opened.load(Ordering::Relaxed) < max && filling.elapsed() < Duration::from_secs(30) {
