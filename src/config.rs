@@ -464,16 +464,13 @@ impl SandboxConfig {
     }
 
     /// Where liveness locks, the build lock and layer use times live: `--state-dir`, or a
-    /// directory of this user's own (`$XDG_RUNTIME_DIR/pyberth`, else `$TMPDIR/pyberth-<uid>`),
-    /// never one a shared name lets another user create first.
+    /// directory of this user's own ([`crate::state_dir::default_dir`]), never one a shared
+    /// name lets another user create first.
     pub fn state_dir(&self) -> PathBuf {
         if let Some(dir) = &self.state_dir {
             return dir.clone();
         }
-        match env_any(&["XDG_RUNTIME_DIR"]) {
-            Some(run) if Path::new(&run).is_absolute() => Path::new(&run).join("pyberth"),
-            _ => std::env::temp_dir().join(format!("pyberth-{}", rustix::process::geteuid().as_raw())),
-        }
+        crate::state_dir::default_dir()
     }
 
     /// Creates the state dir (mode 0700) or checks the one there: ours, a real directory, and

@@ -5,7 +5,7 @@
 //! have tokens: anyone who can reach it could otherwise run code.
 //!
 //! A request to `/mcp` passes, in order: `conn` (a place among the connections, overall and
-//! per client address; header and idle timeouts), `hosts` (`Host` and `Origin`), `tokens`
+//! per client address, shared fairly by `admission`; header and idle timeouts), `hosts` (`Host` and `Origin`), `tokens`
 //! (the bearer token, to a principal), `sessions` (an MCP session id is honoured only from
 //! the principal that opened it; MCP sessions capped per principal), then rmcp.
 
@@ -29,6 +29,7 @@ use crate::docker::image;
 use crate::server::SandboxServer;
 use crate::session::registry::Registry;
 
+mod admission;
 mod conn;
 mod hosts;
 mod sessions;

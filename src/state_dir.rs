@@ -8,7 +8,42 @@
 use std::fs::{File, OpenOptions};
 use std::io::{Read as _, Write as _};
 use std::os::unix::fs::OpenOptionsExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The state dir when none is given: `$XDG_RUNTIME_DIR/pyberth` (the login manager makes it,
+/// the user's own); else under the user's cache directory (`$XDG_CACHE_HOME/pyberth`,
+/// `~/.cache/pyberth`), which no other user can make first, as one could `$TMPDIR/pyberth-<uid>`
+/// and so stop every default start (issue 27); `$TMPDIR/pyberth-<uid>` only without a home or
+/// when the cache directory cannot be made (a system user's `/nonexistent`). Chosen once.
+pub(crate) fn default_dir() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(choose_default).clone()
+}
+
+fn choose_default() -> PathBuf {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let absolute = |name: &str| std::env::var_os(name).map(PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(run) = absolute("XDG_RUNTIME_DIR") {
+        return run.join("pyberth");
+    }
+    let shared = std::env::temp_dir().join(format!("pyberth-{}", rustix::process::geteuid().as_raw()));
+    let Some(cache) = absolute("XDG_CACHE_HOME").or_else(|| absolute("HOME").map(|h| h.join(".cache"))) else {
+        tracing::warn!(state_dir = %shared.display(), "neither XDG_RUNTIME_DIR nor HOME: state is kept in the shared temp directory (set --state-dir)");
+        return shared;
+    };
+    let dir = cache.join("pyberth");
+    match std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir) {
+        Ok(()) => {
+            tracing::info!(state_dir = %dir.display(), "no XDG_RUNTIME_DIR: state is kept under the user's cache directory");
+            dir
+        }
+        Err(e) => {
+            tracing::warn!(state_dir = %shared.display(), cache = %dir.display(), error = %e,
+                "no XDG_RUNTIME_DIR and the cache directory cannot be made: state is kept in the shared temp directory (set --state-dir)");
+            shared
+        }
+    }
+}
 
 /// `O_NOFOLLOW`: opening a symlink fails (`ELOOP`) instead of opening its target.
 pub(crate) fn no_follow() -> i32 {

@@ -7,8 +7,7 @@
 //! only regular files and directories are written, links are skipped, and nothing on the host
 //! is written through a symlink.
 //!
-//! Why this file passes 500 lines: a third of it is tests that feed hostile archives to the
-//! unpackers; the copy-back policy lives apart, in `copyback.rs`.
+//! The copy-back policy lives apart, in `copyback.rs`, its writing in `unpack.rs`.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -22,13 +21,14 @@ use tokio::sync::mpsc;
 
 use super::container::WORKSPACE;
 pub use super::copyback::{CopyBack, HeldBack};
+use super::unpack::unpack_changed;
 use crate::tarcheck::safe_relative;
 
 /// Directory names never copied back: interpreter and test-runner caches, not results.
-const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
+pub(super) const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
 
 /// Deepest path a transfer takes: deeper trees are refused, not walked.
-const MAX_DEPTH: usize = 64;
+pub(super) const MAX_DEPTH: usize = 64;
 
 /// The bounds of one transfer: content bytes and files (100,000 empty files cost no bytes).
 #[derive(Debug, Clone, Copy)]
@@ -297,93 +297,6 @@ pub fn read_upload(tar: &[u8], dest: &str, check: impl Fn(&str) -> Result<String
     Ok((files, skipped))
 }
 
-fn unpack_changed(
-    reader: impl Read,
-    dest: &Path,
-    since: u64,
-    rules: &CopyBack,
-    cap: Cap,
-    moved: &mut Moved,
-) -> Result<(), String> {
-    let mut ar = tar::Archive::new(reader);
-    let mut seen = 0u64;
-    for entry in ar.entries().map_err(|e| format!("bad archive: {e}"))? {
-        // Every entry costs work and a line in the listing, even one that is left behind.
-        seen += 1;
-        if seen > cap.files.saturating_mul(4) {
-            return Err(format!(
-                "the workspace holds more than {} entries: raise --transfer-max-files",
-                cap.files.saturating_mul(4)
-            ));
-        }
-        let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
-        let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
-        let rel = path.as_path();
-        if rel.as_os_str().is_empty() || !safe_relative(rel) || rel.components().count() > MAX_DEPTH {
-            continue;
-        }
-        if rel.components().any(|c| CACHES.iter().any(|cache| c.as_os_str() == *cache)) {
-            continue;
-        }
-        let header = entry.header();
-        if header.entry_type() != tar::EntryType::Regular || header.mtime().unwrap_or(0) < since {
-            continue; // links are never recreated on the host; old files were not made by the run
-        }
-        let size = header.size().unwrap_or(0);
-        if rules.given.get(rel).is_some_and(|&(mtime, len)| (mtime, len) == (header.mtime().unwrap_or(0), size)) {
-            continue; // as uploaded: an input, not a result
-        }
-        // Checked before any directory is made on the host for it.
-        let exists = std::fs::symlink_metadata(dest.join(rel)).is_ok();
-        if let Some(why) = rules.held_back(rel, exists) {
-            moved.held_back.push((rel.to_path_buf(), why));
-            continue;
-        }
-        moved.files += 1;
-        moved.bytes += size;
-        if moved.bytes > cap.bytes {
-            return Err(format!("the run's output files exceed {} MiB: raise --transfer-cap-mb", cap.bytes >> 20));
-        }
-        if moved.files > cap.files {
-            return Err(format!("the run made more than {} output files: raise --transfer-max-files", cap.files));
-        }
-        let target = host_target(dest, rel)?;
-        // Never write through a link: replace whatever is at the final path.
-        if std::fs::symlink_metadata(&target).is_ok_and(|m| !m.is_file()) {
-            return Err(format!("{} exists and is not a regular file", target.display()));
-        }
-        let _ = std::fs::remove_file(&target);
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&target)
-            .map_err(|e| format!("cannot write {}: {e}", target.display()))?;
-        std::io::copy(&mut (&mut entry).take(size), &mut file)
-            .map_err(|e| format!("cannot write {}: {e}", target.display()))?;
-        moved.copied.push(rel.to_path_buf());
-    }
-    Ok(())
-}
-
-/// The host path for `rel` under `dest`, creating its directories; refuses any existing
-/// component that is a symlink, so a tree cannot lead writes out of `dest`.
-fn host_target(dest: &Path, rel: &Path) -> Result<PathBuf, String> {
-    let mut at = dest.to_path_buf();
-    let parts: Vec<_> = rel.components().collect();
-    for (i, part) in parts.iter().enumerate() {
-        at.push(part);
-        if i + 1 == parts.len() {
-            break;
-        }
-        match std::fs::symlink_metadata(&at) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => return Err(format!("{} is in the way (not a directory)", at.display())),
-            Err(_) => std::fs::create_dir(&at).map_err(|e| format!("cannot create {}: {e}", at.display()))?,
-        }
-    }
-    Ok(at)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,6 +349,15 @@ mod tests {
         let mut moved = Moved::default();
         let r = unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut moved);
         assert!(r.is_err_and(|e| e.contains("in the way")), "a symlinked directory on the host stops the copy");
+        assert!(!outside.join("owned").exists(), "nothing is written through a host symlink");
+        assert!(!dir.join("reports/junit.xml").exists() && !dir.join("edited.py").exists(), "nor anything else");
+        let left: Vec<_> = std::fs::read_dir(&dir).expect("dir").flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left.len(), 2, "reports/ and escape only, no staging left: {left:?}");
+        std::fs::remove_file(dir.join("escape")).expect("unlink");
+        std::fs::write(dir.join("escape"), "a file in the way").expect("file");
+        assert!(unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut Moved::default()).is_err(), "a file in the way");
+        std::fs::remove_file(dir.join("escape")).expect("unlink");
+        unpack_changed(&tar[..], &dir, 100, &rules, CAP, &mut moved).expect("nothing in the way");
         assert_eq!(std::fs::read_to_string(dir.join("reports/junit.xml")).expect("junit"), "<xml/>");
         assert!(!dir.join("old.py").exists(), "files older than the run stay behind");
         assert!(!dir.join("given.py").exists(), "files as uploaded stay behind");
@@ -443,7 +365,6 @@ mod tests {
         assert!(!dir.join("__pycache__").exists(), "caches stay behind");
         assert!(!dir.join("link").exists(), "links are never recreated");
         assert!(!dir.parent().expect("parent").join("evil").exists());
-        assert!(!outside.join("owned").exists(), "nothing is written through a host symlink");
 
         let mut moved = Moved::default();
         let big = archive(&[("big", tar::EntryType::Regular, 200, "0123456789")]);

@@ -11,6 +11,7 @@ pub mod heartbeat;
 pub mod identity;
 pub mod image;
 pub mod snapshot;
+mod unpack;
 
 use bollard::Docker;
 

@@ -5,20 +5,23 @@
 //! head within the header timeout (between keep-alive requests too: hyper times the wait for
 //! each head), and is closed once no byte has moved either way for the idle timeout.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use hyper::service::Service as _;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+use super::admission::{Admission, Authenticated, Place};
 
 /// How long connections may take to finish once the server stops.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -60,48 +63,6 @@ pub(super) fn connection_cap(wanted: usize, fds: Option<u64>) -> usize {
     usize::try_from(room).map_or(wanted, |room| wanted.min(room)).max(1)
 }
 
-/// Connections open now, overall and per client address.
-#[derive(Debug)]
-struct Admission {
-    limits: Limits,
-    open: Mutex<(usize, std::collections::HashMap<IpAddr, usize>)>,
-}
-
-impl Admission {
-    fn admit(self: &Arc<Self>, client: IpAddr) -> Result<Place, &'static str> {
-        let mut open = self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if open.0 >= self.limits.max_connections {
-            return Err("--max-connections");
-        }
-        let mine = open.1.entry(client).or_default();
-        if *mine >= self.limits.per_client {
-            return Err("--max-connections-per-client");
-        }
-        *mine += 1;
-        open.0 += 1;
-        Ok(Place { admission: self.clone(), client })
-    }
-}
-
-/// One admitted connection's place; given back when dropped.
-struct Place {
-    admission: Arc<Admission>,
-    client: IpAddr,
-}
-
-impl Drop for Place {
-    fn drop(&mut self) {
-        let mut open = self.admission.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        open.0 -= 1;
-        if let Some(n) = open.1.get_mut(&self.client) {
-            *n -= 1;
-            if *n == 0 {
-                open.1.remove(&self.client);
-            }
-        }
-    }
-}
-
 /// Logs at most one warning a minute for a recurring condition (a flood must not flood the log).
 #[derive(Default)]
 struct Sometimes(Option<Instant>);
@@ -119,7 +80,7 @@ impl Sometimes {
 /// Accepts and serves connections until `shutdown` fires, then gives open ones a few seconds
 /// to finish.
 pub(super) async fn serve(listener: TcpListener, app: Router, limits: Limits, shutdown: CancellationToken) {
-    let admission = Arc::new(Admission { limits, open: Mutex::default() });
+    let admission = Admission::new(limits);
     let tasks = TaskTracker::new();
     let (mut refusals, mut failures) = (Sometimes::default(), Sometimes::default());
     loop {
@@ -161,7 +122,7 @@ async fn connection(
     app: Router,
     limits: Limits,
     shutdown: CancellationToken,
-    _place: Place,
+    place: Place,
 ) {
     // Progress lines over SSE must not wait for Nagle.
     let _ = stream.set_nodelay(true);
@@ -169,7 +130,21 @@ async fn connection(
     let io = TokioIo::new(Watched { inner: stream, activity: activity.clone() });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
-    let conn = builder.serve_connection(io, TowerToHyperService::new(app));
+    let place = Arc::new(place);
+    let displaced = place.displaced().clone();
+    let app = TowerToHyperService::new(app);
+    // Admission needs to know whether a connection waits for a head, and whether it showed a token.
+    let service = hyper::service::service_fn(move |req| {
+        place.serving();
+        let served = app.call(req);
+        let place = place.clone();
+        async move {
+            let response = served.await;
+            place.waiting(response.as_ref().is_ok_and(|r| r.extensions().get::<Authenticated>().is_some()));
+            response
+        }
+    });
+    let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
     tokio::select! {
         served = conn.as_mut() => {
@@ -179,6 +154,9 @@ async fn connection(
         }
         () = activity.quiet_for(limits.idle_timeout) => {
             tracing::debug!(client = %peer, "closing an idle connection");
+        }
+        () = displaced.cancelled() => {
+            tracing::debug!(client = %peer, "closing a waiting connection for a newcomer");
         }
         () = shutdown.cancelled() => {
             conn.as_mut().graceful_shutdown();
@@ -280,26 +258,6 @@ mod tests {
         assert_eq!(connection_cap(256, Some(256)), 128);
         assert_eq!(connection_cap(256, Some(64)), 32);
         assert_eq!(connection_cap(256, Some(1)), 1);
-    }
-
-    #[test]
-    fn places_are_capped_overall_and_per_client_and_given_back() {
-        let limits = Limits {
-            max_connections: 3,
-            per_client: 2,
-            header_timeout: Duration::from_secs(1),
-            idle_timeout: Duration::from_secs(1),
-        };
-        let admission = Arc::new(Admission { limits, open: Mutex::default() });
-        let (a, b, c): (IpAddr, IpAddr, IpAddr) =
-            ("127.0.0.2".parse().expect("ip"), "127.0.0.3".parse().expect("ip"), "::1".parse().expect("ip"));
-        let a1 = admission.admit(a).expect("a1");
-        let _a2 = admission.admit(a).expect("a2");
-        assert_eq!(admission.admit(a).err(), Some("--max-connections-per-client"));
-        let _b1 = admission.admit(b).expect("b1");
-        assert_eq!(admission.admit(c).err(), Some("--max-connections"));
-        drop(a1);
-        assert!(admission.admit(c).is_ok(), "a closed connection gives its place back");
     }
 
     #[tokio::test]

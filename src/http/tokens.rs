@@ -10,6 +10,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq as _;
 
+use super::admission::Authenticated;
 use super::{Error, HttpArgs, TokenProblem};
 use crate::server::Principal;
 
@@ -107,7 +108,7 @@ pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Ne
     if tokens.is_empty() {
         // Loopback only (checked at start): the local user, as over stdio.
         req.extensions_mut().insert(Principal(Arc::from(DEFAULT_PRINCIPAL)));
-        return next.run(req).await;
+        return authenticated(next.run(req).await);
     }
     let presented = req
         .headers()
@@ -118,7 +119,7 @@ pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Ne
     match presented.and_then(|t| tokens.principal(t.as_bytes())) {
         Some(principal) => {
             req.extensions_mut().insert(Principal(principal));
-            next.run(req).await
+            authenticated(next.run(req).await)
         }
         None => {
             let why = if presented.is_some() { "the token is not valid" } else { "a bearer token is required" };
@@ -135,6 +136,12 @@ pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Ne
             resp
         }
     }
+}
+
+/// Tells admission the connection carried a valid token (it is then never displaced).
+fn authenticated(mut resp: Response) -> Response {
+    resp.extensions_mut().insert(Authenticated);
+    resp
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! Why this file passes 500 lines: `pyberth run` from argument to exit code, read top to
 //! bottom; its one separable part, making output safe for a CI log, is `neutralize.rs`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -25,7 +25,7 @@ use crate::docker::archive::{Cap, CopyBack, Moved};
 use crate::packages::Error as InstallError;
 use crate::protocol::Stream;
 use crate::session::registry::{Error as RegistryError, Registry};
-use crate::session::{RunOutcome, RunSpec, RunStatus};
+use crate::session::{RunOutcome, RunSpec, RunStatus, Session};
 
 mod neutralize;
 use crate::output::one_line;
@@ -132,14 +132,16 @@ pub struct Failure {
     pub code: u8,
     /// What happened and what to do.
     pub message: String,
+    /// The program's own exit code, when it ran to the end before the failure (the copy back).
+    pub program_exit: Option<u8>,
 }
 
 fn usage(message: impl Into<String>) -> Failure {
-    Failure { code: exit::USAGE, message: message.into() }
+    Failure { code: exit::USAGE, message: message.into(), program_exit: None }
 }
 
 fn infra(message: impl Into<String>) -> Failure {
-    Failure { code: exit::INFRA, message: message.into() }
+    Failure { code: exit::INFRA, message: message.into(), program_exit: None }
 }
 
 /// What runs: a script (workspace path and its bytes, if not already uploaded) or a command.
@@ -238,7 +240,9 @@ pub async fn run(args: RunArgs) -> u8 {
         Err(f) => {
             status.clear();
             if args.json {
-                let json = serde_json::json!({ "status": "failed", "exit_code": f.code, "error": f.message });
+                let json = serde_json::json!({
+                    "status": "failed", "exit_code": f.code, "error": f.message, "program_exit_code": f.program_exit,
+                });
                 #[allow(clippy::print_stdout)] // --json: the result is the command's output
                 {
                     println!("{json}");
@@ -352,44 +356,12 @@ async fn in_session(
     watcher.abort();
     let mid_line = echo.finish();
     let outcome = ran.map_err(|e| infra(format!("the run could not complete: {e}")))?;
+    let code = exit_code(&outcome);
     let copied = match &args.output {
-        Some(out) => {
-            // Whole seconds in the archive: anything touched in the run's first second counts.
-            let since = started - Duration::from_secs(1);
-            let rules = CopyBack { given, overwrite: args.output_overwrite, exclude: args.output_exclude.clone() };
-            Some(session.download_changed(since, rules, out, cap).await.map_err(infra)?)
-        }
+        Some(out) => Some(copy_back(args, &session, out, given, started, cap, &outcome).await?),
         None => None,
     };
-    let code = exit_code(&outcome);
-    if json {
-        print_json(&outcome, code, copied.as_ref());
-    } else {
-        // Our lines start lines: the program's last line may lack its newline.
-        if mid_line {
-            eprintln!();
-        }
-        if let (Some(moved), Some(out)) = (&copied, &args.output) {
-            report_copied(moved, out);
-        }
-        for n in &outcome.notices {
-            eprintln!("[pyberth] {}", one_line(n));
-        }
-        match outcome.status {
-            RunStatus::Timeout => eprintln!("[pyberth] timeout: stopped after {} s", args.timeout),
-            RunStatus::Oom => {}
-            // The program's own failure speaks for itself; anything else is explained.
-            RunStatus::Error => {
-                if let Some(e) = outcome.error.as_ref().filter(|e| e.kind != "ExitStatus") {
-                    eprintln!("[pyberth] {}: {}", one_line(&e.kind), one_line(&e.message));
-                }
-            }
-            _ => {}
-        }
-        // Always the last line, and one the program cannot forge: its own lines that start with
-        // `[pyberth]` were defused (unless --raw-output).
-        eprintln!("[pyberth] exit {code} ({}) after {:.1} s", outcome.status, outcome.duration.as_secs_f64());
-    }
+    report(args, &outcome, code, copied.as_ref(), mid_line);
     Ok(code)
 }
 
@@ -442,6 +414,60 @@ fn emit(stream: Stream, bytes: &[u8]) {
         Stream::Stdout => std::io::stdout().lock().write_all(bytes).and_then(|()| std::io::stdout().flush()),
         Stream::Stderr => std::io::stderr().lock().write_all(bytes),
     };
+}
+
+/// `--output`: the files the run made or changed since `started`, into `out`. A failure is ours
+/// (exit 125), and says the program's own status beside it.
+async fn copy_back(
+    args: &RunArgs,
+    session: &Session,
+    out: &Path,
+    given: HashMap<PathBuf, (u64, u64)>,
+    started: SystemTime,
+    cap: Cap,
+    outcome: &RunOutcome,
+) -> Result<Moved, Failure> {
+    // Whole seconds in the archive: anything touched in the run's first second counts.
+    let since = started - Duration::from_secs(1);
+    let rules = CopyBack { given, overwrite: args.output_overwrite, exclude: args.output_exclude.clone() };
+    let code = exit_code(outcome);
+    session.download_changed(since, rules, out, cap).await.map_err(|e| Failure {
+        program_exit: Some(code),
+        ..infra(format!("{e}; the program exited {code} ({})", outcome.status))
+    })
+}
+
+/// What `pyberth run` says at the end: the `--json` result, or the copied files, notices and
+/// our last line on stderr.
+fn report(args: &RunArgs, outcome: &RunOutcome, code: u8, copied: Option<&Moved>, mid_line: bool) {
+    if args.json {
+        print_json(outcome, code, copied);
+    } else {
+        // Our lines start lines: the program's last line may lack its newline.
+        if mid_line {
+            eprintln!();
+        }
+        if let (Some(moved), Some(out)) = (copied, &args.output) {
+            report_copied(moved, out);
+        }
+        for n in &outcome.notices {
+            eprintln!("[pyberth] {}", one_line(n));
+        }
+        match outcome.status {
+            RunStatus::Timeout => eprintln!("[pyberth] timeout: stopped after {} s", args.timeout),
+            RunStatus::Oom => {}
+            // The program's own failure speaks for itself; anything else is explained.
+            RunStatus::Error => {
+                if let Some(e) = outcome.error.as_ref().filter(|e| e.kind != "ExitStatus") {
+                    eprintln!("[pyberth] {}: {}", one_line(&e.kind), one_line(&e.message));
+                }
+            }
+            _ => {}
+        }
+        // Always the last line, and one the program cannot forge: its own lines that start with
+        // `[pyberth]` were defused (unless --raw-output).
+        eprintln!("[pyberth] exit {code} ({}) after {:.1} s", outcome.status, outcome.duration.as_secs_f64());
+    }
 }
 
 /// The process exit code for an outcome.

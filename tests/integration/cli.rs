@@ -36,14 +36,14 @@ async fn pyberth_run(tag: &str, cwd: &Path, args: &[&str], input: Option<&str>) 
     (out, instance)
 }
 
-fn scratch(tag: &str) -> PathBuf {
+pub(crate) fn scratch(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("pyberth-cli-{}-{tag}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
     dir
 }
 
-fn streams(o: &Output) -> (String, String) {
+pub(crate) fn streams(o: &Output) -> (String, String) {
     (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
@@ -373,6 +373,60 @@ async fn the_copy_back_follows_no_link_out_of_the_workspace() {
             }
         }
     }
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A git directory under another name (issue 27, Low 4): `bare/` with `HEAD`, a `config` whose
+/// `core.fsmonitor` is a command, `objects/` and `refs/`. Copied back, a host `git status`
+/// inside it runs the command. Held back by what it holds, not by its name.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_copy_back_holds_back_a_git_directory_under_any_name() {
+    let dir = scratch("baregit");
+    let code = "import os\nfor d in ('bare/objects/info', 'bare/refs/heads', 'deep/x/hooked/objects', 'deep/x/hooked/refs'):\n    \
+                os.makedirs(d)\n\
+                for root in ('bare', 'deep/x/hooked'):\n    \
+                open(root + '/HEAD', 'w').write('ref: refs/heads/main\\n')\n    \
+                open(root + '/config', 'w').write('[core]\\n\\tbare = true\\n\\tfsmonitor = touch PWNED\\n')\n    \
+                open(root + '/objects/info/x' if root == 'bare' else root + '/objects/x', 'w').write('x')\n    \
+                open(root + '/refs/heads/main' if root == 'bare' else root + '/refs/x', 'w').write('x')\n\
+                open('result.txt', 'w').write('ok')\n";
+    let (o, instance) = pyberth_run("baregit", &dir, &["--output", "out", "--json", "-"], Some(code)).await;
+    let (out, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(std::fs::read_to_string(dir.join("out/result.txt")).expect("the result"), "ok");
+    assert!(!dir.join("out/bare").exists(), "a bare repository came back");
+    assert!(!dir.join("out/deep/x/hooked").exists(), "a nested bare repository came back");
+    let v: Value = serde_json::from_str(out.trim()).expect("json");
+    let held = v["output_held_back"].as_array().expect("held back list");
+    assert!(
+        held.iter()
+            .any(|h| h["path"] == "bare/config" && h["why"].as_str().is_some_and(|w| w.contains("version-control"))),
+        "{v}"
+    );
+    assert_cleaned_up(&instance).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Copy-back is all or nothing (issue 27, Low 5): with a host file in the way of one result,
+/// no other result is written, and the program's own exit status is told beside the error.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_back_that_cannot_finish_writes_nothing_and_tells_the_programs_status() {
+    let dir = scratch("allornothing");
+    std::fs::create_dir_all(dir.join("out")).expect("out");
+    std::fs::write(dir.join("out/m"), "host file in the way of m/").expect("in the way");
+    let code = "import os, sys\nopen('a.txt', 'w').write('a')\nos.makedirs('m')\nopen('m/x.txt', 'w').write('x')\n\
+                open('z.txt', 'w').write('z')\nsys.exit(3)\n";
+    let (o, instance) = pyberth_run("allornothing", &dir, &["--output", "out", "-"], Some(code)).await;
+    let (_, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(125), "{err}");
+    assert!(err.contains("in the way"), "{err}");
+    assert!(err.contains("the program exited 3"), "the program's own status is told: {err}");
+    for f in ["a.txt", "z.txt"] {
+        assert!(!dir.join("out").join(f).exists(), "{f} was written though the copy back failed");
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.join("out")).expect("out").flatten().map(|e| e.file_name()).collect();
+    assert_eq!(left, [std::ffi::OsString::from("m")], "nothing else, no staging left behind");
     assert_cleaned_up(&instance).await;
     let _ = std::fs::remove_dir_all(&dir);
 }

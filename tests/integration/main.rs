@@ -23,10 +23,13 @@ mod jobs;
 // The HTTP service: tokens, principals, streaming, healthz.
 mod http;
 mod http_abuse; // The HTTP service under attack: foreign MCP sessions, caps, Host/Origin, slow clients.
+mod http_fair; // Fair admission: a few client addresses cannot take every connection.
+mod http_tenants; // Two principals racing for their caps: sessions and jobs created at once.
 // Environments: Python versions, operator environments, mounts.
 mod environments;
 // The CI runner, `pyberth run`.
 mod cli;
+mod cli_state; // The default state dir: one another user made first does not stop a start.
 // Hostile code: exhaustion, protocol abuse, isolation probes, with the four checks.
 mod hostile;
 // Code that speaks as the agent: forged images and notices, its stderr, FIFOs, slow reprs.
