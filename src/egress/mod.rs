@@ -7,6 +7,7 @@
 //! no image build, no registry. The server speaks to it over the container's attached
 //! stdin/stdout (policies in, connection records out), so the proxy has no control port.
 
+mod account;
 pub mod policy;
 pub mod proxy;
 
@@ -184,6 +185,10 @@ pub struct Totals {
     #[serde(skip)]
     #[schemars(skip)]
     denied_total: u64,
+    /// How many of the session's refusals the server's log still shows one by one.
+    #[serde(skip)]
+    #[schemars(skip)]
+    log: account::RefusalLog,
 }
 
 /// Denials kept per session (and listed per run).
@@ -235,6 +240,7 @@ impl Totals {
                 self.denied[self.denied.len().saturating_sub(new)..].to_vec()
             },
             denied_total: 0,
+            log: Default::default(),
         }
     }
 }
@@ -651,7 +657,7 @@ impl Manager {
                                         let _ = r.send(Ok(()));
                                     }
                                 }
-                                Ok(Report::Conn(r)) => account(&totals, &r),
+                                Ok(Report::Conn(r)) => account::account(&totals, &r),
                                 Ok(Report::Applied { seq }) => {
                                     applied_tx.send_if_modified(|a| {
                                         let newer = seq > *a;
@@ -670,7 +676,7 @@ impl Manager {
                     }
                     Ok(LogOutput::StdErr { message }) => {
                         let text = String::from_utf8_lossy(&message).into_owned();
-                        tracing::warn!(target: "pyberth::egress", "proxy: {}", text.trim_end());
+                        tracing::warn!(target: "pyberth::egress", stderr = ?text.trim_end(), "egress proxy");
                         if err.len() < 4096 {
                             err.push_str(&text);
                         }
@@ -958,7 +964,10 @@ impl Manager {
             None => None,
         };
         self.remove_network(&net.network, id.as_deref()).await;
-        self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&net.local);
+        let gone = self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&net.local);
+        if let Some(t) = gone {
+            t.log.flush(principal, session);
+        }
     }
 
     /// The session's allow-list in force; `None`: the session has no egress.
@@ -1136,25 +1145,6 @@ impl Manager {
             self.remove_network(&n, None).await;
         }
         sweep_networks(&self.docker, &|l| l.get(LABEL_INSTANCE) == Some(&self.owner.instance)).await;
-    }
-}
-
-fn account(totals: &Mutex<HashMap<IpAddr, Totals>>, r: &Record) {
-    tracing::info!(
-        target: "pyberth::egress",
-        principal = %r.principal,
-        session = %r.session,
-        host = %r.host,
-        port = r.port,
-        bytes_out = r.up,
-        bytes_in = r.down,
-        ms = r.ms,
-        verdict = if r.cut { "cut" } else if r.allowed { "allowed" } else { "denied" },
-        rule = %r.rule,
-        "egress connection"
-    );
-    if let Some(t) = totals.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&r.local) {
-        t.add(r);
     }
 }
 

@@ -29,6 +29,16 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time a name has to resolve, and an upstream to accept.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Refusals one session has answered at once; past them, [`REFUSAL_RATE`] a second.
+const REFUSAL_BURST: f64 = 64.0;
+/// Refusals a second one session has answered at once, past the burst.
+const REFUSAL_RATE: f64 = 16.0;
+/// How long a refusal past the rate waits, holding one of the session's connection slots:
+/// code that opens refused connections in a loop gets at most `--egress-max-conns` / this
+/// answered a second (320 with the default 32) instead of thousands.
+const REFUSAL_PENALTY: Duration = Duration::from_millis(100);
+/// A host name is at most 253 characters; a host reported is cut there.
+const HOST_SHOWN: usize = 253;
 
 /// A message from the server.
 #[derive(Debug, Serialize, Deserialize)]
@@ -245,6 +255,39 @@ struct Policy {
     secrets: Vec<Vec<u8>>,
     conns: Arc<Semaphore>,
     budget: Arc<Budget>,
+    refusals: Arc<RefusalRate>,
+}
+
+/// A session's refusals: a token bucket of [`REFUSAL_BURST`] filled at [`REFUSAL_RATE`].
+struct RefusalRate(std::sync::Mutex<(f64, Instant)>);
+
+impl RefusalRate {
+    fn new() -> Self {
+        Self(std::sync::Mutex::new((REFUSAL_BURST, Instant::now())))
+    }
+
+    /// Takes one refusal; false past the rate.
+    fn take(&self) -> bool {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (tokens, at) = &mut *g;
+        *tokens = (*tokens + at.elapsed().as_secs_f64() * REFUSAL_RATE).min(REFUSAL_BURST);
+        *at = Instant::now();
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// `text` cut to `max` bytes on a character boundary, saying how much was left out.
+fn cut(text: &str, max: usize) -> String {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    if end == text.len() { text.to_owned() } else { format!("{}… (+{} bytes)", &text[..end], text.len() - end) }
 }
 
 #[derive(Default)]
@@ -350,20 +393,20 @@ fn apply(state: &Shared, c: Command) {
         }
         Command::Set { local, session, principal, allow, headers } => {
             let rules = allow.iter().filter_map(|a| Rule::parse(a).ok()).collect();
-            // The connection slots and the budget survive a new list.
-            let (conns, budget) = match s.policies.get(&local) {
-                Some(p) => (p.conns.clone(), p.budget.clone()),
+            // The connection slots, the budget and the refusal rate survive a new list.
+            let (conns, budget, refusals) = match s.policies.get(&local) {
+                Some(p) => (p.conns.clone(), p.budget.clone(), p.refusals.clone()),
                 None => {
                     let b = Budget::default();
                     b.left.store(u64::MAX, Ordering::SeqCst);
-                    (Arc::new(Semaphore::new(s.max_conns)), Arc::new(b))
+                    (Arc::new(Semaphore::new(s.max_conns)), Arc::new(b), Arc::new(RefusalRate::new()))
                 }
             };
             let mut secrets: Vec<Vec<u8>> =
                 headers.values().flatten().filter(|(_, v)| !v.is_empty()).flat_map(|(_, v)| secret_forms(v)).collect();
             secrets.sort();
             secrets.dedup();
-            let policy = Policy { session, principal, rules, headers, secrets, conns, budget };
+            let policy = Policy { session, principal, rules, headers, secrets, conns, budget, refusals };
             s.policies.insert(local, Arc::new(policy));
         }
         Command::Budget { local, bytes } => {
@@ -654,9 +697,16 @@ impl Scrubber {
         self.pending.drain(..send).collect()
     }
 
-    /// What is held back, at the end of the stream.
+    /// What is held back, at the end of the stream (the upstream's answer ended, or the
+    /// run's budget cut it): the held bytes may be the start of a secret whose rest never
+    /// came, so from the first held byte that starts some masked form, the rest is masked.
     fn finish(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.pending)
+        let mut out = std::mem::take(&mut self.pending);
+        let start = (0..out.len()).find(|&i| self.secrets.iter().any(|s| s.starts_with(&out[i..])));
+        if let Some(i) = start {
+            out[i..].fill(b'*');
+        }
+        out
     }
 }
 
@@ -721,7 +771,7 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
         local,
         session: policy.session.clone(),
         principal: policy.principal.clone(),
-        host: head.host.clone(),
+        host: cut(&head.host, HOST_SHOWN),
         port: head.port,
         allowed: false,
         rule: String::new(),
@@ -734,7 +784,7 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
         .or_else(|| head.host.parse::<IpAddr>().ok().map(|ip| ip.to_string()))
         .unwrap_or_default();
     let verdict = match policy::first_match(&policy.rules, &host, head.port) {
-        None if host.is_empty() => Err(format!("{:?} is not a host name", head.host)),
+        None if host.is_empty() => Err(format!("{:?} is not a host name", record.host)),
         None if head.host.parse::<IpAddr>().is_ok() => Err(format!(
             "{}:{} denied: IP literals are refused unless the operator allows that literal (use the host name)",
             head.host, head.port
@@ -755,22 +805,18 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
         Ok(r) => r,
         Err(why) => {
             record.rule = why.clone();
-            record.ms = ms(started);
-            let _ = tx.send(Report::Conn(record));
-            return deny(&mut sock, "403 Forbidden", &why).await;
+            return refuse(&mut sock, &policy, record, "403 Forbidden", &why, started, &tx).await;
         }
     };
     let Ok(_slot) = policy.conns.clone().try_acquire_owned() else {
         record.rule = "too many connections open at once for this session (--egress-max-conns)".into();
-        let _ = tx.send(Report::Conn(record.clone()));
         let why = format!("{host}:{} denied: {}", head.port, record.rule);
-        return deny(&mut sock, "429 Too Many Requests", &why).await;
+        return refuse(&mut sock, &policy, record, "429 Too Many Requests", &why, started, &tx).await;
     };
     if policy.budget.left.load(Ordering::SeqCst) == 0 {
         record.rule = "the run's egress byte budget is spent (--egress-max-mb)".into();
-        let _ = tx.send(Report::Conn(record.clone()));
         let why = format!("{host}:{} denied: {}", head.port, record.rule);
-        return deny(&mut sock, "403 Forbidden", &why).await;
+        return refuse(&mut sock, &policy, record, "403 Forbidden", &why, started, &tx).await;
     }
     let upstream = match resolve(&state, &host, head.port).await {
         Ok(addr) => tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
@@ -779,18 +825,15 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
             .and_then(|r| r.map_err(|e| format!("{host}:{} refused the connection: {e}", head.port))),
         Err(why) => {
             record.rule = format!("{why} (rule {rule} matched the name)");
-            record.ms = ms(started);
-            let _ = tx.send(Report::Conn(record.clone()));
-            return deny(&mut sock, "403 Forbidden", &format!("{host}:{} denied: {}", head.port, record.rule)).await;
+            let why = format!("{host}:{} denied: {}", head.port, record.rule);
+            return refuse(&mut sock, &policy, record, "403 Forbidden", &why, started, &tx).await;
         }
     };
     let upstream = match upstream {
         Ok(u) => u,
         Err(why) => {
             record.rule = format!("allowed by {rule}, but {why}");
-            record.ms = ms(started);
-            let _ = tx.send(Report::Conn(record.clone()));
-            return deny(&mut sock, "502 Bad Gateway", &why).await;
+            return refuse(&mut sock, &policy, record, "502 Bad Gateway", &why, started, &tx).await;
         }
     };
     record.allowed = true;
@@ -839,6 +882,37 @@ async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, tx: mpsc::
     record.cut = policy.budget.left.load(Ordering::SeqCst) == 0;
     record.ms = ms(started);
     let _ = tx.send(Report::Conn(record));
+}
+
+/// Reports a refused connection and answers it. Past the session's refusal rate the answer
+/// waits: for one of the session's connection slots (so refusals count against
+/// `--egress-max-conns`), then [`REFUSAL_PENALTY`]; such refusals are still reported (the
+/// server counts them and logs only the first few).
+async fn refuse(
+    sock: &mut TcpStream,
+    policy: &Policy,
+    mut record: Record,
+    status: &str,
+    why: &str,
+    started: Instant,
+    tx: &mpsc::UnboundedSender<Report>,
+) {
+    let mut why = why.to_owned();
+    let mut _slot = None;
+    if !policy.refusals.take() {
+        // Bounded like a head: a session whose slots are all held gets its answer anyway.
+        _slot = tokio::time::timeout(HEAD_TIMEOUT, policy.conns.clone().acquire_owned()).await.ok();
+        tokio::time::sleep(REFUSAL_PENALTY).await;
+        let late = format!(
+            " (refused too often: past {REFUSAL_RATE} refusals a second, each is answered after {} ms)",
+            REFUSAL_PENALTY.as_millis()
+        );
+        record.rule.push_str(&late);
+        why.push_str(&late);
+    }
+    record.ms = ms(started);
+    let _ = tx.send(Report::Conn(record));
+    deny(sock, status, &why).await;
 }
 
 fn ms(since: Instant) -> u64 {
@@ -1108,6 +1182,58 @@ mod tests {
         assert_eq!(String::from_utf8(out).expect("utf-8"), "a ************ b ************ c");
         let mut none = Scrubber::new(Vec::new());
         assert_eq!(none.push(b"plain"), b"plain");
+    }
+
+    /// Every masked form of a secret, cut after each of its bytes: the prefix ahead of the
+    /// cut held back and nothing of the secret after.
+    fn cuts() -> Vec<(Vec<Vec<u8>>, Vec<u8>, usize)> {
+        let forms = secret_forms("Bearer tok/en+1 2");
+        let mut all = Vec::new();
+        for form in &forms {
+            for k in 1..form.len() {
+                let mut first = b"....".to_vec();
+                first.extend_from_slice(&form[..k]);
+                all.push((forms.clone(), first, k));
+            }
+        }
+        all
+    }
+
+    /// The reviewer's attack, at every cut: the upstream echoes the secret, and the run's
+    /// byte budget ends between the read holding its start and the one holding the rest (or
+    /// the upstream's answer just ends there). What reaches the sandbox ends masked.
+    #[tokio::test]
+    async fn a_secret_cut_between_two_reads_never_goes_out_in_part() {
+        for (forms, first, k) in cuts() {
+            for by_budget in [true, false] {
+                let (client, mut sandbox) = tokio::io::duplex(1 << 16);
+                let (upstream, mut echo) = tokio::io::duplex(1 << 16);
+                let budget = Budget::default();
+                budget.left.store(first.len() as u64, Ordering::SeqCst);
+                let rest = forms.iter().find(|f| f.starts_with(&first[4..])).map(|f| f[k..].to_vec());
+                let spliced =
+                    async { splice(client, upstream, Vec::new(), &budget, Scrubber::new(forms.clone()), true).await };
+                let upstream_side = async {
+                    echo.write_all(&first).await.expect("first read");
+                    // The proxy takes the first read before the rest comes.
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    if by_budget {
+                        let _ = echo.write_all(&rest.unwrap_or_default()).await;
+                    }
+                    drop(echo);
+                    let mut got = Vec::new();
+                    sandbox.read_to_end(&mut got).await.expect("read");
+                    got
+                };
+                let (_, got) = tokio::join!(spliced, upstream_side);
+                let want = format!("....{}", "*".repeat(k));
+                assert_eq!(
+                    String::from_utf8_lossy(&got),
+                    want,
+                    "cut after {k} bytes of a form, by budget: {by_budget}"
+                );
+            }
+        }
     }
 
     /// A leaf the proxy mints chains to the certificate the server gives sandboxes (made

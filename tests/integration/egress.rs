@@ -525,7 +525,7 @@ except Exception as e:
 
 /// Under gVisor (registered here with --network=none) a session with egress is refused with
 /// a clear error, before anything is made.
-async fn refused_under_gvisor(s: Server, tag: &str) {
+pub(crate) async fn refused_under_gvisor(s: Server, tag: &str) {
     let (r, _) = s.run_with(json!({ "session": "g", "environment": "net", "code": "1" })).await;
     assert_eq!(r.is_error, Some(true));
     assert!(text(&r).contains("gVisor") && text(&r).contains("no network"), "{}", text(&r));
