@@ -34,6 +34,14 @@ class H(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(b"x" * min(n, 65536))
                 n -= 65536
             return
+        if self.path.startswith("/cut/"):
+            # The operator's header echoed and cut short: the answer ends inside the value.
+            v = self.headers.get("X-Api-Key", "")[: int(self.path[5:])].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(v)))
+            self.end_headers()
+            self.wfile.write(v)
+            return
         import hashlib
         key = hashlib.sha256(self.headers.get("X-Api-Key", "").encode()).hexdigest()
         # What arrived, where only the test reads it (the container's log).

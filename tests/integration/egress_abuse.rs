@@ -4,7 +4,7 @@
 use serde_json::json;
 
 use crate::common::{Server, assert_cleaned_up, gvisor, instance_name, state_dir, text};
-use crate::egress::refused_under_gvisor;
+use crate::egress::{SECRET, Upstream, config_file, refused_under_gvisor};
 
 /// Python that makes `n` connections to the proxy from `threads` threads, each asking for a
 /// 2 KiB non-name (the reviewer's `a!a!…`), and prints: answered, answered late (over the
@@ -89,5 +89,48 @@ async fn refusals_as_fast_as_code_can_make_them_do_not_flood_the_log() {
     assert!(!denied.is_empty() && denied.iter().all(|d| d.to_string().len() < 1024), "{sc}");
     let log = s.stop().await;
     assert!(log.matches("egress connection").count() <= 12, "refusals logged one by one past the first few");
+    assert_cleaned_up(&tag).await;
+}
+
+/// An upstream whose answer echoes the operator's header and ends inside it, at every
+/// length: what the sandbox gets through the real proxy is masked to the last byte (before,
+/// the bytes held back in case the value went on came out as they were).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_that_ends_inside_a_secret_ends_masked() {
+    let tag = instance_name("egress-cut");
+    let up = Upstream::start(&tag).await;
+    let config = config_file(&tag, &up);
+    let env = [("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")), ("EGRESS_TEST_SECRET", SECRET)];
+    let s = Server::start_as(&tag, &env).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    let value = format!("key-{SECRET}");
+    let code = format!(
+        r#"
+import os, socket
+p = os.environ["HTTP_PROXY"].rsplit("/", 1)[-1].split(":")
+out = []
+for k in range(1, {n} + 1):
+    s = socket.create_connection((p[0], int(p[1])), timeout=20)
+    s.sendall(b"GET http://upstream.test:8000/cut/%d HTTP/1.1\r\nHost: upstream.test\r\n\r\n" % k)
+    r = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        r += b
+    s.close()
+    out.append(r.split(b"\r\n\r\n", 1)[-1].decode("latin-1"))
+print("|".join(out))
+"#,
+        n = value.len()
+    );
+    let (r, sc) = s.run_with(json!({ "session": "c", "environment": "net", "code": code, "timeout_s": 120 })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = sc["stdout"].as_str().unwrap_or_default().trim().to_owned();
+    let want: Vec<String> = (1..=value.len()).map(|k| "*".repeat(k)).collect();
+    assert_eq!(out, want.join("|"), "an echo cut at every length");
+    s.stop().await;
     assert_cleaned_up(&tag).await;
 }
