@@ -231,7 +231,7 @@ fn main() -> std::process::ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve { cfg, http } => serve(cfg, http).await,
-        Command::EgressProxy => pyberth::egress::proxy::run().await,
+        Command::EgressProxy => Ok(pyberth::egress::proxy::run().await?),
         Command::Image { action: ImageAction::Tag } => {
             #[allow(clippy::print_stdout)] // the tag is the command's output
             {

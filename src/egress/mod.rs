@@ -7,6 +7,7 @@
 //! no image build, no registry. The server speaks to it over the container's attached
 //! stdin/stdout (policies in, connection records out), so the proxy has no control port.
 
+mod account;
 pub mod policy;
 pub mod proxy;
 
@@ -181,6 +182,10 @@ pub struct Totals {
     #[serde(skip)]
     #[schemars(skip)]
     denied_total: u64,
+    /// How many of the session's refusals the server's log still shows one by one.
+    #[serde(skip)]
+    #[schemars(skip)]
+    log: account::RefusalLog,
 }
 
 /// Denials kept per session (and listed per run).
@@ -232,6 +237,7 @@ impl Totals {
                 self.denied[self.denied.len().saturating_sub(new)..].to_vec()
             },
             denied_total: 0,
+            log: Default::default(),
         }
     }
 }
@@ -614,7 +620,7 @@ impl Manager {
                                         let _ = r.send(Ok(()));
                                     }
                                 }
-                                Ok(Report::Conn(r)) => account(&totals, &r),
+                                Ok(Report::Conn(r)) => account::account(&totals, &r),
                                 Ok(Report::Applied { seq }) => {
                                     applied_tx.send_if_modified(|a| {
                                         let newer = seq > *a;
@@ -633,7 +639,7 @@ impl Manager {
                     }
                     Ok(LogOutput::StdErr { message }) => {
                         let text = String::from_utf8_lossy(&message).into_owned();
-                        tracing::warn!(target: "pyberth::egress", "proxy: {}", text.trim_end());
+                        tracing::warn!(target: "pyberth::egress", stderr = ?text.trim_end(), "egress proxy");
                         if err.len() < 4096 {
                             err.push_str(&text);
                         }
@@ -921,7 +927,10 @@ impl Manager {
             None => None,
         };
         self.remove_network(&net.network, id.as_deref()).await;
-        self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&net.local);
+        let gone = self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&net.local);
+        if let Some(t) = gone {
+            t.log.flush(principal, session);
+        }
     }
 
     /// The session's allow-list in force; `None`: the session has no egress.
@@ -1042,7 +1051,10 @@ impl Manager {
         // A fresh account: what the proxy refuses from now on is this install's.
         let key = (INSTALLER.to_owned(), net.key.clone());
         let local = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|n| n.local)?;
-        self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
+        let old = self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
+        if let Some(old) = old {
+            old.log.flush(INSTALLER, &net.key);
+        }
         Some(net)
     }
 
@@ -1099,25 +1111,6 @@ impl Manager {
             self.remove_network(&n, None).await;
         }
         sweep_networks(&self.docker, &|l| l.get(LABEL_INSTANCE) == Some(&self.owner.instance)).await;
-    }
-}
-
-fn account(totals: &Mutex<HashMap<IpAddr, Totals>>, r: &Record) {
-    tracing::info!(
-        target: "pyberth::egress",
-        principal = %r.principal,
-        session = %r.session,
-        host = %r.host,
-        port = r.port,
-        bytes_out = r.up,
-        bytes_in = r.down,
-        ms = r.ms,
-        verdict = if r.cut { "cut" } else if r.allowed { "allowed" } else { "denied" },
-        rule = %r.rule,
-        "egress connection"
-    );
-    if let Some(t) = totals.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&r.local) {
-        t.add(r);
     }
 }
 

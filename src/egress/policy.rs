@@ -227,6 +227,8 @@ fn refused_v6(ip: Ipv6Addr) -> Option<&'static str> {
         Some("unique local (ULA, fc00::/7)")
     } else if (s[0] & 0xffc0) == 0xfe80 {
         Some("link-local")
+    } else if (s[0] & 0xffc0) == 0xfec0 {
+        Some("site-local (deprecated, fec0::/10)")
     } else if ip.is_multicast() {
         Some("multicast")
     } else if s[0] == 0x64 && s[1] == 0xff9b {
@@ -314,6 +316,8 @@ mod tests {
             "255.255.255.255",
             "::1",
             "fd00::1",
+            "fec0::1",
+            "feff:ffff::1",
             "fe80::1",
             "::ffff:127.0.0.1",
             "::",

@@ -34,6 +34,14 @@ class H(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(b"x" * min(n, 65536))
                 n -= 65536
             return
+        if self.path.startswith("/cut/"):
+            # The operator's header echoed and cut short: the answer ends inside the value.
+            v = self.headers.get("X-Api-Key", "")[: int(self.path[5:])].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(v)))
+            self.end_headers()
+            self.wfile.write(v)
+            return
         import hashlib
         key = hashlib.sha256(self.headers.get("X-Api-Key", "").encode()).hexdigest()
         # What arrived, where only the test reads it (the container's log).
@@ -525,7 +533,7 @@ except Exception as e:
 
 /// Under gVisor (registered here with --network=none) a session with egress is refused with
 /// a clear error, before anything is made.
-async fn refused_under_gvisor(s: Server, tag: &str) {
+pub(crate) async fn refused_under_gvisor(s: Server, tag: &str) {
     let (r, _) = s.run_with(json!({ "session": "g", "environment": "net", "code": "1" })).await;
     assert_eq!(r.is_error, Some(true));
     assert!(text(&r).contains("gVisor") && text(&r).contains("no network"), "{}", text(&r));

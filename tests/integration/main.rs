@@ -46,6 +46,8 @@ mod adopt;
 mod adopt_transitions;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
+// Egress under attack from its own sessions: refusal floods.
+mod egress_abuse;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;
 // Durable sessions: snapshots, restore, fork, hibernation, why a session ended.

@@ -1,0 +1,113 @@
+//! What the server and the proxy say to each other: commands as JSON lines on the proxy's
+//! stdin, reports as JSON lines on its stdout.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// A message from the server.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Command {
+    /// Settings of the whole proxy.
+    Config {
+        /// Names the operator pinned to an address (checked like a literal the operator allowed).
+        pinned: HashMap<String, IpAddr>,
+        /// Addresses of the host and of the proxy itself, refused whatever their range.
+        own: Vec<IpAddr>,
+        /// Connections one session may have open at once.
+        max_conns: usize,
+        /// The per-server CA's private key (PEM), to mint leaf certificates for hosts that
+        /// carry headers: TLS to them is terminated here ([`intercept`]).
+        #[serde(default)]
+        ca_key: Option<SecretPem>,
+        /// CAs trusted for upstreams (the server's `--ca-bundle`, PEM); none: the image's.
+        #[serde(default)]
+        roots: Option<String>,
+    },
+    /// The policy of the session whose network reaches the proxy at `local`.
+    Set {
+        /// The proxy's address on the session's network.
+        local: IpAddr,
+        /// Session name.
+        session: String,
+        /// Its owner.
+        principal: String,
+        /// Its allow-list.
+        allow: Vec<String>,
+        /// Headers added to plain HTTP requests, by host (replacing the sandbox's own).
+        #[serde(default)]
+        headers: HashMap<String, Vec<(String, String)>>,
+    },
+    /// Bytes the session may still move (both ways) until the next budget.
+    Budget {
+        /// The proxy's address on the session's network.
+        local: IpAddr,
+        /// Bytes; `None`: unbounded.
+        bytes: Option<u64>,
+    },
+    /// The session is gone.
+    Drop {
+        /// The proxy's address on the session's network.
+        local: IpAddr,
+    },
+    /// Answered with [`Report::Applied`] once every earlier command is in force.
+    Sync {
+        /// Echoed back.
+        seq: u64,
+    },
+}
+
+/// A private key in PEM whose `Debug` does not show it.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct SecretPem(pub String);
+
+impl std::fmt::Debug for SecretPem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretPem(..)")
+    }
+}
+
+/// A report to the server.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum Report {
+    /// Listening; policies may come.
+    Ready,
+    /// One connection, when it ends (a denied one at once).
+    Conn(Record),
+    /// Every command before [`Command::Sync`] `seq` is in force.
+    Applied {
+        /// The sync's number.
+        seq: u64,
+    },
+}
+
+/// One connection's account.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    /// The proxy's address it arrived on (names the session).
+    pub local: IpAddr,
+    /// Session.
+    pub session: String,
+    /// Owner.
+    pub principal: String,
+    /// Host asked for.
+    pub host: String,
+    /// Port asked for.
+    pub port: u16,
+    /// True when the proxy connected it.
+    pub allowed: bool,
+    /// The rule that allowed it, or why it was denied.
+    pub rule: String,
+    /// Bytes from the sandbox to the upstream.
+    pub up: u64,
+    /// Bytes from the upstream to the sandbox.
+    pub down: u64,
+    /// Duration, ms.
+    pub ms: u64,
+    /// True when the proxy cut it: the run's byte budget was spent.
+    #[serde(default)]
+    pub cut: bool,
+}
