@@ -46,15 +46,71 @@ pub struct Owner {
 }
 
 impl Owner {
-    fn labels(&self, session: &str, principal: &str) -> HashMap<String, String> {
-        HashMap::from([
+    /// The labels of everything this instance makes (ours, its instance, its host), with
+    /// `more` besides: how a sweep finds what a dead instance left.
+    pub fn labels_with(&self, more: &[(&str, &str)]) -> HashMap<String, String> {
+        let mut labels = HashMap::from([
             (LABEL_MANAGED.to_owned(), "1".to_owned()),
             (LABEL_INSTANCE.to_owned(), self.instance.clone()),
             (LABEL_HOST.to_owned(), self.host.clone()),
-            (LABEL_SESSION.to_owned(), session.to_owned()),
-            (LABEL_OWNER.to_owned(), principal.to_owned()),
-        ])
+        ]);
+        labels.extend(more.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+        labels
     }
+
+    fn labels(&self, session: &str, principal: &str) -> HashMap<String, String> {
+        self.labels_with(&[(LABEL_SESSION, session), (LABEL_OWNER, principal)])
+    }
+}
+
+/// The fence every container of ours stands in: bounded memory (swap equal to it, so none)
+/// and processes, no capabilities, no new privileges (and our seccomp profile where chosen),
+/// the network named (`none` unless said). Sessions, utilities, heartbeats, the packer, the
+/// installer and the egress proxy all start from [`hardened`], so their fences cannot drift.
+#[derive(Debug, Clone)]
+pub struct Fence<'a> {
+    /// Memory and memory + swap, bytes.
+    pub memory: i64,
+    /// Processes.
+    pub pids: i64,
+    /// Our seccomp profile (JSON), or the engine's default.
+    pub seccomp: Option<&'a str>,
+    /// The OCI runtime; `None`: the engine's default.
+    pub runtime: Option<String>,
+    /// `none`, or a network the container needs.
+    pub network: &'a str,
+    /// A read-only root filesystem.
+    pub read_only: bool,
+}
+
+/// The hardened host configuration of `fence`; each kind of container adds what it needs.
+pub fn hardened(fence: Fence<'_>) -> HostConfig {
+    HostConfig {
+        network_mode: Some(fence.network.to_owned()),
+        cap_drop: Some(vec!["ALL".into()]),
+        security_opt: Some(
+            std::iter::once("no-new-privileges:true".to_owned())
+                .chain(fence.seccomp.map(|p| format!("seccomp={p}")))
+                .collect(),
+        ),
+        runtime: fence.runtime,
+        readonly_rootfs: Some(fence.read_only),
+        memory: Some(fence.memory),
+        memory_swap: Some(fence.memory),
+        pids_limit: Some(fence.pids),
+        ..Default::default()
+    }
+}
+
+/// No log kept by the engine: output travels over attach, and a log driver would keep what
+/// the code prints on the host's disk.
+pub fn no_log() -> Option<HostConfigLogConfig> {
+    Some(HostConfigLogConfig { typ: Some("none".into()), config: None })
+}
+
+/// Never restarted by the engine: a container that stops is ours to judge.
+pub fn no_restart() -> Option<RestartPolicy> {
+    Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None })
 }
 
 /// Options of a tmpfs-backed workspace volume of `mb` MiB owned by `uid`: a hard bound on
@@ -153,16 +209,15 @@ pub fn host_config(spec: &Spec, volume: &str) -> HostConfig {
         hard: Some(hard),
     };
     let sandboxing = &spec.sandboxing;
-    HostConfig {
-        network_mode: Some("none".into()),
-        cap_drop: Some(vec!["ALL".into()]),
-        security_opt: Some(
-            std::iter::once("no-new-privileges:true".to_owned())
-                .chain(sandboxing.seccomp_profile.as_ref().map(|p| format!("seccomp={p}")))
-                .collect(),
-        ),
+    let fence = Fence {
+        memory,
+        pids: if sandboxing.gvisor { spec.pids + GVISOR_PIDS } else { spec.pids },
+        seccomp: sandboxing.seccomp_profile.as_deref(),
         runtime: sandboxing.runtime.clone(),
-        readonly_rootfs: Some(true),
+        network: "none",
+        read_only: true,
+    };
+    HostConfig {
         tmpfs: Some(HashMap::from([(
             "/tmp".into(),
             format!("rw,nosuid,nodev,size={}m,nr_inodes=16384,mode=1777", spec.tmp_mb),
@@ -173,22 +228,19 @@ pub fn host_config(spec: &Spec, volume: &str) -> HostConfig {
             typ: Some(MountType::VOLUME),
             ..Default::default()
         }]),
-        memory: Some(memory),
-        memory_swap: Some(memory),
         // Validated to a small positive number of CPUs: the product fits.
         #[allow(clippy::cast_possible_truncation)]
         nano_cpus: Some((spec.cpus * 1e9) as i64),
-        pids_limit: Some(if sandboxing.gvisor { spec.pids + GVISOR_PIDS } else { spec.pids }),
         ulimits: Some(vec![ulimit("nofile", 1024, 1024), ulimit("fsize", 1 << 30, 1 << 30), ulimit("core", 0, 0)]),
         init: Some(true),
         ipc_mode: Some("private".into()),
         shm_size: Some(64 << 20),
         oom_score_adj: Some(500),
         privileged: Some(false),
-        log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
-        restart_policy: Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None }),
+        log_config: no_log(),
+        restart_policy: no_restart(),
         auto_remove: Some(false),
-        ..Default::default()
+        ..hardened(fence)
     }
 }
 
@@ -273,11 +325,7 @@ pub async fn destroy(docker: &Docker, c: &Created) {
     identity::release(c.uid);
 }
 
-fn next_serial() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static SERIAL: AtomicU64 = AtomicU64::new(0);
-    SERIAL.fetch_add(1, Ordering::Relaxed)
-}
+use super::next_serial;
 
 /// Whether Docker reported an out-of-memory kill in the container since `since`. An exec
 /// killed by the OOM killer exits 137 but leaves `State.OOMKilled` false; the event is the
@@ -472,12 +520,16 @@ pub(crate) struct Utility<'a> {
 /// our labels, so a sweep finds it if the server dies meanwhile. The layer store's writer and
 /// the snapshot packer are both made here, so their fences cannot drift apart.
 pub(crate) async fn create_utility(docker: &Docker, u: Utility<'_>) -> Result<String, bollard::errors::Error> {
-    let labels = HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        (LABEL_INSTANCE.to_owned(), u.owner.instance.clone()),
-        (LABEL_HOST.to_owned(), u.owner.host.clone()),
-    ]);
+    let labels = u.owner.labels_with(&[]);
     let cmd = ["python3", "-I", "-S", "-c", u.script].iter().map(|s| (*s).to_owned()).chain(u.args).collect();
+    let fence = Fence {
+        memory: u.memory,
+        pids: u.pids,
+        seccomp: None,
+        runtime: u.runtime.map(str::to_owned),
+        network: "none",
+        read_only: true,
+    };
     let body = ContainerCreateBody {
         image: Some(u.image.into()),
         cmd: Some(cmd),
@@ -485,18 +537,7 @@ pub(crate) async fn create_utility(docker: &Docker, u: Utility<'_>) -> Result<St
         env: Some(vec!["PATH=/usr/local/bin:/usr/bin:/bin".into(), "LANG=C.UTF-8".into()]),
         labels: Some(labels),
         network_disabled: Some(true),
-        host_config: Some(HostConfig {
-            network_mode: Some("none".into()),
-            cap_drop: Some(vec!["ALL".into()]),
-            security_opt: Some(vec!["no-new-privileges:true".into()]),
-            readonly_rootfs: Some(true),
-            runtime: u.runtime.map(str::to_owned),
-            memory: Some(u.memory),
-            memory_swap: Some(u.memory),
-            pids_limit: Some(u.pids),
-            mounts: Some(u.mounts),
-            ..Default::default()
-        }),
+        host_config: Some(HostConfig { mounts: Some(u.mounts), ..hardened(fence) }),
         ..Default::default()
     };
     let opts = CreateContainerOptionsBuilder::default().name(u.name).build();

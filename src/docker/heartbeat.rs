@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bollard::Docker;
 use bollard::container::LogOutput;
-use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig, RestartPolicy, RestartPolicyNameEnum};
+use bollard::models::{ContainerCreateBody, HostConfig};
 use bollard::query_parameters::{
     AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, ListContainersOptionsBuilder,
 };
@@ -78,19 +78,19 @@ pub async fn start(docker: &Docker, image: &str, owner: &Owner, suffix: &str) ->
         labels: Some(labels),
         network_disabled: Some(true),
         host_config: Some(HostConfig {
-            network_mode: Some("none".into()),
-            cap_drop: Some(vec!["ALL".into()]),
-            security_opt: Some(vec!["no-new-privileges:true".into()]),
-            readonly_rootfs: Some(true),
-            memory: Some(32 << 20),
-            memory_swap: Some(32 << 20),
-            pids_limit: Some(8),
             nano_cpus: Some(50_000_000),
-            log_config: Some(HostConfigLogConfig { typ: Some("none".into()), config: None }),
-            restart_policy: Some(RestartPolicy { name: Some(RestartPolicyNameEnum::NO), maximum_retry_count: None }),
+            log_config: super::container::no_log(),
+            restart_policy: super::container::no_restart(),
             // Kept when it stops: a stopped heartbeat is how others learn this instance died.
             auto_remove: Some(false),
-            ..Default::default()
+            ..super::container::hardened(super::container::Fence {
+                memory: 32 << 20,
+                pids: 8,
+                seccomp: None,
+                runtime: None,
+                network: "none",
+                read_only: true,
+            })
         }),
         ..Default::default()
     };

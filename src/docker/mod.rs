@@ -109,3 +109,11 @@ pub async fn connect(host: Option<&str>) -> Result<Docker, Error> {
     docker.ping().await.map_err(unreachable)?;
     Ok(docker)
 }
+
+/// A number new on each call in this process: our container, volume and network names are
+/// `pyberth-<instance>-<what>-<serial>`, unique even when one thing is made again.
+pub fn next_serial() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SERIAL: AtomicU64 = AtomicU64::new(0);
+    SERIAL.fetch_add(1, Ordering::Relaxed)
+}

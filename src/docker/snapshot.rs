@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 
 pub use super::chunks::{chunk_reader, chunk_writer};
 use super::container::{self, Owner};
-use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER};
+use super::{Error, LABEL_OWNER};
 use crate::tarcheck::safe_relative;
 
 /// Label naming the snapshot a volume holds.
@@ -110,13 +110,7 @@ pub struct Stored {
 /// its helper container, of `image`.
 pub async fn create(docker: &Docker, owner: &Owner, principal: &str, id: &str, image: &str) -> Result<Stored, Error> {
     let name = format!("pyberth-{}-snap-{id}", owner.instance);
-    let labels = HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
-        (LABEL_HOST.to_owned(), owner.host.clone()),
-        (LABEL_OWNER.to_owned(), principal.to_owned()),
-        (LABEL_SNAPSHOT.to_owned(), id.to_owned()),
-    ]);
+    let labels = owner.labels_with(&[(LABEL_OWNER, principal), (LABEL_SNAPSHOT, id)]);
     let request = VolumeCreateRequest { name: Some(name.clone()), labels: Some(labels), ..Default::default() };
     docker.create_volume(request).await?;
     match helper(docker, owner, image, &name).await {
@@ -138,11 +132,7 @@ pub async fn remove(docker: &Docker, stored: &Stored) {
 /// archive API needs to reach a volume. No network, no capabilities, nothing runs in it.
 async fn helper(docker: &Docker, owner: &Owner, image: &str, volume: &str) -> Result<String, Error> {
     let name = format!("{volume}-io");
-    let labels = HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
-        (LABEL_HOST.to_owned(), owner.host.clone()),
-    ]);
+    let labels = owner.labels_with(&[]);
     let body = ContainerCreateBody {
         image: Some(image.into()),
         cmd: Some(vec!["true".into()]),

@@ -32,7 +32,7 @@ use self::policy::Rule;
 use self::proxy::{Command, Record, Report};
 use crate::config::SandboxConfig;
 use crate::docker::container::{self, Owner};
-use crate::docker::{LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
+use crate::docker::{LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
 
 /// The principal installs are accounted under in the proxy's records.
 const INSTALLER: &str = "pyberth-installer";
@@ -332,11 +332,7 @@ impl std::fmt::Debug for Manager {
     }
 }
 
-fn next_serial() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static SERIAL: AtomicU64 = AtomicU64::new(0);
-    SERIAL.fetch_add(1, Ordering::Relaxed)
-}
+use crate::docker::next_serial;
 
 impl Manager {
     /// The egress of one server; nothing is started until a session asks.
@@ -402,12 +398,7 @@ impl Manager {
     }
 
     fn labels(&self, kind: &str) -> HashMap<String, String> {
-        HashMap::from([
-            (LABEL_MANAGED.to_owned(), "1".to_owned()),
-            (LABEL_INSTANCE.to_owned(), self.owner.instance.clone()),
-            (LABEL_HOST.to_owned(), self.owner.host.clone()),
-            (LABEL_EGRESS.to_owned(), kind.to_owned()),
-        ])
+        self.owner.labels_with(&[(LABEL_EGRESS, kind)])
     }
 
     /// Sends a command and waits until the proxy has it in force: a narrowed list holds for
@@ -537,22 +528,20 @@ impl Manager {
             .await
             .map_err(|e| format!("cannot read {} for the egress proxy: {e}", exe.display()))?;
         let name = format!("pyberth-{}-egress-{}", self.owner.instance, next_serial());
+        // The outbound side: the default bridge. Its own hardening: no capabilities, no new
+        // privileges, an unprivileged uid, bounded memory and processes (its binary is copied
+        // in after create, so its root stays writable).
         let hc = HostConfig {
-            // The outbound side: the default bridge. Its own hardening: no capabilities, no
-            // new privileges, an unprivileged uid, bounded memory and processes.
-            network_mode: Some("bridge".into()),
-            cap_drop: Some(vec!["ALL".into()]),
-            security_opt: Some(
-                std::iter::once("no-new-privileges:true".to_owned())
-                    .chain(self.seccomp.as_ref().map(|p| format!("seccomp={p}")))
-                    .collect(),
-            ),
-            memory: Some(256 << 20),
-            memory_swap: Some(256 << 20),
-            pids_limit: Some(256),
             init: Some(true),
-            log_config: Some(bollard::models::HostConfigLogConfig { typ: Some("none".into()), config: None }),
-            ..Default::default()
+            log_config: crate::docker::container::no_log(),
+            ..crate::docker::container::hardened(crate::docker::container::Fence {
+                memory: 256 << 20,
+                pids: 256,
+                seccomp: self.seccomp.as_deref(),
+                runtime: None,
+                network: "bridge",
+                read_only: false,
+            })
         };
         let body = ContainerCreateBody {
             image: Some(image.into()),

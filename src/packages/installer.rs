@@ -31,10 +31,10 @@ use sha2::{Digest, Sha256};
 
 use super::{Error, IndexSettings, LayerSpec};
 use crate::config::SandboxConfig;
+use crate::docker::LABEL_MANAGED;
 use crate::docker::container::{self, Owner, WORKSPACE};
 use crate::docker::identity::{self, LABEL_UID};
 use crate::docker::image::Progress;
-use crate::docker::{LABEL_INSTANCE, LABEL_MANAGED};
 
 /// Where installers mount the shared volume. An image path that is mode 1777 in every base
 /// (Debian's, the official Python images'): a new volume takes the mode of the path it is
@@ -487,12 +487,7 @@ pub async fn evaluate_markers(
 
 /// The labels of a short-lived container of `owner` running as `uid`.
 fn labels(owner: &Owner, uid: u32) -> HashMap<String, String> {
-    HashMap::from([
-        (LABEL_MANAGED.to_owned(), "1".to_owned()),
-        (LABEL_INSTANCE.to_owned(), owner.instance.clone()),
-        (crate::docker::LABEL_HOST.to_owned(), owner.host.clone()),
-        (LABEL_UID.to_owned(), uid.to_string()),
-    ])
+    owner.labels_with(&[(LABEL_UID, &uid.to_string())])
 }
 
 /// One short-lived container with the sandbox's hardening: the installer or the marker check.
@@ -637,11 +632,7 @@ async fn watch(docker: &Docker, id: &str, job: Job<'_>) -> Result<(i64, Vec<u8>,
     Ok((code, stdout, tail))
 }
 
-pub(super) fn next_serial() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static SERIAL: AtomicU64 = AtomicU64::new(0);
-    SERIAL.fetch_add(1, Ordering::Relaxed)
-}
+pub(super) use crate::docker::next_serial;
 
 async fn wait_exit(docker: &Docker, id: &str) -> Result<i64, Error> {
     let mut wait = docker.wait_container(id, None);

@@ -228,7 +228,7 @@ async fn create_script(
     args: Vec<String>,
     write: bool,
 ) -> Result<String, Error> {
-    let name = format!("pyberth-{}-store-{}", owner.instance, super::installer::next_serial());
+    let name = format!("pyberth-{}-store-{}", owner.instance, crate::docker::next_serial());
     let mounts = vec![Mount {
         target: Some(MOUNT.into()),
         source: Some(store.volume.clone()),
