@@ -60,6 +60,9 @@ pub(crate) mod state_dir;
 pub(crate) mod tarcheck;
 
 pub use server::SandboxServer;
+/// Every tool result is cut to fit one MCP message a client accepts (public for the
+/// integration tier's stress test of it).
+pub use server::fit::{BUDGET as RESULT_BUDGET, fit as fit_result};
 pub use session::registry::{Error as RegistryError, Registry};
 
 /// Resolves on Ctrl-C or SIGTERM.

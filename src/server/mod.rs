@@ -31,7 +31,7 @@ use crate::session::registry::Registry;
 mod envs;
 mod error;
 mod files;
-mod fit;
+pub(crate) mod fit;
 mod jobs;
 mod live;
 mod render;

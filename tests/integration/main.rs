@@ -52,3 +52,5 @@ mod egress_abuse;
 mod forged;
 // Durable sessions: snapshots, restore, fork, hibernation, why a session ended.
 mod durable;
+// The result fitter under a 60 MiB result of small items (no Docker; too slow for the lib tier).
+mod fit_stress;
