@@ -11,7 +11,7 @@ use bollard::query_parameters::{
 use serde_json::Value;
 
 use crate::common::docker;
-use crate::world::{Broke, World, broke};
+use crate::world::{Broke, World, broke, sname};
 
 pub struct Container {
     pub id: String,
@@ -83,8 +83,8 @@ fn records(w: &World, dir: &str) -> Vec<Value> {
 }
 
 /// One look: what does not add up yet (empty: all accounted for), what cannot (a session
-/// unrecorded: records are written as sessions change, never later), and notes.
-async fn look(w: &World) -> Result<(Vec<String>, Vec<String>, Vec<String>), Broke> {
+/// unrecorded: records are written as sessions change, never later).
+async fn look(w: &World) -> Result<Found, Broke> {
     let listed = w.listed().await?;
     let snapshots = w.snapshots().await?;
     let e = engine(&w.prefix).await;
@@ -129,37 +129,31 @@ async fn look(w: &World) -> Result<(Vec<String>, Vec<String>, Vec<String>), Brok
     for n in &e.networks {
         bad.push(format!("network {n} (no session here has egress)"));
     }
-    let (mut hard, mut notes) = (Vec::new(), Vec::new());
-    records_agree(w, &e, &listed, &mut hard, &mut notes);
-    Ok((bad, hard, notes))
+    let mut found = Found { bad, ..Found::default() };
+    records_agree(w, &e, &listed, &mut found);
+    Ok(found)
 }
 
 /// The state dir's records against the engine and the listing. Every running session must
 /// be recorded (or a restart loses it), every hibernated one too; a record naming something
-/// the engine no longer has is stale (the next server drops it when it reads it): a note, not
-/// a failure.
-fn records_agree(
-    w: &World,
-    e: &Engine,
-    listed: &BTreeMap<String, String>,
-    bad: &mut Vec<String>,
-    notes: &mut Vec<String>,
-) {
+/// the engine no longer has is stale: records follow the session's state, so it must go.
+fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, found: &mut Found) {
     let sessions = records(w, "sessions");
     for c in e.containers.iter().filter(|c| c.running && c.labels.contains_key("pyberth.session")) {
         let named = |r: &Value| r["container"].as_str().is_some_and(|x| x == c.name || c.id.starts_with(x));
         if !sessions.iter().any(named) {
             let s = &c.labels["pyberth.session"];
-            bad.push(format!(
-                "running session {s} (container {}) has no record in sessions/: a restart loses it",
-                c.name
-            ));
+            found.unrecorded(
+                w,
+                s,
+                format!("running session {s} (container {}) has no record in sessions/: a restart loses it", c.name),
+            );
         }
     }
     for r in &sessions {
         let c = r["container"].as_str().unwrap_or_default();
         if !e.containers.iter().any(|x| x.name == c || x.id.starts_with(c)) {
-            notes.push(format!("stale sessions/ record of {} (container gone)", r["name"]));
+            found.bad.push(format!("stale sessions/ record of {} (container gone)", r["name"]));
         }
     }
     let sleepers = records(w, "sleepers");
@@ -172,19 +166,41 @@ fn records_agree(
             .iter()
             .any(|r| r["name"] == name.as_str() && e.volumes.iter().any(|v| v.name == sleeper_volume(r)));
         if !recorded {
-            bad.push(format!("hibernated session {name} has no sleepers/ record of its snapshot: a restart loses it"));
+            found.unrecorded(
+                w,
+                name,
+                format!("hibernated session {name} has no sleepers/ record of its snapshot: a restart loses it"),
+            );
         }
     }
     for r in &sleepers {
         if !e.volumes.iter().any(|x| x.name == sleeper_volume(r)) {
-            notes.push(format!("stale sleepers/ record of {} (volume gone)", r["name"]));
+            found.bad.push(format!("stale sleepers/ record of {} (volume gone)", r["name"]));
         }
     }
     for r in records(w, "snapshots") {
         let v = r["saved"]["volume"].as_str().unwrap_or_default();
         if !e.volumes.iter().any(|x| x.name == v) {
-            notes.push(format!("stale snapshots/ record of {} (volume gone)", r["name"]));
+            found.bad.push(format!("stale snapshots/ record of {} (volume gone)", r["name"]));
         }
+    }
+}
+
+/// What a look found.
+#[derive(Default)]
+struct Found {
+    /// Not accounted for yet (hibernations and removals finish on their own time).
+    bad: Vec<String>,
+    /// Never to be waited out: a session unrecorded now is lost if the server dies now.
+    hard: Vec<String>,
+}
+
+impl Found {
+    /// A session with no record: hard, unless a job of its own is waking it right now (a
+    /// background run on a hibernated session answers before the wake is done).
+    fn unrecorded(&mut self, w: &World, session: &str, what: String) {
+        let waking = w.model.sessions.iter().any(|(s, h)| sname(*s) == session && h.job.is_some());
+        if waking { self.bad.push(what) } else { self.hard.push(what) }
     }
 }
 
@@ -194,7 +210,7 @@ pub async fn settled(w: &World) -> Result<(), Broke> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut looks = 0;
     loop {
-        let (bad, hard, notes) = look(w).await?;
+        let Found { bad, hard } = look(w).await?;
         // PYBERTH_MODEL_NO_RECORD_AUDIT=1 skips this check, to see what a user meets instead.
         if !hard.is_empty() && std::env::var("PYBERTH_MODEL_NO_RECORD_AUDIT").is_err() {
             return Err(broke("audit", hard.join("; ")));
@@ -204,9 +220,6 @@ pub async fn settled(w: &World) -> Result<(), Broke> {
             eprintln!("      audit: not settled at first look: {}", bad.join("; "));
         }
         if bad.is_empty() {
-            if !notes.is_empty() {
-                eprintln!("      note: {} stale records (the next server drops them)", notes.len());
-            }
             return Ok(());
         }
         if Instant::now() > deadline {

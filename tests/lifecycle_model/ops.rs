@@ -182,3 +182,60 @@ pub fn generate(seed: u64, len: usize) -> Vec<Op> {
     }
     ops
 }
+
+/// The kind of an operation, for coverage.
+pub fn kind(op: &Op) -> &'static str {
+    match op {
+        Op::Run { .. } => "run",
+        Op::Check { .. } => "check",
+        Op::Idle => "idle",
+        Op::Fork { .. } => "fork",
+        Op::Snapshot { .. } => "snapshot",
+        Op::Restore { .. } => "restore",
+        Op::DeleteSnapshot { .. } => "delete-snapshot",
+        Op::Close { .. } => "close",
+        Op::Restart(Stop::Eof) => "restart-eof",
+        Op::Restart(Stop::Term) => "restart-term",
+        Op::Restart(Stop::Kill) => "restart-kill",
+        Op::Remove { .. } => "remove",
+        Op::Oom { .. } => "oom",
+        Op::Job { .. } => "job",
+    }
+}
+
+/// Every kind, plus the two combinations the model exists for: a wake (any step after an
+/// idle one) followed by a restart, and a job with a restart right behind it.
+pub const ALL_KINDS: [&str; 16] = [
+    "run",
+    "check",
+    "idle",
+    "fork",
+    "snapshot",
+    "restore",
+    "delete-snapshot",
+    "close",
+    "restart-eof",
+    "restart-term",
+    "restart-kill",
+    "remove",
+    "oom",
+    "job",
+    "idle-wake-restart",
+    "job-restart",
+];
+
+/// The kinds a sequence covers.
+pub fn coverage(ops: &[Op]) -> std::collections::BTreeSet<&'static str> {
+    let mut out: std::collections::BTreeSet<&'static str> = ops.iter().map(kind).collect();
+    for w in ops.windows(3) {
+        if w[0] == Op::Idle && !matches!(w[1], Op::Idle | Op::Restart(_)) && matches!(w[2], Op::Restart(_)) {
+            out.insert("idle-wake-restart");
+        }
+    }
+    for w in ops.windows(2) {
+        if matches!(w[0], Op::Job { .. }) && matches!(w[1], Op::Restart(_)) {
+            out.insert("job-restart");
+        }
+    }
+    out
+}
