@@ -35,7 +35,7 @@ use world::{Broke, World};
 /// The seeds CI runs, and the length of each sequence: chosen so the set covers every
 /// operation (hibernate → wake → restart among them) in a few minutes on a 2-core machine.
 const CI_SEEDS: [u64; 3] = [328, 272, 197];
-const CI_LEN: usize = 16;
+const CI_LEN: usize = 20;
 
 /// A failed play: at which step (None: in the final checks), and why.
 #[derive(Debug)]
@@ -73,7 +73,7 @@ async fn play(ops: &[Op]) -> Result<(), Failure> {
 }
 
 /// The final checks: jobs end, every session reads back (woken), then everything is closed
-/// and the server stops: nothing of the run may be left on the engine.
+/// and the server stops: nothing of the run may be left on the engine or in the state dir.
 async fn finish(w: &mut World) -> Result<(), Broke> {
     let sessions: Vec<u8> = w.model.sessions.keys().copied().collect();
     for s in &sessions {
@@ -90,7 +90,8 @@ async fn finish(w: &mut World) -> Result<(), Broke> {
     w.stop(Stop::Eof).await?;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let left = audit::left(&w.prefix).await;
+        let mut left = audit::left(&w.prefix).await;
+        left.extend(audit::records_left(w));
         if left.is_empty() {
             return Ok(());
         }
@@ -104,12 +105,14 @@ async fn finish(w: &mut World) -> Result<(), Broke> {
 /// The shortest sequence found that still fails the same way, within `budget`: chunks of
 /// halving size are dropped, and a drop is kept when the rest still fails.
 async fn shrink(ops: &[Op], first: &Failure, budget: Duration) -> (Vec<Op>, String) {
+    let at =
+        |step: Option<usize>| step.map_or(" in the final checks (every session read back)", |_| " at its last step");
     let deadline = Instant::now() + budget;
     let mut cur: Vec<Op> = match first.step {
         Some(i) => ops[..=i].to_vec(),
         None => ops.to_vec(),
     };
-    let mut why = format!("{}: {}", first.broke.kind, first.broke.what);
+    let mut why = format!("{}{}: {}", at(first.step), first.broke.kind, first.broke.what);
     let mut size = (cur.len() / 2).max(1);
     loop {
         let mut i = 0;
@@ -119,7 +122,7 @@ async fn shrink(ops: &[Op], first: &Failure, budget: Duration) -> (Vec<Op>, Stri
             eprintln!("shrink: trying {} steps", cand.len());
             match play(&cand).await {
                 Err(f) if f.broke.kind == first.broke.kind => {
-                    why = format!("{}: {}", f.broke.kind, f.broke.what);
+                    why = format!("{}{}: {}", at(f.step), f.broke.kind, f.broke.what);
                     cur = match f.step {
                         Some(s) => cand[..=s].to_vec(),
                         None => cand,
@@ -171,7 +174,7 @@ async fn the_lifecycle_holds_under_random_sequences() {
         let listing: Vec<String> = shortest.iter().enumerate().map(|(i, op)| format!("  {i:>2}. {op}")).collect();
         panic!(
             "lifecycle model: seed {seed} (PYBERTH_MODEL_SEED={seed} PYBERTH_MODEL_LEN={len}) failed at {at}: {}: {}\n\
-             shortest failing sequence ({} steps), failing with {why}:\n{}\n--- server log tail ---\n{}",
+             shortest failing sequence ({} steps), failing{why}:\n{}\n--- server log tail ---\n{}",
             first.broke.kind,
             first.broke.what,
             shortest.len(),

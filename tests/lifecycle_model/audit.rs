@@ -135,8 +135,9 @@ async fn look(w: &World) -> Result<Found, Broke> {
 }
 
 /// The state dir's records against the engine and the listing. Every running session must
-/// be recorded (or a restart loses it), every hibernated one too; a record naming something
-/// the engine no longer has is stale: records follow the session's state, so it must go.
+/// be recorded (or a restart loses it), every hibernated one too. A record naming something
+/// the engine no longer has is stale: a note here (the next server drops it when it reads
+/// it); none may be left when everything is closed ([`records_left`]).
 fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, found: &mut Found) {
     let sessions = records(w, "sessions");
     for c in e.containers.iter().filter(|c| c.running && c.labels.contains_key("pyberth.session")) {
@@ -153,7 +154,7 @@ fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, found
     for r in &sessions {
         let c = r["container"].as_str().unwrap_or_default();
         if !e.containers.iter().any(|x| x.name == c || x.id.starts_with(c)) {
-            found.bad.push(format!("stale sessions/ record of {} (container gone)", r["name"]));
+            found.notes.push(format!("stale sessions/ record of {} (container gone)", r["name"]));
         }
     }
     let sleepers = records(w, "sleepers");
@@ -175,13 +176,13 @@ fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, found
     }
     for r in &sleepers {
         if !e.volumes.iter().any(|x| x.name == sleeper_volume(r)) {
-            found.bad.push(format!("stale sleepers/ record of {} (volume gone)", r["name"]));
+            found.notes.push(format!("stale sleepers/ record of {} (volume gone)", r["name"]));
         }
     }
     for r in records(w, "snapshots") {
         let v = r["saved"]["volume"].as_str().unwrap_or_default();
         if !e.volumes.iter().any(|x| x.name == v) {
-            found.bad.push(format!("stale snapshots/ record of {} (volume gone)", r["name"]));
+            found.notes.push(format!("stale snapshots/ record of {} (volume gone)", r["name"]));
         }
     }
 }
@@ -193,6 +194,8 @@ struct Found {
     bad: Vec<String>,
     /// Never to be waited out: a session unrecorded now is lost if the server dies now.
     hard: Vec<String>,
+    /// Stale records.
+    notes: Vec<String>,
 }
 
 impl Found {
@@ -210,7 +213,7 @@ pub async fn settled(w: &World) -> Result<(), Broke> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut looks = 0;
     loop {
-        let Found { bad, hard } = look(w).await?;
+        let Found { bad, hard, notes } = look(w).await?;
         // PYBERTH_MODEL_NO_RECORD_AUDIT=1 skips this check, to see what a user meets instead.
         if !hard.is_empty() && std::env::var("PYBERTH_MODEL_NO_RECORD_AUDIT").is_err() {
             return Err(broke("audit", hard.join("; ")));
@@ -220,6 +223,9 @@ pub async fn settled(w: &World) -> Result<(), Broke> {
             eprintln!("      audit: not settled at first look: {}", bad.join("; "));
         }
         if bad.is_empty() {
+            if !notes.is_empty() {
+                eprintln!("      note: {}", notes.join("; "));
+            }
             return Ok(());
         }
         if Instant::now() > deadline {
@@ -227,6 +233,23 @@ pub async fn settled(w: &World) -> Result<(), Broke> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// The records left in the state dir (with everything closed and the server stopped, none).
+pub fn records_left(w: &World) -> Vec<String> {
+    let mut out = Vec::new();
+    for dir in ["sessions", "sleepers", "snapshots"] {
+        out.extend(records(w, dir).iter().map(|r| format!("{dir}/ record of {}", r["name"])));
+    }
+    if let Ok(instances) = std::fs::read_dir(w.state.join("jobs")) {
+        for i in instances.flatten() {
+            let files = std::fs::read_dir(i.path()).map(|d| d.count()).unwrap_or_default();
+            if files > 0 {
+                out.push(format!("{files} job files in jobs/{}", i.file_name().to_string_lossy()));
+            }
+        }
+    }
+    out
 }
 
 /// What is left of `prefix` on the engine after the last server stopped.

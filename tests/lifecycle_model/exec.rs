@@ -18,7 +18,7 @@ pub async fn apply(w: &mut World, op: Op) -> Result<bool, Broke> {
         Op::Run { s, var, val } => {
             settle_job(w, s).await?;
             let code = format!("v{var} = {val}\nopen('f{var}.txt', 'w').write('c{val}')\n");
-            let (r, sc) = run(w, s, json!({ "session": sname(s), "code": code })).await?;
+            let (r, sc) = run(w, json!({ "session": sname(s), "code": code })).await?;
             if r.is_error != Some(false) {
                 return Err(broke("op", format!("run in s{s} failed: {}", excerpt(&text(&r)))));
             }
@@ -72,31 +72,35 @@ pub async fn apply(w: &mut World, op: Op) -> Result<bool, Broke> {
             settle_job(w, s).await?;
             oom(w, s).await?;
         }
-        Op::Job { s, var, val } if has(w, s) && w.model.sessions[&s].job.is_none() => {
-            // KNOWN BUG (found by this test, seed 272 on the ledger fix): a background job that
-            // wakes a hibernated session is recorded under the container the session had
-            // before it slept, so after any restart it "could not be taken over" and its result
-            // is lost. Unless PYBERTH_MODEL_JOB_WAKES=1, a sleeping session is woken first.
-            let wakes = std::env::var("PYBERTH_MODEL_JOB_WAKES").is_ok_and(|v| v == "1");
-            if !wakes && w.listed().await?.get(&sname(s)).is_some_and(|st| st == "hibernated") {
-                readback(w, s).await?;
-            }
-            let code = format!("import time\ntime.sleep(5)\nv{var} = {val}\n'job-done'");
-            let args = json!({ "session": sname(s), "code": code, "background": true });
-            let (r, sc) = run(w, s, args).await?;
-            let Some(id) = sc["job"].as_str() else {
-                return Err(broke("op", format!("no job handle: {}", excerpt(&text(&r)))));
-            };
-            let job = PendingJob { id: id.to_owned(), var: format!("v{var}"), val, generation: w.generation };
-            w.model.sessions.entry(s).or_default().job = Some(job);
-        }
+        Op::Job { s, var, val } if has(w, s) && w.model.sessions[&s].job.is_none() => job(w, s, var, val).await?,
         _ => return Ok(false),
     }
     Ok(true)
 }
 
+/// Starts a background job in `s`; the model waits for it before `s` is next touched.
+async fn job(w: &mut World, s: u8, var: u32, val: u64) -> Result<(), Broke> {
+    // KNOWN BUG (found by this test, seed 272 on the ledger fix): a background job that
+    // wakes a hibernated session is recorded under the container the session had
+    // before it slept, so after any restart it "could not be taken over" and its result
+    // is lost. Unless PYBERTH_MODEL_JOB_WAKES=1, a sleeping session is woken first.
+    let wakes = std::env::var("PYBERTH_MODEL_JOB_WAKES").is_ok_and(|v| v == "1");
+    if !wakes && w.listed().await?.get(&sname(s)).is_some_and(|st| st == "hibernated") {
+        readback(w, s).await?;
+    }
+    let code = format!("import time\ntime.sleep(5)\nv{var} = {val}\n'job-done'");
+    let args = json!({ "session": sname(s), "code": code, "background": true });
+    let (r, sc) = run(w, args).await?;
+    let Some(id) = sc["job"].as_str() else {
+        return Err(broke("op", format!("no job handle: {}", excerpt(&text(&r)))));
+    };
+    let job = PendingJob { id: id.to_owned(), var: format!("v{var}"), val, generation: w.generation };
+    w.model.sessions.entry(s).or_default().job = Some(job);
+    Ok(())
+}
+
 /// run_python in `s`, returning the result and its structured content.
-async fn run(w: &World, _s: u8, args: Value) -> Result<(CallToolResult, Value), Broke> {
+async fn run(w: &World, args: Value) -> Result<(CallToolResult, Value), Broke> {
     let r = w.call("run_python", args).await?;
     let sc = r.structured_content.clone().unwrap_or(Value::Null);
     Ok((r, sc))
@@ -140,7 +144,7 @@ pub async fn readback(w: &mut World, s: u8) -> Result<(), Broke> {
         "print(__import__('json').dumps({{'v': {{n: globals().get(n) for n in {vars:?}}}, \
          'f': {{p: (open(p).read() if __import__('os').path.exists(p) else None) for p in {files:?}}}}}))"
     );
-    let (r, sc) = run(w, s, json!({ "session": sname(s), "code": code })).await?;
+    let (r, sc) = run(w, json!({ "session": sname(s), "code": code })).await?;
     if r.is_error != Some(false) {
         return Err(broke("op", format!("reading s{s} back failed: {}", excerpt(&text(&r)))));
     }
@@ -252,7 +256,7 @@ async fn remove_container(w: &World, s: u8) -> Result<bool, Broke> {
 /// variables; files stay, the workspace is not the interpreter's).
 async fn oom(w: &mut World, s: u8) -> Result<(), Broke> {
     let args = json!({ "session": sname(s), "code": "hog = ' ' * (400 << 20)", "timeout_s": 60 });
-    let (r, sc) = run(w, s, args).await?;
+    let (r, sc) = run(w, args).await?;
     if sc["state_lost"] == true {
         if let Some(h) = w.model.sessions.get_mut(&s) {
             h.vars.clear();
