@@ -112,7 +112,7 @@ async fn shrink(ops: &[Op], first: &Failure, budget: Duration) -> (Vec<Op>, Stri
         Some(i) => ops[..=i].to_vec(),
         None => ops.to_vec(),
     };
-    let mut why = format!("{}{}: {}", at(first.step), first.broke.kind, first.broke.what);
+    let mut why = format!("{}: {}: {}", at(first.step), first.broke.kind, first.broke.what);
     let mut size = (cur.len() / 2).max(1);
     loop {
         let mut i = 0;
@@ -122,7 +122,7 @@ async fn shrink(ops: &[Op], first: &Failure, budget: Duration) -> (Vec<Op>, Stri
             eprintln!("shrink: trying {} steps", cand.len());
             match play(&cand).await {
                 Err(f) if f.broke.kind == first.broke.kind => {
-                    why = format!("{}{}: {}", at(f.step), f.broke.kind, f.broke.what);
+                    why = format!("{}: {}: {}", at(f.step), f.broke.kind, f.broke.what);
                     cur = match f.step {
                         Some(s) => cand[..=s].to_vec(),
                         None => cand,
