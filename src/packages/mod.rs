@@ -17,11 +17,15 @@ use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
+mod explain;
 mod installer;
+mod job;
+mod markers;
+mod shared;
 pub mod store;
 mod tree;
 
-pub use installer::evaluate_markers;
+pub use markers::evaluate_markers;
 pub use store::{STORE_DIR, Store};
 pub use tree::safe_relative;
 
