@@ -1,5 +1,8 @@
 //! The wire protocol between the server and the in-container agent (`images/python/agent.py`).
 //!
+//! Why this file passes 500 lines: every message of the wire in one place, so both directions
+//! read together, and the decoder's and the messages' tests beside them (about 120 lines).
+//!
 //! Both directions are newline-delimited JSON. A Docker frame is not a message: the
 //! [`LineDecoder`] reassembles lines from frames of any size, and nothing here scans user
 //! output for markers (user output only ever travels inside an [`Event::Out`] payload).

@@ -10,6 +10,7 @@ pub mod exec;
 pub mod heartbeat;
 pub mod identity;
 pub mod image;
+pub mod inventory;
 pub mod snapshot;
 mod unpack;
 

@@ -1,6 +1,9 @@
 //! Environments: named sandbox flavours an operator defines (a base image or an offline Debian
 //! release, preinstalled packages, limits, read-only host folders), chosen per session.
 //!
+//! Why this file passes 500 lines: resolving an environment is one flat list of overrides and
+//! checks, and its tests (about 120 lines) sit beside it.
+//!
 //! Each environment resolves to a full [`SandboxConfig`] (the server's settings with the
 //! environment's overrides), so the rest of the code builds images and containers from a config
 //! as it always has. Callers only pick a name: they cannot add mounts or change limits.

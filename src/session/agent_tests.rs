@@ -3,6 +3,8 @@
 //! real [`Agent`] and [`drive`] code. A temporary directory stands in for /workspace
 //! (`PYBERTH_WORKSPACE`).
 //!
+//! Why this file passes 500 lines: it is a test file, one test per protocol message.
+//!
 //! Outside a container the agent behaves as inside: its forwarder is forked from it and
 //! holds the real stdout, so the stdout pipe ends only when both have gone, as the exec's
 //! stream does; its diagnostics go to the stderr pipe, read as Docker's stderr frames are.

@@ -1,5 +1,8 @@
 //! One run: send it, read its events until it ends, stop it when its time is up or its
 //! caller gives up, and tell the caller what happened to the interpreter.
+//!
+//! Why this file passes 500 lines: one run from send to outcome, read top to bottom (drive,
+//! stop, recover); the watchdog and the extras it collects already live apart.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
