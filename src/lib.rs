@@ -1,16 +1,26 @@
 //! pyberth: an MCP server that runs Python for AI agents inside hardened Docker containers.
 //!
+//! # The house
+//! Fronts ([`server`]: the MCP tools; [`http`]; [`runner`]: `pyberth run`) call owners only. The
+//! runtime ([`app`]) is built once for every command. The owners: [`session`] (the registry,
+//! sessions, jobs), [`durable`] (the ledger, the only writer of the state dir's records),
+//! [`packages`] (dependency layers), [`egress`] (networks and the proxy). A session's containers
+//! are made from a [`sandbox::Blueprint`]: settings ([`config`], [`environment`]) plus what the
+//! engine found, as plain data. [`docker`] is the engine adapter: bollard calls, one hardened
+//! fence, and nothing above it. The wire ([`protocol`], [`output`], `tarcheck`) is pure.
+//!
 //! # Where a `run_python` call goes
 //! 1. A transport hands the call to [`server::SandboxServer`]: stdio (`main.rs`, `serve`) or
 //!    streamable HTTP ([`http`], one server per MCP session, behind bearer tokens).
 //! 2. `server/run.rs` checks the arguments ([`checks`]) and opens the session through
-//!    [`session::registry::Registry::open`], which finds it or creates it (a warm-pool
-//!    container or a new one, made by [`docker::container`] from the image [`docker::image`]
-//!    builds, or from a dependency layer of [`packages`]) and installs missing packages.
+//!    [`session::registry::Registry::open`], which finds it or makes it: egress first (a
+//!    network), then the container from the session's blueprint ([`docker::container`]), on the
+//!    image [`docker::image`] builds or with a dependency layer of [`packages`].
 //! 3. [`session::Session`] writes a [`protocol::Request`] line into the agent's attached exec
 //!    ([`docker::exec`]) and reads [`protocol::Event`] lines back, reassembled from Docker frames
 //!    by [`protocol::LineDecoder`]; output is kept per stream, capped, by [`output::Capture`].
-//!    Runaway code is interrupted, then killed, and the agent restarted.
+//!    Runaway code is interrupted, then killed, and the agent restarted. Every change of the
+//!    session's state is written through to the [`durable`] ledger.
 //! 4. `server/render.rs` turns the outcome into text plus structured content, and `server/fit.rs`
 //!    keeps every result within one message a client accepts.
 //!
@@ -27,7 +37,8 @@ pub(crate) mod checks;
 pub mod config;
 /// Requirement strings: parsing, normalising, PEP 723 inline metadata.
 pub(crate) mod deps;
-/// Everything that talks to the Docker engine (containers, execs, images, layers, archives).
+/// The engine adapter: every bollard call (containers, execs, images, archives, volumes), and
+/// nothing above it.
 pub mod docker;
 /// What outlives a server: the ledger, the one writer of the state dir's records.
 pub(crate) mod durable;
