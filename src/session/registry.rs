@@ -466,18 +466,7 @@ impl Registry {
         progress: Progress<'_>,
     ) -> Result<(Arc<Session>, bool), Error> {
         if let Some(s) = self.find(principal, name) {
-            return match environment {
-                // A name that does not exist is that, before it is another environment.
-                Some(e) if e != s.environment => match self.environments.get(Some(e)) {
-                    Err(missing) => Err(Error::Environment(missing)),
-                    Ok(_) => Err(Error::OtherEnvironment {
-                        session: name.to_owned(),
-                        has: s.environment.clone(),
-                        asked: e.to_owned(),
-                    }),
-                },
-                _ => Ok((s, false)),
-            };
+            return self.existing(s, name, environment);
         }
         let env = self.environments.get(environment).map_err(Error::Environment)?;
         // Checked before anything is made: a caller narrows the environment's list, never widens it.
@@ -489,81 +478,17 @@ impl Registry {
             return Err(Error::Egress(why));
         }
         let key = (principal.to_owned(), name.to_owned());
-        let slot = {
-            let mut slots = self.slots();
-            if let Some(slot) = slots.get(&key) {
-                slot.clone()
-            } else {
-                // The caller's own cap first: one caller never learns of another's use.
-                if slots.keys().filter(|(p, _)| p == principal).count() >= self.cfg.max_sessions {
-                    return Err(Error::Capacity(self.cfg.max_sessions));
-                }
-                if slots.len() >= self.cfg.max_sessions_total {
-                    return Err(Error::ServerFull);
-                }
-                let slot: Slot = Arc::default();
-                slots.insert(key.clone(), slot.clone());
-                slot
-            }
-        };
+        let slot = self.reserve(&key)?;
         if let Some(s) = slot.get() {
             return Ok((s.clone(), false));
         }
         let mut created = false;
+        let naming =
+            super::Naming { name: name.to_owned(), principal: principal.to_owned(), environment: env.name.clone() };
         let result = slot
             .get_or_try_init(|| async {
-                let mut all: Vec<String> = env.packages.iter().chain(packages).cloned().collect();
-                all.sort();
-                all.dedup();
-                let image = self.image(&env, progress).await?;
-                let layer = if all.is_empty() { None } else { Some(self.layer(&env, &all, progress).await?) };
                 created = true;
-                let with_egress = !egress.is_empty();
-                let naming = super::Naming {
-                    name: name.to_owned(),
-                    principal: principal.to_owned(),
-                    environment: env.name.clone(),
-                };
-                // Packages or not: a set is a directory put on the path, so the pool serves all.
-                let taken = if env.name == self.environments.default_name() {
-                    self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop()
-                } else {
-                    None
-                };
-                let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
-                let session = match taken {
-                    _ if with_egress => self.start_with_egress(&env, image, naming, egress.clone()).await?,
-                    Some(prepared) => {
-                        self.pool_wake.notify_one();
-                        Session::adopt(docker, self.blueprint(&env, None), image, owner, naming, Vec::new(), prepared)
-                    }
-                    None => {
-                        Session::start(docker, self.blueprint(&env, None), image, owner, naming, Vec::new()).await?
-                    }
-                };
-                if let Some(layer) = layer
-                    && let Err(e) = session.add_layer(&layer, &all).await
-                {
-                    session.close().await;
-                    if with_egress {
-                        self.egress.detach(principal, name).await;
-                    }
-                    return Err(Error::from(e));
-                }
-                if !with_egress {
-                    // A hibernated session wakes into a pooled container of its image (one
-                    // with egress needs its network: it wakes into a container of its own).
-                    let (pool, wake) = (self.pool.clone(), self.pool_wake.clone());
-                    let take: super::snapshot::PoolTake = Arc::new(move || {
-                        let taken = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-                        if taken.is_some() {
-                            wake.notify_one();
-                        }
-                        taken
-                    });
-                    let _ = session.pool.set(take);
-                }
-                Ok(session)
+                self.make(&env, naming, packages, egress, progress).await
             })
             .await
             .cloned();
@@ -586,6 +511,102 @@ impl Registry {
                 Err(e)
             }
         }
+    }
+
+    /// An existing session, unless the caller asked for another environment than its own.
+    fn existing(&self, s: Arc<Session>, name: &str, environment: Option<&str>) -> Result<(Arc<Session>, bool), Error> {
+        match environment {
+            // A name that does not exist is that, before it is another environment.
+            Some(e) if e != s.environment => match self.environments.get(Some(e)) {
+                Err(missing) => Err(Error::Environment(missing)),
+                Ok(_) => Err(Error::OtherEnvironment {
+                    session: name.to_owned(),
+                    has: s.environment.clone(),
+                    asked: e.to_owned(),
+                }),
+            },
+            _ => Ok((s, false)),
+        }
+    }
+
+    /// The slot of `key`, reserved within the caps when it is new, so concurrent first calls
+    /// make the session once.
+    fn reserve(&self, key: &Key) -> Result<Slot, Error> {
+        let mut slots = self.slots();
+        if let Some(slot) = slots.get(key) {
+            return Ok(slot.clone());
+        }
+        // The caller's own cap first: one caller never learns of another's use.
+        if slots.keys().filter(|(p, _)| *p == key.0).count() >= self.cfg.max_sessions {
+            return Err(Error::Capacity(self.cfg.max_sessions));
+        }
+        if slots.len() >= self.cfg.max_sessions_total {
+            return Err(Error::ServerFull);
+        }
+        let slot: Slot = Arc::default();
+        slots.insert(key.clone(), slot.clone());
+        Ok(slot)
+    }
+
+    /// Makes a new session: its image, its layer, a pooled container or a new one (on its own
+    /// network when it has egress), the layer attached.
+    async fn make(
+        &self,
+        env: &Environment,
+        naming: super::Naming,
+        packages: &[String],
+        egress: Vec<crate::egress::policy::Rule>,
+        progress: Progress<'_>,
+    ) -> Result<Arc<Session>, Error> {
+        let (principal, name) = (naming.principal.clone(), naming.name.clone());
+        let mut all: Vec<String> = env.packages.iter().chain(packages).cloned().collect();
+        all.sort();
+        all.dedup();
+        let image = self.image(env, progress).await?;
+        let layer = if all.is_empty() { None } else { Some(self.layer(env, &all, progress).await?) };
+        let with_egress = !egress.is_empty();
+        // Packages or not: a set is a directory put on the path, so the pool serves all.
+        let taken = if env.name == self.environments.default_name() {
+            self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop()
+        } else {
+            None
+        };
+        let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
+        let session = match taken {
+            _ if with_egress => self.start_with_egress(env, image, naming, egress).await?,
+            Some(prepared) => {
+                self.pool_wake.notify_one();
+                Session::adopt(docker, self.blueprint(env, None), image, owner, naming, Vec::new(), prepared)
+            }
+            None => Session::start(docker, self.blueprint(env, None), image, owner, naming, Vec::new()).await?,
+        };
+        if let Some(layer) = layer
+            && let Err(e) = session.add_layer(&layer, &all).await
+        {
+            session.close().await;
+            if with_egress {
+                self.egress.detach(&principal, &name).await;
+            }
+            return Err(Error::from(e));
+        }
+        if !with_egress {
+            // A hibernated session wakes into a pooled container of its image (one with egress
+            // needs its network: it wakes into a container of its own).
+            let _ = session.pool.set(self.pool_take());
+        }
+        Ok(session)
+    }
+
+    /// Takes a container from the warm pool (waking its keeper to refill it), for a wake.
+    fn pool_take(&self) -> super::snapshot::PoolTake {
+        let (pool, wake) = (self.pool.clone(), self.pool_wake.clone());
+        Arc::new(move || {
+            let taken = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            if taken.is_some() {
+                wake.notify_one();
+            }
+            taken
+        })
     }
 
     /// A new session on a network of its own whose only other member is the egress proxy.
