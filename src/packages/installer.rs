@@ -191,57 +191,8 @@ async fn install_as(
         .await?;
     super::lap("install: create volume", &mut t);
     let result = async {
-        let mut mounts = vec![Mount {
-            target: Some(WORKSPACE.into()),
-            source: Some(name.to_owned()),
-            typ: Some(MountType::VOLUME),
-            ..Default::default()
-        }];
-        if let Some(s) = shared {
-            mounts.push(Mount {
-                target: Some(SHARED.into()),
-                source: Some(s.name.clone()),
-                typ: Some(MountType::VOLUME),
-                read_only: Some(!wheels_only),
-                ..Default::default()
-            });
-        }
-        let flag = |b: bool| if b { "1" } else { "0" };
-        let mut env: Vec<String> = vec![
-            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-            "HOME=/tmp".into(),
-            "USER=sandbox".into(),
-            "LOGNAME=sandbox".into(),
-            "LANG=C.UTF-8".into(),
-            "PIP_NO_WARN_SCRIPT_LOCATION=1".into(),
-            "UV_NO_PROGRESS=1".into(),
-            "UV_PYTHON_DOWNLOADS=never".into(),
-            "UV_HTTP_TIMEOUT=30".into(),
-            "UV_HTTP_RETRIES=1".into(),
-            format!("PB_UV={}", cfg.installer_uv),
-            format!("PB_SHARED={}", flag(shared.is_some())),
-            format!(
-                "PB_SHARED_WHY={}",
-                if wheels_only {
-                    "the installer's tool volume is unavailable (see the server's log)"
-                } else {
-                    "no wheels-only install has fetched uv on this base and index yet"
-                }
-            ),
-            format!("PB_WRITE={}", flag(shared.is_some() && wheels_only)),
-            format!("PB_CACHE_KB={}", cfg.installer_cache_mb.saturating_mul(1024)),
-            format!("PB_ONLY_BINARY={}", flag(wheels_only)),
-        ];
-        // Both tools read the index settings from their own variables: no word splitting.
-        if let Some(url) = &index.index_url {
-            env.extend([format!("PIP_INDEX_URL={url}"), format!("UV_INDEX_URL={url}")]);
-        }
-        if let Some(url) = &index.extra_index_url {
-            env.extend([format!("PIP_EXTRA_INDEX_URL={url}"), format!("UV_EXTRA_INDEX_URL={url}")]);
-        }
-        if index.ca_bundle.is_some() {
-            env.extend(["PIP_CERT=/workspace/ca.pem".to_owned(), "SSL_CERT_FILE=/workspace/ca.pem".to_owned()]);
-        }
+        let mounts = installer_mounts(name, shared, wheels_only);
+        let env = installer_env(cfg, index, shared.is_some(), wheels_only);
         let mut cmd: Vec<String> = vec!["sh".into(), "-c".into(), INSTALL_SH.into(), "pyberth-install".into()];
         cmd.extend(spec.requirements.iter().cloned());
         // No route to the host or to private ranges: only the index hosts, through the proxy.
@@ -297,11 +248,7 @@ async fn install_as(
         // A network where package code ran (an sdist build) is never handed to the next
         // install: connections it left open would hold that install's slots.
         let network = async {
-            if wheels_only {
-                spec.egress.release_installer(net).await;
-            } else {
-                spec.egress.detach_installer(net).await;
-            }
+            if wheels_only { spec.egress.release_installer(net).await } else { spec.egress.detach_installer(net).await }
         };
         tokio::join!(writer.discard(docker), network);
         super::lap("install: writer removed, detach_installer", &mut t);
@@ -313,6 +260,69 @@ async fn install_as(
     super::clean_up_later(docker, name);
     super::lap("install: remove volume (handed off)", &mut t);
     result
+}
+
+/// The installer's mounts: its own volume as the workspace, and the shared volume (read-only
+/// when package code may run).
+fn installer_mounts(name: &str, shared: Option<&Shared>, wheels_only: bool) -> Vec<Mount> {
+    let mut mounts = vec![Mount {
+        target: Some(WORKSPACE.into()),
+        source: Some(name.to_owned()),
+        typ: Some(MountType::VOLUME),
+        ..Default::default()
+    }];
+    if let Some(s) = shared {
+        mounts.push(Mount {
+            target: Some(SHARED.into()),
+            source: Some(s.name.clone()),
+            typ: Some(MountType::VOLUME),
+            read_only: Some(!wheels_only),
+            ..Default::default()
+        });
+    }
+    mounts
+}
+
+/// The installer's environment: a fixed one, what `INSTALL_SH` is told, and the index settings
+/// in both tools' own variables (no word splitting).
+fn installer_env(cfg: &SandboxConfig, index: &IndexSettings, shared: bool, wheels_only: bool) -> Vec<String> {
+    let flag = |b: bool| if b { "1" } else { "0" };
+    let mut env: Vec<String> = vec![
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+        "HOME=/tmp".into(),
+        "USER=sandbox".into(),
+        "LOGNAME=sandbox".into(),
+        "LANG=C.UTF-8".into(),
+        "PIP_NO_WARN_SCRIPT_LOCATION=1".into(),
+        "UV_NO_PROGRESS=1".into(),
+        "UV_PYTHON_DOWNLOADS=never".into(),
+        "UV_HTTP_TIMEOUT=30".into(),
+        "UV_HTTP_RETRIES=1".into(),
+        format!("PB_UV={}", cfg.installer_uv),
+        format!("PB_SHARED={}", flag(shared)),
+        format!(
+            "PB_SHARED_WHY={}",
+            if wheels_only {
+                "the installer's tool volume is unavailable (see the server's log)"
+            } else {
+                "no wheels-only install has fetched uv on this base and index yet"
+            }
+        ),
+        format!("PB_WRITE={}", flag(shared && wheels_only)),
+        format!("PB_CACHE_KB={}", cfg.installer_cache_mb.saturating_mul(1024)),
+        format!("PB_ONLY_BINARY={}", flag(wheels_only)),
+    ];
+    // Both tools read the index settings from their own variables: no word splitting.
+    if let Some(url) = &index.index_url {
+        env.extend([format!("PIP_INDEX_URL={url}"), format!("UV_INDEX_URL={url}")]);
+    }
+    if let Some(url) = &index.extra_index_url {
+        env.extend([format!("PIP_EXTRA_INDEX_URL={url}"), format!("UV_EXTRA_INDEX_URL={url}")]);
+    }
+    if index.ca_bundle.is_some() {
+        env.extend(["PIP_CERT=/workspace/ca.pem".to_owned(), "SSL_CERT_FILE=/workspace/ca.pem".to_owned()]);
+    }
+    env
 }
 
 #[cfg(test)]
