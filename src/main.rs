@@ -240,57 +240,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Image { action: ImageAction::Build { cfg, force, all, environment } } => {
-            let host = Host::open(&cfg).await?;
-            let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
-            let docker = host.docker.clone();
-            let progress = |line: &str| eprintln!("{line}");
-            let targets: Vec<_> = if all {
-                envs.all().cloned().collect()
-            } else {
-                vec![envs.get(environment.as_deref()).map_err(anyhow::Error::msg)?]
-            };
-            let mut instance = None;
-            for env in targets {
-                let tag = image::tag_for(&env.cfg);
-                if force || !image::exists(&docker, &tag).await? {
-                    eprintln!("environment {}: building {tag}", env.name);
-                    image::build(&docker, &env.cfg, &tag, &progress).await?;
-                } else {
-                    eprintln!("environment {}: {tag} is up to date", env.name);
-                }
-                // `--all` stays offline-capable: packages come from the index, so only for an
-                // environment named on its own.
-                if env.packages.is_empty() || all {
-                    continue;
-                }
-                // Its packages too, as the layer its first session would otherwise install
-                // (`datascience`): the installer's containers carry a live instance's labels.
-                let owner = match &instance {
-                    Some(i) => i,
-                    None => instance.insert(host.instance(None)?),
-                };
-                let base = image::ensure(&docker, &env.cfg, &progress).await?;
-                let index = layers::IndexSettings::from_config(&env.cfg).context("cannot read the CA bundle")?;
-                // No engine check here: the installer gets the runtime as configured, as before.
-                let sandboxing = Sandboxing { runtime: env.cfg.runtime.clone(), ..Default::default() };
-                let blueprint = Blueprint::new(env.cfg.clone(), &sandboxing, &env.mounts, None);
-                let egress = pyberth::egress::Manager::new(
-                    docker.clone(),
-                    owner.owner.clone(),
-                    env.cfg.clone(),
-                    index.ca_bundle.clone(),
-                );
-                let layer =
-                    layers::ensure(&docker, &blueprint, &owner.owner, &base, &env.packages, &index, &egress, &progress)
-                        .await;
-                layers::settle().await;
-                egress.shutdown().await;
-                let layer =
-                    layer.with_context(|| format!("environment {}: its packages could not be installed", env.name))?;
-                let state = if layer.cached { "is up to date" } else { "is built" };
-                eprintln!("environment {}: layer {} ({}) {state}", env.name, layer.key, env.packages.join(" "));
-            }
-            Ok(())
+            image_build(cfg, force, all, environment.as_deref()).await
         }
         Command::Bench { cfg, args } => bench::run(cfg, args).await,
         Command::Run(_) => Ok(()), // handled in main, for its exit code
@@ -320,6 +270,60 @@ async fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `pyberth image build`: each environment's image asked for, and an environment's packages
+/// as the layer its first session would otherwise install.
+async fn image_build(cfg: SandboxConfig, force: bool, all: bool, environment: Option<&str>) -> anyhow::Result<()> {
+    let host = Host::open(&cfg).await?;
+    let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
+    let docker = host.docker.clone();
+    let progress = |line: &str| eprintln!("{line}");
+    let targets: Vec<_> = if all {
+        envs.all().cloned().collect()
+    } else {
+        vec![envs.get(environment.as_deref()).map_err(anyhow::Error::msg)?]
+    };
+    let mut instance = None;
+    for env in targets {
+        let tag = image::tag_for(&env.cfg);
+        if force || !image::exists(&docker, &tag).await? {
+            eprintln!("environment {}: building {tag}", env.name);
+            image::build(&docker, &env.cfg, &tag, &progress).await?;
+        } else {
+            eprintln!("environment {}: {tag} is up to date", env.name);
+        }
+        // `--all` stays offline-capable: packages come from the index, so only for an
+        // environment named on its own.
+        if env.packages.is_empty() || all {
+            continue;
+        }
+        // Its packages too, as the layer its first session would otherwise install
+        // (`datascience`): the installer's containers carry a live instance's labels.
+        let owner = match &instance {
+            Some(i) => i,
+            None => instance.insert(host.instance(None)?),
+        };
+        let base = image::ensure(&docker, &env.cfg, &progress).await?;
+        let index = layers::IndexSettings::from_config(&env.cfg).context("cannot read the CA bundle")?;
+        // No engine check here: the installer gets the runtime as configured, as before.
+        let sandboxing = Sandboxing { runtime: env.cfg.runtime.clone(), ..Default::default() };
+        let blueprint = Blueprint::new(env.cfg.clone(), &sandboxing, &env.mounts, None);
+        let egress = pyberth::egress::Manager::new(
+            docker.clone(),
+            owner.owner.clone(),
+            env.cfg.clone(),
+            index.ca_bundle.clone(),
+        );
+        let layer =
+            layers::ensure(&docker, &blueprint, &owner.owner, &base, &env.packages, &index, &egress, &progress).await;
+        layers::settle().await;
+        egress.shutdown().await;
+        let layer = layer.with_context(|| format!("environment {}: its packages could not be installed", env.name))?;
+        let state = if layer.cached { "is up to date" } else { "is built" };
+        eprintln!("environment {}: layer {} ({}) {state}", env.name, layer.key, env.packages.join(" "));
+    }
+    Ok(())
 }
 
 /// What `pyberth layers` needs: the engine, an image to run the store's reader and writer
