@@ -279,11 +279,8 @@ async fn image_build(cfg: SandboxConfig, force: bool, all: bool, environment: Op
     let envs = Environments::from_config(&cfg).map_err(anyhow::Error::msg)?;
     let docker = host.docker.clone();
     let progress = |line: &str| eprintln!("{line}");
-    let targets: Vec<_> = if all {
-        envs.all().cloned().collect()
-    } else {
-        vec![envs.get(environment.as_deref()).map_err(anyhow::Error::msg)?]
-    };
+    let targets: Vec<_> =
+        if all { envs.all().cloned().collect() } else { vec![envs.get(environment).map_err(anyhow::Error::msg)?] };
     let mut instance = None;
     for env in targets {
         let tag = image::tag_for(&env.cfg);
