@@ -21,7 +21,7 @@ mod recorded;
 pub(crate) mod registry;
 mod run;
 pub(crate) mod snapshot;
-mod transfer;
+pub(crate) mod transfer;
 mod watch;
 
 pub(crate) use self::run::{RunOutcome, RunSpec, RunStatus};

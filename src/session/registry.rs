@@ -25,6 +25,7 @@ use crate::sandbox::Blueprint;
 
 mod adopt;
 mod sleepers;
+mod snapshots;
 
 type Key = (String, String);
 

@@ -1,0 +1,139 @@
+//! The snapshot owner (issues 18, 25): save, restore, fork, delete and list, with the cache
+//! policy (the total bound, least recently used out) in one place. MCP tools call only these;
+//! the engine calls and the catalogue's records stay below this line.
+
+use std::sync::Arc;
+
+use super::Registry;
+use crate::docker::snapshot::{Bounds, remove};
+use crate::durable::catalogue::Entry;
+use crate::session::Session;
+use crate::session::snapshot::{Restored, Saved};
+
+/// Most entries (files, directories) one snapshot holds.
+const MAX_ENTRIES: u64 = 100_000;
+
+/// The bytes and the entries of the snapshot cache, as `list_snapshots` shows them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CacheUse {
+    /// Bytes all snapshots of the server take.
+    pub(crate) total_bytes: u64,
+    /// The bound (--snapshot-cache-mb), bytes.
+    pub(crate) cache_bytes: u64,
+}
+
+impl Registry {
+    /// The bound of the whole cache, bytes (--snapshot-cache-mb).
+    fn cache_bytes(&self) -> u64 {
+        self.cfg.snapshot_cache_mb << 20
+    }
+
+    /// The bounds of one snapshot (hibernation's included).
+    pub(crate) fn snapshot_bounds(&self) -> Bounds {
+        Bounds { bytes: self.cache_bytes(), entries: MAX_ENTRIES }
+    }
+
+    /// Takes a snapshot of `session` into a new volume (not catalogued).
+    async fn take_snapshot(&self, session: &Session) -> Result<Saved, String> {
+        let id = self.snapshots.next_id();
+        session
+            .snapshot(&id, self.snapshot_bounds())
+            .await
+            .map_err(|e| format!("cannot snapshot session {:?}: {e}", session.name))
+    }
+
+    /// Saves session `session` of `who` as snapshot `name` (an existing one of that name is
+    /// replaced), then prunes the cache to its bound, least recently used first.
+    pub(crate) async fn save_snapshot(&self, who: &str, session: &str, name: &str) -> Result<Arc<Entry>, String> {
+        let s = self.get(who, session).map_err(|e| e.to_string())?;
+        let saved = self.take_snapshot(&s).await?;
+        let cap = self.cache_bytes();
+        if saved.summary.bytes() > cap {
+            remove(&self.docker, &saved.store).await;
+            return Err(format!(
+                "the snapshot holds {} MiB, over --snapshot-cache-mb {}: make the workspace smaller",
+                saved.summary.bytes() >> 20,
+                cap >> 20
+            ));
+        }
+        if let Some(old) = self.snapshots.insert(who, name, session, saved) {
+            remove(&self.docker, &old.saved.store).await;
+        }
+        for gone in self.snapshots.prune(cap, who, name) {
+            tracing::info!(snapshot = %gone.name, bytes = gone.saved.summary.bytes(), "snapshot cache over its size; pruned");
+            remove(&self.docker, &gone.saved.store).await;
+        }
+        self.snapshots.get(who, name).ok_or_else(|| no_snapshot(name))
+    }
+
+    /// Makes session `name` of `who` from its snapshot `snapshot`.
+    pub(crate) async fn restore_snapshot(
+        &self,
+        who: &str,
+        snapshot: &str,
+        name: &str,
+    ) -> Result<(Arc<Entry>, Restored), String> {
+        let entry = self.snapshots.get(who, snapshot).ok_or_else(|| no_snapshot(snapshot))?;
+        let (_, r) = self.restore_into(who, name, &entry.saved).await?;
+        Ok((entry, r))
+    }
+
+    /// Copies session `from` of `who` into a new session `name`: a snapshot, restored, then
+    /// removed. Returns the snapshot (its store gone) and what the restore brought back.
+    pub(crate) async fn fork_session(&self, who: &str, from: &str, name: &str) -> Result<(Saved, Restored), String> {
+        if self.find(who, name).is_some() {
+            return Err(format!("session {name:?} exists: fork into a new name"));
+        }
+        let session = self.get(who, from).map_err(|e| e.to_string())?;
+        let saved = self.take_snapshot(&session).await?;
+        let restored = self.restore_into(who, name, &saved).await;
+        remove(&self.docker, &saved.store).await;
+        let (_, r) = restored?;
+        Ok((saved, r))
+    }
+
+    /// Deletes snapshot `name` of `who`, its store with it.
+    pub(crate) async fn delete_snapshot(&self, who: &str, name: &str) -> Result<Arc<Entry>, String> {
+        let entry = self.snapshots.remove(who, name).ok_or_else(|| no_snapshot(name))?;
+        remove(&self.docker, &entry.saved.store).await;
+        Ok(entry)
+    }
+
+    /// The snapshots of `who`, newest first, and the cache's use.
+    pub(crate) fn list_snapshots(&self, who: &str) -> (Vec<Arc<Entry>>, CacheUse) {
+        let cache = CacheUse { total_bytes: self.snapshots.total(), cache_bytes: self.cache_bytes() };
+        (self.snapshots.list(who), cache)
+    }
+
+    /// A name for a snapshot of `session` the caller did not name.
+    pub(crate) fn default_snapshot_name(&self, session: &str) -> String {
+        self.snapshots.default_name(session)
+    }
+
+    /// Makes session `name` of `who` from `saved`. The session must not exist. A failed
+    /// restore leaves the new session fresh, and the error says so.
+    async fn restore_into(&self, who: &str, name: &str, saved: &Saved) -> Result<(Arc<Session>, Restored), String> {
+        let exists = || {
+            format!(
+                "session {name:?} exists: restore into a new name, or close_session {name:?} first (its variables and \
+                 files go)"
+            )
+        };
+        if self.find(who, name).is_some() {
+            return Err(exists());
+        }
+        let (session, created) = self
+            .get_or_create(who, name, Some(&saved.environment), &saved.requirements, &|_| {})
+            .await
+            .map_err(|e| e.to_string())?;
+        if !created {
+            return Err(exists());
+        }
+        let restored = session.restore(saved).await.map_err(|e| format!("cannot restore into {name:?}: {e}"))?;
+        Ok((session, restored))
+    }
+}
+
+fn no_snapshot(name: &str) -> String {
+    format!("no snapshot named {name:?}: list_snapshots shows yours")
+}
