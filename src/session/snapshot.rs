@@ -581,6 +581,11 @@ impl Session {
         Ok(())
     }
 
+    /// Bytes of the hibernation snapshot, if the session sleeps (the caller's snapshot caps).
+    pub(crate) fn asleep_bytes(&self) -> Option<u64> {
+        self.asleep.lock().ok().and_then(|a| a.as_ref().map(|s| s.summary.bytes()))
+    }
+
     /// The hibernation snapshot's storage, if the session sleeps (removed by close).
     pub(super) fn asleep_store(&self) -> Option<store::Stored> {
         self.asleep.lock().ok().and_then(|a| a.as_ref().map(|s| s.store.clone()))

@@ -50,3 +50,5 @@ mod egress;
 mod forged;
 // Durable sessions: snapshots, restore, fork, hibernation, why a session ended.
 mod durable;
+
+mod snapshot_caps; // Per-caller snapshot caps (issue 26): count and bytes, hibernated sessions included.

@@ -155,14 +155,12 @@ impl Registry {
         // their state is kept, their containers go. A session that cannot be put to sleep
         // (hibernation off, or the snapshot fails) stays adopted and running.
         if self.cfg.hibernate_after().is_some() {
-            let bounds = crate::docker::snapshot::Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: 100_000 };
             for s in asleep_now {
                 // A running job keeps its session awake, as it does an idle one.
                 if self.jobs.list(&s.principal).iter().any(|j| j.session == s.name && !j.is_finished()) {
                     continue;
                 }
-                let id = format!("h{}", self.snapshots.next_id());
-                match s.hibernate(&id, bounds).await {
+                match self.hibernate_within_caps(&s).await {
                     Ok(true) => {
                         tracing::info!(session = %s.name, "a session left past the adoption grace was put to sleep");
                     }

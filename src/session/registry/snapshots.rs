@@ -42,11 +42,47 @@ impl Registry {
             .map_err(|e| format!("cannot snapshot session {:?}: {e}", session.name))
     }
 
+    /// The count and bytes of `who`'s snapshots, its hibernated sessions included, but its
+    /// snapshot `except` (one about to be replaced).
+    fn caller_use(&self, who: &str, except: &str) -> (usize, u64) {
+        let (count, bytes) = self.snapshots.use_of(who, except);
+        let mine: Vec<Arc<Session>> =
+            self.slots().iter().filter(|(k, _)| k.0 == who).filter_map(|(_, slot)| slot.get().cloned()).collect();
+        mine.iter().filter_map(|s| s.asleep_bytes()).fold((count, bytes), |(n, b), more| (n + 1, b + more))
+    }
+
+    /// The caller's caps: most snapshots, most bytes.
+    fn caller_caps(&self) -> (usize, u64) {
+        (self.cfg.max_snapshots_per_caller, self.cfg.snapshot_mb_per_caller << 20)
+    }
+
     /// Saves session `session` of `who` as snapshot `name` (an existing one of that name is
-    /// replaced), then prunes the cache to its bound, least recently used first.
+    /// replaced), then prunes the cache to its bound, least recently used first. Past the
+    /// caller's caps the snapshot is refused, and nothing kept is removed for it.
     pub(crate) async fn save_snapshot(&self, who: &str, session: &str, name: &str) -> Result<Arc<Entry>, String> {
         let s = self.get(who, session).map_err(|e| e.to_string())?;
+        // Held until the snapshot is catalogued: the checks below see every earlier one.
+        let _turn = self.snapshots.turn(who).await;
+        let (count, bytes) = self.caller_use(who, name);
+        let (max_count, max_bytes) = self.caller_caps();
+        if count >= max_count {
+            return Err(format!(
+                "snapshot refused: you keep {count} snapshots (hibernated sessions included), the most \
+                 --max-snapshots-per-caller allows: delete_snapshot one of list_snapshots, reuse a name, or close a \
+                 hibernated session"
+            ));
+        }
         let saved = self.take_snapshot(&s).await?;
+        if bytes.saturating_add(saved.summary.bytes()) > max_bytes {
+            remove(&self.docker, &saved.store).await;
+            return Err(format!(
+                "snapshot refused: it holds {} MiB and yours take {} MiB already (hibernated sessions included), over \
+                 --snapshot-mb-per-caller {}: delete_snapshot some of list_snapshots, or make the workspace smaller",
+                saved.summary.bytes() >> 20,
+                bytes >> 20,
+                max_bytes >> 20
+            ));
+        }
         let cap = self.cache_bytes();
         if saved.summary.bytes() > cap {
             remove(&self.docker, &saved.store).await;
@@ -64,6 +100,25 @@ impl Registry {
             remove(&self.docker, &gone.saved.store).await;
         }
         self.snapshots.get(who, name).ok_or_else(|| no_snapshot(name))
+    }
+
+    /// Hibernates `s` if its caller's caps leave room for the snapshot; otherwise it stays
+    /// awake (the error says which cap) and nothing kept is removed for it.
+    pub(crate) async fn hibernate_within_caps(&self, s: &Session) -> Result<bool, String> {
+        let _turn = self.snapshots.turn(&s.principal).await;
+        let (count, bytes) = self.caller_use(&s.principal, "");
+        let (max_count, max_bytes) = self.caller_caps();
+        if count >= max_count || bytes >= max_bytes {
+            return Err(format!(
+                "its caller keeps {count} snapshots of {} MiB (--max-snapshots-per-caller {max_count}, \
+                 --snapshot-mb-per-caller {})",
+                bytes >> 20,
+                max_bytes >> 20
+            ));
+        }
+        let bounds = Bounds { bytes: self.cache_bytes().min(max_bytes - bytes), entries: MAX_ENTRIES };
+        let id = format!("h{}", self.snapshots.next_id());
+        s.hibernate(&id, bounds).await
     }
 
     /// Makes session `name` of `who` from its snapshot `snapshot`.

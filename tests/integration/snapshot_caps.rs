@@ -1,0 +1,124 @@
+//! Per-caller snapshot caps (issue 26, "caps that leak around the side"): one caller cannot
+//! fill the engine with snapshot volumes, its hibernated sessions count, and the refusal says
+//! which cap and what to delete.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bollard::query_parameters::ListVolumesOptionsBuilder;
+use serde_json::json;
+
+use crate::common::{Server, containers_of, docker, text};
+
+/// Snapshot volumes of an instance.
+async fn snapshot_volumes(instance: &str) -> usize {
+    let label = format!("pyberth.instance={instance}");
+    let filters = HashMap::from([("label", vec![label.as_str(), "pyberth.snapshot"])]);
+    let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
+    let list = docker().await.list_volumes(Some(opts)).await.expect("list volumes");
+    list.volumes.unwrap_or_default().len()
+}
+
+/// Containers of an instance that are not sessions (snapshot helpers, packers).
+async fn helper_containers(instance: &str) -> usize {
+    containers_of(instance)
+        .await
+        .into_iter()
+        .filter(|c| c.labels.as_ref().is_none_or(|l| !l.contains_key("pyberth.session")))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_caller_making_many_snapshots_at_once_stays_within_its_cap() {
+    let s = Server::start("snapcap-count", &[("PYBERTH_MAX_SNAPSHOTS_PER_CALLER", "10")]).await;
+    s.ok("s", "open('a.txt', 'w').write('a' * 1000)").await;
+    // Watches the engine while the calls run: never more volumes than the cap.
+    let most = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (most, stop, instance) = (most.clone(), stop.clone(), s.instance.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                most.fetch_max(snapshot_volumes(&instance).await, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let calls = (0..30).map(|i| s.call("snapshot_session", json!({"session": "s", "name": format!("n{i}")})));
+    let results = futures::future::join_all(calls).await;
+    stop.store(true, Ordering::SeqCst);
+    watcher.await.expect("watcher");
+    eprintln!("30 snapshot calls: {} ms", started.elapsed().as_millis());
+    let ok = results.iter().filter(|r| r.is_error == Some(false)).count();
+    assert_eq!(ok, 10, "exactly the cap's snapshots are made");
+    for r in results.iter().filter(|r| r.is_error != Some(false)) {
+        let t = text(r);
+        assert!(t.contains("--max-snapshots-per-caller") && t.contains("delete_snapshot"), "{t}");
+    }
+    assert!(most.load(Ordering::SeqCst) <= 10, "the engine held {} snapshot volumes", most.load(Ordering::SeqCst));
+    assert_eq!(snapshot_volumes(&s.instance).await, 10);
+    assert!(helper_containers(&s.instance).await <= 10);
+    // Deleting one makes room for one, and replacing a name needs none.
+    let r = s.call("snapshot_session", json!({"session": "s", "name": "n0"})).await;
+    assert_eq!(r.is_error, Some(false), "a name kept is replaced: {}", text(&r));
+    let listed = s.call("list_snapshots", json!({})).await;
+    let sc = listed.structured_content.expect("structured");
+    let first = sc["snapshots"][0]["snapshot"].as_str().expect("a name").to_owned();
+    let r = s.call("delete_snapshot", json!({"snapshot": first})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let r = s.call("snapshot_session", json!({"session": "s", "name": "after"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(snapshot_volumes(&s.instance).await, 10);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hibernated_sessions_count_against_the_callers_snapshot_caps() {
+    let s = Server::start(
+        "snapcap-sleep",
+        &[("PYBERTH_MAX_SNAPSHOTS_PER_CALLER", "2"), ("PYBERTH_HIBERNATE_AFTER_S", "2"), ("PYBERTH_IDLE_TTL", "600")],
+    )
+    .await;
+    s.ok("kept", "x = 1").await;
+    let r = s.call("snapshot_session", json!({"session": "kept", "name": "one"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    s.ok("nap", "y = 2").await;
+    // "kept" and "nap" go idle: one of them may hibernate (one snapshot + one sleeper = 2).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let sleeping = loop {
+        let l = s.call("list_sessions", json!({})).await;
+        let t = text(&l);
+        let n = t.matches(": hibernated").count();
+        if n >= 1 {
+            // Give the reaper a few more rounds: the other must stay awake.
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            break text(&s.call("list_sessions", json!({})).await).matches(": hibernated").count();
+        }
+        assert!(Instant::now() < deadline, "nothing hibernated: {t}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(sleeping, 1, "a second sleeper would pass the cap of 2");
+    assert_eq!(snapshot_volumes(&s.instance).await, 2);
+    let r = s.call("snapshot_session", json!({"session": "kept", "name": "two"})).await;
+    assert_eq!(r.is_error, Some(true), "one snapshot and one sleeper fill a cap of 2");
+    let t = text(&r);
+    assert!(t.contains("hibernated sessions included") && t.contains("--max-snapshots-per-caller"), "{t}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_callers_bytes_cap_refuses_a_snapshot_and_keeps_the_others() {
+    let s = Server::start("snapcap-bytes", &[("PYBERTH_SNAPSHOT_MB_PER_CALLER", "1")]).await;
+    s.ok("s", "open('blob', 'wb').write(b'x' * 600_000)").await;
+    let r = s.call("snapshot_session", json!({"session": "s", "name": "one"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let r = s.call("snapshot_session", json!({"session": "s", "name": "two"})).await;
+    assert_eq!(r.is_error, Some(true), "two of 0.6 MiB pass 1 MiB");
+    let t = text(&r);
+    assert!(t.contains("--snapshot-mb-per-caller") && t.contains("delete_snapshot"), "{t}");
+    assert_eq!(snapshot_volumes(&s.instance).await, 1, "the refused one left nothing, the kept one stays");
+    s.stop().await;
+}
