@@ -15,6 +15,7 @@
 mod agent;
 #[cfg(test)]
 mod agent_tests;
+mod charge;
 mod extras;
 pub(crate) mod jobs;
 mod recorded;

@@ -397,6 +397,7 @@ impl Session {
         } else {
             self.restore_stream(inner, saved).await?;
         }
+        self.charge_workspace(inner.container.id.clone(), inner.container.uid).await?;
         let mut restored = Restored {
             files: saved.summary.files,
             bytes: saved.summary.workspace_bytes,
@@ -579,11 +580,6 @@ impl Session {
         // record a woken session was swept at the next restart).
         self.write_through();
         Ok(())
-    }
-
-    /// Bytes of the hibernation snapshot, if the session sleeps (the caller's snapshot caps).
-    pub(crate) fn asleep_bytes(&self) -> Option<u64> {
-        self.asleep.lock().ok().and_then(|a| a.as_ref().map(|s| s.summary.bytes()))
     }
 
     /// The hibernation snapshot's storage, if the session sleeps (removed by close).

@@ -1,6 +1,6 @@
 //! Per-caller snapshot caps (issue 26, "caps that leak around the side"): one caller cannot
 //! fill the engine with snapshot volumes, its hibernated sessions count, and the refusal says
-//! which cap and what to delete.
+//! which cap and what to delete. And a restored or forked workspace is charged to its session.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -120,5 +120,36 @@ async fn the_callers_bytes_cap_refuses_a_snapshot_and_keeps_the_others() {
     let t = text(&r);
     assert!(t.contains("--snapshot-mb-per-caller") && t.contains("delete_snapshot"), "{t}");
     assert_eq!(snapshot_volumes(&s.instance).await, 1, "the refused one left nothing, the kept one stays");
+    s.stop().await;
+}
+
+/// Allocates (and touches) 420 MiB in one go: under a 512 MiB limit that already holds a
+/// 200 MiB workspace, the kernel must kill it.
+const HOG: &str = "b = b'\\x01' * (420 << 20)\nlen(b)";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restored_workspace_counts_against_the_sessions_memory() {
+    let s = Server::start("snapcap-memory", &[("PYBERTH_MEMORY_MB", "512")]).await;
+    // The writer itself pays for its 200 MiB: the same allocation is killed there (the
+    // baseline the restored session must match).
+    s.ok("src", "open('big.bin', 'wb').write(b'\\x02' * (200 << 20))").await;
+    let r = s.call("snapshot_session", json!({"session": "src", "name": "big"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let r = s.call("close_session", json!({"session": "src"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let started = Instant::now();
+    let r = s.call("restore_session", json!({"snapshot": "big", "session": "dst"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    eprintln!("restore of 200 MiB: {} ms", started.elapsed().as_millis());
+    let (r, sc) = s.run_with(json!({"session": "dst", "code": HOG, "timeout_s": 60})).await;
+    assert_eq!(sc["status"], "oom", "the restored 200 MiB are the session's own: {} {sc}", text(&r));
+    // A fork's copy is the fork's too.
+    s.ok("dst", "import os; assert os.path.getsize('big.bin') == 200 << 20").await;
+    let r = s.call("fork_session", json!({"session": "dst", "new_session": "fork"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let r = s.call("close_session", json!({"session": "dst"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let (r, sc) = s.run_with(json!({"session": "fork", "code": HOG, "timeout_s": 60})).await;
+    assert_eq!(sc["status"], "oom", "the forked 200 MiB are the fork's own: {} {sc}", text(&r));
     s.stop().await;
 }

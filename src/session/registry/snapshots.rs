@@ -48,7 +48,7 @@ impl Registry {
         let (count, bytes) = self.snapshots.use_of(who, except);
         let mine: Vec<Arc<Session>> =
             self.slots().iter().filter(|(k, _)| k.0 == who).filter_map(|(_, slot)| slot.get().cloned()).collect();
-        mine.iter().filter_map(|s| s.asleep_bytes()).fold((count, bytes), |(n, b), more| (n + 1, b + more))
+        mine.iter().filter_map(asleep_bytes).fold((count, bytes), |(n, b), more| (n + 1, b + more))
     }
 
     /// The caller's caps: most snapshots, most bytes.
@@ -187,6 +187,11 @@ impl Registry {
         let restored = session.restore(saved).await.map_err(|e| format!("cannot restore into {name:?}: {e}"))?;
         Ok((session, restored))
     }
+}
+
+/// Bytes of a session's hibernation snapshot, if it sleeps.
+fn asleep_bytes(s: &Arc<Session>) -> Option<u64> {
+    s.asleep.lock().ok().and_then(|a| a.as_ref().map(|saved| saved.summary.bytes()))
 }
 
 fn no_snapshot(name: &str) -> String {
