@@ -60,7 +60,7 @@ async fn one_caller_making_many_snapshots_at_once_stays_within_its_cap() {
     }
     assert!(most.load(Ordering::SeqCst) <= 10, "the engine held {} snapshot volumes", most.load(Ordering::SeqCst));
     assert_eq!(snapshot_volumes(&s.instance).await, 10);
-    assert!(helper_containers(&s.instance).await <= 10);
+    assert_eq!(helper_containers(&s.instance).await, 0, "no container is kept per snapshot");
     // Deleting one makes room for one, and replacing a name needs none.
     let r = s.call("snapshot_session", json!({"session": "s", "name": "n0"})).await;
     assert_eq!(r.is_error, Some(false), "a name kept is replaced: {}", text(&r));
@@ -151,5 +151,39 @@ async fn a_restored_workspace_counts_against_the_sessions_memory() {
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     let (r, sc) = s.run_with(json!({"session": "fork", "code": HOG, "timeout_s": 60})).await;
     assert_eq!(sc["status"], "oom", "the forked 200 MiB are the fork's own: {} {sc}", text(&r));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_snapshot_is_a_volume_and_no_container() {
+    let s = Server::start("snapcap-nohelper", &[("PYBERTH_HIBERNATE_AFTER_S", "2"), ("PYBERTH_IDLE_TTL", "600")]).await;
+    // One small (the agent's stream) and one large (the packer), then a sleeper.
+    s.ok("small", "x = 1\nopen('a.txt', 'w').write('a')").await;
+    s.ok("large", "y = 2\nopen('b.bin', 'wb').write(b'b' * (20 << 20))").await;
+    for (session, name) in [("small", "s"), ("large", "l")] {
+        let r = s.call("snapshot_session", json!({"session": session, "name": name})).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    }
+    let r = s.call("close_session", json!({"session": "large"})).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !text(&s.call("list_sessions", json!({})).await).contains("small: hibernated") {
+        assert!(Instant::now() < deadline, "not hibernated");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(snapshot_volumes(&s.instance).await, 3, "two snapshots and a sleeper");
+    assert_eq!(helper_containers(&s.instance).await, 0, "no container is kept for a snapshot");
+    assert!(containers_of(&s.instance).await.is_empty(), "nothing runs: the only session sleeps");
+    // Each still restores, and the sleeper wakes.
+    for (snap, session, check) in [
+        ("s", "rs", "assert x == 1 and open('a.txt').read() == 'a'"),
+        ("l", "rl", "assert y == 2 and len(open('b.bin', 'rb').read()) == 20 << 20"),
+    ] {
+        let r = s.call("restore_session", json!({"snapshot": snap, "session": session})).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+        s.ok(session, check).await;
+    }
+    s.ok("small", "assert x == 1").await;
+    assert_eq!(helper_containers(&s.instance).await, 0, "nor after restores and a wake");
     s.stop().await;
 }

@@ -36,7 +36,16 @@ impl Registry {
         }
         let found = container::inventory(&self.docker).await?;
         let grace = self.cfg.adopt_grace();
-        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &found.containers, &recorded, grace).await;
+        // An instance whose sessions all sleep has volumes and no container (issue 26: none
+        // per snapshot): its volumes name it too.
+        let mut seen = found.containers.clone();
+        seen.extend(found.volumes.iter().map(|(name, labels)| container::Found {
+            id: name.clone(),
+            labels: labels.clone(),
+            running: false,
+            created: None,
+        }));
+        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &seen, &recorded, grace).await;
         names.extend(late.iter().cloned());
         let mut asleep_now = Vec::new();
         let host = self.instance.owner.host.clone();
