@@ -3,7 +3,10 @@
 //!
 //! A snapshot belongs to the principal that took it; another principal's behaves exactly as a
 //! missing one (the same answer). Snapshots are bounded in total by `--snapshot-cache-mb`,
-//! least recently used first out (the caller's own before anyone else's).
+//! least recently used first out (the caller's own before anyone else's), and per caller by
+//! `--max-snapshots-per-caller` and `--snapshot-mb-per-caller`, its hibernated sessions
+//! included. The policy and the engine calls are the snapshot owner's
+//! (`session/registry/snapshots.rs`): these handlers check arguments, call it and render.
 
 use rmcp::handler::server::common::schema_for_output;
 use rmcp::handler::server::wrapper::Parameters;

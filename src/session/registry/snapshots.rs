@@ -73,6 +73,15 @@ impl Registry {
             ));
         }
         let saved = self.take_snapshot(&s).await?;
+        let cap = self.cache_bytes();
+        if saved.summary.bytes() > cap {
+            remove(&self.docker, &saved.store).await;
+            return Err(format!(
+                "the snapshot holds {} MiB, over --snapshot-cache-mb {}: make the workspace smaller",
+                saved.summary.bytes() >> 20,
+                cap >> 20
+            ));
+        }
         if bytes.saturating_add(saved.summary.bytes()) > max_bytes {
             remove(&self.docker, &saved.store).await;
             return Err(format!(
@@ -81,15 +90,6 @@ impl Registry {
                 saved.summary.bytes() >> 20,
                 bytes >> 20,
                 max_bytes >> 20
-            ));
-        }
-        let cap = self.cache_bytes();
-        if saved.summary.bytes() > cap {
-            remove(&self.docker, &saved.store).await;
-            return Err(format!(
-                "the snapshot holds {} MiB, over --snapshot-cache-mb {}: make the workspace smaller",
-                saved.summary.bytes() >> 20,
-                cap >> 20
             ));
         }
         if let Some(old) = self.snapshots.insert(who, name, session, saved) {
