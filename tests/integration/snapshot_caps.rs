@@ -187,3 +187,22 @@ async fn a_kept_snapshot_is_a_volume_and_no_container() {
     assert_eq!(helper_containers(&s.instance).await, 0, "nor after restores and a wake");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_woken_workspace_counts_against_the_sessions_memory() {
+    let s = Server::start(
+        "snapcap-wake",
+        &[("PYBERTH_MEMORY_MB", "512"), ("PYBERTH_HIBERNATE_AFTER_S", "2"), ("PYBERTH_IDLE_TTL", "600")],
+    )
+    .await;
+    s.ok("w", "open('big.bin', 'wb').write(b'\\x03' * (200 << 20))").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !text(&s.call("list_sessions", json!({})).await).contains("w: hibernated") {
+        assert!(Instant::now() < deadline, "not hibernated");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The call wakes it (a new container, the files copied in), then allocates.
+    let (r, sc) = s.run_with(json!({"session": "w", "code": HOG, "timeout_s": 60})).await;
+    assert_eq!(sc["status"], "oom", "the woken 200 MiB are the session's own: {} {sc}", text(&r));
+    s.stop().await;
+}
