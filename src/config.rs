@@ -149,6 +149,17 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_SNAPSHOT_CACHE_MB", default_value_t = 4096)]
     pub snapshot_cache_mb: u64,
 
+    /// Most snapshots one caller (principal) keeps, its hibernated sessions included. Past it
+    /// a new snapshot is refused (delete_snapshot frees one) and an idle session stays awake
+    /// instead of hibernating; nothing kept is removed for it.
+    #[arg(long, env = "PYBERTH_MAX_SNAPSHOTS_PER_CALLER", default_value_t = 40)]
+    pub max_snapshots_per_caller: usize,
+
+    /// Total size of one caller's snapshots, its hibernated sessions included, MiB; past it
+    /// as --max-snapshots-per-caller.
+    #[arg(long, env = "PYBERTH_SNAPSHOT_MB_PER_CALLER", default_value_t = 2048)]
+    pub snapshot_mb_per_caller: u64,
+
     /// Most sessions one caller (principal) may have open at once.
     #[arg(long, env = "PYBERTH_MAX_SESSIONS", default_value_t = 32)]
     pub max_sessions: usize,

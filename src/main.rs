@@ -116,6 +116,8 @@ const SERVER_ONLY: &[(&str, &str)] = &[
     ("max_sessions_total", "it is a server setting"),
     ("pool_size", "it is a server setting"),
     ("max_runs_per_caller", "it is a server setting"),
+    ("max_snapshots_per_caller", "it is a server setting"),
+    ("snapshot_mb_per_caller", "it is a server setting"),
     ("adopt_grace_s", "it is a server setting"),
     ("keep_sessions", "it is a server setting"),
 ];

@@ -98,6 +98,22 @@ pub async fn kill_code_processes(docker: &Docker, container: &str, uid: u32) -> 
     Ok(())
 }
 
+/// Runs `cmd` in the container as `uid` and waits for it: its exit code and the start of its
+/// stderr. Its processes are the container's, and so is what they allocate.
+pub async fn run_as(docker: &Docker, container: &str, uid: u32, cmd: &[&str]) -> Result<(i64, String), Error> {
+    let mut exec = attach(docker, container, uid, cmd, false).await?;
+    let mut err = Vec::new();
+    while let Some(frame) = exec.output.next().await {
+        if let LogOutput::StdErr { message } = frame?
+            && err.len() < 4096
+        {
+            err.extend_from_slice(&message);
+        }
+    }
+    let code = exit_code(docker, &exec.id).await.unwrap_or(-1);
+    Ok((code, String::from_utf8_lossy(&err).chars().take(600).collect()))
+}
+
 /// Exit code of a finished exec, if Docker knows it.
 pub async fn exit_code(docker: &Docker, exec_id: &str) -> Option<i64> {
     docker.inspect_exec(exec_id).await.ok().and_then(|e| e.exit_code)

@@ -1,6 +1,7 @@
-//! Snapshot storage (issue 18): one Docker volume per snapshot, labelled ours, written and read
-//! only through the engine's archive API on a helper container that is created and never
-//! started. The engine only ever reads and writes inside a volume nothing but this module
+//! Snapshot storage (issue 18): one Docker volume per snapshot, labelled ours, and nothing
+//! else kept (issue 26: no container per snapshot). The stream way writes and reads it through
+//! the engine's archive API on a helper container made for that one copy, created and never
+//! started, and removed after. The engine only ever reads and writes inside a volume nothing but this module
 //! writes to; what a session's code controls travels as a tar the agent packed as the code's
 //! uid, re-packed here as hostile input on the way in and checked again on the way out.
 //!
@@ -94,47 +95,50 @@ fn body(
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) })
 }
 
-/// A snapshot's storage: its volume, and the created (never started) container through
-/// whose archive API the engine reaches it, kept for the snapshot's life so that a restore
-/// makes no container of its own.
+/// A snapshot's storage: its volume. A record written before issue 26 also names a helper
+/// container; it is ignored (the sweep removes it with its instance's leftovers).
 #[derive(Debug, Clone)]
 pub struct Stored {
     /// The volume.
     pub volume: String,
-    /// The helper container.
-    pub helper: String,
 }
 
 /// Creates the storage of a new snapshot: a volume labelled with its owner (this instance,
-/// so that it goes with the instance's other leftovers) and the principal it belongs to, and
-/// its helper container, of `image`.
-pub async fn create(docker: &Docker, owner: &Owner, principal: &str, id: &str, image: &str) -> Result<Stored, Error> {
+/// so that it goes with the instance's other leftovers) and the principal it belongs to.
+pub async fn create(docker: &Docker, owner: &Owner, principal: &str, id: &str) -> Result<Stored, Error> {
     let name = format!("pyberth-{}-snap-{id}", owner.instance);
     let labels = owner.labels_with(&[(LABEL_OWNER, principal), (LABEL_SNAPSHOT, id)]);
     let request = VolumeCreateRequest { name: Some(name.clone()), labels: Some(labels), ..Default::default() };
     docker.create_volume(request).await?;
-    match helper(docker, owner, image, &name).await {
-        Ok(helper) => Ok(Stored { volume: name, helper }),
-        Err(e) => {
-            container::remove_volume(docker, &name).await;
-            Err(e)
-        }
-    }
+    Ok(Stored { volume: name })
 }
 
-/// Removes a snapshot's helper container, then its volume.
+/// Removes a snapshot's volume.
 pub async fn remove(docker: &Docker, stored: &Stored) {
-    container::remove_container(docker, &stored.helper).await;
     container::remove_volume(docker, &stored.volume).await;
 }
 
+/// Where a copy's helper container comes from: the engine, this instance (its labels), and
+/// an image that exists (nothing of it runs).
+#[derive(Debug, Clone, Copy)]
+pub struct Via<'a> {
+    /// The engine.
+    pub docker: &'a Docker,
+    /// This instance.
+    pub owner: &'a Owner,
+    /// The session's image.
+    pub image: &'a str,
+}
+
 /// A created, never started container of `image` with the volume at [`MOUNT`]: what the
-/// archive API needs to reach a volume. No network, no capabilities, nothing runs in it.
-async fn helper(docker: &Docker, owner: &Owner, image: &str, volume: &str) -> Result<String, Error> {
-    let name = format!("{volume}-io");
-    let labels = owner.labels_with(&[]);
+/// archive API needs to reach a volume, for one copy. No network, no capabilities, nothing
+/// runs in it; our labels, so a sweep finds it if the server dies meanwhile. The name is
+/// unique per copy: two restores of one snapshot may run at once.
+async fn helper(via: Via<'_>, volume: &str) -> Result<String, Error> {
+    let name = format!("{volume}-io-{}", super::next_serial());
+    let labels = via.owner.labels_with(&[]);
     let body = ContainerCreateBody {
-        image: Some(image.into()),
+        image: Some(via.image.into()),
         cmd: Some(vec!["true".into()]),
         user: Some(container::INIT_USER.into()),
         labels: Some(labels),
@@ -154,29 +158,44 @@ async fn helper(docker: &Docker, owner: &Owner, image: &str, volume: &str) -> Re
         ..Default::default()
     };
     let opts = CreateContainerOptionsBuilder::default().name(&name).build();
-    Ok(docker.create_container(Some(opts), body).await?.id)
+    Ok(via.docker.create_container(Some(opts), body).await?.id)
 }
 
 /// Writes a tar (streamed from `rx`) into the snapshot's volume.
 pub async fn write(
-    docker: &Docker,
+    via: Via<'_>,
     stored: &Stored,
     rx: mpsc::Receiver<Result<Bytes, std::io::Error>>,
 ) -> Result<(), Error> {
+    let id = helper(via, &stored.volume).await?;
     let opts = UploadToContainerOptionsBuilder::default().path(MOUNT).build();
-    Ok(docker.upload_to_container(&stored.helper, Some(opts), bollard::body_try_stream(body(rx))).await?)
+    let written = via.docker.upload_to_container(&id, Some(opts), bollard::body_try_stream(body(rx))).await;
+    container::remove_container(via.docker, &id).await;
+    Ok(written?)
 }
 
 /// Streams the snapshot volume's tar (entries named `snap/...`) into `tx`.
-pub async fn read(docker: &Docker, stored: &Stored, tx: mpsc::Sender<Bytes>) -> Result<(), Error> {
+pub async fn read(via: Via<'_>, stored: &Stored, tx: mpsc::Sender<Bytes>) -> Result<(), Error> {
+    let id = helper(via, &stored.volume).await?;
     let opts = DownloadFromContainerOptionsBuilder::default().path(MOUNT).build();
-    let mut stream = docker.download_from_container(&stored.helper, Some(opts));
+    let mut stream = via.docker.download_from_container(&id, Some(opts));
+    let mut read = Ok(());
     while let Some(chunk) = stream.next().await {
-        if tx.send(chunk?).await.is_err() {
-            break; // the reader stopped; its error says why
+        match chunk {
+            Ok(c) => {
+                if tx.send(c).await.is_err() {
+                    break; // the reader stopped; its error says why
+                }
+            }
+            Err(e) => {
+                read = Err(e.into());
+                break;
+            }
         }
     }
-    Ok(())
+    drop(stream);
+    container::remove_container(via.docker, &id).await;
+    read
 }
 
 /// Uploads a tar (streamed from `rx`) into the workspace of a session container.

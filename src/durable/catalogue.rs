@@ -50,12 +50,16 @@ pub(crate) struct Catalogue {
     /// This server's instance: the one a snapshot's volume is labelled with, unless it was
     /// carried over from an adopted instance.
     instance: String,
+    /// One lock per principal, held while its snapshot is checked against its caps, taken
+    /// and kept: many calls at once cannot all pass a check made before any of them landed.
+    /// Entries nobody holds are dropped.
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Catalogue {
     /// An empty catalogue of instance `instance`, recorded in `ledger`.
     pub(crate) fn new(ledger: Ledger, instance: String) -> Self {
-        Self { entries: Mutex::default(), serial: AtomicU64::new(0), ledger, instance }
+        Self { entries: Mutex::default(), serial: AtomicU64::new(0), ledger, instance, turns: Mutex::default() }
     }
 
     /// The record of `entry`, for a next server.
@@ -80,6 +84,24 @@ impl Catalogue {
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Arc<Entry>>> {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for `principal`'s turn to add a snapshot (see `turns`).
+    pub(crate) async fn turn(&self, principal: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+            turns.retain(|_, l| Arc::strong_count(l) > 1);
+            turns.entry(principal.to_owned()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+
+    /// The count and bytes of `principal`'s snapshots, but `except` (one about to be replaced).
+    pub(crate) fn use_of(&self, principal: &str, except: &str) -> (usize, u64) {
+        self.map()
+            .values()
+            .filter(|e| e.principal == principal && e.name != except)
+            .fold((0, 0), |(n, b), e| (n + 1, b + e.saved.summary.bytes()))
     }
 
     /// A fresh id for a snapshot volume (unique within the instance).

@@ -256,7 +256,6 @@ mod tests {
     fn saved(volume: &str) -> SavedRecord {
         SavedRecord {
             volume: volume.into(),
-            helper: "helper".into(),
             environment: "default".into(),
             requirements: Vec::new(),
             env: Default::default(),

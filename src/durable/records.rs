@@ -81,7 +81,6 @@ pub(crate) struct Snap {
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct SavedRecord {
     pub(crate) volume: String,
-    pub(crate) helper: String,
     pub(crate) environment: String,
     pub(crate) requirements: Vec<String>,
     pub(crate) env: BTreeMap<String, String>,

@@ -3,28 +3,24 @@
 //!
 //! A snapshot belongs to the principal that took it; another principal's behaves exactly as a
 //! missing one (the same answer). Snapshots are bounded in total by `--snapshot-cache-mb`,
-//! least recently used first out (the caller's own before anyone else's).
-
-use std::sync::Arc;
+//! least recently used first out (the caller's own before anyone else's), and per caller by
+//! `--max-snapshots-per-caller` and `--snapshot-mb-per-caller`, its hibernated sessions
+//! included. The policy and the engine calls are the snapshot owner's
+//! (`session/registry/snapshots.rs`): these handlers check arguments, call it and render.
 
 use rmcp::handler::server::common::schema_for_output;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::{tool, tool_router};
 use serde::{Deserialize, Serialize};
 
-use super::error::{ToolError, ToolResult};
+use super::error::ToolResult;
 use super::render::structured;
 use super::{Caller, SandboxServer};
 use crate::checks::session_name;
-use crate::docker::snapshot::{Bounds, remove};
 use crate::durable::catalogue::Entry;
 use crate::output::one_line;
 use crate::protocol::Lost;
-use crate::session::Session;
-use crate::session::snapshot::{Grade, Restored, Saved};
-
-/// Most entries (files, directories) one snapshot holds.
-const MAX_ENTRIES: u64 = 100_000;
+use crate::session::snapshot::Grade;
 /// Names shown in a result's text; the structured content has them all.
 const SHOWN: usize = 50;
 
@@ -178,47 +174,6 @@ fn ms(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-fn no_snapshot(name: &str) -> ToolError {
-    ToolError::new(format!("no snapshot named {name:?}: list_snapshots shows yours"))
-}
-
-impl SandboxServer {
-    fn bounds(&self) -> Bounds {
-        Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: MAX_ENTRIES }
-    }
-
-    /// Takes a snapshot of `session` into a new volume (not catalogued).
-    async fn take(&self, session: &Session) -> Result<Saved, ToolError> {
-        let id = self.registry.snapshots.next_id();
-        session
-            .snapshot(&id, self.bounds())
-            .await
-            .map_err(|e| ToolError::new(format!("cannot snapshot session {:?}: {e}", session.name)))
-    }
-
-    /// Makes session `name` of `who` from `saved`. The session must not exist. A failed
-    /// restore leaves the new session fresh, and the error says so.
-    async fn restore_into(&self, who: &str, name: &str, saved: &Saved) -> Result<(Arc<Session>, Restored), ToolError> {
-        let exists = || {
-            ToolError::new(format!(
-                "session {name:?} exists: restore into a new name, or close_session {name:?} first (its variables and \
-                 files go)"
-            ))
-        };
-        if self.registry.find(who, name).is_some() {
-            return Err(exists());
-        }
-        let (session, created) =
-            self.registry.get_or_create(who, name, Some(&saved.environment), &saved.requirements, &|_| {}).await?;
-        if !created {
-            return Err(exists());
-        }
-        let restored =
-            session.restore(saved).await.map_err(|e| ToolError::new(format!("cannot restore into {name:?}: {e}")))?;
-        Ok((session, restored))
-    }
-}
-
 fn restore_text(out: &RestoreOutput, what: &str) -> String {
     let mut text = format!(
         "session {:?} made from {what} {:?} ({}): {} files ({} bytes) and {} names restored in {} ms\n",
@@ -246,28 +201,9 @@ impl SandboxServer {
         let session_name_ = session_name(args.session.as_deref())?;
         let snap = match args.name.as_deref() {
             Some(n) => session_name(Some(n)).map_err(|e| e.replace("session name", "snapshot name"))?,
-            None => self.registry.snapshots.default_name(&session_name_),
+            None => self.registry.default_snapshot_name(&session_name_),
         };
-        let session = self.registry.get(&who, &session_name_)?;
-        let saved = self.take(&session).await?;
-        let cap = self.cfg.snapshot_cache_mb << 20;
-        if saved.summary.bytes() > cap {
-            remove(self.registry.docker(), &saved.store).await;
-            return Err(format!(
-                "the snapshot holds {} MiB, over --snapshot-cache-mb {}: make the workspace smaller",
-                saved.summary.bytes() >> 20,
-                cap >> 20
-            )
-            .into());
-        }
-        if let Some(old) = self.registry.snapshots.insert(&who, &snap, &session_name_, saved) {
-            remove(self.registry.docker(), &old.saved.store).await;
-        }
-        for gone in self.registry.snapshots.prune(cap, &who, &snap) {
-            tracing::info!(snapshot = %gone.name, bytes = gone.saved.summary.bytes(), "snapshot cache over its size; pruned");
-            remove(self.registry.docker(), &gone.saved.store).await;
-        }
-        let entry = self.registry.snapshots.get(&who, &snap).ok_or_else(|| no_snapshot(&snap))?;
+        let entry = self.registry.save_snapshot(&who, &session_name_, &snap).await?;
         let out = describe(&entry, true);
         let mut text = format!(
             "snapshot {:?} of session {:?} ({}): {} files ({} bytes), {} bytes of interpreter state, {} names saved, in {} ms\n",
@@ -290,13 +226,9 @@ impl SandboxServer {
     /// List your snapshots, newest first, with their grade and sizes.
     #[tool(annotations(title = "List snapshots", read_only_hint = true), output_schema = schema_for_output::<SnapshotList>())]
     async fn list_snapshots(&self, Parameters(_): Parameters<super::NoArgs>, Caller(who): Caller) -> ToolResult {
-        let snapshots: Vec<SnapshotOutput> =
-            self.registry.snapshots.list(&who).iter().map(|e| describe(e, false)).collect();
-        let list = SnapshotList {
-            snapshots,
-            total_bytes: self.registry.snapshots.total(),
-            cache_bytes: self.cfg.snapshot_cache_mb << 20,
-        };
+        let (entries, cache) = self.registry.list_snapshots(&who);
+        let snapshots: Vec<SnapshotOutput> = entries.iter().map(|e| describe(e, false)).collect();
+        let list = SnapshotList { snapshots, total_bytes: cache.total_bytes, cache_bytes: cache.cache_bytes };
         let mut text = format!("{} snapshots\n", list.snapshots.len());
         for s in &list.snapshots {
             text.push_str(&format!(
@@ -320,8 +252,7 @@ impl SandboxServer {
         Parameters(args): Parameters<DeleteSnapshotArgs>,
         Caller(who): Caller,
     ) -> ToolResult {
-        let entry = self.registry.snapshots.remove(&who, &args.snapshot).ok_or_else(|| no_snapshot(&args.snapshot))?;
-        remove(self.registry.docker(), &entry.saved.store).await;
+        let entry = self.registry.delete_snapshot(&who, &args.snapshot).await?;
         Ok(rmcp::model::CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
             "snapshot {:?} deleted",
             entry.name
@@ -334,8 +265,7 @@ impl SandboxServer {
     #[tool(annotations(title = "Restore session"), output_schema = schema_for_output::<RestoreOutput>())]
     async fn restore_session(&self, Parameters(args): Parameters<RestoreArgs>, Caller(who): Caller) -> ToolResult {
         let name = session_name(Some(&args.session))?;
-        let entry = self.registry.snapshots.get(&who, &args.snapshot).ok_or_else(|| no_snapshot(&args.snapshot))?;
-        let (_, r) = self.restore_into(&who, &name, &entry.saved).await?;
+        let (entry, r) = self.registry.restore_snapshot(&who, &args.snapshot, &name).await?;
         let out = RestoreOutput {
             session: name,
             from: entry.name.clone(),
@@ -359,14 +289,7 @@ impl SandboxServer {
     async fn fork_session(&self, Parameters(args): Parameters<ForkArgs>, Caller(who): Caller) -> ToolResult {
         let from = session_name(args.session.as_deref())?;
         let name = session_name(Some(&args.new_session))?;
-        if self.registry.find(&who, &name).is_some() {
-            return Err(format!("session {name:?} exists: fork into a new name").into());
-        }
-        let session = self.registry.get(&who, &from)?;
-        let saved = self.take(&session).await?;
-        let restored = self.restore_into(&who, &name, &saved).await;
-        remove(self.registry.docker(), &saved.store).await;
-        let (_, r) = restored?;
+        let (saved, r) = self.registry.fork_session(&who, &from, &name).await?;
         let out = RestoreOutput {
             session: name,
             from,

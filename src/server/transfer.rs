@@ -18,8 +18,8 @@ use super::files::agent_file;
 use super::render::structured;
 use super::{Caller, SandboxServer};
 use crate::checks::{check_path, session_name};
-use crate::docker::archive;
 use crate::protocol::Request;
+use crate::session::transfer as archive;
 
 /// Largest archive moved in one call (decoded), and largest total content.
 const MAX_ARCHIVE: usize = 64 << 20;

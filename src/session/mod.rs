@@ -15,13 +15,14 @@
 mod agent;
 #[cfg(test)]
 mod agent_tests;
+mod charge;
 mod extras;
 pub(crate) mod jobs;
 mod recorded;
 pub(crate) mod registry;
 mod run;
 pub(crate) mod snapshot;
-mod transfer;
+pub(crate) mod transfer;
 mod watch;
 
 pub(crate) use self::run::{RunOutcome, RunSpec, RunStatus};

@@ -164,7 +164,6 @@ impl From<&Saved> for SavedRecord {
     fn from(s: &Saved) -> Self {
         Self {
             volume: s.store.volume.clone(),
-            helper: s.store.helper.clone(),
             environment: s.environment.clone(),
             requirements: s.requirements.clone(),
             env: s.env.clone(),
@@ -187,7 +186,7 @@ impl From<&Saved> for SavedRecord {
 impl From<SavedRecord> for Saved {
     fn from(r: SavedRecord) -> Self {
         Saved {
-            store: Stored { volume: r.volume, helper: r.helper },
+            store: Stored { volume: r.volume },
             environment: r.environment,
             requirements: r.requirements,
             env: r.env,

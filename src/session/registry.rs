@@ -25,6 +25,7 @@ use crate::sandbox::Blueprint;
 
 mod adopt;
 mod sleepers;
+mod snapshots;
 
 type Key = (String, String);
 
@@ -716,11 +717,9 @@ impl Registry {
             .filter_map(|slot| slot.get().cloned())
             .filter(|s| s.idle() >= after && !s.is_busy() && !s.is_asleep())
             .collect();
-        let bounds = crate::docker::snapshot::Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: 100_000 };
         for s in idle {
-            let id = format!("h{}", self.snapshots.next_id());
             // Its record follows (the session writes it as it falls asleep).
-            if let Err(e) = s.hibernate(&id, bounds).await {
+            if let Err(e) = self.hibernate_within_caps(&s).await {
                 tracing::warn!(session = %s.name, error = %e, "cannot hibernate; the session stays awake");
             }
         }

@@ -61,7 +61,7 @@ impl Grade {
 /// A snapshot in the store.
 #[derive(Debug, Clone)]
 pub(crate) struct Saved {
-    /// Its volume and helper container.
+    /// Its volume.
     pub(crate) store: store::Stored,
     /// The environment of the session it was taken from.
     pub(crate) environment: String,
@@ -136,10 +136,8 @@ impl Session {
             inner.pending_lost = true;
         }
         // The agent pickles the state into the workspace while the volume is made.
-        let (volume, state) = tokio::join!(
-            store::create(&self.docker, &self.owner, &self.principal, id, &self.image),
-            self.save_state(inner, bounds)
-        );
+        let (volume, state) =
+            tokio::join!(store::create(&self.docker, &self.owner, &self.principal, id), self.save_state(inner, bounds));
         let volume = match volume {
             Ok(v) => v,
             Err(e) => {
@@ -188,7 +186,7 @@ impl Session {
                 // files alone, into an empty volume, and the reason is told.
                 tracing::warn!(session = %self.name, %why, "interpreter state not saved; saving the files only");
                 store::remove(&self.docker, &volume).await;
-                let volume = match store::create(&self.docker, &self.owner, &self.principal, id, &self.image).await {
+                let volume = match store::create(&self.docker, &self.owner, &self.principal, id).await {
                     Ok(v) => v,
                     Err(e) => return Err(format!("cannot create the snapshot's volume: {e}")),
                 };
@@ -309,7 +307,8 @@ impl Session {
             }
             checked
         });
-        let stored = store::write(&self.docker, volume, rx);
+        let via = store::Via { docker: &self.docker, owner: &self.owner, image: &self.image };
+        let stored = store::write(via, volume, rx);
         // The agent's bound counts tar bytes (headers and padding too), the checker's content
         // bytes: the agent stops first, ends its archive and says why, and keeps its state.
         let max_bytes = bounds.bytes;
@@ -397,6 +396,7 @@ impl Session {
         } else {
             self.restore_stream(inner, saved).await?;
         }
+        self.charge_workspace(inner.container.id.clone(), inner.container.uid).await?;
         let mut restored = Restored {
             files: saved.summary.files,
             bytes: saved.summary.workspace_bytes,
@@ -450,7 +450,8 @@ impl Session {
             }
             checked
         });
-        let read = store::read(&self.docker, &saved.store, tx);
+        let via = store::Via { docker: &self.docker, owner: &self.owner, image: &self.image };
+        let read = store::read(via, &saved.store, tx);
         let upload = store::upload_workspace(&self.docker, &id, rx);
         let (read, upload) = tokio::join!(read, upload);
         checker.await.map_err(|e| format!("the snapshot checker stopped: {e}"))??;

@@ -15,8 +15,13 @@ use std::time::SystemTime;
 use bytes::Bytes;
 
 use super::{Error, Inner, QUERY_TIMEOUT, Session};
-use crate::docker::archive::{self, Cap, CopyBack, Moved};
+pub(crate) use crate::docker::archive::Cap;
+use crate::docker::archive::{self, CopyBack, Moved};
 use crate::protocol::Request;
+
+/// The upload reader (a pure hostile-tar check) and a download's bounds, for the transfer
+/// tools: they reach the engine's module only through the session.
+pub(crate) use crate::docker::archive::read_upload;
 
 /// Told when a download stopped reading the agent's archive midway (over its bounds): the
 /// agent was still sending, so a fresh one was started.

@@ -54,3 +54,5 @@ mod forged;
 mod durable;
 // The result fitter under a 60 MiB result of small items (no Docker; too slow for the lib tier).
 mod fit_stress;
+// Per-caller snapshot caps (issue 26): count and bytes, hibernated sessions included.
+mod snapshot_caps;

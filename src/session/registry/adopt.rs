@@ -36,7 +36,16 @@ impl Registry {
         }
         let found = container::inventory(&self.docker).await?;
         let grace = self.cfg.adopt_grace();
-        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &found.containers, &recorded, grace).await;
+        // An instance whose sessions all sleep has volumes and no container (issue 26: none
+        // per snapshot): its volumes name it too.
+        let mut seen = found.containers.clone();
+        seen.extend(found.volumes.iter().map(|(name, labels)| container::Found {
+            id: name.clone(),
+            labels: labels.clone(),
+            running: false,
+            created: None,
+        }));
+        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &seen, &recorded, grace).await;
         names.extend(late.iter().cloned());
         let mut asleep_now = Vec::new();
         let host = self.instance.owner.host.clone();
@@ -155,14 +164,12 @@ impl Registry {
         // their state is kept, their containers go. A session that cannot be put to sleep
         // (hibernation off, or the snapshot fails) stays adopted and running.
         if self.cfg.hibernate_after().is_some() {
-            let bounds = crate::docker::snapshot::Bounds { bytes: self.cfg.snapshot_cache_mb << 20, entries: 100_000 };
             for s in asleep_now {
                 // A running job keeps its session awake, as it does an idle one.
                 if self.jobs.list(&s.principal).iter().any(|j| j.session == s.name && !j.is_finished()) {
                     continue;
                 }
-                let id = format!("h{}", self.snapshots.next_id());
-                match s.hibernate(&id, bounds).await {
+                match self.hibernate_within_caps(&s).await {
                     Ok(true) => {
                         tracing::info!(session = %s.name, "a session left past the adoption grace was put to sleep");
                     }

@@ -32,9 +32,10 @@ fn unix_ms(t: SystemTime) -> u64 {
     u64::try_from(t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Whether a snapshot's volume and helper container are both still there.
+/// Whether a snapshot's volume is still there (a record written before issue 26 also names a
+/// helper container: not kept, the sweep removes it).
 async fn store_exists(docker: &bollard::Docker, saved: &SavedRecord) -> bool {
-    docker.inspect_volume(&saved.volume).await.is_ok() && docker.inspect_container(&saved.helper, None).await.is_ok()
+    docker.inspect_volume(&saved.volume).await.is_ok()
 }
 
 impl Registry {
@@ -59,7 +60,6 @@ impl Registry {
                 self.ledger.forget(&stale);
                 continue;
             };
-            kept.containers.insert(record.saved.helper.clone());
             kept.volumes.insert(record.saved.volume.clone());
             let owner = container::Owner { instance: record.about.instance.clone(), host: host.to_owned() };
             let name = record.about.name.clone();
@@ -103,7 +103,6 @@ impl Registry {
                 self.ledger.snapshot_gone(&record.saved.volume);
                 continue;
             }
-            kept.containers.insert(record.saved.helper.clone());
             kept.volumes.insert(record.saved.volume.clone());
             if let Some(old) =
                 self.snapshots.insert(&record.principal, &record.name, &record.session, record.saved.into())
