@@ -201,56 +201,7 @@ impl Manager {
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
         let totals = self.totals.clone();
         let (applied_tx, applied) = tokio::sync::watch::channel(0u64);
-        let mut output = attached.output;
-        let reader = tokio::spawn(async move {
-            let mut ready = Some(ready_tx);
-            let (mut out, mut err) = (Vec::new(), String::new());
-            while let Some(frame) = output.next().await {
-                match frame {
-                    Ok(LogOutput::StdOut { message }) => {
-                        out.extend_from_slice(&message);
-                        while let Some(i) = out.iter().position(|b| *b == b'\n') {
-                            let line: Vec<u8> = out.drain(..=i).collect();
-                            match serde_json::from_slice::<Report>(&line) {
-                                Ok(Report::Ready) => {
-                                    if let Some(r) = ready.take() {
-                                        let _ = r.send(Ok(()));
-                                    }
-                                }
-                                Ok(Report::Conn(r)) => account::account(&totals, &r),
-                                Ok(Report::Applied { seq }) => {
-                                    applied_tx.send_if_modified(|a| {
-                                        let newer = seq > *a;
-                                        *a = (*a).max(seq);
-                                        newer
-                                    });
-                                }
-                                Err(e) => {
-                                    tracing::warn!(target: "pyberth::egress", error = %e, "unreadable proxy report")
-                                }
-                            }
-                        }
-                        if out.len() > 1 << 20 {
-                            out.clear();
-                        }
-                    }
-                    Ok(LogOutput::StdErr { message }) => {
-                        let text = String::from_utf8_lossy(&message).into_owned();
-                        tracing::warn!(target: "pyberth::egress", stderr = ?text.trim_end(), "egress proxy");
-                        if err.len() < 4096 {
-                            err.push_str(&text);
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(_) => break,
-                }
-            }
-            if let Some(r) = ready.take() {
-                let _ = r.send(Err(err));
-            } else {
-                tracing::warn!(target: "pyberth::egress", "the egress proxy stopped; it is started again when a session needs it");
-            }
-        });
+        let reader = tokio::spawn(read_reports(attached.output, totals, ready_tx, applied_tx));
         let ready = tokio::time::timeout(Duration::from_secs(30), ready_rx).await;
         let fail = |why: String| {
             reader.abort();
@@ -263,45 +214,10 @@ impl Manager {
             Err(_) => return fail("the egress proxy did not start within 30 s".into()),
         };
         if let Some(stderr) = stderr {
-            let hint = if stderr.contains("GLIBC") {
-                " (the sandbox image's C library is older than the one this server was built against: build the \
-                 server on the image's Debian release or older, or statically)"
-            } else {
-                ""
-            };
-            let state = match self.docker.inspect_container(id, None).await {
-                Ok(c) => c.state.map(|s| format!(" (exit code {:?}, {})", s.exit_code, s.error.unwrap_or_default())),
-                Err(e) => Some(format!(" ({e})")),
-            };
-            return fail(format!(
-                "the egress proxy did not start{hint}: {}{}",
-                stderr.trim(),
-                state.unwrap_or_default()
-            ));
+            return fail(self.start_failure(id, &stderr).await);
         }
         let mut proxy = Proxy { id: id.to_owned(), input: attached.input, reader, applied };
-        // The host's bridge gateway and the proxy's own bridge address: refused even if a
-        // name resolves to them (all private today; the check does not rely on that).
-        let mut own = Vec::new();
-        if let Ok(c) = self.docker.inspect_container(id, None).await {
-            for n in c.network_settings.and_then(|s| s.networks).unwrap_or_default().into_values() {
-                own.extend(n.gateway.and_then(|g| g.parse::<IpAddr>().ok()));
-                own.extend(n.ip_address.and_then(|g| g.parse::<IpAddr>().ok()));
-            }
-        }
-        let pinned = self
-            .cfg
-            .egress_pin
-            .iter()
-            .filter_map(|(k, v)| Some((policy::normalize_host(k)?, v.parse().ok()?)))
-            .collect();
-        let config = Command::Config {
-            pinned,
-            own,
-            max_conns: self.cfg.egress_max_conns,
-            ca_key: self.ca_key.clone(),
-            roots: self.roots.as_ref().map(|r| String::from_utf8_lossy(r).into_owned()),
-        };
+        let config = self.config_for(id).await;
         self.send(&mut proxy, &config).await?;
         tracing::info!(target: "pyberth::egress", container = %container::short(id), "egress proxy started");
         Ok(proxy)
@@ -401,5 +317,103 @@ impl Manager {
             tracing::warn!(target: "pyberth::egress", session, error = %e, "cannot write the new CA bundle into an adopted session");
         }
         Ok(())
+    }
+
+    /// Why the proxy did not start, in the operator's terms, from its stderr and its state.
+    async fn start_failure(&self, id: &str, stderr: &str) -> String {
+        let hint = if stderr.contains("GLIBC") {
+            " (the sandbox image's C library is older than the one this server was built against: build the \
+             server on the image's Debian release or older, or statically)"
+        } else {
+            ""
+        };
+        let state = match self.docker.inspect_container(id, None).await {
+            Ok(c) => c.state.map(|s| format!(" (exit code {:?}, {})", s.exit_code, s.error.unwrap_or_default())),
+            Err(e) => Some(format!(" ({e})")),
+        };
+        format!("the egress proxy did not start{hint}: {}{}", stderr.trim(), state.unwrap_or_default())
+    }
+
+    /// The proxy's configuration: pins, its own addresses (refused), limits, the CA key.
+    async fn config_for(&self, id: &str) -> Command {
+        // The host's bridge gateway and the proxy's own bridge address: refused even if a
+        // name resolves to them (all private today; the check does not rely on that).
+        let mut own = Vec::new();
+        if let Ok(c) = self.docker.inspect_container(id, None).await {
+            for n in c.network_settings.and_then(|s| s.networks).unwrap_or_default().into_values() {
+                own.extend(n.gateway.and_then(|g| g.parse::<IpAddr>().ok()));
+                own.extend(n.ip_address.and_then(|g| g.parse::<IpAddr>().ok()));
+            }
+        }
+        let pinned = self
+            .cfg
+            .egress_pin
+            .iter()
+            .filter_map(|(k, v)| Some((policy::normalize_host(k)?, v.parse().ok()?)))
+            .collect();
+        Command::Config {
+            pinned,
+            own,
+            max_conns: self.cfg.egress_max_conns,
+            ca_key: self.ca_key.clone(),
+            roots: self.roots.as_ref().map(|r| String::from_utf8_lossy(r).into_owned()),
+        }
+    }
+}
+
+/// Reads the proxy's reports (ready, connection records, applied policies) and its stderr until
+/// it stops; says once whether it became ready.
+async fn read_reports(
+    mut output: std::pin::Pin<Box<dyn futures::Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>,
+    totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
+    ready_tx: tokio::sync::oneshot::Sender<Result<(), String>>,
+    applied_tx: tokio::sync::watch::Sender<u64>,
+) {
+    let mut ready = Some(ready_tx);
+    let (mut out, mut err) = (Vec::new(), String::new());
+    while let Some(frame) = output.next().await {
+        match frame {
+            Ok(LogOutput::StdOut { message }) => {
+                out.extend_from_slice(&message);
+                while let Some(i) = out.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = out.drain(..=i).collect();
+                    match serde_json::from_slice::<Report>(&line) {
+                        Ok(Report::Ready) => {
+                            if let Some(r) = ready.take() {
+                                let _ = r.send(Ok(()));
+                            }
+                        }
+                        Ok(Report::Conn(r)) => account::account(&totals, &r),
+                        Ok(Report::Applied { seq }) => {
+                            applied_tx.send_if_modified(|a| {
+                                let newer = seq > *a;
+                                *a = (*a).max(seq);
+                                newer
+                            });
+                        }
+                        Err(e) => {
+                            tracing::warn!(target: "pyberth::egress", error = %e, "unreadable proxy report")
+                        }
+                    }
+                }
+                if out.len() > 1 << 20 {
+                    out.clear();
+                }
+            }
+            Ok(LogOutput::StdErr { message }) => {
+                let text = String::from_utf8_lossy(&message).into_owned();
+                tracing::warn!(target: "pyberth::egress", stderr = ?text.trim_end(), "egress proxy");
+                if err.len() < 4096 {
+                    err.push_str(&text);
+                }
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    if let Some(r) = ready.take() {
+        let _ = r.send(Err(err));
+    } else {
+        tracing::warn!(target: "pyberth::egress", "the egress proxy stopped; it is started again when a session needs it");
     }
 }
