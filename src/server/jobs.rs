@@ -11,7 +11,7 @@ use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
 use super::error::{ToolError, ToolResult};
-use super::render::{render_run, running_job, structured};
+use super::render::{outcome_text, render_run, render_run_output, running_job, structured};
 use super::{Caller, SandboxServer};
 use crate::checks::check_wait;
 use crate::protocol::Stream;
@@ -197,7 +197,12 @@ impl SandboxServer {
                 job.id, out.elapsed_s
             )),
             Some(Finished::Failed(e)) => text.push_str(&format!("[status] the run could not complete: {e}\n")),
-            Some(Finished::Outcome(_)) => text.push_str(&format!("[status] {}; full result in result\n", out.status)),
+            // Rendered as a run's result is: the value, the traceback, the status, the notices.
+            Some(Finished::Outcome(o)) => {
+                let run = render_run_output(&job.session, o, Some(&job.id));
+                let tail = outcome_text(&run);
+                text.push_str(if tail.is_empty() { "[status] ok\n" } else { &tail });
+            }
         }
         let mut result = structured(&out, text);
         if let Some(r) = rendered {

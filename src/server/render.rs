@@ -7,12 +7,11 @@ use super::types::RunOutput;
 use crate::session::jobs::Job;
 use crate::session::{RunOutcome, RunStatus};
 
-/// Renders a run as readable text plus structured content.
-pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>) -> CallToolResult {
-    let images = outcome.images.clone();
+/// A run's structured content.
+pub(super) fn render_run_output(session: &str, outcome: &RunOutcome, job: Option<&str>) -> RunOutput {
     let (stdout, stdout_base64) = outcome.stdout.render();
     let (stderr, stderr_base64) = outcome.stderr.render();
-    let out = RunOutput {
+    RunOutput {
         session: session.to_owned(),
         status: outcome.status,
         truncated: outcome.stdout.dropped() > 0 || outcome.stderr.dropped() > 0,
@@ -27,13 +26,19 @@ pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>)
         cpu_ms: outcome.cpu_ms.map(|c| c.round()),
         state_lost: outcome.state_lost,
         notices: outcome.notices.clone(),
-        images: images.len(),
+        images: outcome.images.len(),
         peak_memory_kb: outcome.peak_memory_kb,
         job: job.map(str::to_owned),
         stdout_offset: None,
         stderr_offset: None,
         egress: None,
-    };
+    }
+}
+
+/// Renders a run as readable text plus structured content.
+pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>) -> CallToolResult {
+    let images = outcome.images.clone();
+    let out = render_run_output(session, outcome, job);
     let mut text = String::new();
     if !out.stdout.is_empty() {
         text.push_str(&out.stdout);
@@ -48,13 +53,34 @@ pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>)
             text.push('\n');
         }
     }
+    text.push_str(&outcome_text(&out));
+    if text.is_empty() {
+        text.push_str("[ok] no output\n");
+    }
+    let is_error = !matches!(out.status, RunStatus::Ok | RunStatus::Running);
+    let json = serde_json::to_value(&out).unwrap_or_default();
+    let mut result = if is_error { CallToolResult::structured_error(json) } else { CallToolResult::structured(json) };
+    result.content = vec![ContentBlock::text(text)];
+    result.content.extend(images.into_iter().map(|(mime, data)| ContentBlock::image(data, mime)));
+    result
+}
+
+/// What a model must read of a finished run besides its output: the final value, the error
+/// (its message too when the traceback does not carry it: a missing script, an exit status),
+/// the status and the notices.
+pub(super) fn outcome_text(out: &RunOutput) -> String {
+    let mut text = String::new();
     if let Some(r) = &out.result {
         text.push_str(&format!("[result] {r}\n"));
     }
     if let Some(e) = &out.error {
         text.push_str(&e.traceback);
-        if !text.ends_with('\n') {
+        if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
+        }
+        if !e.message.is_empty() && !e.traceback.contains(&e.message) {
+            let kind = if e.kind.is_empty() { "error" } else { e.kind.as_str() };
+            text.push_str(&format!("[error] {kind}: {}\n", e.message));
         }
     }
     let status = match out.status {
@@ -75,15 +101,7 @@ pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>)
     for n in &out.notices {
         text.push_str(&format!("[notice] {n}\n"));
     }
-    if text.is_empty() {
-        text.push_str("[ok] no output\n");
-    }
-    let is_error = !matches!(out.status, RunStatus::Ok | RunStatus::Running);
-    let json = serde_json::to_value(&out).unwrap_or_default();
-    let mut result = if is_error { CallToolResult::structured_error(json) } else { CallToolResult::structured(json) };
-    result.content = vec![ContentBlock::text(text)];
-    result.content.extend(images.into_iter().map(|(mime, data)| ContentBlock::image(data, mime)));
-    result
+    text
 }
 
 pub(super) fn structured<T: Serialize>(value: &T, text: String) -> CallToolResult {

@@ -54,5 +54,7 @@ mod forged;
 mod durable;
 // The result fitter under a 60 MiB result of small items (no Docker; too slow for the lib tier).
 mod fit_stress;
+// What a text-only client reads: failed run_file reasons, finished jobs as runs.
+mod model_text;
 // Per-caller snapshot caps (issue 26): count and bytes, hibernated sessions included.
 mod snapshot_caps;
