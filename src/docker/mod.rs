@@ -11,6 +11,7 @@ pub mod heartbeat;
 pub mod identity;
 pub mod image;
 pub mod snapshot;
+pub mod tether;
 mod unpack;
 
 use bollard::Docker;

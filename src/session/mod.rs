@@ -17,6 +17,7 @@ mod agent;
 mod agent_tests;
 mod extras;
 pub(crate) mod jobs;
+mod orphan;
 mod recorded;
 pub(crate) mod registry;
 mod run;
@@ -189,6 +190,8 @@ struct Inner {
     /// The pid of the agent a dropped stream reached, when its next attach should reach the
     /// same one (docs/design.md D12): another pid answering means its state is gone.
     reattach_pid: Option<u32>,
+    /// Adopted with its container stopped by its tether: its first call starts it again.
+    left_stopped: bool,
     /// Set while the session is hibernated: its snapshot; the container is gone.
     sleeping: Option<snapshot::Saved>,
 }
@@ -203,6 +206,7 @@ impl Inner {
             pending: Vec::new(),
             pending_lost: false,
             reattach_pid: None,
+            left_stopped: false,
             sleeping: None,
         }
     }
@@ -492,11 +496,19 @@ impl Session {
         }
         if container::is_running(&self.docker, &inner.container.id).await? {
             match self.start_agent(inner).await {
-                Ok(()) => return Ok(self.reattached(inner)),
+                Ok(()) => return Ok(self.after_reattach(inner).await),
                 // Exhausted pids, a wedged filesystem, an agent that will not greet: a new
                 // container is the last resort of docs/design.md D5.
                 Err(e) => {
                     tracing::warn!(session = %self.name, error = %e, "cannot restart the agent; replacing the container")
+                }
+            }
+        } else if std::mem::take(&mut inner.left_stopped) {
+            // Stopped by its tether while no server held it (orphan.rs).
+            match self.restart_stopped(inner).await {
+                Ok(notice) => return Ok(Some(notice)),
+                Err(e) => {
+                    tracing::warn!(session = %self.name, error = %e, "cannot start a stopped session again; recreating")
                 }
             }
         } else {

@@ -28,6 +28,8 @@ pub(crate) struct Revived {
     pub(crate) pending: Vec<String>,
     /// How long it had been idle.
     pub(crate) idle: Duration,
+    /// Its container was found stopped by its tether (orphan.rs): started again, not replaced.
+    pub(crate) stopped: bool,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -126,6 +128,7 @@ impl Session {
             pending: how.pending,
             pending_lost: false,
             reattach_pid: how.pid,
+            left_stopped: how.stopped,
             sleeping: how.sleeping.clone(),
         };
         let ledger = Ledger::of(&blueprint.cfg);

@@ -408,7 +408,7 @@ impl Session {
             return Ok(restored);
         }
         let loading = Instant::now();
-        let id = self.submit(inner, &|id| Request::Restore { id }).await.map_err(|e| e.to_string())?;
+        let id = self.submit(inner, &|id| Request::Restore { id, if_saved: false }).await.map_err(|e| e.to_string())?;
         let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };
         let answer = agent
             .answer(

@@ -44,6 +44,8 @@ mod slow_client;
 mod adopt;
 // Each way a session changes its container (wake, fork, restore, OOM), then a restart.
 mod adopt_transitions;
+// Orphans: a sandbox whose server went stops after the grace and wakes with its state.
+mod orphan;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.

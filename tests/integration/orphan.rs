@@ -1,0 +1,86 @@
+//! Nothing runs forever without an owner (issue 26, item 3; docs/design.md D12, "Orphans"):
+//! a sandbox whose server died stops within `--adopt-grace-s` plus the tether's margin,
+//! keeping its state on disk, and the next server of its state dir wakes it with that state.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::adopt::{Server, StateDir, run};
+use crate::common::{assert_cleaned_up, containers_of, docker, text};
+use crate::http::call;
+
+/// The grace the tests give (seconds): short, so the tests stay bounded.
+const GRACE: u64 = 3;
+
+/// Whether the engine says the container runs.
+async fn running(id: &str) -> bool {
+    let info = docker().await.inspect_container(id, None).await;
+    info.ok().and_then(|i| i.state).and_then(|s| s.running).unwrap_or(false)
+}
+
+/// A `kill -9`ed server's sandbox, busy burning CPU, runs on for the grace (the next server
+/// could still adopt it running), then stops within the grace plus the margin; the next
+/// server of the state dir takes it as a sleeping session and wakes it with its variables
+/// and files, saying so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_servers_sandbox_stops_within_the_grace_and_wakes_with_its_state() {
+    let tag = "orphan-kill";
+    let state = StateDir::new(tag);
+    let grace = GRACE.to_string();
+    let env = [("PYBERTH_ADOPT_GRACE_S", grace.as_str())];
+    let first = Server::start(tag, &state, &env).await;
+    let alice = first.client().await;
+    let spin = "import threading\nx = 42\nopen('kept.txt', 'w').write('kept')\n\
+                def spin():\n    while True:\n        pass\n\
+                threading.Thread(target=spin, daemon=True).start()";
+    run(&alice, "keep", spin).await;
+    let _ = alice.cancel().await;
+    let old = first.signal("-KILL").await;
+    let killed = Instant::now();
+    let ids: Vec<String> = containers_of(&old).await.into_iter().filter_map(|c| c.id).collect();
+    let sandboxes: Vec<String> = {
+        let mut v = Vec::new();
+        for id in &ids {
+            if running(id).await {
+                v.push(id.clone());
+            }
+        }
+        v
+    };
+    assert!(!sandboxes.is_empty(), "the session's sandbox runs on at first");
+    // Within the grace it still runs: a server starting now would adopt it running.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for id in &sandboxes {
+        assert!(running(id).await, "still running within the grace");
+    }
+    let limit = Duration::from_secs(GRACE) + pyberth::docker::tether::MARGIN + Duration::from_secs(5);
+    loop {
+        let mut any = false;
+        for id in &sandboxes {
+            any |= running(id).await;
+        }
+        if !any {
+            break;
+        }
+        assert!(killed.elapsed() < limit, "an orphan still runs {:?} after its server was killed", killed.elapsed());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("orphan stopped {:?} after kill -9 (grace {GRACE} s)", killed.elapsed());
+    // Stopped, not removed: its workspace volume and the container stay for the next server.
+    let left: Vec<String> = containers_of(&old).await.into_iter().filter_map(|c| c.id).collect();
+    assert!(sandboxes.iter().all(|s| left.contains(s)), "kept, stopped");
+
+    let second = Server::start(tag, &state, &env).await;
+    let alice = second.client().await;
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "keep", "code": "x, open('kept.txt').read()" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["result"], "(42, 'kept')", "woken with its variables and files: {sc}");
+    assert!(sc.to_string().contains("saved its state and stopped"), "the caller is told: {sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "keep" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+}
