@@ -84,3 +84,55 @@ async fn a_killed_servers_sandbox_stops_within_the_grace_and_wakes_with_its_stat
     assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
 }
+
+/// `pyberth gc` with `PYBERTH_STATE_DIR` at `state`: its stdout.
+fn gc(state: &StateDir, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+        .arg("gc")
+        .args(args)
+        .env("PYBERTH_STATE_DIR", &state.0)
+        .output()
+        .expect("run pyberth gc");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "gc failed: {said} {}", String::from_utf8_lossy(&out.stderr));
+    said
+}
+
+/// `pyberth gc` lists a killed server's resources and removes them with `--yes`; it keeps
+/// those a record of its own state dir keeps for a next server, and a live server's.
+#[tokio::test(flavor = "multi_thread")]
+async fn gc_removes_an_orphan_and_keeps_a_live_servers_resources() {
+    let live_state = StateDir::new("gc-live");
+    let live = Server::start("gc-live", &live_state, &[]).await;
+    let mine = live.client().await;
+    run(&mine, "mine", "y = 1").await;
+    let state = StateDir::new("gc-dead");
+    let dead = Server::start("gc-dead", &state, &[]).await;
+    let alice = dead.client().await;
+    run(&alice, "gone", "x = 1").await;
+    let _ = alice.cancel().await;
+    let old = dead.signal("-KILL").await;
+    let now = ["--grace-s", "0", "--only-instance"];
+    // From the dead server's own state dir: its records keep them for the next server.
+    let said = gc(&state, &[&["--yes"][..], &now, &[old.as_str()]].concat());
+    assert!(said.contains("kept"), "{said}");
+    assert!(!containers_of(&old).await.is_empty(), "recorded sessions are kept");
+    // From elsewhere: listed, then removed.
+    let other = StateDir::new("gc-other");
+    let said = gc(&other, &[&now[..], &[old.as_str()]].concat());
+    assert!(said.contains("orphan container") && said.contains("orphan volume"), "{said}");
+    assert!(!containers_of(&old).await.is_empty(), "a listing removes nothing");
+    let said = gc(&other, &[&["--yes"][..], &now, &[old.as_str()]].concat());
+    assert!(said.contains("removed container"), "{said}");
+    assert_cleaned_up(&old).await;
+    // A live server's resources stay, and its session works on.
+    let said = gc(&other, &[&["--yes"][..], &now, &[live.instance.as_str()]].concat());
+    assert!(!said.contains("removed container"), "{said}");
+    assert_eq!(containers_of(&live.instance).await.len(), 1, "the live session's container stays");
+    assert_eq!(run(&mine, "mine", "y + 1").await["result"], "2");
+    let (r, _) = call(&mine, "close_session", json!({ "session": "mine" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = mine.cancel().await;
+    let done = live.signal("-TERM").await;
+    assert_cleaned_up(&done).await;
+}
