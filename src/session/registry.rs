@@ -867,10 +867,16 @@ impl Registry {
             self.keeper.stop(&self.docker, &[], false).await;
             packages::settle().await;
             self.egress.drop_idle_installers().await;
+            let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
             tracing::info!(
                 sessions = left,
-                grace_s = self.cfg.adopt_grace_s,
-                "sessions left running for the next server"
+                adopt_within_s = self.cfg.adopt_grace_s,
+                stop_after_s = stop_s,
+                "{left} sessions left for the next server of state dir {}: it adopts them running if it starts within \
+                 {} s; {stop_s} s after this stop each saves its state and its container stops (no CPU or memory), kept \
+                 on disk for that server to wake. To remove them now: pyberth gc --yes --grace-s 0",
+                self.cfg.state_dir().display(),
+                self.cfg.adopt_grace_s,
             );
             return;
         }
