@@ -15,6 +15,7 @@
 mod agent;
 #[cfg(test)]
 mod agent_tests;
+mod ended;
 mod extras;
 pub(crate) mod jobs;
 mod orphan;
@@ -171,6 +172,10 @@ pub struct SessionInfo {
     /// hibernation is off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hibernates_in_s: Option<u64>,
+    /// Why its variables were last lost (out of memory, its container replaced, a restore
+    /// that failed...) and how long ago, within the last hour.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_lost: Option<String>,
 }
 
 /// What only the holder of the session's async mutex may touch.
@@ -253,6 +258,8 @@ pub struct Session {
     /// Pid of the agent last greeted (0: none yet), for the session's record
     /// (`recorded.rs`).
     agent_pid: AtomicU32,
+    /// Why and when its state was last lost (`ended.rs`).
+    lost: ended::LastLoss,
     /// Where a wake takes its container from, when the warm pool holds containers of the
     /// session's image.
     pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
@@ -379,6 +386,7 @@ impl Session {
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(prepared.python),
             agent_pid: AtomicU32::new(pid),
+            lost: ended::LastLoss::default(),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(None),
             ledger,
@@ -446,6 +454,7 @@ impl Session {
                 Some(after) if !self.is_asleep() => Some(after.saturating_sub(idle).as_secs()),
                 _ => None,
             },
+            state_lost: self.lost.describe(),
         }
     }
 

@@ -155,6 +155,7 @@ impl Session {
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(about.python),
             agent_pid: AtomicU32::new(how.pid.unwrap_or(0)),
+            lost: super::ended::LastLoss::default(),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(how.sleeping),
             ledger,

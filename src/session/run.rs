@@ -311,6 +311,7 @@ impl Session {
         outcome.duration = started.elapsed();
         notices.append(&mut outcome.notices);
         outcome.notices = notices;
+        self.lost.note(&outcome);
         self.touch();
         Ok(outcome)
     }
@@ -360,6 +361,7 @@ impl Session {
         outcome.duration = started.elapsed();
         notices.append(&mut outcome.notices);
         outcome.notices = notices;
+        self.lost.note(&outcome);
         self.touch();
         Ok(outcome)
     }

@@ -46,6 +46,8 @@ mod adopt;
 mod adopt_transitions;
 // Orphans: a sandbox whose server went stops after the grace and wakes with its state.
 mod orphan;
+// Terminal states: every end and loss of state has a reason, in the next result and the list.
+mod ended;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
