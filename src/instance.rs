@@ -176,7 +176,7 @@ impl Instance {
 
     /// A sweeper of other instances' leftovers, judging stopped heartbeats with `grace`.
     pub fn sweeper(&self, grace: Duration) -> Sweeper {
-        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace }
+        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace, keep: grace }
     }
 }
 
@@ -246,6 +246,9 @@ pub struct Sweeper {
     owner: Owner,
     dir: PathBuf,
     grace: Duration,
+    /// How long a dead instance's stopped sessions (orphans that saved their state, D12) are
+    /// kept for a next server of its state dir, judged by heartbeat: `--idle-ttl-s`.
+    keep: Duration,
 }
 
 /// What one sweep did.
@@ -260,6 +263,12 @@ pub struct Swept {
 }
 
 impl Sweeper {
+    /// Keeps dead instances' stopped sessions for `keep` (at least the grace).
+    pub fn keeping(mut self, keep: Duration) -> Self {
+        self.keep = keep.max(self.grace);
+        self
+    }
+
     /// The owner of a resource with these labels, unless it is ours or unlabelled.
     fn key(&self, labels: &HashMap<String, String>) -> Option<Key> {
         let instance = labels.get(LABEL_INSTANCE).or_else(|| labels.get(LABEL_HEARTBEAT))?;
@@ -313,10 +322,25 @@ impl Sweeper {
         let mut dead = HashSet::new();
         let mut recheck: Option<Duration> = None;
         let mut unknown = Vec::new();
+        // Instances that left stopped sessions: orphans holding their state for a next server.
+        let holding: HashSet<Key> = found
+            .containers
+            .iter()
+            .filter(|c| !c.running && c.labels.contains_key(engine::LABEL_SESSION))
+            .filter_map(|c| self.key(&c.labels))
+            .collect();
         for key in &owners {
             let lock = locks.get(key).copied().unwrap_or(Lock::Unseen);
             let beat = beats.get(key).copied().unwrap_or(Beat::Absent);
-            match judge(lock, beat, self.grace) {
+            let verdict = match (judge(lock, beat, self.grace), beat) {
+                (Verdict::Dead, Beat::StoppedFor(d))
+                    if lock != Lock::Free && holding.contains(key) && d < self.keep =>
+                {
+                    Verdict::Dying(self.keep - d)
+                }
+                (v, _) => v,
+            };
+            match verdict {
                 Verdict::Dead => {
                     dead.insert(key.clone());
                 }
@@ -596,6 +620,7 @@ mod tests {
             owner: Owner { instance: "me".into(), host: "h".into() },
             dir: PathBuf::new(),
             grace: Duration::ZERO,
+            keep: Duration::ZERO,
         };
         assert_eq!(sweeper.key(&labels("me", "h")), None);
         assert_eq!(sweeper.key(&labels("me", "other-host")), Some(("me".into(), "other-host".into())));

@@ -748,7 +748,7 @@ impl Registry {
             Ok(n) => tracing::info!(sessions = n, "adopted the sessions of stopped servers"),
             Err(e) => tracing::warn!(error = %e, "cannot adopt the sessions of stopped servers"),
         }
-        let sweeper = self.instance.sweeper(self.cfg.leftover_grace());
+        let sweeper = self.instance.sweeper(self.cfg.leftover_grace()).keeping(self.cfg.idle_ttl());
         let swept = sweeper.sweep(&self.docker).await?;
         let nets = crate::egress::sweep_orphan_networks(&self.docker, &self.instance.owner.instance).await;
         if nets > 0 {

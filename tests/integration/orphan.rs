@@ -67,9 +67,17 @@ async fn a_killed_servers_sandbox_stops_within_the_grace_and_wakes_with_its_stat
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     eprintln!("orphan stopped {:?} after kill -9 (grace {GRACE} s)", killed.elapsed());
-    // Stopped, not removed: its workspace volume and the container stay for the next server.
+    // Stopped, not removed: its workspace volume and the container stay for the next server,
+    // also from a server of another state dir, whose leftover grace is long over: it keeps
+    // them for --idle-ttl-s.
+    let elsewhere = StateDir::new("orphan-elsewhere");
+    let other = Server::start("orphan-elsewhere", &elsewhere, &[("PYBERTH_LEFTOVER_GRACE_S", "2")]).await;
+    let bob = other.client().await;
+    let _ = call(&bob, "list_sessions", json!({})).await; // served once its start sweep is done
+    let _ = bob.cancel().await;
     let left: Vec<String> = containers_of(&old).await.into_iter().filter_map(|c| c.id).collect();
     assert!(sandboxes.iter().all(|s| left.contains(s)), "kept, stopped");
+    assert_cleaned_up(&other.signal("-TERM").await).await;
 
     let second = Server::start(tag, &state, &env).await;
     let alice = second.client().await;
