@@ -195,8 +195,6 @@ struct Inner {
     /// The pid of the agent a dropped stream reached, when its next attach should reach the
     /// same one (docs/design.md D12): another pid answering means its state is gone.
     reattach_pid: Option<u32>,
-    /// Adopted with its container stopped by its tether: its first call starts it again.
-    left_stopped: bool,
     /// Set while the session is hibernated: its snapshot; the container is gone.
     sleeping: Option<snapshot::Saved>,
 }
@@ -211,7 +209,6 @@ impl Inner {
             pending: Vec::new(),
             pending_lost: false,
             reattach_pid: None,
-            left_stopped: false,
             sleeping: None,
         }
     }
@@ -260,6 +257,9 @@ pub struct Session {
     agent_pid: AtomicU32,
     /// Why and when its state was last lost (`ended.rs`).
     lost: ended::LastLoss,
+    /// Adopted with its container stopped by its tether (`orphan.rs`): asleep until its
+    /// first call starts it again.
+    left_stopped: AtomicBool,
     /// Where a wake takes its container from, when the warm pool holds containers of the
     /// session's image.
     pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
@@ -387,6 +387,7 @@ impl Session {
             python: std::sync::Mutex::new(prepared.python),
             agent_pid: AtomicU32::new(pid),
             lost: ended::LastLoss::default(),
+            left_stopped: AtomicBool::new(false),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(None),
             ledger,
@@ -512,7 +513,7 @@ impl Session {
                     tracing::warn!(session = %self.name, error = %e, "cannot restart the agent; replacing the container")
                 }
             }
-        } else if std::mem::take(&mut inner.left_stopped) {
+        } else if self.left_stopped.swap(false, Ordering::SeqCst) {
             // Stopped by its tether while no server held it (orphan.rs).
             match self.restart_stopped(inner).await {
                 Ok(notice) => return Ok(Some(notice)),

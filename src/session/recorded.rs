@@ -128,7 +128,6 @@ impl Session {
             pending: how.pending,
             pending_lost: false,
             reattach_pid: how.pid,
-            left_stopped: how.stopped,
             sleeping: how.sleeping.clone(),
         };
         let ledger = Ledger::of(&blueprint.cfg);
@@ -156,6 +155,7 @@ impl Session {
             python: std::sync::Mutex::new(about.python),
             agent_pid: AtomicU32::new(how.pid.unwrap_or(0)),
             lost: super::ended::LastLoss::default(),
+            left_stopped: AtomicBool::new(how.stopped),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(how.sleeping),
             ledger,

@@ -505,9 +505,9 @@ impl Session {
         Ok(true)
     }
 
-    /// True while the session is hibernated.
+    /// True while the session is hibernated, or stopped by its tether (`orphan.rs`).
     pub(crate) fn is_asleep(&self) -> bool {
-        self.asleep.lock().map(|a| a.is_some()).unwrap_or(false)
+        self.left_stopped.load(Ordering::SeqCst) || self.asleep.lock().map(|a| a.is_some()).unwrap_or(false)
     }
 
     /// Wakes a hibernated session: a container (from the warm pool when there is one of its

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::adopt::{Server, StateDir, run};
+use crate::adopt::{Server, StateDir, run, state_of};
 use crate::common::{assert_cleaned_up, containers_of, docker, text};
 use crate::http::call;
 
@@ -81,6 +81,7 @@ async fn a_killed_servers_sandbox_stops_within_the_grace_and_wakes_with_its_stat
 
     let second = Server::start(tag, &state, &env).await;
     let alice = second.client().await;
+    assert_eq!(state_of(&alice, "keep").await, Some(json!("hibernated")), "listed as asleep until its call");
     let (r, sc) = call(&alice, "run_python", json!({ "session": "keep", "code": "x, open('kept.txt').read()" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     assert_eq!(sc["result"], "(42, 'kept')", "woken with its variables and files: {sc}");
