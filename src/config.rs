@@ -444,6 +444,12 @@ impl SandboxConfig {
         Duration::from_secs(self.leftover_grace_s)
     }
 
+    /// How long a sandbox outlives its server before it saves its state and stops: the
+    /// adoption grace, or with adoption off the leftover grace (docs/design.md D12).
+    pub fn orphan_after(&self) -> Duration {
+        Duration::from_secs(if self.adopt_grace_s > 0 { self.adopt_grace_s } else { self.leftover_grace_s })
+    }
+
     /// How long sessions left by a stopped server may still be adopted.
     pub fn adopt_grace(&self) -> Duration {
         Duration::from_secs(self.adopt_grace_s)

@@ -176,7 +176,7 @@ impl Instance {
 
     /// A sweeper of other instances' leftovers, judging stopped heartbeats with `grace`.
     pub fn sweeper(&self, grace: Duration) -> Sweeper {
-        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace }
+        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace, keep: grace }
     }
 }
 
@@ -238,7 +238,7 @@ fn judge(lock: Lock, beat: Beat, grace: Duration) -> Verdict {
 }
 
 /// An instance as labels name it: (instance, host).
-type Key = (String, String);
+pub type Key = (String, String);
 
 /// Removes what dead instances left behind (see the module doc).
 #[derive(Debug, Clone)]
@@ -246,6 +246,9 @@ pub struct Sweeper {
     owner: Owner,
     dir: PathBuf,
     grace: Duration,
+    /// How long a dead instance's stopped sessions (orphans that saved their state, D12) are
+    /// kept for a next server of its state dir, judged by heartbeat: `--idle-ttl-s`.
+    keep: Duration,
 }
 
 /// What one sweep did.
@@ -260,6 +263,12 @@ pub struct Swept {
 }
 
 impl Sweeper {
+    /// Keeps dead instances' stopped sessions for `keep` (at least the grace).
+    pub fn keeping(mut self, keep: Duration) -> Self {
+        self.keep = keep.max(self.grace);
+        self
+    }
+
     /// The owner of a resource with these labels, unless it is ours or unlabelled.
     fn key(&self, labels: &HashMap<String, String>) -> Option<Key> {
         let instance = labels.get(LABEL_INSTANCE).or_else(|| labels.get(LABEL_HEARTBEAT))?;
@@ -273,36 +282,7 @@ impl Sweeper {
     /// what the dead instances left.
     pub async fn sweep(&self, docker: &Docker) -> Result<Swept, engine::Error> {
         let found = container::inventory(docker).await?;
-        let owners: HashSet<Key> = found
-            .containers
-            .iter()
-            .map(|c| &c.labels)
-            .chain(found.volumes.iter().map(|(_, l)| l))
-            .filter_map(|l| self.key(l))
-            .collect();
-        if owners.is_empty() {
-            return Ok(Swept::default());
-        }
-        let beats = self.beats(docker, &found.containers).await;
-        let locks = self.locks(owners.iter().filter(|(_, host)| *host == self.owner.host).cloned().collect()).await;
-        let mut dead = HashSet::new();
-        let mut recheck: Option<Duration> = None;
-        let mut unknown = Vec::new();
-        for key in &owners {
-            let lock = locks.get(key).copied().unwrap_or(Lock::Unseen);
-            let beat = beats.get(key).copied().unwrap_or(Beat::Absent);
-            match judge(lock, beat, self.grace) {
-                Verdict::Dead => {
-                    dead.insert(key.clone());
-                }
-                Verdict::Dying(left) => recheck = Some(recheck.map_or(left, |r| r.min(left))),
-                Verdict::Unknown => unknown.push(key.0.as_str()),
-                Verdict::Alive => {}
-            }
-        }
-        if !unknown.is_empty() {
-            tracing::debug!(instances = ?unknown, "resources of instances of unknown liveness left alone");
-        }
+        let (dead, recheck) = self.dead(docker, &found).await;
         let mut swept = Swept { recheck: recheck.map(|r| r + Duration::from_secs(1)), ..Swept::default() };
         if dead.is_empty() {
             return Ok(swept);
@@ -322,6 +302,65 @@ impl Sweeper {
             "removed leftovers of dead instances"
         );
         Ok(swept)
+    }
+
+    /// The instances of `found`'s resources that are dead by the rule, and when to look again
+    /// for those in doubt.
+    pub async fn dead(&self, docker: &Docker, found: &container::Inventory) -> (HashSet<Key>, Option<Duration>) {
+        let owners: HashSet<Key> = found
+            .containers
+            .iter()
+            .map(|c| &c.labels)
+            .chain(found.volumes.iter().map(|(_, l)| l))
+            .filter_map(|l| self.key(l))
+            .collect();
+        if owners.is_empty() {
+            return (HashSet::new(), None);
+        }
+        let beats = self.beats(docker, &found.containers).await;
+        let locks = self.locks(owners.iter().filter(|(_, host)| *host == self.owner.host).cloned().collect()).await;
+        let mut dead = HashSet::new();
+        let mut recheck: Option<Duration> = None;
+        let mut unknown = Vec::new();
+        // Instances that left stopped sessions: orphans holding their state for a next server.
+        let holding: HashSet<Key> = found
+            .containers
+            .iter()
+            .filter(|c| !c.running && c.labels.contains_key(engine::LABEL_SESSION))
+            .filter_map(|c| self.key(&c.labels))
+            .collect();
+        for key in &owners {
+            let lock = locks.get(key).copied().unwrap_or(Lock::Unseen);
+            let beat = beats.get(key).copied().unwrap_or(Beat::Absent);
+            let verdict = match (judge(lock, beat, self.grace), beat) {
+                (Verdict::Dead, Beat::StoppedFor(d))
+                    if lock != Lock::Free && holding.contains(key) && d < self.keep =>
+                {
+                    Verdict::Dying(self.keep - d)
+                }
+                (v, _) => v,
+            };
+            match verdict {
+                Verdict::Dead => {
+                    dead.insert(key.clone());
+                }
+                Verdict::Dying(left) => recheck = Some(recheck.map_or(left, |r| r.min(left))),
+                Verdict::Unknown => unknown.push(key.0.as_str()),
+                Verdict::Alive => {}
+            }
+        }
+        if !unknown.is_empty() {
+            tracing::info!(
+                instances = ?unknown,
+                "resources of instances of unknown liveness left alone (no lock or heartbeat says they are dead)"
+            );
+        }
+        (dead, recheck)
+    }
+
+    /// The (instance, host) a resource with these labels belongs to, unless it is ours.
+    pub fn owner_of(&self, labels: &HashMap<String, String>) -> Option<Key> {
+        self.key(labels)
     }
 
     /// The heartbeat evidence of every instance that has heartbeats.
@@ -581,6 +620,7 @@ mod tests {
             owner: Owner { instance: "me".into(), host: "h".into() },
             dir: PathBuf::new(),
             grace: Duration::ZERO,
+            keep: Duration::ZERO,
         };
         assert_eq!(sweeper.key(&labels("me", "h")), None);
         assert_eq!(sweeper.key(&labels("me", "other-host")), Some(("me".into(), "other-host".into())));

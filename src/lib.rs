@@ -46,6 +46,8 @@ pub(crate) mod durable;
 pub mod egress;
 /// Named sandbox flavours (Python version, packages, mounts, limits) a session is created in.
 pub mod environment;
+/// `pyberth gc`: orphans of dead servers, listed and removed now.
+pub mod gc;
 /// The HTTP service: streamable MCP behind bearer tokens, one principal per token.
 pub mod http;
 /// Liveness of server instances, so leftovers of dead ones can be swept at start.

@@ -62,6 +62,14 @@ enum Command {
         #[command(flatten)]
         args: bench::BenchArgs,
     },
+    /// List containers, volumes and networks of dead servers that no record of this state
+    /// dir keeps for a next server (orphans); with --yes, remove them. Live servers' are kept.
+    Gc {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+        #[command(flatten)]
+        args: pyberth::gc::GcArgs,
+    },
     /// The egress proxy, run by the server inside its own container (policies on stdin,
     /// connection records on stdout). Not for people.
     #[command(hide = true)]
@@ -150,7 +158,8 @@ fn parse() -> anyhow::Result<Cli> {
         Command::Serve { cfg, http } => (Some(cfg), Some(http)),
         Command::Image { action: ImageAction::Build { cfg, .. } }
         | Command::Layers { action: LayersAction::List { cfg } | LayersAction::Prune { cfg, .. } }
-        | Command::Bench { cfg, .. } => (Some(cfg), None),
+        | Command::Bench { cfg, .. }
+        | Command::Gc { cfg, .. } => (Some(cfg), None),
         Command::Run(args) => (Some(&mut args.cfg), None),
         Command::Image { action: ImageAction::Tag } | Command::EgressProxy => (None, None),
     };
@@ -245,6 +254,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
             image_build(cfg, force, all, environment.as_deref()).await
         }
         Command::Bench { cfg, args } => bench::run(cfg, args).await,
+        Command::Gc { cfg, args } => {
+            let out = pyberth::gc::run(&cfg, &args).await?;
+            #[allow(clippy::print_stdout)] // the listing is the command's output
+            {
+                print!("{out}");
+            }
+            Ok(())
+        }
         Command::Run(_) => Ok(()), // handled in main, for its exit code
         Command::Layers { action: LayersAction::List { cfg } } => {
             let (docker, img, instance, state_dir) = layer_store_access(&cfg).await?;

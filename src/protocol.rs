@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 
 /// Version of the protocol; the agent states its own in [`Event::Hello`].
 pub(crate) const PROTOCOL_VERSION: u32 = 2;
+/// What the agent answers a restore `if_saved` that finds no state.
+pub(crate) const NOTHING_SAVED: &str = "nothing saved";
 
 /// Longest event line accepted. The agent caps output chunks and texts at 64 KiB, images at
 /// 4 MiB and file reads at the server's read cap (8 MiB at most), all base64; a longer line
@@ -156,6 +158,9 @@ pub enum Request<'a> {
     Restore {
         /// Request id.
         id: u64,
+        /// When no state is there, fail with exactly [`NOTHING_SAVED`] (the keeper's save for
+        /// a next server may or may not have happened).
+        if_saved: bool,
     },
 }
 

@@ -45,6 +45,7 @@ impl Blueprint {
             sandboxing: sandboxing.clone(),
             mounts: mounts.iter().map(|m| container::read_only_bind(&m.host, &m.path)).collect(),
             network: egress.as_ref().map(|a| a.join()),
+            orphan_after: cfg.orphan_after(),
         };
         Self { cfg, spec, egress, mounts: mounts.to_vec() }
     }
@@ -63,6 +64,11 @@ impl Blueprint {
         let mut spec = self.spec.clone();
         spec.mounts.insert(0, store);
         let made = container::create(docker, &spec, image, owner, label, principal).await?;
+        // Never a sandbox that could outlive this server for good (docs/design.md D12).
+        if let Err(e) = docker::tether::hold(docker, &made.id, spec.orphan_after).await {
+            container::destroy(docker, &made).await;
+            return Err(e);
+        }
         if let Some(egress) = &self.egress
             && let Err(e) = egress.after_start(docker, &made.id).await
         {

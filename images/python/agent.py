@@ -924,6 +924,7 @@ SNAPSHOT_VERSION = 1
 SNAPSHOT_CHUNK = 4 << 20  # archive bytes per piece of a snapshot: 5.6 MB lines, far below the 16 MiB cap
 RESTORE_DIR = ".pyberth-restore"  # where the server puts a snapshot's state for `restore`
 SAVE_DIR = ".pyberth-snapshot"  # where `save_state` writes the state for the server's packer
+NOTHING_SAVED = "nothing saved"  # what a restore `if_saved` answers when no state is there
 MAX_LOST = 1000  # names listed as not saved or not restored
 
 
@@ -1141,7 +1142,8 @@ class Durable:
         volume, as this uid: the bytes never cross the agent's stream. Answers what was saved
         and lost. The server deletes the directory when its packer is done."""
         shutil = stdlib("shutil")
-        base = os.path.join(WORKSPACE, SAVE_DIR)
+        # `into: restore`: the keeper's save for a next server, which restores it in place.
+        base = os.path.join(WORKSPACE, RESTORE_DIR if msg.get("into") == "restore" else SAVE_DIR)
         if os.path.lexists(base):
             if os.path.isdir(base) and not os.path.islink(base):
                 shutil.rmtree(base)
@@ -1192,6 +1194,8 @@ class Durable:
         pickle = stdlib("pickle")
         shutil = stdlib("shutil")
         namespace = self.agent.namespace
+        if msg.get("if_saved") and not os.path.lexists(os.path.join(WORKSPACE, RESTORE_DIR)):
+            raise ValueError(NOTHING_SAVED)
         base = workspace_path(RESTORE_DIR)
         restored, lost = [], []
 

@@ -21,6 +21,9 @@ exec: killing the code's processes kills it too, and the next attach starts a fr
 Frames, both ways: one byte of kind, four bytes of length (big-endian), the bytes. Kinds:
 `0` stdin (relay to keeper), `1` stdout, `2` stderr, `x` the agent's exit status (ASCII).
 Only the standard library; run with `python3 -I -S`.
+
+Past 500 lines because it is one script the image copies whole; the orphan's save (no relay
+for the grace, docs/design.md D12) lives in the loop that sees relays come and go.
 """
 
 import collections
@@ -43,6 +46,34 @@ HEADER = struct.Struct(">cI")
 MAX_FRAME = 1 << 20
 # How long an attach waits for a keeper it started to listen.
 START_TIMEOUT = 10.0
+# Seconds without a relay after which the server is taken to be gone for good: the agent
+# saves its state into the workspace for the next server (docs/design.md D12, orphans) and
+# stops. Set by the server on the container; absent or 0: never.
+ORPHAN_ENV = "PYBERTH_ORPHAN_AFTER_S"
+# What the keeper sends the agent then: the state where a restore reads it, then the end. The
+# leading newline ends any half line a dropped relay left, so the agent skips just that.
+ORPHAN_REQUESTS = b'\n{"op":"save_state","id":0,"into":"restore"}\n{"op":"shutdown"}\n'
+
+
+def orphan_after():
+    try:
+        return max(0.0, float(os.environ.get(ORPHAN_ENV) or 0))
+    except ValueError:
+        return 0.0
+
+
+def share_workspace(top="/workspace"):
+    """Makes the workspace readable by PID 1's uid, whose tether copies a tmpfs workspace to
+    disk before the container stops (a tmpfs goes with it). Symlinks are left alone."""
+    for root, dirs, files in os.walk(top):
+        for name, bits in [(d, 0o055) for d in dirs] + [(f, 0o044) for f in files]:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISLNK(st.st_mode):
+                    os.chmod(path, stat.S_IMODE(st.st_mode) | bits)
+            except OSError:
+                pass
 
 
 def frame(kind, data):
@@ -154,6 +185,9 @@ def keeper(sock_path, argv, ready):
     mid_line = False  # the last stdout byte a relay took was not a line end
     skip_line = False  # drop stdout up to the next line end (a new relay after a half line)
     reading = {out_r: True, err_r: True}
+    alone_for = orphan_after()
+    alone_since = time.monotonic()  # when the last relay left (or the keeper started)
+    orphaned = False  # the save and the end were sent
 
     def enqueue(kind, data):
         nonlocal queued
@@ -163,9 +197,10 @@ def keeper(sock_path, argv, ready):
 
     def drop_relay():
         """Forgets the relay; output it never took goes back to the buffers for the next."""
-        nonlocal relay, queued, mid_line
+        nonlocal relay, queued, mid_line, alone_since
         if relay is not None:
             relay.close()
+            alone_since = time.monotonic()
         relay = None
         incoming.buf.clear()
         back = {b"1": bytearray(), b"2": bytearray()}
@@ -193,6 +228,10 @@ def keeper(sock_path, argv, ready):
             skip_line = False
 
     while True:
+        if orphaned and relay is None:
+            # Nobody will read it: the next server restores the saved state instead.
+            out_buf.clear()
+            err_buf.clear()
         agent_done = not reading[out_r] and not reading[err_r] and not out_buf and not err_buf
         if agent_done and (relay is None or not queue):
             status = None
@@ -219,6 +258,8 @@ def keeper(sock_path, argv, ready):
                 os.unlink(sock_path)
             except OSError:
                 pass
+            if orphaned:
+                share_workspace()
             os._exit(0)
 
         # Frame buffered output for the relay, a chunk at a time.
@@ -245,7 +286,16 @@ def keeper(sock_path, argv, ready):
                 wlist.append(relay)
         if to_agent and in_w is not None:
             wlist.append(in_w)
-        readable, writable, _ = select.select(rlist, wlist, [])
+        timeout = None
+        if relay is None and alone_for and not orphaned:
+            timeout = max(0.0, alone_since + alone_for - time.monotonic())
+        readable, writable, _ = select.select(rlist, wlist, [], timeout)
+        if relay is None and alone_for and not orphaned and time.monotonic() - alone_since >= alone_for:
+            # No server for the grace: the state goes to disk and the agent ends (the
+            # server's tether stops the container a little later).
+            orphaned = True
+            if in_w is not None:
+                to_agent += ORPHAN_REQUESTS
 
         if listener in readable:
             try:

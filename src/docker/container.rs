@@ -182,6 +182,8 @@ pub struct Spec {
     pub mounts: Vec<Mount>,
     /// The session's network, when it has egress; `None`: no network at all.
     pub network: Option<NetworkJoin>,
+    /// How long the sandbox outlives its server (`tether`), told to its keeper.
+    pub orphan_after: std::time::Duration,
 }
 
 /// A read-only bind mount of a host folder that never propagates mounts either way.
@@ -277,13 +279,20 @@ pub async fn create(
     let mut hc = host_config(spec, &name);
     if let Some(mounts) = hc.mounts.as_mut() {
         mounts.extend(spec.mounts.iter().cloned());
+        // Where an orphan's tmpfs workspace is kept on disk (`tether`).
+        if spec.workspace_mb.is_some()
+            && let Err(e) = super::tether::add_keep(docker, &name, &labels, mounts).await
+        {
+            destroy(docker, &Created { id: name.clone(), volume: name.clone(), uid }).await;
+            return Err(e);
+        }
     }
     let mut body = ContainerCreateBody {
         image: Some(image.into()),
         cmd: Some(vec!["sleep".into(), "infinity".into()]),
         user: Some(INIT_USER.into()),
         working_dir: Some(WORKSPACE.into()),
-        env: Some(ENV.iter().map(|s| (*s).to_owned()).collect()),
+        env: Some(ENV.iter().map(|s| (*s).to_owned()).chain([orphan_env(spec)]).collect()),
         labels: Some(labels),
         network_disabled: Some(true),
         host_config: Some(hc),
@@ -316,11 +325,16 @@ pub async fn create(
     Ok(made)
 }
 
+fn orphan_env(spec: &Spec) -> String {
+    format!("{}={}", super::tether::ORPHAN_ENV, spec.orphan_after.as_secs())
+}
+
 /// Removes a session's container (killing it) and its volumes. Failures are logged, not
 /// returned: cleanup must go on for the other resources, and the sweep catches what is left.
 pub async fn destroy(docker: &Docker, c: &Created) {
     remove_container(docker, &c.id).await;
     remove_volume(docker, &c.volume).await;
+    remove_volume(docker, &super::tether::keep_volume(&c.volume)).await;
     identity::release(c.uid);
 }
 
@@ -369,6 +383,7 @@ pub async fn cpu_ns(docker: &Docker, id: &str) -> Option<u64> {
 
 /// Removes (killing) a container; failures are logged.
 pub async fn remove_container(docker: &Docker, id: &str) {
+    super::tether::release(id);
     let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
     match docker.remove_container(id, Some(opts)).await {
         Ok(()) => {}

@@ -90,8 +90,13 @@ async fn attach(docker: &Docker, container: &str, uid: u32, cmd: &[&str], stdin:
 /// untouched; `kill(-1)` spares the caller itself. The uid is the container's own, so nothing
 /// outside the container shares it.
 pub async fn kill_code_processes(docker: &Docker, container: &str, uid: u32) -> Result<(), Error> {
-    let mut exec = attach(docker, container, uid, &["sh", "-c", "kill -KILL -1"], false).await?;
-    // Wait for the killer to finish so the caller knows the old agent is gone.
+    // Waited for, so the caller knows the old agent is gone.
+    run_as_code(docker, container, uid, "kill -KILL -1").await
+}
+
+/// Runs a fixed `sh` script (never input) as the code's uid, to its end.
+pub async fn run_as_code(docker: &Docker, container: &str, uid: u32, script: &str) -> Result<(), Error> {
+    let mut exec = attach(docker, container, uid, &["sh", "-c", script], false).await?;
     while let Some(frame) = exec.output.next().await {
         frame?;
     }

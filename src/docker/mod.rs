@@ -12,6 +12,7 @@ pub mod identity;
 pub mod image;
 pub mod inventory;
 pub mod snapshot;
+pub mod tether;
 mod unpack;
 
 use bollard::Docker;

@@ -147,7 +147,10 @@ impl SandboxServer {
             ));
         }
         if opened.created {
-            notices.push(format!("new session {name:?} created"));
+            match self.registry.ended_why(&session.principal, &name) {
+                Some(why) => notices.push(format!("new session {name:?} created (the one before it {why})")),
+                None => notices.push(format!("new session {name:?} created")),
+            }
             if !opened.installed.added.is_empty() {
                 notices.push(format!("packages ready: {}", opened.installed.added.join(", ")));
             }

@@ -8,7 +8,7 @@ use rmcp::{tool, tool_router};
 
 use super::error::{Context as _, ToolResult};
 use super::render::structured;
-use super::types::{NetworkPolicy, NoArgs, SessionArgs, SessionList, SetNetworkArgs, VariableList};
+use super::types::{EndedSession, NetworkPolicy, NoArgs, SessionArgs, SessionList, SetNetworkArgs, VariableList};
 use super::{Caller, SandboxServer};
 use crate::checks::session_name;
 use crate::output::one_line;
@@ -20,7 +20,13 @@ impl SandboxServer {
     /// they hibernate and until they are closed for idleness.
     #[tool(annotations(title = "List sessions", read_only_hint = true), output_schema = schema_for_output::<SessionList>())]
     async fn list_sessions(&self, Parameters(_): Parameters<NoArgs>, Caller(who): Caller) -> ToolResult {
-        let list = SessionList { sessions: self.registry.list(&who), max_sessions: self.cfg.max_sessions };
+        let ended = self.registry.ended_of(&who);
+        let ended = ended.into_iter().map(|(session, why, ended_s_ago)| EndedSession { session, why, ended_s_ago });
+        let list = SessionList {
+            sessions: self.registry.list(&who),
+            max_sessions: self.cfg.max_sessions,
+            ended: ended.collect(),
+        };
         let mut text = format!("{} of at most {} sessions open\n", list.sessions.len(), list.max_sessions);
         for s in &list.sessions {
             let sleep = match s.hibernates_in_s {
@@ -31,6 +37,12 @@ impl SandboxServer {
                 "{}: {}, python {}, {} runs, idle {} s{sleep}, closes in {} s\n",
                 s.session, s.state, s.python, s.runs, s.idle_s, s.expires_in_s
             ));
+            if let Some(lost) = &s.state_lost {
+                text.push_str(&format!("  its state was lost: {lost}\n"));
+            }
+        }
+        for e in &list.ended {
+            text.push_str(&format!("ended {} s ago: {:?} {}\n", e.ended_s_ago, e.session, e.why));
         }
         Ok(structured(&list, text))
     }

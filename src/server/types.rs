@@ -215,6 +215,19 @@ pub(crate) struct SessionList {
     pub sessions: Vec<SessionInfo>,
     /// Most sessions open at once.
     pub max_sessions: usize,
+    /// Sessions of the caller that ended within the last hour, and why.
+    pub ended: Vec<EndedSession>,
+}
+
+/// A session that ended, in `list_sessions`.
+#[derive(Debug, Serialize, schemars::JsonSchema)]
+pub(crate) struct EndedSession {
+    /// Session name.
+    pub session: String,
+    /// Why it ended (closed by close_session, expired...).
+    pub why: String,
+    /// Seconds since it ended.
+    pub ended_s_ago: u64,
 }
 
 /// Structured result of `list_variables`.

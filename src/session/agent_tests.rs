@@ -801,7 +801,7 @@ async fn a_snapshot_restores_into_a_new_agent_and_names_what_it_could_not_keep()
     let restored = fresh
         .agent
         .request(
-            |id| Request::Restore { id },
+            |id| Request::Restore { id, if_saved: false },
             |id, ev| match ev {
                 Event::Restored { id: i, restored, lost } if i == id => Some((restored, lost)),
                 _ => None,
@@ -822,7 +822,7 @@ async fn a_snapshot_restores_into_a_new_agent_and_names_what_it_could_not_keep()
     let failed = fresh
         .agent
         .request(
-            |id| Request::Restore { id },
+            |id| Request::Restore { id, if_saved: false },
             |id, ev| match ev {
                 Event::Failed { id: Some(i), message } if i == id => Some(message),
                 _ => None,

@@ -16,8 +16,10 @@ mod agent;
 #[cfg(test)]
 mod agent_tests;
 mod charge;
+mod ended;
 mod extras;
 pub(crate) mod jobs;
+mod orphan;
 mod recorded;
 pub(crate) mod registry;
 mod run;
@@ -171,6 +173,10 @@ pub struct SessionInfo {
     /// hibernation is off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hibernates_in_s: Option<u64>,
+    /// Why its variables were last lost (out of memory, its container replaced, a restore
+    /// that failed...) and how long ago, within the last hour.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_lost: Option<String>,
 }
 
 /// What only the holder of the session's async mutex may touch.
@@ -250,6 +256,11 @@ pub struct Session {
     /// Pid of the agent last greeted (0: none yet), for the session's record
     /// (`recorded.rs`).
     agent_pid: AtomicU32,
+    /// Why and when its state was last lost (`ended.rs`).
+    lost: ended::LastLoss,
+    /// Adopted with its container stopped by its tether (`orphan.rs`): asleep until its
+    /// first call starts it again.
+    left_stopped: AtomicBool,
     /// Where a wake takes its container from, when the warm pool holds containers of the
     /// session's image.
     pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
@@ -376,6 +387,8 @@ impl Session {
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(prepared.python),
             agent_pid: AtomicU32::new(pid),
+            lost: ended::LastLoss::default(),
+            left_stopped: AtomicBool::new(false),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(None),
             ledger,
@@ -443,6 +456,7 @@ impl Session {
                 Some(after) if !self.is_asleep() => Some(after.saturating_sub(idle).as_secs()),
                 _ => None,
             },
+            state_lost: self.lost.describe(),
         }
     }
 
@@ -493,11 +507,19 @@ impl Session {
         }
         if container::is_running(&self.docker, &inner.container.id).await? {
             match self.start_agent(inner).await {
-                Ok(()) => return Ok(self.reattached(inner)),
+                Ok(()) => return Ok(self.after_reattach(inner).await),
                 // Exhausted pids, a wedged filesystem, an agent that will not greet: a new
                 // container is the last resort of docs/design.md D5.
                 Err(e) => {
                     tracing::warn!(session = %self.name, error = %e, "cannot restart the agent; replacing the container")
+                }
+            }
+        } else if self.left_stopped.swap(false, Ordering::SeqCst) {
+            // Stopped by its tether while no server held it (orphan.rs).
+            match self.restart_stopped(inner).await {
+                Ok(notice) => return Ok(Some(notice)),
+                Err(e) => {
+                    tracing::warn!(session = %self.name, error = %e, "cannot start a stopped session again; recreating")
                 }
             }
         } else {

@@ -28,6 +28,8 @@ pub(crate) struct Revived {
     pub(crate) pending: Vec<String>,
     /// How long it had been idle.
     pub(crate) idle: Duration,
+    /// Its container was found stopped by its tether (orphan.rs): started again, not replaced.
+    pub(crate) stopped: bool,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -152,6 +154,8 @@ impl Session {
             waiting: AtomicUsize::new(0),
             python: std::sync::Mutex::new(about.python),
             agent_pid: AtomicU32::new(how.pid.unwrap_or(0)),
+            lost: super::ended::LastLoss::default(),
+            left_stopped: AtomicBool::new(how.stopped),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(how.sleeping),
             ledger,

@@ -7,12 +7,13 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bollard::Docker;
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
+use super::ended::KEPT;
 use super::{Error as SessionError, Session, SessionInfo};
 use crate::config::SandboxConfig;
 use crate::docker::container::Sandboxing;
@@ -97,8 +98,9 @@ pub struct Registry {
     pool_wake: Arc<tokio::sync::Notify>,
     /// Snapshots of every principal (issue 18).
     pub(crate) snapshots: crate::durable::catalogue::Catalogue,
-    /// Why recently ended sessions ended, for a later call that names one (docs/design.md D9).
-    ended: Mutex<HashMap<Key, String>>,
+    /// Why recently ended sessions ended, and when, for a later call that names one and for
+    /// `list_sessions`, for an hour (docs/design.md D9).
+    ended: Mutex<HashMap<Key, (String, Instant)>>,
     /// Environment markers evaluated, by (image, marker): true when they hold there.
     markers: Mutex<HashMap<(String, String), bool>>,
     /// This instance's heartbeat, and sweeps waiting out a grace (docs/design.md D9).
@@ -425,20 +427,39 @@ impl Registry {
 
     /// The error for a session that is not there: why it ended, when it did recently.
     pub fn not_found(&self, principal: &str, name: &str) -> Error {
-        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
-        match ended.get(&(principal.to_owned(), name.to_owned())) {
-            Some(why) => Error::Ended { name: name.to_owned(), why: why.clone() },
+        match self.ended_why(principal, name) {
+            Some(why) => Error::Ended { name: name.to_owned(), why },
             None => Error::NotFound(name.to_owned()),
         }
     }
 
-    /// Records why a session ended (kept for the most recent [`MAX_ENDED`]).
+    /// Why the session of that name ended, within the last hour.
+    pub fn ended_why(&self, principal: &str, name: &str) -> Option<String> {
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        let (why, at) = ended.get(&(principal.to_owned(), name.to_owned()))?;
+        (at.elapsed() < KEPT).then(|| why.clone())
+    }
+
+    /// The caller's sessions that ended within the last hour: name, why, seconds ago.
+    pub fn ended_of(&self, principal: &str) -> Vec<(String, String, u64)> {
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<(String, String, u64)> = ended
+            .iter()
+            .filter(|((p, _), (_, at))| p == principal && at.elapsed() < KEPT)
+            .map(|((_, n), (why, at))| (n.clone(), why.clone(), at.elapsed().as_secs()))
+            .collect();
+        all.sort();
+        all
+    }
+
+    /// Records why a session ended (kept an hour, at most [`MAX_ENDED`] at once).
     fn ended(&self, principal: &str, name: &str, why: String) {
         let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        ended.retain(|_, (_, at)| at.elapsed() < KEPT);
         if ended.len() >= MAX_ENDED {
             ended.clear();
         }
-        ended.insert((principal.to_owned(), name.to_owned()), why);
+        ended.insert((principal.to_owned(), name.to_owned()), (why, Instant::now()));
     }
 
     /// The named session, created on first use in `environment` (the default when `None`),
@@ -497,12 +518,7 @@ impl Registry {
             self.record_layers();
         }
         match result {
-            Ok(s) => {
-                if created {
-                    self.ended.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
-                }
-                Ok((s, created))
-            }
+            Ok(s) => Ok((s, created)),
             Err(e) => {
                 // Free the slot so the cap counts only live sessions; a retry starts afresh.
                 let mut slots = self.slots();
@@ -752,7 +768,7 @@ impl Registry {
             Ok(n) => tracing::info!(sessions = n, "adopted the sessions of stopped servers"),
             Err(e) => tracing::warn!(error = %e, "cannot adopt the sessions of stopped servers"),
         }
-        let sweeper = self.instance.sweeper(self.cfg.leftover_grace());
+        let sweeper = self.instance.sweeper(self.cfg.leftover_grace()).keeping(self.cfg.idle_ttl());
         let swept = sweeper.sweep(&self.docker).await?;
         let nets = crate::egress::sweep_orphan_networks(&self.docker, &self.instance.owner.instance).await;
         if nets > 0 {
@@ -887,10 +903,16 @@ impl Registry {
             self.keeper.stop(&self.docker, &[], false).await;
             packages::settle().await;
             self.egress.drop_idle_installers().await;
+            let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
             tracing::info!(
                 sessions = left,
-                grace_s = self.cfg.adopt_grace_s,
-                "sessions left running for the next server"
+                adopt_within_s = self.cfg.adopt_grace_s,
+                stop_after_s = stop_s,
+                "{left} sessions left for the next server of state dir {}: it adopts them running if it starts within \
+                 {} s; {stop_s} s after this stop each saves its state and its container stops (no CPU or memory), kept \
+                 on disk for that server to wake. To remove them now: pyberth gc --yes --grace-s 0",
+                self.cfg.state_dir().display(),
+                self.cfg.adopt_grace_s,
             );
             return;
         }

@@ -314,6 +314,7 @@ impl Session {
         outcome.duration = started.elapsed();
         notices.append(&mut outcome.notices);
         outcome.notices = notices;
+        self.lost.note(&outcome);
         self.touch();
         Ok(outcome)
     }
@@ -363,6 +364,7 @@ impl Session {
         outcome.duration = started.elapsed();
         notices.append(&mut outcome.notices);
         outcome.notices = notices;
+        self.lost.note(&outcome);
         self.touch();
         Ok(outcome)
     }

@@ -408,7 +408,7 @@ impl Session {
             return Ok(restored);
         }
         let loading = Instant::now();
-        let id = self.submit(inner, &|id| Request::Restore { id }).await.map_err(|e| e.to_string())?;
+        let id = self.submit(inner, &|id| Request::Restore { id, if_saved: false }).await.map_err(|e| e.to_string())?;
         let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };
         let answer = agent
             .answer(
@@ -506,9 +506,9 @@ impl Session {
         Ok(true)
     }
 
-    /// True while the session is hibernated.
+    /// True while the session is hibernated, or stopped by its tether (`orphan.rs`).
     pub(crate) fn is_asleep(&self) -> bool {
-        self.asleep.lock().map(|a| a.is_some()).unwrap_or(false)
+        self.left_stopped.load(Ordering::SeqCst) || self.asleep.lock().map(|a| a.is_some()).unwrap_or(false)
     }
 
     /// Wakes a hibernated session: a container (from the warm pool when there is one of its

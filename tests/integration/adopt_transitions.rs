@@ -162,7 +162,10 @@ async fn over_stdio_a_woken_session_is_adopted_by_the_next_server() {
     assert_eq!(first.ok("h", "print(y)").await["stdout"], "7\n");
     let old = first.instance.clone();
     let log = first.stop().await;
-    assert!(log.contains("sessions left running for the next server"), "left for the next server");
+    // The stop says what it left, for how long, and how to remove it (issue 26 item 3).
+    assert!(log.contains("sessions left for the next server of state dir"), "left for the next server: {log}");
+    assert!(log.contains("saves its state and its container stops"), "and when they stop: {log}");
+    assert!(log.contains("pyberth gc --yes"), "and how to remove them: {log}");
 
     let second = StdioServer::start("wake-restart-stdio", &keep).await;
     let r = second.call("list_sessions", json!({})).await;

@@ -44,6 +44,10 @@ mod slow_client;
 mod adopt;
 // Each way a session changes its container (wake, fork, restore, OOM), then a restart.
 mod adopt_transitions;
+// Orphans: a sandbox whose server went stops after the grace and wakes with its state.
+mod orphan;
+// Terminal states: every end and loss of state has a reason, in the next result and the list.
+mod ended;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
 // Egress under attack from its own sessions: refusal floods.

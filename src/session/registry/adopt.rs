@@ -16,6 +16,8 @@
 //! through its keeper on the session's first call.
 
 use std::collections::HashSet;
+
+use bollard::models::ContainerStateStatusEnum;
 use std::sync::Arc;
 
 use super::{Registry, Slot};
@@ -79,19 +81,23 @@ impl Registry {
                 continue;
             }
             let running = info.state.as_ref().and_then(|s| s.running).unwrap_or(false);
+            // Stopped by its tether after the grace, its state saved in its workspace: taken
+            // like a hibernated session, started again by its first call (orphan.rs).
+            let stopped = info.state.as_ref().and_then(|s| s.status) == Some(ContainerStateStatusEnum::EXITED);
             let Ok(env) = self.environments.get(Some(&record.about.environment)) else {
                 tracing::warn!(session = %record.about.name, environment = %record.about.environment, "no such environment now; not adopted");
                 self.ledger.forget(&stale);
                 continue;
             };
             let key = (record.about.principal.clone(), record.about.name.clone());
-            if !running || self.slots().contains_key(&key) {
+            if !(running || stopped) || self.slots().contains_key(&key) {
                 self.ledger.forget(&stale);
                 continue;
             }
             if let Some(id) = info.id {
                 kept_ids.insert(id);
             }
+            kept_volumes.insert(docker::tether::keep_volume(&record.about.volume));
             kept_volumes.insert(record.about.volume.clone());
             let (name, id) = (record.about.name.clone(), record.about.container.clone());
             // It stays its instance's: a container it is given later carries the same labels,
@@ -103,9 +109,37 @@ impl Registry {
                 .map(|e| Arc::new(self.egress.adopted_attachment(e.network.clone(), e.proxy_ip, e.allow.clone())));
             let blueprint = self.blueprint(&env, egress);
             let late_one = late.contains(&record.about.instance);
-            let how = Revived { pid: Some(record.pid), sleeping: None, pending: Vec::new(), idle: Default::default() };
+            let mut pid = Some(record.pid);
+            if stopped && blueprint.egress.is_some() {
+                // Its network is taken over below, which wants it running; its agent starts
+                // at its first call, where pid 0 (none's) says the old one is gone.
+                pid = Some(0);
+                let c = &record.about.container;
+                let started = match self.docker.start_container(c, None).await {
+                    Ok(()) => {
+                        docker::exec::run_as_code(&self.docker, c, record.about.uid, docker::tether::COPY_BACK).await
+                    }
+                    Err(e) => Err(e.into()),
+                };
+                if let Err(e) = started {
+                    tracing::warn!(session = %record.about.name, error = %e, "cannot start a stopped session's container");
+                }
+            }
+            if (running || pid == Some(0))
+                && let Err(e) =
+                    docker::tether::hold(&self.docker, &record.about.container, self.cfg.orphan_after()).await
+            {
+                tracing::warn!(session = %record.about.name, error = %e, "cannot tether an adopted session's container");
+            }
+            let how = Revived {
+                pid,
+                sleeping: None,
+                pending: Vec::new(),
+                idle: Default::default(),
+                stopped: stopped && pid != Some(0),
+            };
             let session = Session::revive(self.docker.clone(), blueprint, owner, record.about, how);
-            if late_one {
+            if late_one && running {
                 asleep_now.push(session.clone());
             }
             if session.blueprint.egress.is_some() {

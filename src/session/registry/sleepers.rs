@@ -87,7 +87,7 @@ impl Registry {
                 }
             }
             let idle = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(record.last_used_ms));
-            let how = Revived { pid: None, sleeping: Some(Saved::from(record.saved)), pending, idle };
+            let how = Revived { pid: None, sleeping: Some(Saved::from(record.saved)), pending, idle, stopped: false };
             let session = Session::revive(self.docker.clone(), self.blueprint(&env, egress), owner, record.about, how);
             let slot: super::Slot = Arc::default();
             let _ = slot.set(session);

@@ -1,0 +1,101 @@
+//! A session whose server went (docs/design.md D12, "Orphans"): after the grace its keeper had
+//! the agent save its state into the workspace and end, and its tether stopped the container
+//! (`docker/tether.rs`). The next server takes it like a hibernated session: its first call
+//! starts the container again and restores that state in place.
+
+use std::time::Duration;
+
+use super::{Error, Inner, Session, agent};
+use crate::docker::{container, exec, tether};
+use crate::protocol::{Event, NOTHING_SAVED, Request};
+
+/// How long the agent may take to load the state it saved.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+
+impl Session {
+    /// The session's container stopped while no server held it: started again, tethered, a
+    /// fresh agent, and what it saved restored. Err: it cannot be started (gone, say); the
+    /// caller replaces it.
+    pub(super) async fn restart_stopped(&self, inner: &mut Inner) -> Result<String, Error> {
+        let id = inner.container.id.clone();
+        self.docker.start_container(&id, None).await.map_err(crate::docker::Error::from)?;
+        // A tmpfs workspace came back empty: what the tether kept goes back first (the new
+        // tether empties the copy).
+        exec::run_as_code(&self.docker, &id, inner.container.uid, tether::COPY_BACK).await?;
+        tether::hold(&self.docker, &id, self.blueprint.spec.orphan_after).await?;
+        // A fresh container numbers its pids afresh: the old agent's pid proves nothing now.
+        inner.reattach_pid = None;
+        self.start_agent(inner).await?;
+        tracing::info!(session = %self.name, container = %container::short(&id), "a session its server had left stopped was started again");
+        Ok(match Box::pin(self.restore_saved(inner)).await {
+            Some(text) => text,
+            None => {
+                inner.pending_lost = true;
+                "the session's server had gone and its container stopped before its state was saved; it was started \
+                 again: variables are gone, workspace files are kept"
+                    .into()
+            }
+        })
+    }
+
+    /// After a new agent answered where an earlier one was expected: the state the earlier
+    /// one saved for a next server, restored; else the notice that its state is gone.
+    pub(super) async fn after_reattach(&self, inner: &mut Inner) -> Option<String> {
+        let expected = inner.reattach_pid?;
+        if inner.agent.as_ref().and_then(agent::Agent::pid) == Some(expected) {
+            return self.reattached(inner);
+        }
+        match Box::pin(self.restore_saved(inner)).await {
+            Some(text) => {
+                inner.reattach_pid = None;
+                Some(text)
+            }
+            None => self.reattached(inner),
+        }
+    }
+
+    /// Restores the state an agent saved for a next server. `None` when none was saved.
+    async fn restore_saved(&self, inner: &mut Inner) -> Option<String> {
+        let answer = async {
+            let id = self.submit(inner, &|id| Request::Restore { id, if_saved: true }).await?;
+            let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone) };
+            agent
+                .answer(
+                    id,
+                    |id, ev| match ev {
+                        Event::Restored { id: i, restored, lost } if i == id => Some(Ok((restored, lost))),
+                        Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
+                        _ => None,
+                    },
+                    RESTORE_TIMEOUT,
+                )
+                .await
+        }
+        .await;
+        let head = "the session's server had gone, so it saved its state and stopped (asleep); it was woken now";
+        match answer {
+            Ok(Ok((restored, lost))) => {
+                let mut text = format!("{head}: {} names restored, workspace files kept", restored.len());
+                if !lost.is_empty() {
+                    let names: Vec<String> = lost.iter().take(50).map(|l| format!("{} ({})", l.name, l.why)).collect();
+                    text.push_str(&format!("; not restored: {}", names.join("; ")));
+                    inner.pending_lost = true;
+                }
+                Some(text)
+            }
+            Ok(Err(why)) if why == NOTHING_SAVED => None,
+            Ok(Err(why)) => {
+                inner.pending_lost = true;
+                Some(format!(
+                    "{head}, but its state could not be restored ({why}): variables are gone, workspace files are kept"
+                ))
+            }
+            Err(e) => {
+                inner.pending_lost = true;
+                Some(format!(
+                    "{head}, but its state could not be restored ({e}): variables are gone, workspace files are kept"
+                ))
+            }
+        }
+    }
+}
