@@ -169,10 +169,13 @@ impl Files {
         crate::state_dir::replace(&self.json, &bytes)
     }
 
-    /// The run's request id, known just before it is sent.
-    pub(crate) fn set_run(&self, run: u64) {
+    /// The run's request id and the container it is sent to, known just before it is sent.
+    /// The container is the session's at that moment: a run that woke its session (or
+    /// replaced its container) runs in another one than the session had when the job began.
+    pub(crate) fn set_run(&self, run: u64, container: &str) {
         if let Ok(mut r) = self.record.lock() {
             r.run = run;
+            container.clone_into(&mut r.container);
         }
         if let Err(e) = self.save() {
             tracing::warn!(error = %e, "cannot record a job's run: a restarted server will not find it");
@@ -266,13 +269,14 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let record = Record::new("job-7", "inst-a", "alice", "s", "c", Duration::from_secs(60), 1024);
         let files = Files::open(&dir, record, true).expect("files");
-        files.set_run(42);
+        files.set_run(42, "c2");
         files.append(Stream::Stdout, b"one ");
         files.append(Stream::Stdout, b"two");
         files.append(Stream::Stderr, b"oops");
         let left = read_left(&dir, "inst-a");
         assert_eq!(left.len(), 1);
         assert_eq!((left[0].record.run, left[0].record.number()), (42, Some(7)));
+        assert_eq!(left[0].record.container, "c2", "the container the run went to");
         assert_eq!((left[0].stdout.as_slice(), left[0].stderr.as_slice()), (&b"one two"[..], &b"oops"[..]));
         assert!(left[0].record.left() > Duration::from_secs(50));
         files.remove();

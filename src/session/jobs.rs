@@ -240,9 +240,10 @@ impl Jobs {
         self.tasks.spawn(async move {
             let job = task_job;
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
+            // Called once the session is awake: its container now is the one the run goes to.
             let on_id = |id: u64| {
                 if let Some(files) = &job.durable {
-                    files.set_run(id);
+                    files.set_run(id, &session.container_id());
                 }
             };
             let run = session.run_with(spec, timeout, &job.cancel, &observer, &on_id);
