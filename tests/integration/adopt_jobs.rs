@@ -69,3 +69,38 @@ async fn a_job_that_woke_its_session_is_followed_after_a_kill_9() {
     assert_eq!(run(&alice, "s1", "y").await["result"], "42", "its effect is in the session");
     close_and_check(second, alice, "s1", &state, &[old]).await;
 }
+
+/// Finding 2: a job finished (its result read once) before a SIGTERM, then a `kill -9` of the
+/// next server: the third server still answers `job_status` with its result and lists it.
+/// Before the fix only running jobs were recorded: `no job "job-1"`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_finished_job_is_kept_across_restarts() {
+    let state = StateDir::new("job-kept");
+    let first = Server::start("job-kept", &state, &[]).await;
+    let alice = first.client().await;
+    let job = background(&alice, "s1", "print('out', flush=True)\nz = 6 * 7\nz").await;
+    let sc = status(&alice, &job, 30).await;
+    assert_eq!((&sc["status"], &sc["result"]["result"]), (&json!("ok"), &json!("42")), "{sc}");
+    let _ = alice.cancel().await;
+    let first_instance = first.signal("-TERM").await;
+
+    let second = Server::start("job-kept", &state, &[]).await;
+    let alice = second.client().await;
+    let sc = status(&alice, &job, 0).await;
+    assert_eq!((&sc["status"], &sc["result"]["result"]), (&json!("ok"), &json!("42")), "kept across SIGTERM: {sc}");
+    assert_eq!(sc["stdout"], "out\n", "with its output: {sc}");
+    let _ = alice.cancel().await;
+    let second_instance = second.signal("-KILL").await;
+
+    let third = Server::start("job-kept", &state, &[]).await;
+    let alice = third.client().await;
+    let sc = status(&alice, &job, 0).await;
+    assert_eq!((&sc["status"], &sc["result"]["result"]), (&json!("ok"), &json!("42")), "kept across kill -9: {sc}");
+    let (_, sc) = call(&alice, "list_jobs", json!({ "status": "finished" })).await;
+    assert_eq!(sc["jobs"][0]["job"], job.as_str(), "listed: {sc}");
+    // A new job never reuses a kept one's id.
+    let again = background(&alice, "s1", "1").await;
+    assert_ne!(again, job);
+    status(&alice, &again, 30).await;
+    close_and_check(third, alice, "s1", &state, &[first_instance, second_instance]).await;
+}
