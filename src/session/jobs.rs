@@ -403,7 +403,9 @@ impl Jobs {
     pub fn list(&self, principal: &str) -> Vec<Arc<Job>> {
         let Ok(jobs) = self.jobs.lock() else { return Vec::new() };
         let mut list: Vec<Arc<Job>> = jobs.values().filter(|j| j.principal == principal).cloned().collect();
-        list.sort_by_key(|j| std::cmp::Reverse(j.age()));
+        // By the start itself: an elapsed time changes while the sort runs (an inconsistent order
+        // panics in std's sort).
+        list.sort_by_key(|j| j.started);
         list
     }
 

@@ -71,3 +71,21 @@ fn a_job_finished_with_nobody_waiting_reads_as_finished() {
     jobs.jobs.lock().expect("jobs").insert(job.id.clone(), job);
     assert!(jobs.list("alice").iter().all(|j| j.is_finished()));
 }
+
+/// Listing many jobs never panics: the order is by start, not by an elapsed time that moves
+/// while the sort compares.
+#[test]
+fn listing_many_jobs_sorts_by_a_key_that_holds_still() {
+    let jobs = Jobs::default();
+    {
+        let mut map = jobs.jobs.lock().expect("jobs");
+        for i in 0..2000 {
+            let id = format!("job-{i}");
+            map.insert(id.clone(), finished(&id, "alice"));
+        }
+    }
+    for _ in 0..20 {
+        let list = jobs.list("alice");
+        assert!(list.windows(2).all(|w| w[0].started <= w[1].started), "oldest first");
+    }
+}
