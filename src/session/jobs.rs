@@ -448,9 +448,10 @@ impl Jobs {
         for mut list in by_principal.into_values() {
             list.sort_by_key(|j| std::cmp::Reverse(finished_at(j)));
             let mut kept = 0;
-            for j in list {
+            for j in &list {
                 kept += j.drop_images_past(KEPT_IMAGE_BYTES.saturating_sub(kept));
             }
+            kept::bound_records(&list);
         }
     }
 

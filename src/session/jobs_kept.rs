@@ -132,6 +132,23 @@ pub(super) fn restore(ledger: &Ledger, left: Left) -> Option<Arc<Job>> {
     Some(Arc::new(job))
 }
 
+/// Bytes of output the records of one principal's finished jobs keep in the state dir.
+const KEPT_OUTPUT_BYTES: usize = 32 << 20;
+
+/// One principal's jobs, newest finished first: the records of finished jobs past
+/// [`KEPT_OUTPUT_BYTES`] of output go (their results stay in memory for this server's hour,
+/// and are not known after a restart). Running jobs' files are the take-over's, never cut.
+pub(super) fn bound_records(newest_first: &[&Job]) {
+    let mut kept = 0;
+    for j in newest_first.iter().filter(|j| j.is_finished()) {
+        let Some(files) = &j.durable else { continue };
+        kept += j.output.lock().map(|o| o.stdout.len() + o.stderr.len()).unwrap_or_default();
+        if kept > KEPT_OUTPUT_BYTES {
+            files.remove();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,5 +171,41 @@ mod tests {
         assert!(o.notices.iter().any(|n| n.contains("24 bytes of stdout")), "{:?}", o.notices);
         let failed = done_of(&Finished::Failed("gone".into()));
         assert!(matches!(finished_of(failed, 16, b"", b""), Finished::Failed(w) if w == "gone"));
+    }
+
+    /// Finished jobs' records are bounded in bytes per principal, newest kept: 40 jobs of
+    /// 1 MiB output each leave 32 records; another principal's is untouched.
+    #[test]
+    fn finished_jobs_records_are_bounded_in_bytes_per_principal() {
+        let dir = std::env::temp_dir().join(format!("pyberth-jobs-kept-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let jobs = super::super::Jobs::default();
+        let job = |id: &str, principal: &str| {
+            let record =
+                crate::durable::jobs::Record::new(id, "inst-a", principal, "s", "c", Duration::from_secs(60), 1 << 20);
+            let files = crate::durable::jobs::Files::open(&dir, record, true).expect("files");
+            let job = Arc::new(Job::new(id.to_owned(), principal, "s", Instant::now(), 1 << 20, Some(files)));
+            job.observe(crate::protocol::Stream::Stdout, &vec![b'x'; 1 << 20]);
+            job.finish(Finished::Failed("x".into()));
+            job
+        };
+        {
+            let mut map = jobs.jobs.lock().expect("jobs");
+            map.insert("job-1000".into(), job("job-1000", "alice"));
+            for i in 0..40 {
+                let id = format!("job-{i}");
+                map.insert(id.clone(), job(&id, "mallory"));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        jobs.prune();
+        let left = |p: &str| {
+            crate::durable::jobs::read_left(&dir, "inst-a").iter().filter(|l| l.record.principal == p).count()
+        };
+        assert_eq!((left("mallory"), left("alice")), (32, 1));
+        let kept: Vec<bool> = (0..40).map(|i| dir.join(format!("jobs/inst-a/job-{i}.json")).exists()).collect();
+        assert!(kept[8..].iter().all(|k| *k) && !kept[..8].iter().any(|k| *k), "the newest are kept: {kept:?}");
+        assert_eq!(jobs.list("mallory").len(), 40, "in memory all stay, for this server");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
