@@ -82,12 +82,26 @@ pub async fn apply(w: &mut World, op: Op) -> Result<bool, Broke> {
 async fn job(w: &mut World, s: u8, var: u32, val: u64) -> Result<(), Broke> {
     // A sleeping session is woken by the job itself (found by this test, seed 272: such a
     // job was lost at the next restart; adopt_jobs.rs has its regression test).
-    let code = format!("import time\ntime.sleep(5)\nv{var} = {val}\n'job-done'");
+    let code = format!("import time\nprint('job-started', flush=True)\ntime.sleep(5)\nv{var} = {val}\n'job-done'");
     let args = json!({ "session": sname(s), "code": code, "background": true });
     let (r, sc) = run(w, args).await?;
     let Some(id) = sc["job"].as_str() else {
         return Err(broke("op", format!("no job handle: {}", excerpt(&text(&r)))));
     };
+    // KNOWN GAP (seed 166): a restart while the job is still waking its session, before its
+    // run is sent, ends the job as "the run had not started" (reported, not silent; its code
+    // is not in the record to run again). The model lets the run start before it goes on.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = w.call("job_status", json!({ "job": id, "wait_s": 0.5 })).await?;
+        let sc = r.structured_content.clone().unwrap_or(Value::Null);
+        if sc["stdout"].as_str().is_some_and(|o| o.contains("job-started")) || sc["status"] != "running" {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(broke("job", format!("s{s}: job {id} never started: {}", excerpt(&text(&r)))));
+        }
+    }
     let job = PendingJob { id: id.to_owned(), var: format!("v{var}"), val, generation: w.generation };
     w.model.sessions.entry(s).or_default().job = Some(job);
     Ok(())
