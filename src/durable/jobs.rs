@@ -6,7 +6,8 @@
 //! (`<job>.out`, `<job>.err`, each at most the output cap). A server that adopts the session
 //! finds the record, shows the job again under the same id with that output, and follows the
 //! run to its end: the agent went on under its keeper meanwhile, which held what it printed
-//! (bounded; past the bound the agent waits). A finished job's files go with it.
+//! (bounded; past the bound the agent waits). A finished job's record takes its result and
+//! stays for the job's hour (`session/jobs_kept.rs`), so a next server still answers for it.
 //!
 //! Records are kept by the session's owning instance: several servers share a state dir and
 //! each counts its job ids from 1, so only the folder tells their `job-1`s apart, and a server
@@ -44,6 +45,46 @@ pub(crate) struct Record {
     /// Unix ms past which the run is stopped.
     pub(crate) deadline_ms: u64,
     pub(crate) cap: usize,
+    /// How it ended, once it has: the record is then kept for the job's hour, so a next
+    /// server still answers for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) done: Option<Done>,
+}
+
+/// A finished job's result, as a record keeps it (its output is in `<job>.out`, `.err`).
+/// Every text is bounded where it is made (`session/jobs_kept.rs`) so a record stays well
+/// under [`MAX_RECORD`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Done {
+    /// Unix ms.
+    pub(crate) finished_ms: u64,
+    /// Why the run could not complete, when it could not.
+    pub(crate) failed: Option<String>,
+    pub(crate) status: crate::session::RunStatus,
+    pub(crate) result: Option<String>,
+    pub(crate) error: Option<crate::protocol::PyError>,
+    pub(crate) exit_code: Option<i64>,
+    pub(crate) duration_ms: u64,
+    pub(crate) cpu_ms: Option<f64>,
+    pub(crate) state_lost: bool,
+    pub(crate) notices: Vec<String>,
+    pub(crate) peak_memory_kb: Option<u64>,
+    /// Images are not kept past the server that saw them; their count is.
+    pub(crate) images: usize,
+    /// Output bytes past the cap, per stream.
+    pub(crate) dropped: (u64, u64),
+}
+
+impl Done {
+    /// How long ago it finished.
+    pub(crate) fn age(&self) -> Duration {
+        Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(self.finished_ms))
+    }
+}
+
+/// Now, in unix ms.
+pub(crate) fn now_ms() -> u64 {
+    unix_ms(SystemTime::now())
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -71,6 +112,7 @@ impl Record {
             started_ms: unix_ms(now),
             deadline_ms: unix_ms(now + timeout),
             cap,
+            done: None,
         }
     }
 
@@ -169,13 +211,27 @@ impl Files {
         crate::state_dir::replace(&self.json, &bytes)
     }
 
-    /// The run's request id, known just before it is sent.
-    pub(crate) fn set_run(&self, run: u64) {
+    /// The run's request id and the container it is sent to, known just before it is sent.
+    /// The container is the session's at that moment: a run that woke its session (or
+    /// replaced its container) runs in another one than the session had when the job began.
+    pub(crate) fn set_run(&self, run: u64, container: &str) {
         if let Ok(mut r) = self.record.lock() {
             r.run = run;
+            container.clone_into(&mut r.container);
         }
         if let Err(e) = self.save() {
             tracing::warn!(error = %e, "cannot record a job's run: a restarted server will not find it");
+        }
+    }
+
+    /// The job ended: its result is written into its record, kept with its output until the
+    /// job is dropped (its hour, or a count past the per-principal bound).
+    pub(crate) fn finish(&self, done: Done) {
+        if let Ok(mut r) = self.record.lock() {
+            r.done = Some(done);
+        }
+        if let Err(e) = self.save() {
+            tracing::warn!(error = %e, "cannot record a job's result: a restarted server will not know it");
         }
     }
 
@@ -193,7 +249,7 @@ impl Files {
         }
     }
 
-    /// Removes the files: the job ended under this server.
+    /// Removes the files: the job is dropped (or its session closed and no server follows).
     pub(crate) fn remove(&self) {
         remove(&self.json);
     }
@@ -249,6 +305,13 @@ pub(crate) fn read_left(state_dir: &Path, instance: &str) -> Vec<Left> {
     left
 }
 
+/// The instances that have job files here: kept finished jobs name their instance even when
+/// it has no session left, so a next server claims it and reads them.
+pub(crate) fn instances(state_dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(state_dir.join(DIR)) else { return Vec::new() };
+    entries.flatten().filter_map(|e| e.file_name().to_str().map(str::to_owned)).filter(|n| plain_instance(n)).collect()
+}
+
 /// Removes the files of a job left by an earlier server that cannot be followed.
 pub(crate) fn forget(state_dir: &Path, instance: &str, id: &str) {
     if let Some(dir) = folder(state_dir, instance).filter(|_| plain(id)) {
@@ -266,13 +329,14 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let record = Record::new("job-7", "inst-a", "alice", "s", "c", Duration::from_secs(60), 1024);
         let files = Files::open(&dir, record, true).expect("files");
-        files.set_run(42);
+        files.set_run(42, "c2");
         files.append(Stream::Stdout, b"one ");
         files.append(Stream::Stdout, b"two");
         files.append(Stream::Stderr, b"oops");
         let left = read_left(&dir, "inst-a");
         assert_eq!(left.len(), 1);
         assert_eq!((left[0].record.run, left[0].record.number()), (42, Some(7)));
+        assert_eq!(left[0].record.container, "c2", "the container the run went to");
         assert_eq!((left[0].stdout.as_slice(), left[0].stderr.as_slice()), (&b"one two"[..], &b"oops"[..]));
         assert!(left[0].record.left() > Duration::from_secs(50));
         files.remove();

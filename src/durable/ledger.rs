@@ -152,6 +152,7 @@ impl Ledger {
         let mut names: HashSet<String> = self.running().into_iter().map(|r| r.about.instance).collect();
         names.extend(self.sleepers().into_iter().map(|r| r.about.instance));
         names.extend(self.snapshots().into_iter().map(|r| r.instance));
+        names.extend(jobs::instances(&self.dir));
         names
     }
 

@@ -19,6 +19,9 @@ use crate::protocol::Stream;
 use crate::durable::jobs as durable;
 use crate::durable::ledger::Ledger;
 
+#[path = "jobs_kept.rs"]
+mod kept;
+
 /// Finished jobs kept at most this long.
 const KEEP_FINISHED: Duration = Duration::from_secs(3600);
 /// Finished jobs kept at most this many per principal.
@@ -176,13 +179,15 @@ impl Job {
     }
 
     fn finish(&self, result: Finished) {
+        // Kept for the job's hour, across restarts too (`jobs_kept.rs`).
         if let Some(files) = &self.durable {
-            files.remove();
+            files.finish(kept::done_of(&result));
         }
         if let Ok(mut f) = self.finished.lock() {
             *f = Some((Instant::now(), Arc::new(result)));
         }
-        let _ = self.done.send(true);
+        // `send` stores nothing while no one waits: the flag must hold for later readers too.
+        self.done.send_replace(true);
     }
 }
 
@@ -240,9 +245,10 @@ impl Jobs {
         self.tasks.spawn(async move {
             let job = task_job;
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
+            // Called once the session is awake: its container now is the one the run goes to.
             let on_id = |id: u64| {
                 if let Some(files) = &job.durable {
-                    files.set_run(id);
+                    files.set_run(id, &session.container_id());
                 }
             };
             let run = session.run_with(spec, timeout, &job.cancel, &observer, &on_id);
@@ -288,6 +294,17 @@ impl Jobs {
         let mut taken = 0;
         for left in instances.iter().flat_map(|i| ledger.jobs_left(i)) {
             let r = &left.record;
+            if r.done.is_some() {
+                // Finished under an earlier server: shown again, unless another has its id.
+                if self.jobs.lock().is_ok_and(|j| !j.contains_key(&r.id)) {
+                    let n = r.number();
+                    if let (Some(job), Ok(mut jobs)) = (kept::restore(ledger, left), self.jobs.lock()) {
+                        self.next.fetch_max(n.map_or(0, |n| n + 1), Ordering::Relaxed);
+                        jobs.insert(job.id.clone(), job);
+                    }
+                }
+                continue;
+            }
             // Two claimed instances may each have left a `job-1`: the first keeps the id, the
             // other's record is left as it is (its run goes on unread) rather than clobbered.
             if self.jobs.lock().is_ok_and(|j| j.contains_key(&r.id)) {
@@ -348,12 +365,15 @@ impl Jobs {
                 });
             });
         }
+        self.prune();
         taken
     }
 
     /// The server stops and leaves its sessions running: jobs that a next server can take
     /// over are left to it (their runs go on), the others are cancelled. Waits for both.
-    pub async fn leave(&self) {
+    /// A finished job's record stays while `live(principal, session)` (the next server keeps
+    /// that session), and goes with a session that is gone.
+    pub async fn leave(&self, live: &(dyn Fn(&str, &str) -> bool + Sync)) {
         self.leave.cancel();
         if let Ok(jobs) = self.jobs.lock() {
             for j in jobs.values().filter(|j| j.durable.is_none()) {
@@ -362,6 +382,15 @@ impl Jobs {
         }
         self.tasks.close();
         self.tasks.wait().await;
+        self.drop_records(|j| j.is_finished() && !live(&j.principal, &j.session));
+    }
+
+    /// Removes the state-dir files of the jobs `which` picks.
+    fn drop_records(&self, which: impl Fn(&Job) -> bool) {
+        let Ok(jobs) = self.jobs.lock() else { return };
+        for files in jobs.values().filter(|j| which(j)).filter_map(|j| j.durable.as_ref()) {
+            files.remove();
+        }
     }
 
     /// A job of this principal; another principal's job behaves as a missing one.
@@ -374,7 +403,9 @@ impl Jobs {
     pub fn list(&self, principal: &str) -> Vec<Arc<Job>> {
         let Ok(jobs) = self.jobs.lock() else { return Vec::new() };
         let mut list: Vec<Arc<Job>> = jobs.values().filter(|j| j.principal == principal).cloned().collect();
-        list.sort_by_key(|j| std::cmp::Reverse(j.age()));
+        // By the start itself: an elapsed time changes while the sort runs (an inconsistent order
+        // panics in std's sort).
+        list.sort_by_key(|j| j.started);
         list
     }
 
@@ -382,7 +413,13 @@ impl Jobs {
     fn prune(&self) {
         let Ok(mut jobs) = self.jobs.lock() else { return };
         let finished_at = |j: &Job| j.finished.lock().ok().and_then(|f| f.as_ref().map(|(t, _)| *t));
-        jobs.retain(|_, j| finished_at(j).is_none_or(|t| t.elapsed() < KEEP_FINISHED));
+        jobs.retain(|_, j| {
+            let keep = finished_at(j).is_none_or(|t| t.elapsed() < KEEP_FINISHED);
+            if let Some(files) = j.durable.as_ref().filter(|_| !keep) {
+                files.remove();
+            }
+            keep
+        });
         // Counted per principal: one caller's many jobs never evict another's results.
         let mut done: HashMap<&str, Vec<(Instant, String)>> = HashMap::new();
         for (id, j) in jobs.iter() {
@@ -400,7 +437,9 @@ impl Jobs {
             })
             .collect();
         for id in evict {
-            jobs.remove(&id);
+            if let Some(files) = jobs.remove(&id).as_ref().and_then(|j| j.durable.as_ref()) {
+                files.remove();
+            }
         }
         let mut by_principal: HashMap<&str, Vec<&Job>> = HashMap::new();
         for j in jobs.values() {
@@ -409,13 +448,15 @@ impl Jobs {
         for mut list in by_principal.into_values() {
             list.sort_by_key(|j| std::cmp::Reverse(finished_at(j)));
             let mut kept = 0;
-            for j in list {
+            for j in &list {
                 kept += j.drop_images_past(KEPT_IMAGE_BYTES.saturating_sub(kept));
             }
+            kept::bound_records(&list);
         }
     }
 
-    /// Cancels every job and waits for them to stop.
+    /// Cancels every job and waits for them to stop; their records go (nothing is left for
+    /// a next server).
     pub async fn shutdown(&self) {
         if let Ok(jobs) = self.jobs.lock() {
             for j in jobs.values() {
@@ -424,6 +465,7 @@ impl Jobs {
         }
         self.tasks.close();
         self.tasks.wait().await;
+        self.drop_records(|_| true);
     }
 }
 
@@ -440,65 +482,5 @@ impl std::fmt::Debug for Jobs {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn finished(id: &str, principal: &str) -> Arc<Job> {
-        let job = Job::new(id.to_owned(), principal, "s", Instant::now(), 0, None);
-        job.finish(Finished::Failed("x".into()));
-        Arc::new(job)
-    }
-
-    fn with_images(id: &str, principal: &str, images: usize) -> Arc<Job> {
-        let job = finished(id, principal);
-        let mut outcome = RunOutcome::new(0);
-        outcome.images = (0..images).map(|_| ("image/png".to_owned(), "QUJD".repeat(1 << 18))).collect();
-        job.finish(Finished::Outcome(Box::new(outcome)));
-        job
-    }
-
-    fn images_of(job: &Job) -> usize {
-        match job.result().as_deref() {
-            Some(Finished::Outcome(o)) => o.images.len(),
-            _ => 0,
-        }
-    }
-
-    #[test]
-    fn finished_jobs_keep_images_within_a_budget_per_principal_newest_first() {
-        let jobs = Jobs::default();
-        {
-            let mut map = jobs.jobs.lock().expect("jobs");
-            map.insert("alice-1".into(), with_images("alice-1", "alice", 8));
-            for i in 0..10 {
-                let id = format!("mallory-{i}");
-                map.insert(id.clone(), with_images(&id, "mallory", 8)); // 8 MiB each
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-        jobs.prune();
-        assert_eq!(images_of(&jobs.get("alice", "alice-1").expect("alice's job")), 8, "another caller's flood");
-        let kept: Vec<usize> =
-            (0..10).map(|i| images_of(&jobs.get("mallory", &format!("mallory-{i}")).expect("job"))).collect();
-        assert_eq!(kept, [0, 0, 0, 0, 0, 0, 8, 8, 8, 8], "the newest 32 MiB");
-        let result = jobs.get("mallory", "mallory-0").and_then(|j| j.result());
-        let Some(Finished::Outcome(o)) = result.as_deref() else { panic!("an outcome") };
-        assert!(o.notices.iter().any(|n| n.contains("8 images were dropped from the kept result")), "{:?}", o.notices);
-    }
-
-    #[test]
-    fn one_principal_s_many_jobs_never_evict_another_s_results() {
-        let jobs = Jobs::default();
-        {
-            let mut map = jobs.jobs.lock().expect("jobs");
-            map.insert("alice-1".into(), finished("alice-1", "alice"));
-            for i in 0..MAX_FINISHED + 6 {
-                let id = format!("mallory-{i}");
-                map.insert(id.clone(), finished(&id, "mallory"));
-            }
-        }
-        jobs.prune();
-        assert!(jobs.get("alice", "alice-1").is_some(), "alice's result survives mallory's flood");
-        assert_eq!(jobs.list("mallory").len(), MAX_FINISHED, "mallory keeps only the newest");
-    }
-}
+#[path = "jobs_tests.rs"]
+mod tests;

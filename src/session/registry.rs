@@ -892,7 +892,10 @@ impl Registry {
         // Nothing to leave: a clean stop, with nothing kept for a next server.
         let leave = leave && self.slots().values().any(|slot| slot.initialized());
         if leave {
-            self.jobs.leave().await;
+            // Finished jobs' records are kept with the sessions the next server adopts.
+            let live: std::collections::HashSet<Key> =
+                self.slots().iter().filter(|(_, slot)| slot.initialized()).map(|(k, _)| k.clone()).collect();
+            self.jobs.leave(&|p, s| live.contains(&(p.to_owned(), s.to_owned()))).await;
         } else {
             self.jobs.shutdown().await;
         }

@@ -18,7 +18,7 @@ use crate::output::Capture;
 use crate::protocol::{self, DoneStatus, Event, PyError, Request};
 
 /// How a run ended, as reported to the caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
     /// The code ran to the end.

@@ -16,7 +16,7 @@ use rmcp::service::RunningService;
 type Client = RunningService<RoleClient, Recorder>;
 
 /// Waits until `name` is listed as hibernated.
-async fn until_hibernated(client: &Client, name: &str) {
+pub(crate) async fn until_hibernated(client: &Client, name: &str) {
     let deadline = Instant::now() + Duration::from_secs(40);
     while state_of(client, name).await != Some(json!("hibernated")) {
         assert!(Instant::now() < deadline, "{name} never hibernated");

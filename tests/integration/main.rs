@@ -48,6 +48,8 @@ mod adopt_transitions;
 mod orphan;
 // Terminal states: every end and loss of state has a reason, in the next result and the list.
 mod ended;
+// Background jobs across restarts: one that woke its session, one finished before the stop.
+mod adopt_jobs;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
 // Egress under attack from its own sessions: refusal floods.

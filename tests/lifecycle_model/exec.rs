@@ -80,20 +80,28 @@ pub async fn apply(w: &mut World, op: Op) -> Result<bool, Broke> {
 
 /// Starts a background job in `s`; the model waits for it before `s` is next touched.
 async fn job(w: &mut World, s: u8, var: u32, val: u64) -> Result<(), Broke> {
-    // KNOWN BUG (found by this test, seed 272 on the ledger fix): a background job that
-    // wakes a hibernated session is recorded under the container the session had
-    // before it slept, so after any restart it "could not be taken over" and its result
-    // is lost. Unless PYBERTH_MODEL_JOB_WAKES=1, a sleeping session is woken first.
-    let wakes = std::env::var("PYBERTH_MODEL_JOB_WAKES").is_ok_and(|v| v == "1");
-    if !wakes && w.listed().await?.get(&sname(s)).is_some_and(|st| st == "hibernated") {
-        readback(w, s).await?;
-    }
-    let code = format!("import time\ntime.sleep(5)\nv{var} = {val}\n'job-done'");
+    // A sleeping session is woken by the job itself (found by this test, seed 272: such a
+    // job was lost at the next restart; adopt_jobs.rs has its regression test).
+    let code = format!("import time\nprint('job-started', flush=True)\ntime.sleep(5)\nv{var} = {val}\n'job-done'");
     let args = json!({ "session": sname(s), "code": code, "background": true });
     let (r, sc) = run(w, args).await?;
     let Some(id) = sc["job"].as_str() else {
         return Err(broke("op", format!("no job handle: {}", excerpt(&text(&r)))));
     };
+    // KNOWN GAP (seed 166): a restart while the job is still waking its session, before its
+    // run is sent, ends the job as "the run had not started" (reported, not silent; its code
+    // is not in the record to run again). The model lets the run start before it goes on.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = w.call("job_status", json!({ "job": id, "wait_s": 0.5 })).await?;
+        let sc = r.structured_content.clone().unwrap_or(Value::Null);
+        if sc["stdout"].as_str().is_some_and(|o| o.contains("job-started")) || sc["status"] != "running" {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(broke("job", format!("s{s}: job {id} never started: {}", excerpt(&text(&r)))));
+        }
+    }
     let job = PendingJob { id: id.to_owned(), var: format!("v{var}"), val, generation: w.generation };
     w.model.sessions.entry(s).or_default().job = Some(job);
     Ok(())
@@ -181,8 +189,15 @@ pub async fn settle_job(w: &mut World, s: u8) -> Result<(), Broke> {
         match sc["status"].as_str() {
             Some("running") if Instant::now() < deadline => continue,
             Some("ok") if sc["result"]["result"] == "'job-done'" => break,
-            _ if forgotten_across_restart(w, &job, &r) => break,
-            _ => return Err(broke("job", format!("s{s}: job {} ended badly: {}", job.id, excerpt(&text(&r))))),
+            _ => {
+                // How many restarts it crossed: what the report needs to tell the job paths apart.
+                let restarts = w.generation - job.generation;
+                let told = excerpt(&text(&r));
+                return Err(broke(
+                    "job",
+                    format!("s{s}: job {} ended badly after {restarts} restarts: {told}", job.id),
+                ));
+            }
         }
     }
     if let Some(h) = w.model.sessions.get_mut(&s) {
@@ -190,20 +205,6 @@ pub async fn settle_job(w: &mut World, s: u8) -> Result<(), Broke> {
         h.vars.insert(job.var, job.val);
     }
     Ok(())
-}
-
-/// KNOWN BUG (found by this test, seed 1 at length 30): a job that finished before a restart,
-/// its result unread, is unknown to the next server ("no job"; only running jobs are
-/// recorded), although finished jobs are said to be kept for an hour. Tolerated unless
-/// `PYBERTH_MODEL_STRICT_JOBS=1`: the job's variable must still be in the session (the reads
-/// check it), only its result is gone.
-fn forgotten_across_restart(w: &World, job: &PendingJob, r: &CallToolResult) -> bool {
-    let strict = std::env::var("PYBERTH_MODEL_STRICT_JOBS").is_ok_and(|v| v == "1");
-    let forgotten = !strict && w.generation > job.generation && text(r).contains("no job");
-    if forgotten {
-        eprintln!("      note: {} finished before a restart and is unknown to the next server (known bug)", job.id);
-    }
-    forgotten
 }
 
 /// Waits until every session has hibernated (jobs first finish: a job keeps its session awake).
