@@ -15,8 +15,8 @@ use futures::{Stream, StreamExt};
 use tokio::io::AsyncWrite;
 
 use super::Error;
-use super::container::{ENV, WORKSPACE};
 use super::identity;
+use super::{ENV, WORKSPACE};
 
 /// Frames coming out of an attached exec.
 pub type Output = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>;

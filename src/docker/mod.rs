@@ -119,3 +119,23 @@ pub fn next_serial() -> u64 {
     static SERIAL: AtomicU64 = AtomicU64::new(0);
     SERIAL.fetch_add(1, Ordering::Relaxed)
 }
+
+/// Where the session workspace (a named volume) is mounted, and the code's working directory.
+pub const WORKSPACE: &str = "/workspace";
+/// uid:gid of PID 1 (init + sleep). User code runs under a uid of its own per container
+/// (`identity`), never this one, so code cannot signal PID 1.
+pub const INIT_USER: &str = "999:999";
+/// The fixed environment of every sandbox. The server's own environment never reaches it.
+/// The code's uid has no passwd entry: `USER` and `LOGNAME` name it for libraries that ask
+/// (`getpass.getuser()` reads them first), `HOME` is the workspace.
+pub const ENV: [&str; 9] = [
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME=/workspace",
+    "USER=sandbox",
+    "LOGNAME=sandbox",
+    "LANG=C.UTF-8",
+    "TMPDIR=/tmp",
+    "PYTHONDONTWRITEBYTECODE=1",
+    "PYTHONUNBUFFERED=1",
+    "MPLBACKEND=Agg",
+];

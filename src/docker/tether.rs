@@ -21,8 +21,8 @@ use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
 use bollard::models::{Mount, MountType, VolumeCreateRequest};
 
 use super::Error;
-use super::container::{ENV, INIT_USER, WORKSPACE};
 use super::exec::{Input, Output};
+use super::{ENV, INIT_USER, WORKSPACE};
 
 /// How long after the keeper's save the container stops: room for the save to end.
 pub const MARGIN: Duration = Duration::from_secs(10);

@@ -60,7 +60,7 @@ pub(crate) struct Done {
     pub(crate) finished_ms: u64,
     /// Why the run could not complete, when it could not.
     pub(crate) failed: Option<String>,
-    pub(crate) status: crate::session::RunStatus,
+    pub(crate) status: crate::output::RunStatus,
     pub(crate) result: Option<String>,
     pub(crate) error: Option<crate::protocol::PyError>,
     pub(crate) exit_code: Option<i64>,

@@ -17,42 +17,7 @@ use crate::docker::{container, exec};
 use crate::output::Capture;
 use crate::protocol::{self, DoneStatus, Event, PyError, Request};
 
-/// How a run ended, as reported to the caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum RunStatus {
-    /// The code ran to the end.
-    Ok,
-    /// The code raised an exception (or called `sys.exit` with a non-zero status).
-    Error,
-    /// The time limit passed and the code was stopped.
-    Timeout,
-    /// The caller cancelled the call and the code was stopped.
-    Cancelled,
-    /// The interpreter died during the run (`os._exit`, a fatal signal) and was restarted;
-    /// variables are gone, workspace files are kept.
-    InterpreterRestarted,
-    /// The code ran out of memory and the interpreter was restarted.
-    Oom,
-    /// The run goes on in the background (a job).
-    Running,
-}
-
-impl std::fmt::Display for RunStatus {
-    /// The word the structured results use (`ok`, `interpreter_restarted`), so text and fields
-    /// agree.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Ok => "ok",
-            Self::Error => "error",
-            Self::Timeout => "timeout",
-            Self::Cancelled => "cancelled",
-            Self::InterpreterRestarted => "interpreter_restarted",
-            Self::Oom => "oom",
-            Self::Running => "running",
-        })
-    }
-}
+pub(crate) use crate::output::RunStatus;
 
 /// Sees each chunk of output as it arrives, for live streaming.
 pub(super) type Observer<'a> = dyn Fn(protocol::Stream, &[u8]) + Send + Sync + 'a;

@@ -16,6 +16,7 @@ use super::scrub::Scrubber;
 use super::splice::splice;
 use super::state::{Policy, REFUSAL_PENALTY, REFUSAL_RATE, Shared};
 use super::wire::Record;
+use super::wire::deny;
 use super::{CONNECT_TIMEOUT, HEAD_TIMEOUT};
 use crate::egress::policy::{self, Rule};
 
@@ -32,18 +33,6 @@ fn cut(text: &str, max: usize) -> String {
         end -= 1;
     }
     if end == text.len() { text.to_owned() } else { format!("{}… (+{} bytes)", &text[..end], text.len() - end) }
-}
-
-/// Answers the sandbox with `status` and a one-line body saying why, and closes.
-pub(super) async fn deny<W: tokio::io::AsyncWrite + Unpin>(sock: &mut W, status: &str, body: &str) {
-    let body = format!("pyberth egress: {body}\n");
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Pyberth-Egress: denied\r\n\r\n",
-        body.len()
-    );
-    let _ = sock.write_all(head.as_bytes()).await;
-    let _ = sock.write_all(body.as_bytes()).await;
-    let _ = sock.shutdown().await;
 }
 
 /// The address to connect to, checked, or why not.

@@ -8,12 +8,11 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use super::conn::deny;
 use super::head::read_inner_head;
 use super::scrub::Scrubber;
+use super::splice::Budget;
 use super::splice::splice;
-use super::state::Budget;
-use super::wire::SecretPem;
+use super::wire::{SecretPem, deny};
 use super::{CONNECT_TIMEOUT, HEAD_TIMEOUT};
 
 /// The CA's certificate fields, the same in the server (which self-signs it and gives the

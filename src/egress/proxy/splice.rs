@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use super::scrub::Scrubber;
-use super::state::Budget;
 
 /// Copies both ways until either side closes or the budget is spent; bytes each way. With
 /// `one_request`, the connection ends when the upstream's answer does.
@@ -73,13 +72,37 @@ where
     (up_n.load(Ordering::Relaxed), down_n.load(Ordering::Relaxed))
 }
 
+/// Bytes a session may still move, both ways, until the server renews it.
+#[derive(Default)]
+pub(super) struct Budget {
+    /// Bytes left; `u64::MAX`: unbounded.
+    pub(super) left: AtomicU64,
+}
+
+impl Budget {
+    /// Takes `n` bytes; false once exhausted.
+    pub(super) fn take(&self, n: u64) -> bool {
+        let took =
+            self.left
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| {
+                    if l == u64::MAX { Some(l) } else { l.checked_sub(n) }
+                })
+                .is_ok();
+        if !took {
+            // Spent: what is left is too little for this chunk, and no later one gets through.
+            self.left.store(0, Ordering::SeqCst);
+        }
+        took
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
+    use super::Budget;
     use super::*;
     use crate::egress::proxy::scrub::secret_forms;
-    use crate::egress::proxy::state::Budget;
 
     /// Every masked form of a secret, cut after each of its bytes: the prefix ahead of the
     /// cut held back and nothing of the secret after.

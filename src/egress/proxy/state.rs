@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 
 use super::mitm::Mitm;
 use super::scrub::secret_forms;
+pub(super) use super::splice::Budget;
 use super::wire::Command;
 use crate::egress::policy::Rule;
 
@@ -62,30 +63,6 @@ impl RefusalRate {
         } else {
             false
         }
-    }
-}
-
-/// Bytes a session may still move, both ways, until the server renews it.
-#[derive(Default)]
-pub(super) struct Budget {
-    /// Bytes left; `u64::MAX`: unbounded.
-    pub(super) left: AtomicU64,
-}
-
-impl Budget {
-    /// Takes `n` bytes; false once exhausted.
-    pub(super) fn take(&self, n: u64) -> bool {
-        let took =
-            self.left
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| {
-                    if l == u64::MAX { Some(l) } else { l.checked_sub(n) }
-                })
-                .is_ok();
-        if !took {
-            // Spent: what is left is too little for this chunk, and no later one gets through.
-            self.left.store(0, Ordering::SeqCst);
-        }
-        took
     }
 }
 

@@ -111,3 +111,15 @@ pub struct Record {
     #[serde(default)]
     pub cut: bool,
 }
+/// Answers the sandbox with `status` and a one-line body saying why, and closes.
+pub(super) async fn deny<W: tokio::io::AsyncWrite + Unpin>(sock: &mut W, status: &str, body: &str) {
+    use tokio::io::AsyncWriteExt as _;
+    let body = format!("pyberth egress: {body}\n");
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Pyberth-Egress: denied\r\n\r\n",
+        body.len()
+    );
+    let _ = sock.write_all(head.as_bytes()).await;
+    let _ = sock.write_all(body.as_bytes()).await;
+    let _ = sock.shutdown().await;
+}
