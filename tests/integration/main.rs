@@ -44,6 +44,8 @@ mod slow_client;
 mod adopt;
 // Each way a session changes its container (wake, fork, restore, OOM), then a restart.
 mod adopt_transitions;
+// Adoption under attack: an impostor keeper answers the next server's reattach.
+mod adopt_forged;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
 // Egress under attack from its own sessions: refusal floods.
