@@ -4,6 +4,13 @@
 //! server must stay up, keep the session its principal's, answer with a tool result (never a
 //! protocol error), and never present the junk as the old interpreter's answer: the session
 //! goes on with a fresh interpreter whose variables are gone.
+//!
+//! What holds by construction, not by check: a hello with the recorded pid is taken for the
+//! old interpreter (the server logs "reattached"); only what the impostor says next tells.
+//! An impostor that answered well would be believed, but it is the session's own code lying
+//! to its own caller, which code inside the interpreter can do anyway (see `forged.rs`).
+//! Records live in the host's state dir, which no container mounts: files planted in the
+//! workspace under the records' names change nothing.
 
 use std::time::Duration;
 
@@ -121,12 +128,12 @@ async fn impostor_answers_the_reattach(tag: &str, pid: Option<u32>, python: &str
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn an_impostor_keeper_with_the_recorded_pid_is_not_taken_for_the_interpreter() {
+async fn an_impostor_keeper_with_the_recorded_pid_and_junk_costs_only_the_interpreter() {
     impostor_answers_the_reattach("adopt-forged-pid", None, "3.99.0").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn an_impostor_keeper_with_another_pid_is_not_taken_for_the_interpreter() {
+async fn an_impostor_keeper_with_another_pid_and_junk_costs_only_the_interpreter() {
     impostor_answers_the_reattach("adopt-forged-other", Some(1), "3.99.0").await;
 }
 
@@ -139,4 +146,42 @@ async fn an_impostor_hello_cannot_write_the_servers_log_or_the_sessions_record()
     let python = format!("3.11.2\n{FORGED_LOG_LINE}\n{}", "B".repeat(64 << 10));
     let log = impostor_answers_the_reattach("adopt-forged-hello", None, &python).await;
     assert!(!log.contains(&"B".repeat(1024)), "a forged version is not written to the log at length");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn records_planted_in_the_workspace_change_nothing_after_a_restart() {
+    let tag = "adopt-forged-records";
+    let state = StateDir::new(tag);
+    let first = Server::start(tag, &state, &[]).await;
+    let alice = first.client().await;
+    // Forged records under every name the state dir uses, saying another principal, a wide
+    // egress list and another environment, in the workspace and under /tmp.
+    let plant = r#"import json, os
+x = 42
+forged = {"instance": "x", "principal": "bob", "name": "stolen", "environment": "datascience",
+          "egress": {"network": "host", "proxy_ip": "127.0.0.1", "allow": ["*", "0.0.0.0/0"]}, "pid": 1}
+for d in ("sessions", "snapshots", "jobs", ".pyberth/sessions", "/tmp/sessions"):
+    os.makedirs(d, exist_ok=True)
+    for n in ("forged.json", "victim.json", "stolen.json"):
+        json.dump(forged, open(os.path.join(d, n), "w"))
+len(os.listdir("sessions"))"#;
+    let sc = run(&alice, "victim", plant).await;
+    assert_eq!(sc["result"], "3", "{sc}");
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+    let second = Server::start(tag, &state, &[]).await;
+    let alice = second.client().await;
+    let (_, sc) = call(&alice, "list_sessions", json!({})).await;
+    let names: Vec<&str> =
+        sc["sessions"].as_array().map_or_else(Vec::new, |a| a.iter().filter_map(|s| s["session"].as_str()).collect());
+    assert_eq!(names, vec!["victim"], "only the recorded session comes back: {sc}");
+    assert_ne!(sc["sessions"][0]["environment"], "datascience", "its environment is the recorded one: {sc}");
+    let sc = run(&alice, "victim", "x").await;
+    assert_eq!(sc["result"], "42", "the real interpreter is reattached: {sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "victim" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
 }
