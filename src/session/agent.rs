@@ -288,7 +288,11 @@ impl Agent {
             Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(
                 "agent protocol {protocol}, server protocol {PROTOCOL_VERSION}: rebuild the image with `pyberth image build`"
             ))),
-            Ok(Some(other)) => Err(Error::AgentStart(format!("unexpected first event {other:?}"))),
+            // Bounded: whatever answers an attach chooses this line (up to 16 MiB), and it is logged.
+            Ok(Some(other)) => {
+                let said: String = format!("{other:?}").chars().take(200).collect();
+                Err(Error::AgentStart(format!("unexpected first event {said}…")))
+            }
             Ok(None) => Ok(Greeting::Exited),
             Err(ReadError::Skippable(e)) => Err(Error::AgentStart(e.to_string())),
             Err(ReadError::Fatal(e)) => Err(Error::AgentStart(e)),
