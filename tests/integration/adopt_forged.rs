@@ -42,7 +42,10 @@ l.listen(4)
 open("/tmp/impostor-ready", "w").close()
 c, _ = l.accept()
 hello = json.dumps({"ev": "hello", "protocol": 2, "python": python, "pid": pid}).encode() + b"\n"
-c.sendall(fr(b"1", hello))
+if python == "out-first":
+    hello = json.dumps({"ev": "out", "id": None, "s": "stdout", "t": "C" * (4 << 20)}).encode() + b"\n"
+# In frames of 64 KiB, as a keeper sends them (a relay refuses longer frames).
+c.sendall(b"".join(fr(b"1", hello[i:i + 65536]) for i in range(0, len(hello), 65536)))
 c.settimeout(60)
 try:
     c.recv(65536)
@@ -184,4 +187,11 @@ len(os.listdir("sessions"))"#;
     let new = second.signal("-TERM").await;
     assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_impostor_whose_first_line_is_4_mib_of_output_does_not_flood_the_log() {
+    let log = impostor_answers_the_reattach("adopt-forged-first", None, "out-first").await;
+    assert!(!log.contains(&"C".repeat(1024)), "the first event is not written to the log at length");
+    assert!(log.len() < 1 << 20, "the server log stays small: {} bytes", log.len());
 }
