@@ -195,3 +195,68 @@ async fn an_impostor_whose_first_line_is_4_mib_of_output_does_not_flood_the_log(
     assert!(!log.contains(&"C".repeat(1024)), "the first event is not written to the log at length");
     assert!(log.len() < 1 << 20, "the server log stays small: {} bytes", log.len());
 }
+
+/// What code with egress can reach of its own egress before a restart: the CA directory the
+/// server writes into as root (on the sticky /tmp: not the code's to move or replace), its
+/// own environment variables, the keeper's socket. None of it widens the next server's list.
+#[tokio::test(flavor = "multi_thread")]
+async fn code_cannot_widen_its_egress_across_a_restart() {
+    use crate::common::instance_name;
+    use crate::egress::{Upstream, config_file, fetch};
+    if crate::common::gvisor() {
+        return; // no egress under gVisor: egress::egress_under_gvisor_is_a_clear_error
+    }
+    let tag = "adopt-forged-egress";
+    let up = Upstream::start(&instance_name(tag)).await;
+    let config = config_file(tag, &up);
+    let env = [("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")), ("EGRESS_TEST_SECRET", crate::egress::SECRET)];
+    let state = StateDir::new(tag);
+    let first = Server::start(tag, &state, &env).await;
+    let alice = first.client().await;
+    let args = json!({ "session": "e", "environment": "net", "allow_hosts": ["upstream.test:8000"],
+                       "code": fetch("http://upstream.test:8000/before"), "timeout_s": 60 });
+    let (r, sc) = call(&alice, "run_python", args).await;
+    assert!(text(&r).contains("200 upstream ok /before"), "{sc}");
+    let tamper = r#"import os
+tried = []
+for what, f in [("rename", lambda: os.rename("/tmp/.pyberth-egress", "/tmp/moved")),
+                ("plant", lambda: open("/tmp/.pyberth-egress/.ca.tmp", "w")),
+                ("symlink", lambda: os.symlink("/tmp/mine", "/tmp/.pyberth-egress/ca.pem.new"))]:
+    try:
+        f()
+        tried.append(what + " done")
+    except OSError as e:
+        tried.append(what + " refused")
+saved = {k: os.environ.get(k) for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy")}
+for k in saved:
+    os.environ[k] = "*"
+print(tried)"#;
+    let (r, _) = call(&alice, "run_python", json!({ "session": "e", "code": tamper })).await;
+    assert!(text(&r).contains("['rename refused', 'plant refused', 'symlink refused']"), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+
+    let second = Server::start(tag, &state, &env).await;
+    let alice = second.client().await;
+    // First with the proxy bypassed (the variables the code set are still its own), then
+    // through the proxy again.
+    let restore = "for k, v in saved.items():\n    if v is None:\n        os.environ.pop(k, None)\n    else:\n        os.environ[k] = v";
+    let code = format!(
+        "{}\n{restore}\n{}\n{}",
+        fetch("http://a.wild.test:8000/direct"),
+        fetch("http://upstream.test:8000/after"),
+        fetch("http://a.wild.test:8000/")
+    );
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "e", "code": code, "timeout_s": 60 })).await;
+    let out = text(&r);
+    assert!(out.starts_with("ERR"), "bypassing the proxy reaches nothing: {sc}");
+    assert!(!out.contains("upstream ok /direct"), "bypassing the proxy reaches nothing: {sc}");
+    assert!(out.contains("200 upstream ok /after"), "the allowed upstream is reached: {sc}");
+    assert!(out.contains("403 pyberth egress: a.wild.test:8000 denied"), "the narrowed list holds: {sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "e" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+}
