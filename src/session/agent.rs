@@ -273,6 +273,13 @@ impl Agent {
     pub(super) async fn hello(&mut self, timeout: Duration) -> Result<Greeting, Error> {
         let first = tokio::time::timeout(timeout, self.next_event()).await.map_err(|_| Error::AgentTimeout(timeout))?;
         match first {
+            // Any process of the code's uid can answer an attach (its own listener on the
+            // keeper's socket), so the version is the code's word: it reaches the log, the
+            // listing and the host's records only when it looks like one.
+            Ok(Some(Event::Hello { protocol, python, .. })) if !is_version(&python) => Err(Error::AgentStart(format!(
+                "agent protocol {protocol}: a hello whose Python version is not one ({} bytes)",
+                python.len()
+            ))),
             Ok(Some(Event::Hello { protocol, python, pid })) if protocol == PROTOCOL_VERSION => {
                 self.stderr.untrusted = true;
                 self.pid = Some(pid);
@@ -281,7 +288,11 @@ impl Agent {
             Ok(Some(Event::Hello { protocol, .. })) => Err(Error::AgentStart(format!(
                 "agent protocol {protocol}, server protocol {PROTOCOL_VERSION}: rebuild the image with `pyberth image build`"
             ))),
-            Ok(Some(other)) => Err(Error::AgentStart(format!("unexpected first event {other:?}"))),
+            // Bounded: whatever answers an attach chooses this line (up to 16 MiB), and it is logged.
+            Ok(Some(other)) => {
+                let said: String = format!("{other:?}").chars().take(200).collect();
+                Err(Error::AgentStart(format!("unexpected first event {said}…")))
+            }
             Ok(None) => Ok(Greeting::Exited),
             Err(ReadError::Skippable(e)) => Err(Error::AgentStart(e.to_string())),
             Err(ReadError::Fatal(e)) => Err(Error::AgentStart(e)),
@@ -446,6 +457,11 @@ pub(super) fn file_answer(id: u64, ev: Event) -> Option<Result<FileReply, String
         Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
         _ => None,
     }
+}
+
+/// A Python version as the agent says it (`3.11.2`, `3.13.0rc1`): short, no more than that.
+fn is_version(v: &str) -> bool {
+    !v.is_empty() && v.len() <= 32 && v.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'+' | b'-'))
 }
 
 /// Starts the agent in `container` and waits for its greeting; returns it with its Python

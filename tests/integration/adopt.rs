@@ -118,6 +118,10 @@ impl Server {
         self.instance.clone()
     }
 
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
     pub(crate) fn log(&self) -> String {
         self.log.lock().expect("log").clone()
     }

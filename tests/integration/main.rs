@@ -50,6 +50,8 @@ mod orphan;
 mod ended;
 // Background jobs across restarts: one that woke its session, one finished before the stop.
 mod adopt_jobs;
+// Adoption under attack: an impostor keeper answers the next server's reattach.
+mod adopt_forged;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
 mod egress;
 // Egress under attack from its own sessions: refusal floods.
