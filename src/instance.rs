@@ -1,5 +1,8 @@
 //! Identity and liveness of a server instance (docs/design.md D9).
 //!
+//! Why this file passes 500 lines: the two kinds of evidence of liveness (the lock, the
+//! heartbeat kept by [`Keeper`]) and the sweep that judges them are one argument, below.
+//!
 //! Several servers may share one engine (two desktop clients each start `pyberth serve`, a CI
 //! job beside a workstation, servers on other hosts driving one remote engine), so the start-up
 //! sweep must tell a dead server's leftovers from a live server's sessions. Two kinds of

@@ -2,6 +2,10 @@
 //! interpreter state, their restoration into a fresh container, hibernation of idle sessions
 //! and their transparent wake, and the catalogue of a server's snapshots.
 //!
+//! Why this file passes 500 lines: the save, the restore and the wake of one session share
+//! its lock and its agent, read top to bottom; the storage, the packer and the tar rules are
+//! in `docker::snapshot`, the catalogue in `durable`, the caps in `registry/snapshots.rs`.
+//!
 //! The agent saves what `pickle` can (`Durable` in `images/python/agent.py`) and packs it with
 //! the workspace as the code's uid; the server re-packs that tar as hostile input into a
 //! volume of its own (`docker::snapshot`). Restoring checks the stored tar against what was
