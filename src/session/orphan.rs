@@ -3,14 +3,9 @@
 //! (`docker/tether.rs`). The next server takes it like a hibernated session: its first call
 //! starts the container again and restores that state in place.
 
-use std::time::Duration;
-
 use super::{Error, Inner, Session, agent};
 use crate::docker::{container, exec, tether};
-use crate::protocol::{Event, NOTHING_SAVED, Request};
-
-/// How long the agent may take to load the state it saved.
-const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+use crate::protocol::{NOTHING_SAVED, Request};
 
 impl Session {
     /// The session's container stopped while no server held it: started again, tethered, a
@@ -59,17 +54,7 @@ impl Session {
         let answer = async {
             let id = self.submit(inner, &|id| Request::Restore { id, if_saved: true }).await?;
             let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone) };
-            agent
-                .answer(
-                    id,
-                    |id, ev| match ev {
-                        Event::Restored { id: i, restored, lost } if i == id => Some(Ok((restored, lost))),
-                        Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
-                        _ => None,
-                    },
-                    RESTORE_TIMEOUT,
-                )
-                .await
+            super::snapshot::restore_answer(agent, id).await
         }
         .await;
         let head = "the session's server had gone, so it saved its state and stopped (asleep); it was woken now";

@@ -414,17 +414,7 @@ impl Session {
         let loading = Instant::now();
         let id = self.submit(inner, &|id| Request::Restore { id, if_saved: false }).await.map_err(|e| e.to_string())?;
         let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };
-        let answer = agent
-            .answer(
-                id,
-                |id, ev| match ev {
-                    Event::Restored { id: i, restored, lost } if i == id => Some(Ok((restored, lost))),
-                    Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
-                    _ => None,
-                },
-                RESTORE_TIMEOUT,
-            )
-            .await;
+        let answer = restore_answer(agent, id).await;
         let (names, lost) = match answer {
             Ok(Ok(pair)) => pair,
             Ok(Err(why)) => return Err(format!("the interpreter state could not be restored: {why}")),
@@ -608,4 +598,21 @@ impl std::fmt::Display for Streamed {
             Streamed::Store(e) => f.write_str(e),
         }
     }
+}
+/// The agent's answer to restore request `id`: the names restored and those lost, or why not.
+pub(super) async fn restore_answer(
+    agent: &mut agent::Agent,
+    id: u64,
+) -> Result<Result<(Vec<String>, Vec<crate::protocol::Lost>), String>, Error> {
+    agent
+        .answer(
+            id,
+            |id, ev| match ev {
+                Event::Restored { id: i, restored, lost } if i == id => Some(Ok((restored, lost))),
+                Event::Failed { id: Some(i), message } if i == id => Some(Err(message)),
+                _ => None,
+            },
+            RESTORE_TIMEOUT,
+        )
+        .await
 }
