@@ -2,7 +2,7 @@
 //! backend (Kubernetes pods through their exec API) can sit beside it later (docs/design.md D10).
 
 pub mod archive;
-mod chunks;
+pub mod chunks;
 pub mod container;
 mod copyback;
 pub mod engine;

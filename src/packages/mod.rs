@@ -43,8 +43,6 @@ use crate::docker::{Error as DockerError, LABEL_IMAGE};
 pub const LAYER_REPO: &str = "pyberth-layer";
 /// Largest installed tree accepted from an installer.
 const MAX_TREE: u64 = 4 << 30;
-/// Chunk size of the tree streamed to the store.
-const CHUNK: usize = 256 << 10;
 
 /// Why an install failed.
 #[derive(Debug, thiserror::Error)]
@@ -507,7 +505,7 @@ mod tests {
     #[tokio::test]
     async fn the_streamed_context_is_the_whole_context_and_a_cut_tree_never_ends_cleanly() {
         // Bigger than a chunk both ways, fed in odd-sized pieces.
-        let tree = tree_with_file(CHUNK + 12345);
+        let tree = tree_with_file(crate::docker::chunks::CHUNK + 12345);
         let whole = context_from_tree(".tmp-x", &mut meta(), &tree[..], Vec::new()).expect("context");
         let pieces = |t: &[u8]| t.chunks(7000).map(|c| Ok(Bytes::copy_from_slice(c))).collect::<Vec<_>>();
         let (body, packed) = stream(pieces(&tree)).await;

@@ -11,7 +11,8 @@ use bytes::Bytes;
 use futures::TryStreamExt;
 use tokio::sync::mpsc;
 
-use super::{CHUNK, Error, MAX_TREE, Meta};
+use super::{Error, MAX_TREE, Meta};
+use crate::docker::chunks::{ChunkReader, ChunkWriter};
 
 /// Forwards the installer's `/workspace/site`, a tar, to the re-packer, bounded in size. A
 /// failure reaches the re-packer as an error, never as an early end: a tree cut short must
@@ -43,69 +44,6 @@ pub(super) async fn download_tree(
     Err(failed)
 }
 
-/// The installer's tree as a `Read` for the blocking re-packer, from chunks `download_tree`
-/// forwards.
-struct TreeReader {
-    rx: mpsc::Receiver<std::io::Result<Bytes>>,
-    cur: Bytes,
-}
-
-impl Read for TreeReader {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        while self.cur.is_empty() {
-            match self.rx.blocking_recv() {
-                Some(chunk) => self.cur = chunk?,
-                None => return Ok(0),
-            }
-        }
-        let n = out.len().min(self.cur.len());
-        out[..n].copy_from_slice(&self.cur.split_to(n));
-        Ok(n)
-    }
-}
-
-/// The re-packed tree as chunks down a channel, from the blocking re-packer. `None` marks the
-/// end, sent only by `finish`: a body that stops without it, because the re-packer failed or
-/// panicked, ends in an error, so the engine never stores part of a tree.
-struct ContextWriter {
-    tx: mpsc::Sender<std::io::Result<Option<Bytes>>>,
-    buf: Vec<u8>,
-    /// The upload stopped reading (it failed on its own).
-    gone: bool,
-}
-
-impl ContextWriter {
-    fn send(&mut self, item: std::io::Result<Option<Bytes>>) -> std::io::Result<()> {
-        self.tx.blocking_send(item).map_err(|_| {
-            self.gone = true;
-            std::io::Error::other("the upload stopped reading the tree")
-        })
-    }
-
-    fn finish(&mut self) -> std::io::Result<()> {
-        self.flush()?;
-        self.send(Ok(None))
-    }
-}
-
-impl Write for ContextWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        self.buf.extend_from_slice(data);
-        if self.buf.len() >= CHUNK {
-            self.flush()?;
-        }
-        Ok(data.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
-        self.send(Ok(Some(chunk)))
-    }
-}
-
 /// Re-packs the tree arriving on `tree` into the upload sent down `context` (on a blocking
 /// thread); returns the tree's size. Also says whether the upload stopped reading.
 pub(super) fn repack(
@@ -114,13 +52,17 @@ pub(super) fn repack(
     tree: mpsc::Receiver<std::io::Result<Bytes>>,
     context: mpsc::Sender<std::io::Result<Option<Bytes>>>,
 ) -> (Result<u64, String>, bool) {
-    let mut out = ContextWriter { tx: context, buf: Vec::with_capacity(CHUNK), gone: false };
-    let tree = TreeReader { rx: tree, cur: Bytes::new() };
-    let packed = context_from_tree(tmp, &mut meta, tree, &mut out).and_then(|w| w.finish().map_err(|e| e.to_string()));
+    // `None` marks the end, sent only once the tree is whole: a body that stops without it,
+    // because the re-packer failed or panicked, ends in an error, so the engine never stores
+    // part of a tree.
+    let mut out = ChunkWriter::new(context, |chunk| Ok(Some(chunk)));
+    let tree = ChunkReader::new(tree);
+    let packed = context_from_tree(tmp, &mut meta, tree, &mut out)
+        .and_then(|w| w.flush().and_then(|()| w.send(Ok(None))).map_err(|e| e.to_string()));
     if let Err(e) = &packed {
-        let _ = out.tx.blocking_send(Err(std::io::Error::other(e.clone())));
+        let _ = out.send(Err(std::io::Error::other(e.clone())));
     }
-    (packed.map(|()| meta.size), out.gone)
+    (packed.map(|()| meta.size), out.gone())
 }
 
 /// The request body of the upload, from the re-packer's chunks.
