@@ -293,6 +293,14 @@ pub struct SandboxConfig {
     #[serde(default)]
     pub egress_pin: std::collections::BTreeMap<String, String>,
 
+    /// DNS servers the egress proxy asks, comma-separated IP addresses, at most 3 (its
+    /// container's `HostConfig.Dns`; default: the engine's choice, the host's resolvers or
+    /// Google's when those are on loopback). For a host whose resolver containers cannot reach,
+    /// split-horizon names, or a filtering resolver. Every answer is still checked.
+    #[arg(long, env = "PYBERTH_EGRESS_DNS", value_delimiter = ',', value_name = "IP,...")]
+    #[serde(default)]
+    pub egress_dns: Vec<String>,
+
     /// Name of this server instance in container labels (default: random). For tests.
     #[arg(long, env = "PYBERTH_INSTANCE", hide = true)]
     pub instance: Option<String>,
@@ -369,6 +377,18 @@ impl SandboxConfig {
                 crate::egress::policy::normalize_host(name).is_some() && addr.parse::<std::net::IpAddr>().is_ok(),
                 "egress_pin",
                 format!("{name:?} = {addr:?}: give a host name and an IP address"),
+            )?;
+        }
+        check(self.egress_dns.len() <= 3, "--egress-dns", "at most 3 servers (the C library asks no more)")?;
+        for ip in &self.egress_dns {
+            check(
+                ip.parse::<std::net::IpAddr>()
+                    .is_ok_and(|a| !a.is_loopback() && !a.is_unspecified() && !a.is_multicast()),
+                "--egress-dns",
+                format!(
+                    "{ip:?} is not an address the proxy can ask: give IP addresses the proxy's container reaches \
+                     (a loopback address would be the container's own)"
+                ),
             )?;
         }
 
@@ -635,6 +655,17 @@ mod tests {
         assert!(e.to_string().contains("--instance"), "{e}");
         let e = parse(&["--fallback-release", "../x"]).validate().expect_err("release");
         assert!(e.to_string().contains("--fallback-release"), "{e}");
+    }
+
+    #[test]
+    fn egress_dns_takes_up_to_three_addresses_the_proxy_can_reach() {
+        let c = parse(&["--egress-dns", "10.0.0.53,2001:db8::53"]);
+        c.validate().expect("two addresses");
+        assert_eq!(c.egress_dns, ["10.0.0.53", "2001:db8::53"]);
+        for bad in ["dns.example.com", "127.0.0.53", "::1", "0.0.0.0", "224.0.0.1", "1.1.1.1,8.8.8.8,9.9.9.9,1.0.0.1"] {
+            let e = parse(&["--egress-dns", bad]).validate().expect_err(bad);
+            assert!(e.to_string().contains("egress_dns"), "{bad}: {e}");
+        }
     }
 }
 

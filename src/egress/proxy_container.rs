@@ -142,6 +142,9 @@ impl Manager {
         let hc = HostConfig {
             init: Some(true),
             log_config: crate::docker::container::no_log(),
+            // The operator's resolvers (--egress-dns), else the engine's: the proxy is the one
+            // place names resolve; every answer is still checked (proxy/conn.rs, resolve).
+            dns: (!self.cfg.egress_dns.is_empty()).then(|| self.cfg.egress_dns.clone()),
             ..crate::docker::container::hardened(crate::docker::container::Fence {
                 memory: 256 << 20,
                 pids: 256,

@@ -56,6 +56,8 @@ mod adopt_forged;
 mod egress;
 // Egress under attack from its own sessions: refusal floods.
 mod egress_abuse;
+// Live DNS rebinding: a resolver of the test's own against the proxy's checks.
+mod egress_dns;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;
 // Durable sessions: snapshots, restore, fork, hibernation, why a session ended.
