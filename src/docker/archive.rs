@@ -22,13 +22,13 @@ use tokio::sync::mpsc;
 use super::container::WORKSPACE;
 pub use super::copyback::{CopyBack, HeldBack};
 use super::unpack::unpack_changed;
-use crate::tarcheck::safe_relative;
+use crate::tarcheck::{self, safe_relative};
 
 /// Directory names never copied back: interpreter and test-runner caches, not results.
 pub(super) const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
 
 /// Deepest path a transfer takes: deeper trees are refused, not walked.
-pub(super) const MAX_DEPTH: usize = 64;
+pub(super) use crate::tarcheck::MAX_DEPTH;
 
 /// The bounds of one transfer: content bytes and files (100,000 empty files cost no bytes).
 #[derive(Debug, Clone, Copy)]
@@ -218,9 +218,9 @@ pub fn repack(raw: &[u8], rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), Strin
     let mut ar = tar::Archive::new(raw);
     for entry in ar.entries().map_err(|e| format!("bad archive: {e}"))? {
         let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
-        let name = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
-        let inside = rel == "." || name.starts_with(base);
-        if name.as_os_str().is_empty() || !inside || !safe_relative(&name) || name.components().count() > MAX_DEPTH {
+        let raw = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
+        let Some(name) = tarcheck::kept_path(&raw, MAX_DEPTH) else { continue };
+        if rel != "." && !name.starts_with(base) {
             continue;
         }
         let kind = entry.header().entry_type();
@@ -228,9 +228,7 @@ pub fn repack(raw: &[u8], rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), Strin
             continue;
         }
         let mut header = entry.header().clone();
-        header.set_uid(0);
-        header.set_gid(0);
-        header.set_mode(header.mode().unwrap_or(0o644) & 0o777);
+        tarcheck::own_by_root(&mut header, tarcheck::Modes::AsIs);
         if kind == tar::EntryType::Regular {
             moved.files += 1;
             moved.bytes += header.size().unwrap_or(0);
@@ -243,7 +241,8 @@ pub fn repack(raw: &[u8], rel: &str, cap: Cap) -> Result<(Vec<u8>, Moved), Strin
         }
         let mut data = Vec::new();
         entry.read_to_end(&mut data).map_err(|e| format!("bad archive entry: {e}"))?;
-        out.append_data(&mut header, &name, &data[..]).map_err(|e| format!("cannot pack {}: {e}", name.display()))?;
+        // As named (a directory keeps its trailing slash); checked above.
+        out.append_data(&mut header, &raw, &data[..]).map_err(|e| format!("cannot pack {}: {e}", name.display()))?;
     }
     let tar = out.into_inner().map_err(|e| format!("cannot pack: {e}"))?;
     Ok((tar, moved))

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use super::archive::{CACHES, Cap, MAX_DEPTH, Moved};
 use super::copyback::{CopyBack, HeldBack};
-use crate::tarcheck::safe_relative;
+use crate::tarcheck::kept_path;
 
 /// Beside `HEAD`, any one of these makes a directory a git directory (git itself wants
 /// `objects/` and `refs/`; `config` alone carries the commands).
@@ -112,11 +112,9 @@ fn stage(
             ));
         }
         let mut entry = entry.map_err(|e| format!("bad archive: {e}"))?;
-        let path = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
+        let raw = entry.path().map_err(|e| format!("bad archive entry: {e}"))?.into_owned();
+        let Some(path) = kept_path(&raw, MAX_DEPTH) else { continue };
         let rel = path.as_path();
-        if rel.as_os_str().is_empty() || !safe_relative(rel) || rel.components().count() > MAX_DEPTH {
-            continue;
-        }
         for a in rel.ancestors().filter(|a| !a.as_os_str().is_empty()) {
             names.insert(a.to_string_lossy().to_ascii_lowercase());
         }

@@ -32,7 +32,6 @@ mod tree;
 pub use cache::{LayerInfo, list_by_use, over, prune, prune_old_images};
 pub use markers::evaluate_markers;
 pub use store::{STORE_DIR, Store};
-pub use tree::safe_relative;
 
 use crate::config::SandboxConfig;
 use crate::docker::container::Owner;

@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 use super::{Error, MAX_TREE, Meta};
 use crate::docker::chunks::{ChunkReader, ChunkWriter};
+use crate::tarcheck::{Modes, link_inside, own_by_root, under};
 
 /// Forwards the installer's `/workspace/site`, a tar, to the re-packer, bounded in size. A
 /// failure reaches the re-packer as an error, never as an early end: a tree cut short must
@@ -130,41 +131,26 @@ fn append_tree<W: Write>(tmp: &str, meta: &mut Meta, tree: impl Read, out: &mut 
     for entry in ar.entries().map_err(|e| e.to_string())? {
         let mut entry = entry.map_err(|e| e.to_string())?;
         let path = entry.path().map_err(|e| e.to_string())?.into_owned();
-        if !safe_relative(&path) || path.components().next().and_then(|c| c.as_os_str().to_str()) != Some("site") {
+        if !under(&path, "site") {
             return Err(format!("installer produced an unsafe path {}", path.display()));
         }
         let kind = entry.header().entry_type();
         let mut header = entry.header().clone();
-        let in_site = |p: &std::path::Path| {
-            safe_relative(p) && p.components().next().and_then(|c| c.as_os_str().to_str()) == Some("site")
-        };
         // Where a kept link points, as written into the store's tar.
         let link = match kind {
             tar::EntryType::Regular | tar::EntryType::Directory => None,
-            tar::EntryType::Symlink => {
+            tar::EntryType::Symlink | tar::EntryType::Link => {
+                let hard = kind == tar::EntryType::Link;
                 let target = entry.link_name().map_err(|e| e.to_string())?.unwrap_or_default().into_owned();
-                let resolved = path.parent().unwrap_or(std::path::Path::new("")).join(&target);
-                if target.is_absolute() || !in_site(&normalize(&resolved)) {
-                    continue; // a link out of the tree is dropped, never followed
-                }
-                Some(target) // relative to the link: the same under the set's directory
-            }
-            tar::EntryType::Link => {
-                // A hard link names its target from the archive's root, which is the store's
-                // root on upload: kept only inside `site/`, and re-rooted with the tree.
-                let target = entry.link_name().map_err(|e| e.to_string())?.unwrap_or_default().into_owned();
-                if target.is_absolute() || !in_site(&normalize(&target)) {
-                    continue;
-                }
-                Some(root.join(normalize(&target)))
+                let Some(resolved) = link_inside(&path, &target, hard, "site") else { continue };
+                // A symlink's target is relative to it: the same under the set's directory. A
+                // hard link names its target from the archive's root, the store's root on
+                // upload: re-rooted with the tree.
+                Some(if hard { root.join(resolved) } else { target })
             }
             _ => continue,
         };
-        let mode = header.mode().unwrap_or(0o644) & 0o777;
-        let mode = if kind == tar::EntryType::Directory || mode & 0o111 != 0 { mode | 0o555 } else { mode | 0o444 };
-        header.set_mode(mode & 0o755);
-        header.set_uid(0);
-        header.set_gid(0);
+        own_by_root(&mut header, Modes::Shared);
         header.set_cksum();
         if let Some(target) = link {
             header.set_size(0);
@@ -186,21 +172,3 @@ fn append_tree<W: Write>(tmp: &str, meta: &mut Meta, tree: impl Read, out: &mut 
     h.set_cksum();
     out.append_data(&mut h, root.join(super::store::META), &json[..]).map_err(|e| e.to_string())
 }
-
-fn normalize(p: &std::path::Path) -> std::path::PathBuf {
-    let mut out = std::path::PathBuf::new();
-    for c in p.components() {
-        match c {
-            std::path::Component::ParentDir => {
-                if !out.pop() {
-                    return std::path::PathBuf::from("..");
-                }
-            }
-            std::path::Component::CurDir => {}
-            other => out.push(other),
-        }
-    }
-    out
-}
-
-pub use crate::tarcheck::safe_relative;

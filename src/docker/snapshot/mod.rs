@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use bollard::Docker;
 use bollard::container::LogOutput;
@@ -34,7 +34,6 @@ use tokio::sync::mpsc;
 pub use super::chunks::{chunk_reader, chunk_writer};
 use super::container::{self, Owner};
 use super::{Error, LABEL_OWNER};
-use crate::tarcheck::safe_relative;
 pub use rules::{Checksum, check_incoming, check_outgoing};
 
 mod rules;

@@ -5,8 +5,7 @@ use super::*;
 
 /// The path of an entry if it may be kept: relative, without `..`, not too deep.
 fn kept_path(raw: &Path) -> Option<PathBuf> {
-    let path: PathBuf = raw.components().filter(|c| !matches!(c, Component::CurDir)).collect();
-    (!path.as_os_str().is_empty() && safe_relative(&path) && path.components().count() <= MAX_DEPTH).then_some(path)
+    crate::tarcheck::kept_path(raw, MAX_DEPTH)
 }
 
 /// Re-packs the agent's snapshot tar as hostile input, into `out`: only `state/<known file>`
@@ -45,9 +44,7 @@ pub fn check_incoming(input: impl Read, out: impl Write, bounds: Bounds, files_o
             continue;
         }
         let mut header = entry.header().clone();
-        header.set_uid(0);
-        header.set_gid(0);
-        header.set_mode(header.mode().unwrap_or(0o644) & 0o777);
+        crate::tarcheck::own_by_root(&mut header, crate::tarcheck::Modes::AsIs);
         let key = path.to_string_lossy().into_owned();
         if kind == tar::EntryType::Directory {
             header.set_size(0);
