@@ -25,7 +25,6 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::SandboxConfig;
-use crate::docker::image;
 use crate::server::SandboxServer;
 use crate::session::registry::Registry;
 
@@ -197,16 +196,11 @@ pub enum Error {
 }
 
 /// `/healthz`: whether Docker answers and the sandbox image exists.
-async fn healthz(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> Response {
-    let docker = registry.docker();
-    let engine = tokio::time::timeout(Duration::from_secs(5), docker.ping()).await.is_ok_and(|r| r.is_ok());
-    let tag = match registry.environments.get(None) {
-        Ok(env) => env.cfg.image.clone().unwrap_or_else(|| image::tag_for(&env.cfg)),
-        Err(_) => cfg.image.clone().unwrap_or_else(image::sandbox_tag),
-    };
-    let image = engine && image::exists(docker, &tag).await.unwrap_or(false);
-    let status = if engine && image { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body = serde_json::json!({ "ok": engine && image, "docker": engine, "image": image, "image_tag": tag });
+async fn healthz(registry: Arc<Registry>) -> Response {
+    let h = registry.health().await;
+    let ok = h.engine && h.image;
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = serde_json::json!({ "ok": ok, "docker": h.engine, "image": h.image, "image_tag": h.image_tag });
     (status, axum::Json(body)).into_response()
 }
 
@@ -266,7 +260,7 @@ pub async fn serve(
         }))
         // Outermost: a request from elsewhere is refused before its token is looked at.
         .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
-        .route("/healthz", axum::routing::get(move || healthz(registry.clone(), cfg.clone())));
+        .route("/healthz", axum::routing::get(move || healthz(registry.clone())));
     let fds = conn::raise_fd_limit();
     let max_connections = conn::connection_cap(args.max_connections, fds);
     if max_connections < args.max_connections {

@@ -148,7 +148,7 @@ impl SandboxServer {
         for e in envs.all() {
             // What the built image actually runs (the registry's base or the offline one).
             let mut info = describe(e, default);
-            info.description = crate::environment::description_as_built(self.registry.docker(), e).await;
+            info.description = self.registry.environment_as_built(e).await;
             environments.push(info);
         }
         let mut text = String::new();
@@ -182,7 +182,7 @@ impl SandboxServer {
         let packages =
             session.installed().await.context(format!("cannot list the packages of session {name:?}"))?.len();
         let cfg = session.settings();
-        let egress = self.registry.egress.rules(&who, &name).unwrap_or_default();
+        let egress = self.registry.egress_rules(&who, &name);
         let network = if egress.is_empty() { "none" } else { "egress proxy" }.to_owned();
         let out = SessionEnvironment {
             session: name,

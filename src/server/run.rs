@@ -53,29 +53,29 @@ impl SandboxServer {
     ) -> ToolResult {
         let who = principal_of(ctx);
         // An adopted session whose egress could not be taken over says so in every run.
-        notices.extend(self.registry.egress.notice(&who, &session.name));
+        notices.extend(self.registry.egress_notice(&who, &session.name));
         let timeout = check_timeout(timeout_s, session.settings())?;
         let slot = self.registry.run_permit(&who)?;
         if let Some(wait) = wait {
             // A job's egress is counted like a run's: from its start to its end.
-            let tally = self.registry.egress.begin_run(&who, &session.name).await.map(|before| {
-                let (registry, who, name) = (self.registry.clone(), who.clone(), session.name.clone());
-                Box::pin(async move { registry.egress.totals(&who, &name).await.map(|now| now.since(&before)) })
-                    as crate::session::jobs::EgressTally
-            });
+            let tally = self
+                .registry
+                .egress_meter(&who, &session.name)
+                .await
+                .map(|meter| Box::pin(async move { meter.used().await }) as crate::session::jobs::EgressTally);
             let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot, tally);
             return self.await_job(&job, wait, ctx, notices).await;
         }
         let notifier = self.notifier(ctx);
         let mut live = live_channel(notifier.wants_output());
-        let before = self.registry.egress.begin_run(&who, &session.name).await;
+        let meter = self.registry.egress_meter(&who, &session.name).await;
         let mut outcome = relay(notifier, &mut live.rx, session.run(spec, timeout, &ctx.ct, &live.observer))
             .await
             .context("the run could not complete")?;
         outcome.notices.splice(0..0, notices);
-        let egress = match (before, self.registry.egress.totals(&who, &session.name).await) {
-            (Some(before), Some(now)) => Some(now.since(&before)),
-            _ => None,
+        let egress = match meter {
+            Some(meter) => meter.used().await,
+            None => None,
         };
         if let Some(e) = &egress {
             outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));

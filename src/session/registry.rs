@@ -25,6 +25,7 @@ use crate::packages::{self, IndexSettings, Layer};
 use crate::sandbox::Blueprint;
 
 mod adopt;
+mod front;
 mod sleepers;
 mod snapshots;
 
@@ -106,7 +107,7 @@ pub struct Registry {
     /// This instance's heartbeat, and sweeps waiting out a grace (docs/design.md D9).
     keeper: Keeper,
     /// The egress proxy and the networks of sessions that have egress.
-    pub egress: crate::egress::Manager,
+    egress: crate::egress::Manager,
     /// What the engine found at start that shapes every sandbox (runtime, seccomp).
     sandboxing: Sandboxing,
     /// The state dir's records: adoption reads them, layer use is written there.
@@ -369,11 +370,6 @@ impl Registry {
         };
         installed.skipped = skipped;
         Ok(Opened { session, created, installed })
-    }
-
-    /// The engine.
-    pub fn docker(&self) -> &Docker {
-        &self.docker
     }
 
     /// An environment's image, found or built once per server (a build reports progress).

@@ -1,0 +1,84 @@
+//! What the MCP and HTTP fronts ask of the server beyond sessions: a session's egress for a
+//! run, the engine's health, an environment as built. The fronts call these, never the egress
+//! manager or the engine themselves (docs/architecture.md).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Registry;
+use crate::docker::image;
+use crate::egress::Totals;
+use crate::environment::Environment;
+
+/// Counts the egress of one run of a session, from its start.
+pub struct EgressMeter {
+    registry: Arc<Registry>,
+    principal: String,
+    session: String,
+    before: Totals,
+}
+
+impl std::fmt::Debug for EgressMeter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EgressMeter").field("principal", &self.principal).field("session", &self.session).finish()
+    }
+}
+
+impl EgressMeter {
+    /// What the session reached since the meter started; `None` when it has no egress now.
+    pub async fn used(&self) -> Option<Totals> {
+        let now = self.registry.egress.totals(&self.principal, &self.session).await?;
+        Some(now.since(&self.before))
+    }
+}
+
+/// Whether the engine answers and the default environment's image exists.
+#[derive(Debug)]
+pub struct Health {
+    /// The engine answered a ping within 5 s.
+    pub engine: bool,
+    /// The default environment's image is on the engine.
+    pub image: bool,
+    /// That image's tag.
+    pub image_tag: String,
+}
+
+impl Registry {
+    /// Why a session's egress could not be taken over from an earlier server, if it could not:
+    /// said in every run of that session.
+    pub fn egress_notice(&self, principal: &str, session: &str) -> Option<String> {
+        self.egress.notice(principal, session)
+    }
+
+    /// The egress rules a session runs under (empty: no network).
+    pub fn egress_rules(&self, principal: &str, session: &str) -> Vec<String> {
+        self.egress.rules(principal, session).unwrap_or_default()
+    }
+
+    /// Starts counting a run's egress; `None` when the session has none.
+    pub async fn egress_meter(self: &Arc<Self>, principal: &str, session: &str) -> Option<EgressMeter> {
+        let before = self.egress.begin_run(principal, session).await?;
+        Some(EgressMeter {
+            registry: self.clone(),
+            principal: principal.to_owned(),
+            session: session.to_owned(),
+            before,
+        })
+    }
+
+    /// What an environment runs, as built on this engine.
+    pub async fn environment_as_built(&self, env: &Environment) -> String {
+        crate::environment::description_as_built(&self.docker, env).await
+    }
+
+    /// The engine's health, for `/healthz`.
+    pub async fn health(&self) -> Health {
+        let engine = tokio::time::timeout(Duration::from_secs(5), self.docker.ping()).await.is_ok_and(|r| r.is_ok());
+        let image_tag = match self.environments.get(None) {
+            Ok(env) => env.cfg.image.clone().unwrap_or_else(|| image::tag_for(&env.cfg)),
+            Err(_) => self.cfg.image.clone().unwrap_or_else(image::sandbox_tag),
+        };
+        let image = engine && image::exists(&self.docker, &image_tag).await.unwrap_or(false);
+        Health { engine, image, image_tag }
+    }
+}
