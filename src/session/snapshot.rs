@@ -125,6 +125,28 @@ fn cut_lost(lost: Vec<Lost>) -> Vec<Lost> {
     lost.into_iter().take(MAX_NAMES).map(|l| Lost { name: cut(l.name), why: cut(l.why) }).collect()
 }
 
+/// The names a snapshot saved and lost: as the agent answered when it saved into the
+/// workspace, else from the state's summary in the snapshot, else the reason nothing was saved.
+fn saved_and_lost(
+    summary: &Summary,
+    names: Option<(Vec<String>, Vec<Lost>)>,
+    why: Option<&str>,
+) -> (Vec<String>, Vec<Lost>) {
+    match (&summary.meta, why, names) {
+        (_, None, Some(names)) => names,
+        (Some(meta), _, _) => match serde_json::from_slice::<Meta>(meta) {
+            Ok(m) => (m.saved, m.lost),
+            Err(e) => {
+                (Vec::new(), vec![Lost { name: "*".into(), why: format!("the state's summary is unreadable: {e}") }])
+            }
+        },
+        (None, Some(why), _) => {
+            (Vec::new(), vec![Lost { name: "*".into(), why: format!("the interpreter state was not saved: {why}") }])
+        }
+        (None, None, None) => (Vec::new(), Vec::new()),
+    }
+}
+
 impl Session {
     /// Saves the session into a new snapshot volume named after `id`.
     pub(crate) async fn snapshot(&self, id: &str, bounds: Bounds) -> Result<Saved, String> {
@@ -153,30 +175,9 @@ impl Session {
         };
         let created = started.elapsed();
         let copying = Instant::now();
-        let mut names = None;
-        let mut copy_took = None;
-        let first = match state {
-            Ok(pair) => {
-                let c = inner.container.clone();
-                let runtime = self.blueprint.spec.sandboxing.runtime.as_deref();
-                let packed = store::pack(&self.packer(runtime, c.uid), &c.volume, &volume, bounds, true).await;
-                let copied = copying.elapsed();
-                self.drop_state(inner).await;
-                names = Some(pair);
-                copy_took = Some(copied);
-                packed.map_err(Streamed::Store)
-            }
-            Err(why) if why.contains("would be larger than") => Err(Streamed::Agent(why)),
-            Err(why) if why == SMALL => self.stream_snapshot(inner, &volume, bounds, false).await,
-            Err(why) => {
-                // An agent that cannot write its state into the workspace (a full one, an
-                // older agent): the state travels through its stream instead.
-                tracing::info!(session = %self.name, %why, "state not saved into the workspace; streaming it");
-                self.stream_snapshot(inner, &volume, bounds, false).await
-            }
-        };
-        let (grade, summary, why) = match first {
-            Ok(summary) => (Grade::FilesAndGlobals, summary, None),
+        let (first, names, copy_took) = self.copy_first(inner, &volume, bounds, state).await;
+        let (grade, summary, why, volume) = match first {
+            Ok(summary) => (Grade::FilesAndGlobals, summary, None, volume),
             Err(e) if e.to_string().contains("would be larger than") => {
                 store::remove(&self.docker, &volume).await;
                 return Err(format!(
@@ -186,47 +187,15 @@ impl Session {
                 ));
             }
             Err(Streamed::Agent(why)) if !self.closed.load(Ordering::SeqCst) => {
-                // The state could not be saved (out of memory, an agent that stopped): the
-                // files alone, into an empty volume, and the reason is told.
-                tracing::warn!(session = %self.name, %why, "interpreter state not saved; saving the files only");
                 store::remove(&self.docker, &volume).await;
-                let volume = match store::create(&self.docker, &self.owner, &self.principal, id).await {
-                    Ok(v) => v,
-                    Err(e) => return Err(format!("cannot create the snapshot's volume: {e}")),
-                };
-                if let Some(n) = self.ensure_agent(inner).await.map_err(|e| e.to_string())? {
-                    inner.pending.push(n);
-                    inner.pending_lost = true;
-                }
-                match self.stream_snapshot(inner, &volume, bounds, true).await {
-                    Ok(summary) => (Grade::Files, summary, Some(why)),
-                    Err(e) => {
-                        store::remove(&self.docker, &volume).await;
-                        return Err(e.to_string());
-                    }
-                }
+                self.files_only(inner, id, bounds, why).await?
             }
             Err(e) => {
                 store::remove(&self.docker, &volume).await;
                 return Err(e.to_string());
             }
         };
-        let (saved, mut lost) = match (&summary.meta, &why) {
-            _ if names.is_some() && why.is_none() => names.unwrap_or_default(),
-            (Some(meta), _) => match serde_json::from_slice::<Meta>(meta) {
-                Ok(m) => (m.saved, m.lost),
-                Err(e) => (
-                    Vec::new(),
-                    vec![Lost { name: "*".into(), why: format!("the state's summary is unreadable: {e}") }],
-                ),
-            },
-            (None, Some(why)) => (
-                Vec::new(),
-                vec![Lost { name: "*".into(), why: format!("the interpreter state was not saved: {why}") }],
-            ),
-            (None, None) => (Vec::new(), Vec::new()),
-        };
-        lost = cut_lost(lost);
+        let (saved, lost) = saved_and_lost(&summary, names, why.as_deref());
         tracing::debug!(
             session = %self.name,
             store_ms = created.as_millis() as f64,
@@ -242,11 +211,68 @@ impl Session {
             summary,
             grade,
             saved: saved.into_iter().take(MAX_NAMES).map(cut).collect(),
-            lost,
+            lost: cut_lost(lost),
             took: started.elapsed(),
             state_took: created,
             copy_took: copy_took.unwrap_or_else(|| copying.elapsed()),
         })
+    }
+
+    /// The first way of copying a snapshot: the packer when the agent saved its state into
+    /// the workspace, the agent's stream otherwise. Also the names saved and lost, and the
+    /// copy's time, when the packer ran.
+    async fn copy_first(
+        &self,
+        inner: &mut Inner,
+        volume: &store::Stored,
+        bounds: Bounds,
+        state: Result<(Vec<String>, Vec<Lost>), String>,
+    ) -> (Result<Summary, Streamed>, Option<(Vec<String>, Vec<Lost>)>, Option<Duration>) {
+        let copying = Instant::now();
+        match state {
+            Ok(pair) => {
+                let c = inner.container.clone();
+                let runtime = self.blueprint.spec.sandboxing.runtime.as_deref();
+                let packed = store::pack(&self.packer(runtime, c.uid), &c.volume, volume, bounds, true).await;
+                let copied = copying.elapsed();
+                self.drop_state(inner).await;
+                (packed.map_err(Streamed::Store), Some(pair), Some(copied))
+            }
+            Err(why) if why.contains("would be larger than") => (Err(Streamed::Agent(why)), None, None),
+            Err(why) if why == SMALL => (self.stream_snapshot(inner, volume, bounds, false).await, None, None),
+            Err(why) => {
+                // An agent that cannot write its state into the workspace (a full one, an
+                // older agent): the state travels through its stream instead.
+                tracing::info!(session = %self.name, %why, "state not saved into the workspace; streaming it");
+                (self.stream_snapshot(inner, volume, bounds, false).await, None, None)
+            }
+        }
+    }
+
+    /// The state could not be saved (out of memory, an agent that stopped): the files alone,
+    /// into a new empty volume, and the reason is told.
+    async fn files_only(
+        &self,
+        inner: &mut Inner,
+        id: &str,
+        bounds: Bounds,
+        why: String,
+    ) -> Result<(Grade, Summary, Option<String>, store::Stored), String> {
+        tracing::warn!(session = %self.name, %why, "interpreter state not saved; saving the files only");
+        let volume = store::create(&self.docker, &self.owner, &self.principal, id)
+            .await
+            .map_err(|e| format!("cannot create the snapshot's volume: {e}"))?;
+        if let Some(n) = self.ensure_agent(inner).await.map_err(|e| e.to_string())? {
+            inner.pending.push(n);
+            inner.pending_lost = true;
+        }
+        match self.stream_snapshot(inner, &volume, bounds, true).await {
+            Ok(summary) => Ok((Grade::Files, summary, Some(why), volume)),
+            Err(e) => {
+                store::remove(&self.docker, &volume).await;
+                Err(e.to_string())
+            }
+        }
     }
 
     /// A packer as `uid`, of this session's image.
