@@ -142,6 +142,9 @@ impl Manager {
         let hc = HostConfig {
             init: Some(true),
             log_config: crate::docker::container::no_log(),
+            // It exits when its stdin closes (this server went): then the engine removes it,
+            // and nothing of a dead server stays on `docker ps -a` (issue 26).
+            auto_remove: Some(true),
             ..crate::docker::container::hardened(crate::docker::container::Fence {
                 memory: 256 << 20,
                 pids: 256,
