@@ -939,7 +939,6 @@ impl Registry {
         instances.push(self.instance.owner.instance.clone());
         let (containers, volumes) = crate::gc::left_by(&self.docker, &instances).await.unwrap_or_default();
         let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
-        let only: Vec<String> = instances.iter().map(|i| format!("--only-instance {i}")).collect();
         tracing::info!(
             sessions = left,
             containers,
@@ -952,12 +951,13 @@ impl Registry {
              state into its volumes and stops, and the engine removes it (no process, nothing in docker ps -a); and \
              {volumes} volumes (workspaces, their on-disk copies, snapshots, heartbeat marks), which stay: a server of \
              this state dir wakes those sessions from them whenever it starts; a server of another state dir removes \
-             them once this stop is --idle-ttl-s ({} s) old. To remove it all now: pyberth gc --yes --grace-s 0 {}, \
-             with another state dir than this one (whose records keep them for its next server)",
+             them once this stop is --idle-ttl-s ({} s) old. To remove it all now: pyberth gc --yes --grace-s 0 \
+             --only-instance I, for I in {}, with another state dir than this one (whose records keep them for its \
+             next server)",
             self.cfg.state_dir().display(),
             self.cfg.adopt_grace_s,
             self.cfg.idle_ttl_s,
-            only.join(" "),
+            instances.join(", "),
         );
     }
 }
