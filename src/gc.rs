@@ -67,7 +67,8 @@ pub async fn run(cfg: &SandboxConfig, args: &GcArgs) -> anyhow::Result<String> {
     } else {
         0
     };
-    if recorded.iter().any(|i| found.containers.iter().any(|c| c.labels.get(LABEL_INSTANCE) == Some(i))) {
+    let labels = found.containers.iter().map(|c| &c.labels).chain(found.volumes.iter().map(|(_, l)| l));
+    if labels.filter(|l| l.get(LABEL_INSTANCE).is_some_and(|i| recorded.contains(i) && only(i))).count() > 0 {
         let _ = writeln!(out, "kept: sessions recorded in {} for its next server", host.state_dir.display());
     }
     if let Some(after) = doubt {
@@ -86,6 +87,21 @@ pub async fn run(cfg: &SandboxConfig, args: &GcArgs) -> anyhow::Result<String> {
         )
     };
     Ok(out)
+}
+
+/// What a leaving server leaves on the engine of `instances` (its own and those it adopted):
+/// containers (its sandboxes, running until their tethers stop them, then removed by the
+/// engine) and volumes (workspaces, tmpfs copies, snapshots, heartbeat marks), which stay.
+pub async fn left_by(docker: &bollard::Docker, instances: &[String]) -> Result<(usize, usize), crate::docker::Error> {
+    let found = container::inventory(docker).await?;
+    let of = |l: &HashMap<String, String>| {
+        let i = l.get(LABEL_INSTANCE).or_else(|| l.get(crate::docker::heartbeat::LABEL_HEARTBEAT));
+        i.is_some_and(|i| instances.contains(i))
+    };
+    let sandboxes = found.containers.iter().filter(|c| c.labels.contains_key(LABEL_SESSION));
+    let containers = sandboxes.filter(|c| of(&c.labels)).count();
+    let volumes = found.volumes.iter().filter(|(_, l)| of(l)).count();
+    Ok((containers, volumes))
 }
 
 /// The instance and session a resource's labels name.

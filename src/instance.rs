@@ -16,10 +16,12 @@
 //!   `PrivateTmp`, a CI job's own temp dir).
 //! - **Its heartbeat** ([`crate::docker::heartbeat`]): a tiny container that runs exactly as
 //!   long as its server holds an attach connection to it, readable by every instance through
-//!   the engine. A running heartbeat proves its instance alive. One stopped for longer than a
-//!   grace (`--leftover-grace-s`, measured on the engine's clock) proves it dead; one stopped
-//!   for less makes the sweep look again once the grace is over, since a server whose
-//!   connection to a remote engine broke makes itself a new heartbeat when it is back.
+//!   the engine, and removed by the engine once it stops; two labelled volumes say that the
+//!   instance had one and since when it is stopped. A running heartbeat proves its instance
+//!   alive. One stopped for longer than a grace (`--leftover-grace-s`, measured on the
+//!   engine's clock) proves it dead; one stopped for less makes the sweep look again once the
+//!   grace is over, since a server whose connection to a remote engine broke makes itself a
+//!   new heartbeat when it is back.
 //!
 //! An instance with neither kind of evidence (no lock we can see, no heartbeat: an older
 //! pyberth, or a server that never got to start its heartbeat) is of unknown liveness, and
@@ -39,8 +41,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::SandboxConfig;
-use crate::docker::container::{self, Found, Owner};
-use crate::docker::heartbeat::{self, LABEL_HEARTBEAT};
+use crate::docker::container::{self, Owner};
+use crate::docker::heartbeat::{self, Beat, LABEL_HEARTBEAT};
 use crate::docker::{self as engine, LABEL_HOST, LABEL_INSTANCE, image};
 
 /// This process's identity, and the lock that proves it is alive.
@@ -117,56 +119,44 @@ impl Instance {
     }
 
     /// Instances whose sessions this server adopts at start (docs/design.md D12), among
-    /// `candidates` (those that left session records): dead ones of this host and state dir (their lock free, now held by us), and this instance's own name
-    /// when it was given again. Those whose heartbeat stopped less than `grace` ago, or is
-    /// stopping now, come first; those beyond the grace second: nobody adopted their sessions
-    /// in time, so the adopting server puts them to sleep (issue 18: they hibernate).
+    /// `candidates` (those that left session records): dead ones of this host and state dir
+    /// (their lock free, now held by us), and this instance's own name when it was given
+    /// again. Those whose heartbeat stopped less than `grace` ago, or is stopping now, come
+    /// first; those beyond the grace second: nobody adopted their sessions in time, so the
+    /// adopting server puts them to sleep (issue 18: they hibernate).
     pub async fn claim_adoptable(
         &self,
         docker: &Docker,
-        found: &[Found],
+        found: &container::Inventory,
         candidates: &HashSet<String>,
         grace: Duration,
     ) -> (Vec<String>, Vec<String>) {
-        let mut names: Vec<&String> = found
-            .iter()
-            .filter(|c| c.labels.get(LABEL_HOST) == Some(&self.owner.host))
-            .filter_map(|c| c.labels.get(LABEL_INSTANCE))
+        let labels = found.containers.iter().map(|c| &c.labels).chain(found.volumes.iter().map(|(_, l)| l));
+        let mut names: Vec<&String> = labels
+            .filter(|l| l.get(LABEL_HOST) == Some(&self.owner.host))
+            .filter_map(|l| l.get(LABEL_INSTANCE))
             .filter(|i| candidates.contains(*i))
             .collect();
         names.sort();
         names.dedup();
+        let names: Vec<String> =
+            names.into_iter().filter(|n| **n == self.owner.instance || self.claim(n)).cloned().collect();
+        let host = self.owner.host.clone();
+        let wanted = |k: &Key| k.1 == host && names.contains(&k.0);
+        let beats = heartbeat::evidence(docker, &found.containers, &wanted).await;
         let mut adoptable = Vec::new();
         let mut late = Vec::new();
-        let mut now: Option<Duration> = None;
         for name in names {
-            let own = *name == self.owner.instance;
-            if !own && !self.claim(name) {
-                continue;
-            }
-            let mut running = false;
-            let mut latest: Option<Duration> = None;
-            let beats = found.iter().filter(|c| {
-                c.labels.get(LABEL_HEARTBEAT) == Some(name) && c.labels.get(LABEL_HOST) == Some(&self.owner.host)
-            });
-            for c in beats {
-                if c.running {
-                    // Ours (a name given again) beats for us now; another's is stopping.
-                    running |= !own;
-                    continue;
-                }
-                if let Ok(Some(at)) = heartbeat::stopped_at(docker, &c.id, c.created).await {
-                    latest = Some(latest.map_or(at, |l: Duration| l.max(at)));
-                }
-            }
-            if now.is_none() {
-                now = Some(engine_clock(docker).await);
-            }
-            let within = running || latest.is_some_and(|at| now.unwrap_or_default().saturating_sub(at) < grace);
+            // Running: another's (or ours, of the process before this one) is stopping now.
+            let within = match beats.get(&(name.clone(), host.clone())) {
+                Some(Beat::Running) => true,
+                Some(Beat::StoppedFor(d)) => *d < grace,
+                Some(Beat::Absent) | None => false,
+            };
             if within {
-                adoptable.push(name.clone());
+                adoptable.push(name);
             } else {
-                late.push(name.clone());
+                late.push(name);
             }
         }
         (adoptable, late)
@@ -204,17 +194,6 @@ enum Lock {
     Held,
     /// No lock file here, another host, or a name we never put in a path: says nothing.
     Unseen,
-}
-
-/// What the engine's heartbeats say of an instance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Beat {
-    /// A heartbeat runs (or one's state could not be read: not provably stopped).
-    Running,
-    /// Every heartbeat stopped; the latest this long ago.
-    StoppedFor(Duration),
-    /// No heartbeat.
-    Absent,
 }
 
 /// What the sweep does with an instance's resources.
@@ -320,18 +299,14 @@ impl Sweeper {
         if owners.is_empty() {
             return (HashSet::new(), None);
         }
-        let beats = self.beats(docker, &found.containers).await;
+        let wanted = |k: &Key| owners.contains(k);
+        let beats = heartbeat::evidence(docker, &found.containers, &wanted).await;
         let locks = self.locks(owners.iter().filter(|(_, host)| *host == self.owner.host).cloned().collect()).await;
         let mut dead = HashSet::new();
         let mut recheck: Option<Duration> = None;
         let mut unknown = Vec::new();
         // Instances that left stopped sessions: orphans holding their state for a next server.
-        let holding: HashSet<Key> = found
-            .containers
-            .iter()
-            .filter(|c| !c.running && c.labels.contains_key(engine::LABEL_SESSION))
-            .filter_map(|c| self.key(&c.labels))
-            .collect();
+        let holding: HashSet<Key> = holding(found).iter().filter_map(|l| self.key(l)).collect();
         for key in &owners {
             let lock = locks.get(key).copied().unwrap_or(Lock::Unseen);
             let beat = beats.get(key).copied().unwrap_or(Beat::Absent);
@@ -366,38 +341,6 @@ impl Sweeper {
         self.key(labels)
     }
 
-    /// The heartbeat evidence of every instance that has heartbeats.
-    async fn beats(&self, docker: &Docker, containers: &[Found]) -> HashMap<Key, Beat> {
-        let mut beats: HashMap<Key, Beat> = HashMap::new();
-        let mut now: Option<Duration> = None;
-        for c in containers.iter().filter(|c| c.labels.contains_key(LABEL_HEARTBEAT)) {
-            let Some(key) = self.key(&c.labels) else { continue };
-            if matches!(beats.get(&key), Some(Beat::Running)) {
-                continue;
-            }
-            let beat = if c.running {
-                Beat::Running
-            } else {
-                if now.is_none() {
-                    now = Some(engine_clock(docker).await);
-                }
-                match heartbeat::stopped_at(docker, &c.id, c.created).await {
-                    Ok(Some(at)) => Beat::StoppedFor(now.unwrap_or_default().saturating_sub(at)),
-                    Err(e) if e.is_gone() => continue,
-                    Ok(None) | Err(_) => Beat::Running,
-                }
-            };
-            let merged = match (beats.get(&key), beat) {
-                (_, Beat::Running) | (Some(Beat::Running), _) => Beat::Running,
-                // The latest stop counts: the owner may have replaced a heartbeat before.
-                (Some(Beat::StoppedFor(a)), Beat::StoppedFor(b)) => Beat::StoppedFor((*a).min(b)),
-                (_, b) => b,
-            };
-            beats.insert(key, merged);
-        }
-        beats
-    }
-
     /// The lock evidence of instances of this host, probed on a blocking thread (file I/O).
     async fn locks(&self, keys: Vec<Key>) -> HashMap<Key, Lock> {
         let dir = self.dir.clone();
@@ -409,12 +352,18 @@ impl Sweeper {
     }
 }
 
-/// The engine's clock, or ours when the engine does not say.
-async fn engine_clock(docker: &Docker) -> Duration {
-    match heartbeat::engine_now(docker).await {
-        Ok(Some(t)) => t,
-        _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default(),
-    }
+/// The labels of sessions that left their state on disk with no container: a workspace volume
+/// whose container (of its name) is gone, or a session container that stopped (an older
+/// pyberth's, or one being removed). Orphans that saved themselves (docs/design.md D12).
+fn holding(found: &container::Inventory) -> Vec<&HashMap<String, String>> {
+    let named: HashSet<&str> = found.containers.iter().map(|c| c.name.as_str()).collect();
+    let stopped = found.containers.iter().filter(|c| !c.running && c.labels.contains_key(engine::LABEL_SESSION));
+    let left = found.volumes.iter().filter(|(name, l)| {
+        l.contains_key(engine::LABEL_SESSION)
+            && !l.contains_key(engine::snapshot::LABEL_SNAPSHOT)
+            && !named.contains(name.strip_suffix(engine::tether::KEEP_SUFFIX).unwrap_or(name))
+    });
+    stopped.map(|c| &c.labels).chain(left.map(|(_, l)| l)).collect()
 }
 
 /// What `dir` says of `instance`'s lock; a free one is removed.
@@ -442,8 +391,8 @@ fn probe_lock(dir: &Path, instance: &str) -> Lock {
 pub struct Keeper {
     stop: CancellationToken,
     tasks: TaskTracker,
-    /// Cleared by a stop that leaves sessions: heartbeats then stop without being removed,
-    /// their stop time saying when the sessions were left (docs/design.md D12).
+    /// Set by a stop that leaves sessions: heartbeats then stop and their stop is marked,
+    /// saying when the sessions were left (docs/design.md D12).
     leave: Arc<AtomicBool>,
 }
 
@@ -477,8 +426,8 @@ impl Keeper {
     }
 
     /// Stops the heartbeats and the waiting sweeps. With `remove`, removes the heartbeats of
-    /// `owners` (this instance's, and those it adopted); without, they stay, stopped, saying
-    /// when this server left its sessions (docs/design.md D12).
+    /// `owners` (this instance's, and those it adopted) and their marks; without, each stops
+    /// and its stop is marked, saying when this server left its sessions (docs/design.md D12).
     pub async fn stop(&self, docker: &Docker, owners: &[Owner], remove: bool) {
         self.leave.store(!remove, Ordering::SeqCst);
         self.stop.cancel();
@@ -516,23 +465,17 @@ async fn keep_beating(
             Ok(Some(mut live)) => {
                 tracing::debug!(container = %container::short(&live.id), "heartbeat started");
                 pause = Duration::from_secs(1);
+                // After it runs, never before (see `heartbeat::mark_beating`).
+                if let Err(e) = heartbeat::mark_beating(&docker, &owner).await {
+                    tracing::warn!(error = %e, "cannot mark the heartbeat running (a stale stop mark may stay)");
+                }
                 tokio::select! {
                     _ = stop.cancelled() => {
-                        if !leave.load(Ordering::SeqCst) {
+                        if leave.load(Ordering::SeqCst) {
+                            leave_stopped(&docker, live, &owner).await;
+                        } else {
                             container::remove_container(&docker, &live.id).await;
-                            return;
                         }
-                        // Left: dropping the connection stops it, and it stays, stopped. Not
-                        // gone before it has stopped: a next server started at once would see
-                        // it running, as if it were its own, and find no time of leaving.
-                        let id = live.id.clone();
-                        drop(live);
-                        let stopped = async {
-                            while container::is_running(&docker, &id).await.unwrap_or(false) {
-                                tokio::time::sleep(Duration::from_millis(50)).await;
-                            }
-                        };
-                        let _ = tokio::time::timeout(Duration::from_secs(5), stopped).await;
                         return;
                     }
                     () = live.stopped() => {}
@@ -559,6 +502,24 @@ async fn keep_beating(
     }
 }
 
+/// A stop that leaves the sessions: dropping the connection stops the heartbeat (and the engine
+/// removes it), then the moment is marked (`heartbeat::mark_stopped`). Not marked before it
+/// has stopped: a next server started at once would see it running, as if it were its own,
+/// and find no time of leaving.
+async fn leave_stopped(docker: &Docker, live: heartbeat::Live, owner: &Owner) {
+    let id = live.id.clone();
+    drop(live);
+    let stopped = async {
+        while container::is_running(docker, &id).await.unwrap_or(false) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), stopped).await;
+    if let Err(e) = heartbeat::mark_stopped(docker, owner).await {
+        tracing::warn!(error = %e, "cannot mark when the heartbeat stopped; the next server to look marks it then");
+    }
+}
+
 /// Hostname plus boot id: a new boot is a new host, whose old instances are all dead.
 fn host_id() -> String {
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_owned()).unwrap_or_default();
@@ -575,6 +536,7 @@ fn host_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::docker::container::Found;
 
     fn labels(instance: &str, host: &str) -> HashMap<String, String> {
         HashMap::from([(LABEL_INSTANCE.into(), instance.into()), (LABEL_HOST.into(), host.into())])
@@ -615,6 +577,41 @@ mod tests {
         assert_eq!(judge(Lock::Unseen, Beat::StoppedFor(s(300)), g), Verdict::Dead);
         assert_eq!(judge(Lock::Unseen, Beat::StoppedFor(s(100)), g), Verdict::Dying(s(200)));
         assert_eq!(judge(Lock::Unseen, Beat::Absent, g), Verdict::Unknown, "a missing lock is not death");
+    }
+
+    #[test]
+    fn orphans_holding_their_state_are_volumes_without_their_container() {
+        let session = |i: &str| {
+            let mut l = labels(i, "h");
+            l.insert(engine::LABEL_SESSION.into(), "s".into());
+            l
+        };
+        let found = |name: &str, i: &str, running: bool| Found {
+            id: format!("id-{name}"),
+            name: name.into(),
+            labels: session(i),
+            running,
+            created: None,
+        };
+        let mut snapshot = session("c");
+        snapshot.insert(engine::snapshot::LABEL_SNAPSHOT.into(), "snap".into());
+        let inventory = container::Inventory {
+            containers: vec![found("pyberth-a-s-0", "a", true), found("pyberth-d-s-3", "d", false)],
+            volumes: vec![
+                ("pyberth-a-s-0".into(), session("a")),
+                ("pyberth-a-s-0-keep".into(), session("a")),
+                ("pyberth-b-s-1".into(), session("b")),
+                ("pyberth-b-s-1-keep".into(), session("b")),
+                ("pyberth-c-snap".into(), snapshot),
+                ("pyberth-e-x".into(), labels("e", "h")),
+            ],
+        };
+        let mut who: Vec<&str> =
+            holding(&inventory).iter().filter_map(|l| l.get(LABEL_INSTANCE)).map(String::as_str).collect();
+        who.sort_unstable();
+        who.dedup();
+        // a runs; b left its volumes; c is a snapshot; d's container stopped; e is no session's.
+        assert_eq!(who, ["b", "d"]);
     }
 
     #[test]

@@ -77,4 +77,39 @@ impl Blueprint {
         }
         Ok(made)
     }
+
+    /// A new container on the volumes a session kept when its container went with no server
+    /// (docs/design.md D12, orphans): made on `volume` as `uid`, a tmpfs workspace's copy put
+    /// back, then tethered and given its egress, as [`Blueprint::create`] does. On failure the
+    /// volumes stay; the caller decides.
+    #[allow(clippy::too_many_arguments)] // `create`'s parts, and the volume and uid it had
+    pub async fn recreate(
+        &self,
+        docker: &Docker,
+        store: bollard::models::Mount,
+        image: &str,
+        owner: &Owner,
+        label: &str,
+        principal: &str,
+        volume: &str,
+        uid: u32,
+    ) -> Result<Created, docker::Error> {
+        let mut spec = self.spec.clone();
+        spec.mounts.insert(0, store);
+        let made = container::recreate(docker, &spec, image, owner, label, principal, volume, uid).await?;
+        let finish = async {
+            // Before the tether, which empties the copy (the copy is back by then).
+            docker::exec::run_as_code(docker, &made.id, uid, docker::tether::COPY_BACK).await?;
+            docker::tether::hold(docker, &made.id, spec.orphan_after).await?;
+            if let Some(egress) = &self.egress {
+                egress.after_start(docker, &made.id).await?;
+            }
+            Ok::<(), docker::Error>(())
+        };
+        if let Err(e) = finish.await {
+            container::remove_container(docker, &made.id).await;
+            return Err(e);
+        }
+        Ok(made)
+    }
 }

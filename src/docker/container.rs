@@ -242,31 +242,85 @@ pub async fn create(
     let uid = identity::pick(docker, spec.uid_range).await?;
     let mut labels = owner.labels(session, principal);
     labels.insert(LABEL_UID.to_owned(), uid.to_string());
-    {
-        let volume = &name;
-        let mut request =
-            VolumeCreateRequest { name: Some(volume.clone()), labels: Some(labels.clone()), ..Default::default() };
-        if let Some(mb) = spec.workspace_mb {
-            // A hard size and inode bound on any filesystem: tmpfs through the local driver,
-            // owned by the code's uid (a tmpfs has no copy-up from the image).
-            request.driver = Some("local".into());
-            request.driver_opts = Some(tmpfs_workspace_options(mb, uid));
-        }
-        if let Err(e) = docker.create_volume(request).await {
-            remove_volume(docker, &name).await;
-            identity::release(uid);
-            return Err(e.into());
+    let mut request =
+        VolumeCreateRequest { name: Some(name.clone()), labels: Some(labels.clone()), ..Default::default() };
+    if let Some(mb) = spec.workspace_mb {
+        // A hard size and inode bound on any filesystem: tmpfs through the local driver,
+        // owned by the code's uid (a tmpfs has no copy-up from the image).
+        request.driver = Some("local".into());
+        request.driver_opts = Some(tmpfs_workspace_options(mb, uid));
+    }
+    if let Err(e) = docker.create_volume(request).await {
+        remove_volume(docker, &name).await;
+        identity::release(uid);
+        return Err(e.into());
+    }
+    let made = Created { id: name.clone(), volume: name, uid };
+    match make(docker, spec, image, &made, labels).await {
+        Ok(id) => Ok(Created { id, ..made }),
+        Err(e) => {
+            destroy(docker, &made).await;
+            Err(e)
         }
     }
-    let mut hc = host_config(spec, &name);
+}
+
+/// A new container, started, for a session whose container is gone but whose workspace
+/// volume `volume` (and keep volume) stayed: an orphan its tether stopped, which the engine
+/// then removed (docs/design.md D12). Same uid (its files are that uid's, its tmpfs is made
+/// for it), same name as the volume. Nothing is copied back and no tether held yet: the caller
+/// does both, in that order ([`super::tether::COPY_BACK`]). On failure the volumes stay.
+#[allow(clippy::too_many_arguments)] // a session's parts, as `create` takes them, and its volume
+pub async fn recreate(
+    docker: &Docker,
+    spec: &Spec,
+    image: &str,
+    owner: &Owner,
+    session: &str,
+    principal: &str,
+    volume: &str,
+    uid: u32,
+) -> Result<Created, Error> {
+    // Never an empty, unlabelled volume made by a mount in its place: gone is gone.
+    docker.inspect_volume(volume).await?;
+    identity::reserve(uid);
+    let mut labels = owner.labels(session, principal);
+    labels.insert(LABEL_UID.to_owned(), uid.to_string());
+    // The name is the volume's, as it was the old container's: gone by now, or going.
+    let opts = RemoveContainerOptionsBuilder::default().force(true).build();
+    for _ in 0..50 {
+        match docker.remove_container(volume, Some(opts.clone())).await {
+            Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => break,
+            Ok(()) => {}
+            Err(e) if removal_under_way(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let made = Created { id: volume.to_owned(), volume: volume.to_owned(), uid };
+    let id = make(docker, spec, image, &made, labels).await?;
+    Ok(Created { id, ..made })
+}
+
+/// Creates and starts the container named `made.id` on the workspace volume `made.volume`
+/// (and, for a tmpfs workspace, its keep volume); returns its id. On failure what it made of
+/// the container is removed; the volumes are the caller's.
+async fn make(
+    docker: &Docker,
+    spec: &Spec,
+    image: &str,
+    made: &Created,
+    labels: HashMap<String, String>,
+) -> Result<String, Error> {
+    let mut hc = host_config(spec, &made.volume);
+    // Removed by the engine once it stops: a sandbox its tether stopped leaves its volumes
+    // only, nothing on `docker ps -a` (issue 26); a server recreates it on them.
+    hc.auto_remove = Some(true);
     if let Some(mounts) = hc.mounts.as_mut() {
         mounts.extend(spec.mounts.iter().cloned());
         // Where an orphan's tmpfs workspace is kept on disk (`tether`).
-        if spec.workspace_mb.is_some()
-            && let Err(e) = super::tether::add_keep(docker, &name, &labels, mounts).await
-        {
-            destroy(docker, &Created { id: name.clone(), volume: name.clone(), uid }).await;
-            return Err(e);
+        if spec.workspace_mb.is_some() {
+            super::tether::add_keep(docker, &made.volume, &labels, mounts).await?;
         }
     }
     let mut body = ContainerCreateBody {
@@ -290,21 +344,13 @@ pub async fn create(
         hc.dns_search = Some(Vec::new());
         hc.dns_options = Some(Vec::new());
     }
-    let opts = CreateContainerOptionsBuilder::default().name(&name).build();
-    let made = Created { id: name.clone(), volume: name.clone(), uid };
-    let created = match docker.create_container(Some(opts), body).await {
-        Ok(c) => c,
-        Err(e) => {
-            destroy(docker, &made).await;
-            return Err(e.into());
-        }
-    };
-    let made = Created { id: created.id, ..made };
-    if let Err(e) = docker.start_container(&made.id, None).await {
-        destroy(docker, &made).await;
+    let opts = CreateContainerOptionsBuilder::default().name(&made.id).build();
+    let id = docker.create_container(Some(opts), body).await?.id;
+    if let Err(e) = docker.start_container(&id, None).await {
+        remove_container(docker, &id).await;
         return Err(e.into());
     }
-    Ok(made)
+    Ok(id)
 }
 
 fn orphan_env(spec: &Spec) -> String {
@@ -315,9 +361,30 @@ fn orphan_env(spec: &Spec) -> String {
 /// returned: cleanup must go on for the other resources, and the sweep catches what is left.
 pub async fn destroy(docker: &Docker, c: &Created) {
     remove_container(docker, &c.id).await;
-    remove_volume(docker, &c.volume).await;
-    remove_volume(docker, &super::tether::keep_volume(&c.volume)).await;
+    for volume in [c.volume.clone(), super::tether::keep_volume(&c.volume)] {
+        remove_volume_once_free(docker, &volume).await;
+    }
     identity::release(c.uid);
+}
+
+/// Removes a volume, waiting (up to 10 s) while the engine still counts it in use: a
+/// container that stopped by itself is removed by the engine (`AutoRemove`) a moment later,
+/// and its volumes are free only then.
+async fn remove_volume_once_free(docker: &Docker, name: &str) {
+    let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
+    for _ in 0..50 {
+        match docker.remove_volume(name, Some(opts.clone())).await {
+            Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Ok(()) | Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => return,
+            Err(e) => {
+                tracing::warn!(volume = %name, error = %e, "cannot remove volume");
+                return;
+            }
+        }
+    }
+    tracing::warn!(volume = %name, "cannot remove volume: still in use after 10 s");
 }
 
 use super::next_serial;
@@ -398,49 +465,3 @@ pub fn short(id: &str) -> &str {
 }
 
 pub use super::inventory::{Found, Inventory, inventory, remove_leftover_container, remove_leftover_volume, sweep};
-
-/// What a short-lived utility container of ours runs as, and what it may use.
-pub(crate) struct Utility<'a> {
-    /// Its name (ours: `pyberth-<instance>-…`).
-    pub(crate) name: &'a str,
-    pub(crate) owner: &'a Owner,
-    pub(crate) image: &'a str,
-    /// The Python source it runs (`python3 -I -S -c`), and its arguments.
-    pub(crate) script: &'a str,
-    pub(crate) args: Vec<String>,
-    /// `uid:gid`.
-    pub(crate) user: String,
-    pub(crate) memory: i64,
-    pub(crate) pids: i64,
-    pub(crate) runtime: Option<&'a str>,
-    pub(crate) mounts: Vec<Mount>,
-}
-
-/// Creates (does not start) a utility container: a trusted script from the image, with no
-/// network, no capabilities, no new privileges, a read-only root, bounded memory and pids, and
-/// our labels, so a sweep finds it if the server dies meanwhile. The layer store's writer and
-/// the snapshot packer are both made here, so their fences cannot drift apart.
-pub(crate) async fn create_utility(docker: &Docker, u: Utility<'_>) -> Result<String, bollard::errors::Error> {
-    let labels = u.owner.labels_with(&[]);
-    let cmd = ["python3", "-I", "-S", "-c", u.script].iter().map(|s| (*s).to_owned()).chain(u.args).collect();
-    let fence = Fence {
-        memory: u.memory,
-        pids: u.pids,
-        seccomp: None,
-        runtime: u.runtime.map(str::to_owned),
-        network: "none",
-        read_only: true,
-    };
-    let body = ContainerCreateBody {
-        image: Some(u.image.into()),
-        cmd: Some(cmd),
-        user: Some(u.user),
-        env: Some(vec!["PATH=/usr/local/bin:/usr/bin:/bin".into(), "LANG=C.UTF-8".into()]),
-        labels: Some(labels),
-        network_disabled: Some(true),
-        host_config: Some(HostConfig { mounts: Some(u.mounts), ..hardened(fence) }),
-        ..Default::default()
-    };
-    let opts = CreateContainerOptionsBuilder::default().name(u.name).build();
-    Ok(docker.create_container(Some(opts), body).await?.id)
-}

@@ -5,9 +5,17 @@
 //! open and `StdinOnce`, and this server attaches to its stdin before starting it and holds
 //! that connection for its whole life. When the server dies, even by SIGKILL, the kernel
 //! closes the connection, the engine closes the container's stdin, and the container stops
-//! (checked on Engine 20.10: within half a second). It is never auto-removed: a stopped
-//! heartbeat, and when it stopped (`State.FinishedAt`), is the evidence the sweep reads. No
-//! call is made while it runs: no polling, no timestamps to refresh.
+//! (checked on Engine 20.10: within half a second) and is removed (`AutoRemove`): nothing of a
+//! dead server stays on `docker ps -a`. No call is made while it runs: no polling, no
+//! timestamps to refresh.
+//!
+//! Its absence alone would prove nothing (an older pyberth, a server that never got its
+//! heartbeat up), so two labelled volumes say what a missing heartbeat means ([`evidence`]):
+//! `pyberth-<instance>-heartbeat` (this instance has had a heartbeat: made when one first
+//! runs) and `pyberth-<instance>-heartbeat-stopped`, made when it stopped, at the latest:
+//! by the server itself when it leaves its sessions, or by the first server (or `pyberth gc`)
+//! that finds the heartbeat gone. Its creation time, by the engine's clock, is the moment the
+//! grace counts from; a server whose heartbeat runs again removes it.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -15,19 +23,26 @@ use std::time::Duration;
 
 use bollard::Docker;
 use bollard::container::LogOutput;
-use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::models::{ContainerCreateBody, HostConfig, VolumeCreateRequest};
 use bollard::query_parameters::{
     AttachContainerOptionsBuilder, CreateContainerOptionsBuilder, ListContainersOptionsBuilder,
+    ListVolumesOptionsBuilder,
 };
 use futures::{Stream, StreamExt};
 
-use super::container::{Owner, remove_container};
+use super::container::{Found, Owner, remove_container, remove_volume};
 use super::{Error, LABEL_HOST, LABEL_MANAGED};
 
 /// Label on a heartbeat container, naming the instance it beats for. Heartbeats carry no
 /// `pyberth.instance` label: they are not resources of a session, and counting or sweeping
 /// by instance never mistakes one for a session's container.
 pub const LABEL_HEARTBEAT: &str = "pyberth.heartbeat";
+/// Label on the two volumes that say what a missing heartbeat means: [`HAD`] or [`STOPPED`].
+pub const LABEL_BEAT: &str = "pyberth.beat";
+/// This instance has had a heartbeat.
+const HAD: &str = "had";
+/// This instance's heartbeat stopped, at the latest when this volume was made.
+const STOPPED: &str = "stopped";
 
 /// Reads stdin to its end, then exits: alive exactly as long as the attach connection.
 const BEAT: &str = "import sys\nwhile sys.stdin.buffer.read(65536):\n    pass\n";
@@ -81,8 +96,9 @@ pub async fn start(docker: &Docker, image: &str, owner: &Owner, suffix: &str) ->
             nano_cpus: Some(50_000_000),
             log_config: super::container::no_log(),
             restart_policy: super::container::no_restart(),
-            // Kept when it stops: a stopped heartbeat is how others learn this instance died.
-            auto_remove: Some(false),
+            // Gone when it stops: the volumes of [`mark_beating`] and [`mark_stopped`] say it
+            // stopped, and when.
+            auto_remove: Some(true),
             ..super::container::hardened(super::container::Fence {
                 memory: 32 << 20,
                 pids: 8,
@@ -112,7 +128,7 @@ pub async fn start(docker: &Docker, image: &str, owner: &Owner, suffix: &str) ->
     }
 }
 
-/// Removes every heartbeat of `owner`, running or not.
+/// Removes every heartbeat of `owner`, running or not, and its volumes.
 pub async fn remove_all(docker: &Docker, owner: &Owner) -> Result<(), Error> {
     let beat = format!("{LABEL_HEARTBEAT}={}", owner.instance);
     let host = format!("{LABEL_HOST}={}", owner.host);
@@ -123,7 +139,178 @@ pub async fn remove_all(docker: &Docker, owner: &Owner) -> Result<(), Error> {
             remove_container(docker, &id).await;
         }
     }
+    for kind in [STOPPED, HAD] {
+        remove_volume(docker, &mark_name(&owner.instance, kind)).await;
+    }
     Ok(())
+}
+
+fn mark_name(instance: &str, kind: &str) -> String {
+    match kind {
+        HAD => format!("pyberth-{instance}-heartbeat"),
+        _ => format!("pyberth-{instance}-heartbeat-{kind}"),
+    }
+}
+
+/// Makes (or finds: a name is made once) the volume saying `kind` of `owner`'s heartbeat.
+async fn mark(docker: &Docker, owner: &Owner, kind: &str) -> Result<(), Error> {
+    let labels = HashMap::from([
+        (LABEL_MANAGED.to_owned(), "1".to_owned()),
+        (LABEL_HOST.to_owned(), owner.host.clone()),
+        (LABEL_HEARTBEAT.to_owned(), owner.instance.clone()),
+        (LABEL_BEAT.to_owned(), kind.to_owned()),
+    ]);
+    let request = VolumeCreateRequest {
+        name: Some(mark_name(&owner.instance, kind)),
+        labels: Some(labels),
+        ..Default::default()
+    };
+    docker.create_volume(request).await?;
+    Ok(())
+}
+
+/// Once a heartbeat of `owner` runs: the volume saying it has had one, and no longer one
+/// saying it stopped (made by its own leave before, or by a server that found it gone while
+/// this one made another). Called after the heartbeat started, never before: a server that
+/// marks it stopped meanwhile looks again afterwards and finds it running ([`evidence`]).
+pub async fn mark_beating(docker: &Docker, owner: &Owner) -> Result<(), Error> {
+    mark(docker, owner, HAD).await?;
+    let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+    match docker.remove_volume(&mark_name(&owner.instance, STOPPED), Some(opts)).await {
+        Ok(()) | Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// When `owner`'s heartbeat has stopped and its server leaves its sessions: the moment, kept.
+pub async fn mark_stopped(docker: &Docker, owner: &Owner) -> Result<(), Error> {
+    mark(docker, owner, STOPPED).await
+}
+
+/// What the engine says of an instance's heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Beat {
+    /// A heartbeat runs (or one's state could not be read: not provably stopped).
+    Running,
+    /// It stopped; the latest stop this long ago, at least.
+    StoppedFor(Duration),
+    /// No heartbeat, and none is known to have run: nothing is known.
+    Absent,
+}
+
+/// An instance as labels name it: (instance, host).
+type Key = (String, String);
+
+/// The heartbeat of `c`'s labels: its (instance, host), when it is one.
+fn beat_key(labels: &HashMap<String, String>) -> Option<Key> {
+    Some((labels.get(LABEL_HEARTBEAT)?.clone(), labels.get(LABEL_HOST)?.clone()))
+}
+
+/// The heartbeat evidence of the instances `wanted` picks, read from `containers` (a listing
+/// of ours, heartbeats among them) and the marks (one volume listing): running, stopped for
+/// how long (the latest stop: a stopped heartbeat not yet removed, or the stop mark), or
+/// absent. An instance that has had a heartbeat and has neither a running one nor a stop
+/// mark is marked stopped now, and stopped for zero: its grace starts here, never earlier
+/// than its real stop. Then its heartbeats are listed again: one running now (its server made
+/// another meanwhile, and marked it beating before this mark) removes the mark again.
+pub async fn evidence(
+    docker: &Docker,
+    containers: &[Found],
+    wanted: &(dyn Fn(&Key) -> bool + Send + Sync),
+) -> HashMap<Key, Beat> {
+    let mut running: HashMap<Key, bool> = HashMap::new();
+    let mut latest: HashMap<Key, Duration> = HashMap::new();
+    let mut had: Vec<Key> = Vec::new();
+    let later = |m: &mut HashMap<Key, Duration>, k: Key, at: Duration| {
+        let t = m.entry(k).or_insert(at);
+        *t = (*t).max(at);
+    };
+    for c in containers {
+        let Some(key) = beat_key(&c.labels).filter(|k| wanted(k)) else { continue };
+        if c.running || running.get(&key) == Some(&true) {
+            running.insert(key, true);
+            continue;
+        }
+        match stopped_at(docker, &c.id, c.created).await {
+            Ok(Some(at)) => later(&mut latest, key.clone(), at),
+            Err(e) if e.is_gone() => continue,
+            // Not provably stopped.
+            Ok(None) | Err(_) => {
+                running.insert(key, true);
+                continue;
+            }
+        }
+        running.entry(key).or_insert(false);
+    }
+    let filters = HashMap::from([("label", vec![LABEL_BEAT])]);
+    let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
+    let marks = match docker.list_volumes(Some(opts)).await {
+        Ok(v) => v.volumes.unwrap_or_default(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list the heartbeat marks; going by heartbeat containers alone");
+            Vec::new()
+        }
+    };
+    for v in marks {
+        let Some(key) = beat_key(&v.labels).filter(|k| wanted(k)) else { continue };
+        match v.labels.get(LABEL_BEAT).map(String::as_str) {
+            Some(STOPPED) => match v.created_at.as_deref().and_then(parse_time) {
+                Some(at) => later(&mut latest, key, at),
+                // A mark without a time: stopped, since when unknown, so from now.
+                None => had.push(key),
+            },
+            Some(HAD) => had.push(key),
+            _ => {}
+        }
+    }
+    let now = engine_clock(docker).await;
+    let mut out: HashMap<Key, Beat> =
+        running.into_iter().filter(|(_, r)| *r).map(|(key, _)| (key, Beat::Running)).collect();
+    for (key, at) in latest {
+        out.entry(key).or_insert(Beat::StoppedFor(now.saturating_sub(at)));
+    }
+    had.sort();
+    had.dedup();
+    had.retain(|k| !out.contains_key(k));
+    for key in had {
+        let beat = observe_gone(docker, &key).await;
+        out.insert(key, beat);
+    }
+    out
+}
+
+/// An instance that has had a heartbeat and shows none: marked stopped now (see [`evidence`]).
+async fn observe_gone(docker: &Docker, key: &Key) -> Beat {
+    use bollard::models::ContainerSummaryStateEnum as S;
+    let owner = Owner { instance: key.0.clone(), host: key.1.clone() };
+    if let Err(e) = mark_stopped(docker, &owner).await {
+        tracing::warn!(instance = %key.0, error = %e, "cannot mark a missing heartbeat stopped; its instance is left alone");
+        return Beat::Running;
+    }
+    let beat = format!("{LABEL_HEARTBEAT}={}", key.0);
+    let host = format!("{LABEL_HOST}={}", key.1);
+    let filters = HashMap::from([("label", vec![beat.as_str(), host.as_str()])]);
+    let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+    match docker.list_containers(Some(opts)).await {
+        Ok(list) if list.iter().all(|c| matches!(c.state, Some(S::EXITED | S::DEAD))) => {
+            Beat::StoppedFor(Duration::ZERO)
+        }
+        // One runs (or is being made) again: alive, and the mark goes (its server removes it
+        // too once its new heartbeat runs).
+        Ok(_) => {
+            remove_volume(docker, &mark_name(&key.0, STOPPED)).await;
+            Beat::Running
+        }
+        Err(_) => Beat::Running,
+    }
+}
+
+/// The engine's clock, or ours when the engine does not say.
+pub async fn engine_clock(docker: &Docker) -> Duration {
+    match engine_now(docker).await {
+        Ok(Some(t)) => t,
+        _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default(),
+    }
 }
 
 /// The engine's clock, read once per sweep: stop times are compared with the clock that wrote

@@ -14,7 +14,7 @@ use std::io::Read as _;
 use std::sync::Mutex;
 
 use bollard::Docker;
-use bollard::query_parameters::ListContainersOptionsBuilder;
+use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder};
 
 use super::Error;
 
@@ -147,18 +147,30 @@ pub fn release(uid: u32) {
     }
 }
 
+/// Lends `uid` again to a session that had it (a new container on its old volumes, whose files
+/// are that uid's): given back with [`release`] as any other.
+pub fn reserve(uid: u32) {
+    lend(uid);
+}
+
 /// Marks `uid` as lent; false when it already was.
 fn lend(uid: u32) -> bool {
     let mut set = IN_USE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     set.get_or_insert_with(HashSet::new).insert(uid)
 }
 
-/// Whether any container on the engine, running or not, carries `uid` in its label.
+/// Whether any container on the engine, running or not, or any volume carries `uid` in its
+/// label: a session whose container is gone keeps its uid in its workspace volume, for the
+/// container a server makes on it again (docs/design.md D12).
 async fn engine_holds(docker: &Docker, uid: u32) -> Result<bool, Error> {
     let label = format!("{LABEL_UID}={uid}");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
     let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
-    Ok(!docker.list_containers(Some(opts)).await?.is_empty())
+    if !docker.list_containers(Some(opts)).await?.is_empty() {
+        return Ok(true);
+    }
+    let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
+    Ok(docker.list_volumes(Some(opts)).await?.volumes.is_some_and(|v| !v.is_empty()))
 }
 
 fn random_in(range: UidRange) -> Result<u32, Error> {

@@ -16,6 +16,9 @@ use super::{Error, LABEL_MANAGED};
 pub struct Found {
     /// Container id.
     pub id: String,
+    /// Its name (without the engine's leading `/`); a session container's is its workspace
+    /// volume's.
+    pub name: String,
     /// Its labels.
     pub labels: HashMap<String, String>,
     /// Not provably stopped: any state but created, exited or dead.
@@ -43,8 +46,10 @@ pub async fn inventory(docker: &Docker) -> Result<Inventory, Error> {
         .await?
         .into_iter()
         .filter_map(|c| {
+            let name = c.names.as_ref().and_then(|n| n.first()).map(|n| n.trim_start_matches('/').to_owned());
             Some(Found {
                 id: c.id?,
+                name: name.unwrap_or_default(),
                 labels: c.labels.unwrap_or_default(),
                 running: !matches!(c.state, Some(S::CREATED | S::EXITED | S::DEAD)),
                 created: c.created,

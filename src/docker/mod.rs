@@ -14,6 +14,7 @@ pub mod inventory;
 pub mod snapshot;
 pub mod tether;
 mod unpack;
+pub(crate) mod utility;
 
 use bollard::Docker;
 

@@ -7,10 +7,12 @@
 //! container removed by `docker compose down -v`), the engine closes the stdin; the process
 //! waits out the grace plus a margin, and then, unless a newer server tethered the container
 //! meanwhile (another such process of PID 1's uid runs), signals PID 1, which stops the
-//! container: no CPU, no memory, the workspace volume kept. The keeper inside (same grace,
-//! `images/python/keeper.py`) has by then had the agent save its state into the workspace,
-//! where the next server's restore finds it. The code's uid can neither signal this process
-//! nor start another of PID 1's uid (no setuid binaries), so it cannot keep an orphan alive.
+//! container: no CPU, no memory. The engine then removes it (`AutoRemove`); its workspace
+//! volume and keep volume stay. The keeper inside (same grace, `images/python/keeper.py`) has
+//! by then had the agent save its state into the workspace, where the next server's restore
+//! finds it, on a new container made on those volumes. The code's uid can neither signal this
+//! process nor start another of PID 1's uid (no setuid binaries), so it cannot keep an orphan
+//! alive.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -56,16 +58,19 @@ if [ -d "$k" ] && grep -q " /workspace tmpfs " /proc/mounts && mkdir "$k/ws"; th
 fi
 kill -TERM 1
 "#;
-/// Run as the code's uid when a stopped container starts again: what the tether kept goes
-/// back into the (new, empty) tmpfs workspace.
+/// Run as the code's uid in a new container on a left session's volumes, before its tether:
+/// what the tether kept goes back into the (new, empty) tmpfs workspace.
 pub const COPY_BACK: &str = r#"k=/opt/pyberth/keep
 if [ -f "$k/done" ]; then tar -C "$k/ws" -cSf - . | tar -C /workspace -xf -; fi
 true
 "#;
 
+/// How the volume of [`KEEP`] is named: its workspace volume's name and this.
+pub const KEEP_SUFFIX: &str = "-keep";
+
 /// The volume that holds a tmpfs workspace's copy, beside the workspace volume `volume`.
 pub fn keep_volume(volume: &str) -> String {
-    format!("{volume}-keep")
+    format!("{volume}{KEEP_SUFFIX}")
 }
 
 /// Creates the volume of [`KEEP`] beside the workspace volume `volume`, and its mount.

@@ -145,6 +145,9 @@ impl Manager {
             // The operator's resolvers (--egress-dns), else the engine's: the proxy is the one
             // place names resolve; every answer is still checked (proxy/conn.rs, resolve).
             dns: (!self.cfg.egress_dns.is_empty()).then(|| self.cfg.egress_dns.clone()),
+            // It exits when its stdin closes (this server went): then the engine removes it,
+            // and nothing of a dead server stays on `docker ps -a` (issue 26).
+            auto_remove: Some(true),
             ..crate::docker::container::hardened(crate::docker::container::Fence {
                 memory: 256 << 20,
                 pids: 256,

@@ -237,7 +237,7 @@ async fn create_script(
         volume_options: Some(MountVolumeOptions { no_copy: Some(true), ..Default::default() }),
         ..Default::default()
     }];
-    let utility = container::Utility {
+    let utility = crate::docker::utility::Utility {
         name: &name,
         owner,
         image,
@@ -251,7 +251,7 @@ async fn create_script(
         mounts,
     };
     let mut t = std::time::Instant::now();
-    let id = container::create_utility(docker, utility).await?;
+    let id = crate::docker::utility::create_utility(docker, utility).await?;
     super::lap("store: create", &mut t);
     Ok(id)
 }

@@ -340,13 +340,18 @@ impl Jobs {
             if let Ok(mut jobs) = self.jobs.lock() {
                 jobs.insert(job.id.clone(), job.clone());
             }
+            let found = session.is_some();
             let Some(session) = session.filter(|_| r.run != 0) else {
                 ledger.forget_job(&r.instance, &r.id);
-                job.finish(Finished::Failed(
-                    "the server restarted, and the job's session could not be taken over (its container is gone, \
-                     or the run had not started)"
-                        .into(),
-                ));
+                // Said precisely: a run never sent never ran (its id is recorded just before
+                // it is sent), so the caller knows to start it again.
+                let why = if found {
+                    "the server stopped before the job's run was sent to the interpreter (its session was still being \
+                     woken or given a container): its code did not run; start it again"
+                } else {
+                    "the server restarted, and the job's session could not be taken over: its container is gone"
+                };
+                job.finish(Finished::Failed(why.into()));
                 continue;
             };
             taken += 1;

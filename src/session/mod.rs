@@ -258,8 +258,8 @@ pub struct Session {
     agent_pid: AtomicU32,
     /// Why and when its state was last lost (`ended.rs`).
     lost: ended::LastLoss,
-    /// Adopted with its container stopped by its tether (`orphan.rs`): asleep until its
-    /// first call starts it again.
+    /// Adopted with its container stopped by its tether and gone, its volumes kept
+    /// (`orphan.rs`): asleep until its first call makes it a container on them again.
     left_stopped: AtomicBool,
     /// Where a wake takes its container from, when the warm pool holds containers of the
     /// session's image.
@@ -294,12 +294,17 @@ async fn make_container(
     label: &str,
     principal: &str,
 ) -> Result<Created, docker::Error> {
-    let store = packages::Store::open(docker).await.map_err(|e| match e {
+    let store = open_store(docker).await?;
+    blueprint.create(docker, store.session_mount(), image, owner, label, principal).await
+}
+
+/// The layer store, which every session container mounts read-only.
+async fn open_store(docker: &Docker) -> Result<packages::Store, docker::Error> {
+    packages::Store::open(docker).await.map_err(|e| match e {
         packages::Error::Docker(e) => e,
         // A plain message (`NoBaseImage` prints its text as is).
         other => docker::Error::NoBaseImage(format!("cannot open the layer store: {other}")),
-    })?;
-    blueprint.create(docker, store.session_mount(), image, owner, label, principal).await
+    })
 }
 
 /// A started container whose agent has greeted, not yet anyone's session (the warm pool).
@@ -515,11 +520,11 @@ impl Session {
                 }
             }
         } else if self.left_stopped.swap(false, Ordering::SeqCst) {
-            // Stopped by its tether while no server held it (orphan.rs).
+            // Stopped by its tether while no server held it, its volumes kept (orphan.rs).
             match self.restart_stopped(inner).await {
                 Ok(notice) => return Ok(Some(notice)),
                 Err(e) => {
-                    tracing::warn!(session = %self.name, error = %e, "cannot start a stopped session again; recreating")
+                    tracing::warn!(session = %self.name, error = %e, "cannot wake a session its server had left; recreating")
                 }
             }
         } else {

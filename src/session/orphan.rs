@@ -1,27 +1,41 @@
 //! A session whose server went (docs/design.md D12, "Orphans"): after the grace its keeper had
 //! the agent save its state into the workspace and end, and its tether stopped the container
-//! (`docker/tether.rs`). The next server takes it like a hibernated session: its first call
-//! starts the container again and restores that state in place.
+//! (`docker/tether.rs`), which the engine then removed: its volumes and its record are what
+//! is left. The next server takes it like a hibernated session: its first call makes a
+//! container on those volumes again and restores that state in place.
 
 use super::{Error, Inner, Session, agent};
-use crate::docker::{container, exec, tether};
+use crate::docker::container;
 use crate::protocol::{NOTHING_SAVED, Request};
 
 impl Session {
-    /// The session's container stopped while no server held it: started again, tethered, a
-    /// fresh agent, and what it saved restored. Err: it cannot be started (gone, say); the
-    /// caller replaces it.
+    /// The session's container stopped (and went) while no server held it: a new one on its
+    /// volumes, tethered, a fresh agent, and what it saved restored. Err: it cannot be made
+    /// (its volume gone, say); the caller replaces it.
     pub(super) async fn restart_stopped(&self, inner: &mut Inner) -> Result<String, Error> {
-        let id = inner.container.id.clone();
-        self.docker.start_container(&id, None).await.map_err(crate::docker::Error::from)?;
-        // A tmpfs workspace came back empty: what the tether kept goes back first (the new
-        // tether empties the copy).
-        exec::run_as_code(&self.docker, &id, inner.container.uid, tether::COPY_BACK).await?;
-        tether::hold(&self.docker, &id, self.blueprint.spec.orphan_after).await?;
+        let old = inner.container.clone();
+        let store = super::open_store(&self.docker).await?;
+        let made = self
+            .blueprint
+            .recreate(
+                &self.docker,
+                store.session_mount(),
+                &self.image,
+                &self.owner,
+                &self.name,
+                &self.principal,
+                &old.volume,
+                old.uid,
+            )
+            .await?;
+        inner.container = made.clone();
+        if let Ok(mut c) = self.container.lock() {
+            *c = made.clone();
+        }
         // A fresh container numbers its pids afresh: the old agent's pid proves nothing now.
         inner.reattach_pid = None;
         self.start_agent(inner).await?;
-        tracing::info!(session = %self.name, container = %container::short(&id), "a session its server had left stopped was started again");
+        tracing::info!(session = %self.name, container = %container::short(&made.id), "a session its server had left was given a container on its volumes again");
         Ok(match Box::pin(self.restore_saved(inner)).await {
             Some(text) => text,
             None => {

@@ -755,14 +755,16 @@ impl Registry {
     /// left behind (docs/design.md D9). When some instance's heartbeat stopped too recently
     /// to call it dead, a sweep runs again once the grace is over.
     pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
-        match self.environments.get(None) {
-            Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
-            Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
-        }
         match self.adopt_leftovers().await {
             Ok(0) => {}
             Ok(n) => tracing::info!(sessions = n, "adopted the sessions of stopped servers"),
             Err(e) => tracing::warn!(error = %e, "cannot adopt the sessions of stopped servers"),
+        }
+        // After the adoption, which reads when this instance's name (given again) last beat:
+        // a new heartbeat removes that mark (docker/heartbeat.rs).
+        match self.environments.get(None) {
+            Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
+            Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
         }
         let sweeper = self.instance.sweeper(self.cfg.leftover_grace()).keeping(self.cfg.idle_ttl());
         let swept = sweeper.sweep(&self.docker).await?;
@@ -902,17 +904,7 @@ impl Registry {
             self.keeper.stop(&self.docker, &[], false).await;
             packages::settle().await;
             self.egress.drop_idle_installers().await;
-            let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
-            tracing::info!(
-                sessions = left,
-                adopt_within_s = self.cfg.adopt_grace_s,
-                stop_after_s = stop_s,
-                "{left} sessions left for the next server of state dir {}: it adopts them running if it starts within \
-                 {} s; {stop_s} s after this stop each saves its state and its container stops (no CPU or memory), kept \
-                 on disk for that server to wake. To remove them now: pyberth gc --yes --grace-s 0",
-                self.cfg.state_dir().display(),
-                self.cfg.adopt_grace_s,
-            );
+            self.say_left(left).await;
             return;
         }
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
@@ -933,6 +925,36 @@ impl Registry {
         let mut owners = self.instance.adopted_owners();
         owners.push(self.instance.owner.clone());
         self.keeper.stop(&self.docker, &owners, true).await;
+    }
+}
+
+impl Registry {
+    /// The stop's last word when it leaves sessions: what stays, for how long, how to remove it.
+    async fn say_left(&self, left: usize) {
+        let mut instances: Vec<String> = self.instance.adopted_owners().into_iter().map(|o| o.instance).collect();
+        instances.push(self.instance.owner.instance.clone());
+        let (containers, volumes) = crate::gc::left_by(&self.docker, &instances).await.unwrap_or_default();
+        let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
+        tracing::info!(
+            sessions = left,
+            containers,
+            volumes,
+            instances = ?instances,
+            adopt_within_s = self.cfg.adopt_grace_s,
+            stop_after_s = stop_s,
+            "{left} sessions left for the next server of state dir {}: it adopts them running if it starts within {} s. \
+             Left on the engine: {containers} containers, running until {stop_s} s after this stop, when each saves its \
+             state into its volumes and stops, and the engine removes it (no process, nothing in docker ps -a); and \
+             {volumes} volumes (workspaces, their on-disk copies, snapshots, heartbeat marks), which stay: a server of \
+             this state dir wakes those sessions from them whenever it starts; a server of another state dir removes \
+             them once this stop is --idle-ttl-s ({} s) old. To remove it all now: pyberth gc --yes --grace-s 0 \
+             --only-instance I, for I in {}, with another state dir than this one (whose records keep them for its \
+             next server)",
+            self.cfg.state_dir().display(),
+            self.cfg.adopt_grace_s,
+            self.cfg.idle_ttl_s,
+            instances.join(", "),
+        );
     }
 }
 

@@ -55,9 +55,20 @@ async fn a_job_that_woke_its_session_is_followed_after_a_kill_9() {
     let alice = first.client().await;
     run(&alice, "s1", "x = 1").await;
     until_hibernated(&alice, "s1").await;
-    let job = background(&alice, "s1", "import time\ntime.sleep(4)\ny = x + 41\n'job-done'").await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(status(&alice, &job, 0).await["status"], "running", "woken, the job runs");
+    let code = "import time\nprint('job-started', flush=True)\ntime.sleep(4)\ny = x + 41\n'job-done'";
+    let job = background(&alice, "s1", code).await;
+    // Killed once the wake is over and the run is under way (a kill during the wake, before
+    // the run is sent, ends the job saying its code did not run).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let sc = status(&alice, &job, 0).await;
+        assert_eq!(sc["status"], "running", "woken, the job runs: {sc}");
+        if sc["stdout"].as_str().is_some_and(|o| o.contains("job-started")) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the job's run never started: {sc}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let _ = alice.cancel().await;
     let old = first.signal("-KILL").await;
 

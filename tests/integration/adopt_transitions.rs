@@ -164,7 +164,11 @@ async fn over_stdio_a_woken_session_is_adopted_by_the_next_server() {
     let log = first.stop().await;
     // The stop says what it left, for how long, and how to remove it (issue 26 item 3).
     assert!(log.contains("sessions left for the next server of state dir"), "left for the next server: {log}");
-    assert!(log.contains("saves its state and its container stops"), "and when they stop: {log}");
+    assert!(
+        log.contains("saves its state into its volumes and stops, and the engine removes it"),
+        "and when they stop and go: {log}"
+    );
+    assert!(log.contains("volumes (workspaces") && log.contains("which stay"), "and what stays: {log}");
     assert!(log.contains("pyberth gc --yes"), "and how to remove them: {log}");
 
     let second = StdioServer::start("wake-restart-stdio", &keep).await;

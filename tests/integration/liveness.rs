@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bollard::models::VolumeCreateRequest;
-use bollard::query_parameters::{ListContainersOptionsBuilder, RemoveVolumeOptionsBuilder};
+use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder, RemoveVolumeOptionsBuilder};
 
 use crate::common::{Server, assert_cleaned_up, containers_of, docker, instance_name, text, volumes_of};
 
@@ -37,19 +37,29 @@ async fn heartbeats_of(instance: &str) -> Vec<bollard::models::ContainerSummary>
     docker().await.list_containers(Some(opts)).await.expect("list containers")
 }
 
-/// Waits until the instance has heartbeats and all are (or none is) running, or fails the test.
+/// Waits until the instance has a running heartbeat (`running`), or none that runs (a stopped
+/// heartbeat is removed by the engine a moment later), or fails the test.
 async fn wait_for_heartbeat(instance: &str, running: bool) {
     let is_running =
         |c: &bollard::models::ContainerSummary| c.state.as_ref().is_some_and(|s| s.to_string() == "running");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let beats = heartbeats_of(instance).await;
-        if !beats.is_empty() && beats.iter().all(|c| is_running(c) == running) {
+        if beats.iter().any(is_running) == running {
             return;
         }
         assert!(Instant::now() < deadline, "{instance} has no heartbeat with running={running}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The volumes of an instance's heartbeat: that it had one, and since when it stopped.
+async fn heartbeat_volumes_of(instance: &str) -> Vec<String> {
+    let label = format!("pyberth.heartbeat={instance}");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
+    let list = docker().await.list_volumes(Some(opts)).await.expect("list volumes");
+    list.volumes.unwrap_or_default().into_iter().map(|v| v.name).collect()
 }
 
 /// The host id a server on this machine labels its resources with (instance.rs `host_id`).
@@ -101,6 +111,8 @@ async fn a_server_with_another_state_dir_leaves_a_live_servers_sessions_alone() 
     assert_cleaned_up(&b_instance).await;
     assert!(heartbeats_of(&a_instance).await.is_empty(), "A's heartbeat is removed at shutdown");
     assert!(heartbeats_of(&b_instance).await.is_empty(), "B's heartbeat is removed at shutdown");
+    assert!(heartbeat_volumes_of(&a_instance).await.is_empty(), "and its volumes");
+    assert!(heartbeat_volumes_of(&b_instance).await.is_empty(), "and its volumes");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -130,22 +142,24 @@ async fn resources_of_an_instance_with_no_lock_and_no_heartbeat_are_left_alone()
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_servers_leftovers_are_swept_from_another_state_dir() {
     // K dies by SIGKILL; its lock is in a state dir N cannot see, so only K's heartbeat,
-    // stopped since K died, can tell N that K is dead.
+    // stopped (and removed by the engine) since K died, can tell N that K is dead: it had
+    // one (its volume says so) and none runs now.
     let (z, w) = (StateDir::new("killed"), StateDir::new("next"));
     let dead = instance_name("killed-elsewhere");
     let mut k = Server::start_as(&dead, &[z.env()]).await;
     k.ok("a", "1").await;
     wait_for_heartbeat(&dead, true).await;
     k.child.kill().await.expect("SIGKILL");
-    // The engine stops the heartbeat once K's connection is gone.
+    // The engine stops the heartbeat once K's connection is gone, and removes it.
     wait_for_heartbeat(&dead, false).await;
+    assert!(!heartbeat_volumes_of(&dead).await.is_empty(), "K's volume says it had a heartbeat");
     assert_eq!(containers_of(&dead).await.len(), 1, "a SIGKILLed server cannot clean up");
     let n = Server::start("next-elsewhere", &[w.env(), ("PYBERTH_LEFTOVER_GRACE_S", "2")]).await;
     n.ok("x", "1").await;
     assert_cleaned_up(&dead).await;
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !heartbeats_of(&dead).await.is_empty() {
-        assert!(Instant::now() < deadline, "the dead server's heartbeat was left behind");
+    while !heartbeats_of(&dead).await.is_empty() || !heartbeat_volumes_of(&dead).await.is_empty() {
+        assert!(Instant::now() < deadline, "the dead server's heartbeat or its volumes were left behind");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     n.stop().await;

@@ -1,13 +1,16 @@
 //! Nothing runs forever without an owner (issue 26, item 3; docs/design.md D12, "Orphans"):
-//! a sandbox whose server died stops within `--adopt-grace-s` plus the tether's margin,
-//! keeping its state on disk, and the next server of its state dir wakes it with that state.
+//! a sandbox whose server died stops within `--adopt-grace-s` plus the tether's margin and is
+//! removed by the engine, keeping its state on disk in its volumes, and the next server of its
+//! state dir wakes it with that state. Nothing of the dead server stays on `docker ps -a`.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder};
 use serde_json::json;
 
 use crate::adopt::{Server, StateDir, run, state_of};
-use crate::common::{assert_cleaned_up, containers_of, docker, text};
+use crate::common::{assert_cleaned_up, containers_of, docker, text, volumes_of};
 use crate::http::call;
 
 /// The grace the tests give (seconds): short, so the tests stay bounded.
@@ -67,16 +70,21 @@ async fn a_killed_servers_sandbox_stops_within_the_grace_and_wakes_with_its_stat
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     eprintln!("orphan stopped {:?} after kill -9 (grace {GRACE} s)", killed.elapsed());
-    // Stopped, not removed: its workspace volume and the container stay for the next server,
-    // also from a server of another state dir, whose leftover grace is long over: it keeps
-    // them for --idle-ttl-s.
+    // Stopped and removed by the engine; its volumes stay for the next server, also from a
+    // server of another state dir, whose leftover grace is long over: it keeps them for
+    // --idle-ttl-s.
+    let volumes = volumes_of(&old).await;
+    assert!(!volumes.is_empty(), "its state stays on disk, in its volumes");
     let elsewhere = StateDir::new("orphan-elsewhere");
     let other = Server::start("orphan-elsewhere", &elsewhere, &[("PYBERTH_LEFTOVER_GRACE_S", "2")]).await;
     let bob = other.client().await;
     let _ = call(&bob, "list_sessions", json!({})).await; // served once its start sweep is done
     let _ = bob.cancel().await;
-    let left: Vec<String> = containers_of(&old).await.into_iter().filter_map(|c| c.id).collect();
-    assert!(sandboxes.iter().all(|s| left.contains(s)), "kept, stopped");
+    let mut left = volumes_of(&old).await;
+    left.sort();
+    let mut volumes = volumes;
+    volumes.sort();
+    assert_eq!(left, volumes, "kept by a server of another state dir");
     assert_cleaned_up(&other.signal("-TERM").await).await;
 
     let second = Server::start(tag, &state, &env).await;
@@ -92,6 +100,81 @@ async fn a_killed_servers_sandbox_stops_within_the_grace_and_wakes_with_its_stat
     let new = second.signal("-TERM").await;
     assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
+}
+
+/// Every container labelled as `instance`'s, a session's or its heartbeat, in any state.
+async fn all_containers_of(instance: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for label in [format!("pyberth.instance={instance}"), format!("pyberth.heartbeat={instance}")] {
+        let filters = HashMap::from([("label", vec![label.as_str()])]);
+        let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+        let list = docker().await.list_containers(Some(opts)).await.expect("list containers");
+        out.extend(list.into_iter().map(|c| format!("{:?} {:?} ({:?})", c.names, c.labels, c.state)));
+    }
+    out
+}
+
+/// The volumes of `instance`'s heartbeat (what says it had one, and since when it stopped).
+async fn heartbeat_volumes_of(instance: &str) -> Vec<String> {
+    let label = format!("pyberth.heartbeat={instance}");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
+    let list = docker().await.list_volumes(Some(opts)).await.expect("list volumes");
+    list.volumes.unwrap_or_default().into_iter().map(|v| v.name).collect()
+}
+
+/// Issue 26's "done when": after a `kill -9` and the grace, the engine holds no container of
+/// that server at all (not its sandbox, not its heartbeat, running or stopped); its session's
+/// state is in its volumes, and a new server on the same state dir wakes the session with its
+/// variable and its file.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_kill_and_the_grace_no_container_of_the_server_is_left_and_its_session_wakes() {
+    let tag = "orphan-gone";
+    let state = StateDir::new(tag);
+    let grace = GRACE.to_string();
+    let env = [("PYBERTH_ADOPT_GRACE_S", grace.as_str())];
+    let first = Server::start(tag, &state, &env).await;
+    let alice = first.client().await;
+    run(
+        &alice,
+        "kept",
+        "v = 'still here'
+open('notes.txt', 'w').write('on disk')",
+    )
+    .await;
+    let _ = alice.cancel().await;
+    assert!(!all_containers_of(&first.instance).await.is_empty(), "a sandbox and a heartbeat run");
+    let old = first.signal("-KILL").await;
+    let killed = Instant::now();
+    let limit = Duration::from_secs(GRACE) + pyberth::docker::tether::MARGIN + Duration::from_secs(10);
+    loop {
+        let left = all_containers_of(&old).await;
+        if left.is_empty() {
+            break;
+        }
+        assert!(killed.elapsed() < limit, "{:?} after kill -9, containers are left: {left:?}", killed.elapsed());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("no container of the killed server {:?} after kill -9 (grace {GRACE} s)", killed.elapsed());
+    assert!(!volumes_of(&old).await.is_empty(), "its state stays on disk, in its volumes");
+
+    let second = Server::start(tag, &state, &env).await;
+    let alice = second.client().await;
+    assert_eq!(state_of(&alice, "kept").await, Some(json!("hibernated")), "listed as asleep until its call");
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "kept", "code": "v, open('notes.txt').read()" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(sc["result"], "('still here', 'on disk')", "woken with its variable and file: {sc}");
+    assert!(sc.to_string().contains("saved its state and stopped"), "the caller is told: {sc}");
+    let (r, _) = call(&alice, "close_session", json!({ "session": "kept" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let _ = alice.cancel().await;
+    let new = second.signal("-TERM").await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+    for instance in [&old, &new] {
+        assert!(all_containers_of(instance).await.is_empty(), "{instance}: a container is left");
+        assert!(heartbeat_volumes_of(instance).await.is_empty(), "{instance}: its heartbeat's volumes are left");
+    }
 }
 
 /// `pyberth gc` with `PYBERTH_STATE_DIR` at `state`: its stdout.

@@ -89,7 +89,7 @@ async fn job(w: &mut World, s: u8, var: u32, val: u64) -> Result<(), Broke> {
         return Err(broke("op", format!("no job handle: {}", excerpt(&text(&r)))));
     };
     // KNOWN GAP (seed 166): a restart while the job is still waking its session, before its
-    // run is sent, ends the job as "the run had not started" (reported, not silent; its code
+    // run is sent, ends the job saying its code did not run (reported, not silent; its code
     // is not in the record to run again). The model lets the run start before it goes on.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

@@ -256,7 +256,7 @@ async fn run_packer(p: &Packer<'_>, mounts: Vec<Mount>, args: Vec<String>, write
     use std::sync::atomic::{AtomicU64, Ordering};
     static SERIAL: AtomicU64 = AtomicU64::new(0);
     let name = format!("pyberth-{}-pack-{}", owner.instance, SERIAL.fetch_add(1, Ordering::Relaxed));
-    let utility = container::Utility {
+    let utility = crate::docker::utility::Utility {
         name: &name,
         owner,
         image,
@@ -268,7 +268,9 @@ async fn run_packer(p: &Packer<'_>, mounts: Vec<Mount>, args: Vec<String>, write
         runtime,
         mounts,
     };
-    let id = container::create_utility(docker, utility).await.map_err(|e| format!("cannot create the packer: {e}"))?;
+    let id = crate::docker::utility::create_utility(docker, utility)
+        .await
+        .map_err(|e| format!("cannot create the packer: {e}"))?;
     let run = async {
         let attach = AttachContainerOptionsBuilder::default().stream(true).stdout(true).stderr(true).build();
         let mut output = docker.attach_container(&id, Some(attach)).await.map_err(|e| e.to_string())?.output;

@@ -10,22 +10,38 @@
 //!
 //! A server that starts finds the containers of dead instances of its state dir (their lock
 //! free: [`crate::instance::Instance::claim_adoptable`]) whose heartbeat stopped less than
-//! `--adopt-grace-s` ago, re-registers the sessions whose records it has, and removes the
-//! rest of those instances' resources. It holds their locks and keeps their heartbeats beating
+//! `--adopt-grace-s` ago, re-registers the sessions whose records it has (their container
+//! running, or gone with their volumes kept: an orphan that saved itself, woken on a new
+//! container by its first call, `session/orphan.rs`), and removes the rest of those
+//! instances' resources. It holds their locks and keeps their heartbeats beating
 //! from then on, so no other server sweeps what it adopted; the interpreter is reached again
 //! through its keeper on the session's first call.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
-use bollard::models::ContainerStateStatusEnum;
 use std::sync::Arc;
 
 use super::{Registry, Slot};
 use crate::docker::container::{self, short};
 use crate::docker::{self, LABEL_HOST, LABEL_INSTANCE};
 use crate::durable::ledger::Key;
+use crate::durable::records::Running;
+use crate::environment::Environment;
 use crate::session::Session;
 use crate::session::recorded::Revived;
+
+/// A session taken from its record at start.
+struct Taken {
+    session: Arc<Session>,
+    /// Its container, when one is there to keep from the sweep.
+    container: Option<String>,
+    /// Its workspace volume and keep volume.
+    volumes: [String; 2],
+    /// Its container runs (else it went, and its volumes wait for its first call).
+    running: bool,
+    /// Its environment, when its running container's egress is taken over.
+    takeover: Option<Arc<Environment>>,
+}
 
 impl Registry {
     /// At start, before the sweep: adopts the sessions that dead instances of this state dir
@@ -38,20 +54,13 @@ impl Registry {
         }
         let found = container::inventory(&self.docker).await?;
         let grace = self.cfg.adopt_grace();
-        // An instance whose sessions all sleep has volumes and no container (issue 26: none
-        // per snapshot): its volumes name it too.
-        let mut seen = found.containers.clone();
-        seen.extend(found.volumes.iter().map(|(name, labels)| container::Found {
-            id: name.clone(),
-            labels: labels.clone(),
-            running: false,
-            created: None,
-        }));
-        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &seen, &recorded, grace).await;
+        // An instance whose sessions all sleep, or whose orphans went with their containers,
+        // has volumes and no container: its volumes name it too.
+        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &found, &recorded, grace).await;
         names.extend(late.iter().cloned());
         let mut asleep_now = Vec::new();
         let host = self.instance.owner.host.clone();
-        let of_adopted = |l: &std::collections::HashMap<String, String>| {
+        let of_adopted = |l: &HashMap<String, String>| {
             l.get(LABEL_HOST) == Some(&host) && l.get(LABEL_INSTANCE).is_some_and(|i| names.contains(i))
         };
         // Their heartbeats beat again, under this server, from now on.
@@ -65,91 +74,17 @@ impl Registry {
         let mut adopted = 0;
         let mut with_egress = Vec::new();
         for record in records {
-            let stale = Key::Running(record.about.container.clone());
-            let info = match self.docker.inspect_container(&record.about.container, None).await {
-                Ok(info) => info,
-                Err(e) => {
-                    // Its container is gone (swept, or removed by hand): so is the record.
-                    if docker::Error::from(e).is_gone() {
-                        self.ledger.forget(&stale);
-                    }
-                    continue;
-                }
-            };
-            let labels = info.config.as_ref().and_then(|c| c.labels.clone()).unwrap_or_default();
-            if !of_adopted(&labels) || labels.get(LABEL_INSTANCE) != Some(&record.about.instance) {
-                continue;
-            }
-            let running = info.state.as_ref().and_then(|s| s.running).unwrap_or(false);
-            // Stopped by its tether after the grace, its state saved in its workspace: taken
-            // like a hibernated session, started again by its first call (orphan.rs).
-            let stopped = info.state.as_ref().and_then(|s| s.status) == Some(ContainerStateStatusEnum::EXITED);
-            let Ok(env) = self.environments.get(Some(&record.about.environment)) else {
-                tracing::warn!(session = %record.about.name, environment = %record.about.environment, "no such environment now; not adopted");
-                self.ledger.forget(&stale);
-                continue;
-            };
-            let key = (record.about.principal.clone(), record.about.name.clone());
-            if !(running || stopped) || self.slots().contains_key(&key) {
-                self.ledger.forget(&stale);
-                continue;
-            }
-            if let Some(id) = info.id {
-                kept_ids.insert(id);
-            }
-            kept_volumes.insert(docker::tether::keep_volume(&record.about.volume));
-            kept_volumes.insert(record.about.volume.clone());
-            let (name, id) = (record.about.name.clone(), record.about.container.clone());
-            // It stays its instance's: a container it is given later carries the same labels,
-            // kept alive by the lock and heartbeat this server now holds for that instance.
-            let owner = container::Owner { instance: record.about.instance.clone(), host: host.clone() };
-            let egress = record
-                .egress
-                .as_ref()
-                .map(|e| Arc::new(self.egress.adopted_attachment(e.network.clone(), e.proxy_ip, e.allow.clone())));
-            let blueprint = self.blueprint(&env, egress);
             let late_one = late.contains(&record.about.instance);
-            let mut pid = Some(record.pid);
-            if stopped && blueprint.egress.is_some() {
-                // Its network is taken over below, which wants it running; its agent starts
-                // at its first call, where pid 0 (none's) says the old one is gone.
-                pid = Some(0);
-                let c = &record.about.container;
-                let started = match self.docker.start_container(c, None).await {
-                    Ok(()) => {
-                        docker::exec::run_as_code(&self.docker, c, record.about.uid, docker::tether::COPY_BACK).await
-                    }
-                    Err(e) => Err(e.into()),
-                };
-                if let Err(e) = started {
-                    tracing::warn!(session = %record.about.name, error = %e, "cannot start a stopped session's container");
-                }
+            let Some(taken) = self.adopt_record(record, &of_adopted, &host).await else { continue };
+            kept_ids.extend(taken.container);
+            kept_volumes.extend(taken.volumes);
+            if late_one && taken.running {
+                asleep_now.push(taken.session.clone());
             }
-            if (running || pid == Some(0))
-                && let Err(e) =
-                    docker::tether::hold(&self.docker, &record.about.container, self.cfg.orphan_after()).await
-            {
-                tracing::warn!(session = %record.about.name, error = %e, "cannot tether an adopted session's container");
+            if let Some(env) = taken.takeover {
+                with_egress.push((taken.session.clone(), env));
             }
-            let how = Revived {
-                pid,
-                sleeping: None,
-                pending: Vec::new(),
-                idle: Default::default(),
-                stopped: stopped && pid != Some(0),
-            };
-            let session = Session::revive(self.docker.clone(), blueprint, owner, record.about, how);
-            if late_one && running {
-                asleep_now.push(session.clone());
-            }
-            if session.blueprint.egress.is_some() {
-                with_egress.push((session.clone(), env.clone()));
-            }
-            let slot: Slot = Arc::default();
-            let _ = slot.set(session);
-            self.slots().insert(key, slot);
             adopted += 1;
-            tracing::info!(session = %name, container = %short(&id), "session adopted from a stopped server");
         }
         // Hibernated sessions and snapshots have no running container to find.
         let (kept, sleepers) = self.adopt_sleepers(&names, &host).await;
@@ -194,9 +129,14 @@ impl Registry {
         if jobs > 0 {
             tracing::info!(jobs, "following the jobs of stopped servers");
         }
-        // Sessions nobody adopted within the grace hibernate now (their server is long gone):
-        // their state is kept, their containers go. A session that cannot be put to sleep
-        // (hibernation off, or the snapshot fails) stays adopted and running.
+        self.hibernate_late(asleep_now).await;
+        Ok(adopted)
+    }
+
+    /// Sessions nobody adopted within the grace hibernate now (their server is long gone):
+    /// their state is kept, their containers go. A session that cannot be put to sleep
+    /// (hibernation off, or the snapshot fails) stays adopted and running.
+    async fn hibernate_late(&self, asleep_now: Vec<Arc<Session>>) {
         if self.cfg.hibernate_after().is_some() {
             for s in asleep_now {
                 // A running job keeps its session awake, as it does an idle one.
@@ -214,6 +154,88 @@ impl Registry {
                 }
             }
         }
-        Ok(adopted)
+    }
+
+    /// Takes one session record of an adopted instance (`of_adopted` says which): its
+    /// container running, or gone with its volumes kept (an orphan its tether stopped, which
+    /// the engine removed, docs/design.md D12). `None`: not ours, or stale (then forgotten).
+    async fn adopt_record(
+        &self,
+        record: Running,
+        of_adopted: &(dyn Fn(&HashMap<String, String>) -> bool + Sync),
+        host: &str,
+    ) -> Option<Taken> {
+        let stale = Key::Running(record.about.container.clone());
+        let inspected = self.docker.inspect_container(&record.about.container, None).await;
+        let (labels, mut running, id) = match inspected.map_err(docker::Error::from) {
+            Ok(info) => {
+                let labels = info.config.and_then(|c| c.labels).unwrap_or_default();
+                (labels, info.state.and_then(|s| s.running).unwrap_or(false), info.id)
+            }
+            Err(e) if e.is_gone() => match self.docker.inspect_volume(&record.about.volume).await {
+                // Its volume holds what it saved: its container is made again on it.
+                Ok(v) => (v.labels, false, None),
+                Err(e) => {
+                    // Its volumes are gone too (swept, closed, removed by hand): so is the record.
+                    if docker::Error::from(e).is_gone() {
+                        self.ledger.forget(&stale);
+                    }
+                    return None;
+                }
+            },
+            Err(_) => return None,
+        };
+        if !of_adopted(&labels) || labels.get(LABEL_INSTANCE) != Some(&record.about.instance) {
+            return None;
+        }
+        let key = (record.about.principal.clone(), record.about.name.clone());
+        let Ok(env) = self.environments.get(Some(&record.about.environment)) else {
+            tracing::warn!(session = %record.about.name, environment = %record.about.environment, "no such environment now; not adopted");
+            self.ledger.forget(&stale);
+            return None;
+        };
+        if self.slots().contains_key(&key) {
+            self.ledger.forget(&stale);
+            return None;
+        }
+        if running
+            && let Err(e) = docker::tether::hold(&self.docker, &record.about.container, self.cfg.orphan_after()).await
+        {
+            tracing::warn!(session = %record.about.name, error = %e, "cannot tether an adopted session's container");
+            // Stopping this very moment (its tether's time was up): taken as gone, then.
+            running = container::is_running(&self.docker, &record.about.container).await.unwrap_or(true);
+        }
+        let volumes = [record.about.volume.clone(), docker::tether::keep_volume(&record.about.volume)];
+        let (name, cid) = (record.about.name.clone(), record.about.container.clone());
+        // It stays its instance's: a container it is given later carries the same labels,
+        // kept alive by the lock and heartbeat this server now holds for that instance.
+        let owner = container::Owner { instance: record.about.instance.clone(), host: host.to_owned() };
+        let (egress, pending) = match &record.egress {
+            Some(e) if running => {
+                let att = self.egress.adopted_attachment(e.network.clone(), e.proxy_ip, e.allow.clone());
+                (Some(Arc::new(att)), Vec::new())
+            }
+            // Its network goes with its old instance's (below): it wakes on one of this server's.
+            e => self.egress_again(&env, &record.about, e.as_ref().map(|e| e.allow.as_slice())).await,
+        };
+        let blueprint = self.blueprint(&env, egress);
+        let takeover = (running && blueprint.egress.is_some()).then(|| env.clone());
+        let how = Revived {
+            pid: running.then_some(record.pid),
+            sleeping: None,
+            pending,
+            idle: Default::default(),
+            stopped: !running,
+        };
+        let session = Session::revive(self.docker.clone(), blueprint, owner, record.about, how);
+        let slot: Slot = Arc::default();
+        let _ = slot.set(session.clone());
+        self.slots().insert(key, slot);
+        if running {
+            tracing::info!(session = %name, container = %short(&cid), "session adopted from a stopped server");
+        } else {
+            tracing::info!(session = %name, "session adopted from a stopped server, its container gone and its volumes kept: it wakes on its first call");
+        }
+        Some(Taken { session, container: id.filter(|_| running), volumes, running, takeover })
     }
 }

@@ -39,6 +39,36 @@ async fn store_exists(docker: &bollard::Docker, saved: &SavedRecord) -> bool {
 }
 
 impl Registry {
+    /// The egress of a session whose network went with the server that made it (a sleeper, an
+    /// orphan whose container is gone): a new network of this server's, with the list `allow`
+    /// it had (never wider than its environment's now). On failure, none, and the notice.
+    pub(super) async fn egress_again(
+        &self,
+        env: &crate::environment::Environment,
+        about: &crate::durable::records::About,
+        allow: Option<&[String]>,
+    ) -> (Option<Arc<crate::egress::Attachment>>, Vec<String>) {
+        let Some(allow) = allow else { return (None, Vec::new()) };
+        let attached = match crate::egress::policy::narrow(&env.egress, allow) {
+            Ok(rules) => {
+                let headers = env.egress_headers.0.clone();
+                self.egress.attach(&about.principal, &about.name, &about.image, rules, headers).await
+            }
+            Err(e) => Err(e),
+        };
+        match attached {
+            Ok(att) => (Some(Arc::new(att)), Vec::new()),
+            Err(e) => {
+                tracing::warn!(session = %about.name, error = %e, "a left session's egress could not be restored");
+                let notice = format!(
+                    "this session's network access was lost when the server restarted ({e}): it reaches nothing; \
+                     close it and start a new one to get it back"
+                );
+                (None, vec![notice])
+            }
+        }
+    }
+
     /// Registers the hibernated sessions and snapshots of the adopted instances `names`;
     /// returns what of theirs the sweep of those instances must keep, and how many sessions.
     pub(super) async fn adopt_sleepers(&self, names: &[String], host: &str) -> (Kept, usize) {
@@ -63,29 +93,7 @@ impl Registry {
             kept.volumes.insert(record.saved.volume.clone());
             let owner = container::Owner { instance: record.about.instance.clone(), host: host.to_owned() };
             let name = record.about.name.clone();
-            // Its network went with the server that made it: it wakes on a new one of this
-            // server's, with the list it had (never wider than its environment's now).
-            let mut egress = None;
-            let mut pending = Vec::new();
-            if let Some(allow) = record.egress.clone() {
-                let attached = match crate::egress::policy::narrow(&env.egress, &allow) {
-                    Ok(rules) => {
-                        let headers = env.egress_headers.0.clone();
-                        self.egress.attach(&record.about.principal, &name, &record.about.image, rules, headers).await
-                    }
-                    Err(e) => Err(e),
-                };
-                match attached {
-                    Ok(att) => egress = Some(Arc::new(att)),
-                    Err(e) => {
-                        tracing::warn!(session = %name, error = %e, "a hibernated session's egress could not be restored");
-                        pending.push(format!(
-                            "this session's network access was lost when the server restarted ({e}): it reaches \
-                             nothing; close it and start a new one to get it back"
-                        ));
-                    }
-                }
-            }
+            let (egress, pending) = self.egress_again(&env, &record.about, record.egress.as_deref()).await;
             let idle = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(record.last_used_ms));
             let how = Revived { pid: None, sleeping: Some(Saved::from(record.saved)), pending, idle, stopped: false };
             let session = Session::revive(self.docker.clone(), self.blueprint(&env, egress), owner, record.about, how);
