@@ -172,6 +172,12 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_OUTPUT_CAP", default_value_t = 1 << 20)]
     pub output_cap: usize,
 
+    /// Characters of output a run's text shows a model (the text content of a result; most
+    /// clients show a model nothing else): longer output keeps its head and tail, says at the
+    /// top how much was cut, and where the whole of it can be read (docs/output.md).
+    #[arg(long, env = "PYBERTH_TEXT_BUDGET", default_value_t = 20_000)]
+    pub text_budget: usize,
+
     /// Most bytes one write_file or read_file call moves.
     #[arg(long, env = "PYBERTH_FILE_CAP", default_value_t = 8 << 20)]
     pub file_cap: usize,
@@ -349,6 +355,11 @@ impl SandboxConfig {
             self.output_cap >= 1024 && self.output_cap <= 4 << 20,
             "--output-cap",
             "must be between 1024 and 4 MiB (a result must fit one MCP message; write more to a file)",
+        )?;
+        check(
+            self.text_budget >= 2000 && self.text_budget <= 1_000_000,
+            "--text-budget",
+            "must be between 2000 and 1000000 characters",
         )?;
         check(self.code_cap >= 1 && self.code_cap <= 16 << 20, "--code-cap", "must be between 1 and 16 MiB")?;
         check(

@@ -28,6 +28,7 @@ use crate::checks::{self, session_name};
 use crate::config::SandboxConfig;
 use crate::session::registry::Registry;
 
+mod budget;
 mod envs;
 mod error;
 mod files;

@@ -11,9 +11,10 @@ use rmcp::handler::server::wrapper::Parameters;
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, tool, tool_router};
 
+use super::budget::{SAVED_DIR, saved_bytes};
 use super::error::{Context as _, ToolError, ToolResult};
 use super::live::{LiveChannel, live_channel, relay};
-use super::render::{render_run, structured};
+use super::render::{View, render_run, stream_plan, structured};
 use super::types::{InstallArgs, InstallOutput, ListPackagesArgs, PackageList, RunOutput, RunPythonArgs};
 use super::{Caller, SandboxServer, principal_of};
 use crate::checks::{self, check_code, check_path, check_timeout, check_wait, session_name, wanted_packages};
@@ -21,6 +22,44 @@ use crate::deps;
 use crate::protocol::Request;
 use crate::session::registry::Opened;
 use crate::session::{RunSpec, Session};
+
+/// For each stream whose text the budget cuts: the whole of it (up to the output cap and its
+/// last quarter-cap) written to `.pyberth-output/<stream>.txt` in the workspace, replacing the
+/// last cut run's, and how the top line tells a model to read it. A write that fails (a full
+/// workspace, a broken session) is said in its place.
+async fn save_whole(
+    session: &Session,
+    outcome: &crate::session::RunOutcome,
+    budget: usize,
+) -> ([Option<String>; 2], [Option<String>; 2]) {
+    let (_, shares) = stream_plan(outcome, budget);
+    let mut whole = [None, None];
+    let mut files = [None, None];
+    for (i, (name, capture)) in [("stdout", &outcome.stdout), ("stderr", &outcome.stderr)].into_iter().enumerate() {
+        if shares[i].is_none() {
+            continue;
+        }
+        let path = format!("{SAVED_DIR}/{name}.txt");
+        let bytes = saved_bytes(capture);
+        let b = base64::engine::general_purpose::STANDARD.encode(&bytes);
+        let p = path.as_str();
+        let write = |id| Request::Write { id, path: p, b: &b, append: false };
+        whole[i] = Some(match super::files::agent_file(session, "", write).await {
+            Ok(_) if capture.dropped() > capture.tail().len() as u64 => format!(
+                "read_file path={path:?} ({} bytes: the first {} and the last {} of them; the server keeps no more)",
+                bytes.len(),
+                capture.head().len(),
+                capture.tail().len()
+            ),
+            Ok(_) => format!("read_file path={path:?} ({} bytes, all of it)", bytes.len()),
+            Err(e) => format!("could not be saved in the workspace ({})", e.to_string().trim_start_matches(": ")),
+        });
+        if whole[i].as_deref().is_some_and(|w| w.starts_with("read_file")) {
+            files[i] = Some(path);
+        }
+    }
+    (whole, files)
+}
 
 /// Environment variables by name.
 type Env = BTreeMap<String, String>;
@@ -80,9 +119,18 @@ impl SandboxServer {
         if let Some(e) = &egress {
             outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));
         }
-        let mut result = render_run(&session.name, &outcome, None);
-        if let (Some(e), Some(serde_json::Value::Object(sc))) = (egress, result.structured_content.as_mut()) {
-            sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
+        let budget = session.settings().text_budget;
+        let (whole, files) = save_whole(&session, &outcome, budget).await;
+        let mut result = render_run(&session.name, &outcome, None, &View { budget, whole });
+        if let Some(serde_json::Value::Object(sc)) = result.structured_content.as_mut() {
+            if let Some(e) = egress {
+                sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
+            }
+            for (key, path) in ["stdout_file", "stderr_file"].into_iter().zip(files) {
+                if let Some(path) = path {
+                    sc.insert(key.into(), path.into());
+                }
+            }
         }
         Ok(result)
     }
