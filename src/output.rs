@@ -101,6 +101,12 @@ impl Capture {
     }
 }
 
+/// "1 file", "2 files": a count and its noun, in the number the count needs.
+pub(crate) fn count(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+}
+
 /// One piece of sandbox text (an exception message, a file name, an installer line) made
 /// safe to print on one `[pyberth]` line: every control character escaped, newlines too.
 pub(crate) fn one_line(text: &str) -> String {
@@ -184,6 +190,14 @@ mod tests {
         assert_eq!(plain_line("\u{1b}[1;32mStep 1/9\u{1b}[0m : FROM x\r"), "Step 1/9 : FROM x");
         assert_eq!(plain_line("a\u{1b}]0;title\u{7}b\u{1b}]8;;u\u{1b}\\c"), "abc");
         assert_eq!(plain_line("tab\there"), "tab\there");
+    }
+
+    #[test]
+    fn counts_take_their_number() {
+        assert_eq!(
+            (count(1u32, "snapshot"), count(0u32, "file"), count(2u64, "name")),
+            ("1 snapshot".into(), "0 files".into(), "2 names".into())
+        );
     }
 
     #[test]
