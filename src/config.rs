@@ -71,6 +71,18 @@ impl<'de> serde::Deserialize<'de> for WorkspaceSize {
     }
 }
 
+/// Which tools the MCP server offers (`--tools`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ToolProfile {
+    /// The handful a model needs to run code: run_python, install_packages, list_packages,
+    /// read_file, write_file, list_files, job_status, cancel_job.
+    Core,
+    /// Every tool: sessions, snapshots, archives, environments, jobs, egress too.
+    #[default]
+    All,
+}
+
 /// Settings shared by every command that starts sandboxes.
 #[derive(Debug, Clone, clap::Args, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -253,6 +265,13 @@ pub struct SandboxConfig {
     /// when the engine has it, else the engine's default). Default: the engine's default (runc).
     #[arg(long, env = "PYBERTH_RUNTIME")]
     pub runtime: Option<String>,
+
+    /// Tools the MCP server offers: `all`, or `core` for clients that want fewer tool
+    /// descriptions in their context (docs/output.md measures both). A setting of the
+    /// server, not of an environment: a client lists tools before it opens any session.
+    #[arg(long, env = "PYBERTH_TOOLS", value_enum, default_value_t = ToolProfile::All)]
+    #[serde(default)]
+    pub tools: ToolProfile,
 
     /// Environment of sessions whose caller names none.
     #[arg(long, env = "PYBERTH_ENVIRONMENT", default_value = "default")]

@@ -61,6 +61,26 @@ async fn save_whole(
     (whole, files)
 }
 
+/// What a failed run should be told about a notebook habit the sandbox does not serve: the
+/// network in an offline session, `input()` without a stdin.
+fn habit_notices(outcome: &crate::session::RunOutcome, offline: bool) -> Vec<String> {
+    let mut notices = Vec::new();
+    if outcome.status != crate::session::RunStatus::Error {
+        return notices;
+    }
+    let (stderr, _) = outcome.stderr.render();
+    let error = outcome.error.as_ref().map(|e| format!("{}\n{}", e.traceback, e.message)).unwrap_or_default();
+    let said = format!("{stderr}\n{error}");
+    notices.extend(super::habits::pip_notice(&said));
+    if offline {
+        notices.extend(super::habits::offline_notice(&said));
+    }
+    if let Some(e) = &outcome.error {
+        notices.extend(super::habits::stdin_notice(&e.kind, &e.message));
+    }
+    notices
+}
+
 /// Environment variables by name.
 type Env = BTreeMap<String, String>;
 
@@ -119,6 +139,8 @@ impl SandboxServer {
         if let Some(e) = &egress {
             outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));
         }
+        let offline = self.registry.egress.rules(&who, &session.name).is_none_or(|r| r.is_empty());
+        outcome.notices.extend(habit_notices(&outcome, offline));
         let budget = session.settings().text_budget;
         let (whole, files) = save_whole(&session, &outcome, budget).await;
         let mut result = render_run(&session.name, &outcome, None, &View { budget, whole });
@@ -163,8 +185,11 @@ impl SandboxServer {
     /// Each session is an isolated Docker container with no network access, a read-only
     /// system, a writable working directory /workspace (kept for the session's life), a
     /// small /tmp, and limits on memory, CPU and processes. Output of child processes is
-    /// captured too; each stream is capped (1 MiB by default). Runs in one session execute
-    /// one at a time, in order.
+    /// captured too; each stream is capped (1 MiB by default), and the text shows its head and
+    /// tail within a budget, naming a file with the rest. Figures (matplotlib, display())
+    /// come back as images. Notebook lines work: `%pip install x` installs x first,
+    /// `%matplotlib inline` does nothing, `!cmd` runs a shell command. Runs in one session
+    /// execute one at a time, in order.
     #[tool(
         annotations(title = "Run Python", destructive_hint = false, open_world_hint = false),
         output_schema = schema_for_output::<RunOutput>()
@@ -179,13 +204,17 @@ impl SandboxServer {
         // Checked against the server before any container is touched; resolved in `execute`.
         check_timeout(args.timeout_s, &self.cfg)?;
         let wait = check_wait(args.wait_s, args.background, &self.cfg)?;
-        let packages = wanted_packages(args.packages.as_deref(), Some(&args.code), self.cfg.max_packages)?;
+        let habits = super::habits::rewrite(&args.code)?;
+        let mut asked = args.packages.clone().unwrap_or_default();
+        asked.extend(habits.packages);
+        let asked = (!asked.is_empty()).then_some(asked);
+        let packages = wanted_packages(asked.as_deref(), Some(&args.code), self.cfg.max_packages)?;
         let (env, session_env) = run_env(&args)?;
         let save_as = args.save_as.as_deref().map(|p| check_path(p, false)).transpose()?;
         let opened =
             self.open(&ctx, &name, args.environment.as_deref(), &packages, args.allow_hosts.as_deref()).await?;
         let session = opened.session;
-        let mut notices = Vec::new();
+        let mut notices = habits.notices;
         if let (false, Some(asked)) = (opened.created, &args.allow_hosts) {
             // An existing session: the same narrowing as set_network.
             let now = self.registry.narrow(&session, asked).await?;
@@ -225,7 +254,7 @@ impl SandboxServer {
             .await?;
             notices.push(format!("code saved as {path}"));
         }
-        let spec = RunSpec { code: args.code, env, ..Default::default() };
+        let spec = RunSpec { code: habits.code, env, ..Default::default() };
         self.execute(&ctx, session, spec, args.timeout_s, wait, notices).await
     }
 
