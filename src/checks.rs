@@ -118,7 +118,13 @@ pub(crate) fn check_path(path: &str, allow_root: bool) -> Result<String, String>
         }
     }
     if parts.is_empty() && !allow_root {
-        return Err("path is empty: name a file in the workspace, e.g. main.py".into());
+        if path.trim().is_empty() {
+            return Err("path is empty: name a file in the workspace, e.g. main.py".into());
+        }
+        return Err(format!(
+            "path {shown:?} is the workspace itself, not a file in it: name a file, e.g. main.py (list_files shows \
+             what is there)"
+        ));
     }
     Ok(if parts.is_empty() { ".".into() } else { parts.join("/") })
 }

@@ -71,6 +71,18 @@ impl<'de> serde::Deserialize<'de> for WorkspaceSize {
     }
 }
 
+/// Which tools the MCP server offers (`--tools`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ToolProfile {
+    /// The handful a model needs to run code: run_python, install_packages, list_packages,
+    /// read_file, write_file, list_files, job_status, cancel_job.
+    Core,
+    /// Every tool: sessions, snapshots, archives, environments, jobs, egress too.
+    #[default]
+    All,
+}
+
 /// Settings shared by every command that starts sandboxes.
 #[derive(Debug, Clone, clap::Args, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -172,6 +184,12 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_OUTPUT_CAP", default_value_t = 1 << 20)]
     pub output_cap: usize,
 
+    /// Characters of output a run's text shows a model (the text content of a result; most
+    /// clients show a model nothing else): longer output keeps its head and tail, says at the
+    /// top how much was cut, and where the whole of it can be read (docs/output.md).
+    #[arg(long, env = "PYBERTH_TEXT_BUDGET", default_value_t = 20_000)]
+    pub text_budget: usize,
+
     /// Most bytes one write_file or read_file call moves.
     #[arg(long, env = "PYBERTH_FILE_CAP", default_value_t = 8 << 20)]
     pub file_cap: usize,
@@ -247,6 +265,13 @@ pub struct SandboxConfig {
     /// when the engine has it, else the engine's default). Default: the engine's default (runc).
     #[arg(long, env = "PYBERTH_RUNTIME")]
     pub runtime: Option<String>,
+
+    /// Tools the MCP server offers: `all`, or `core` for clients that want fewer tool
+    /// descriptions in their context (docs/output.md measures both). A setting of the
+    /// server, not of an environment: a client lists tools before it opens any session.
+    #[arg(long, env = "PYBERTH_TOOLS", value_enum, default_value_t = ToolProfile::All)]
+    #[serde(default)]
+    pub tools: ToolProfile,
 
     /// Environment of sessions whose caller names none.
     #[arg(long, env = "PYBERTH_ENVIRONMENT", default_value = "default")]
@@ -357,6 +382,11 @@ impl SandboxConfig {
             self.output_cap >= 1024 && self.output_cap <= 4 << 20,
             "--output-cap",
             "must be between 1024 and 4 MiB (a result must fit one MCP message; write more to a file)",
+        )?;
+        check(
+            self.text_budget >= 2000 && self.text_budget <= 1_000_000,
+            "--text-budget",
+            "must be between 2000 and 1000000 characters",
         )?;
         check(self.code_cap >= 1 && self.code_cap <= 16 << 20, "--code-cap", "must be between 1 and 16 MiB")?;
         check(

@@ -19,7 +19,7 @@ pub(crate) enum Error {
         max: usize,
     },
     /// A requirement that is not of the accepted form.
-    #[error("package {entry:?} refused: {why}")]
+    #[error("{entry:?} is not a valid requirement: {why}")]
     Refused {
         /// The entry as given (shortened).
         entry: String,
@@ -108,7 +108,11 @@ fn check_marker(entry: &str, marker: &str) -> Result<String, Error> {
                 || matches!(c, ' ' | '\'' | '"' | '.' | '_' | '-' | '<' | '>' | '=' | '!' | '(' | ')' | '~' | ',' | '*')
         });
     if !ok {
-        return Err(refused(entry, "the environment marker has characters a marker never has"));
+        return Err(refused(
+            entry,
+            "after ';' comes an environment marker such as python_version < \"3.12\", and this one has characters \
+             a marker never has (a requirement is not a shell command)",
+        ));
     }
     // Outside quotes, a marker holds only its variables and operators.
     const WORDS: [&str; 16] = [
@@ -169,6 +173,9 @@ pub(crate) fn parse(entry: &str) -> Result<Requirement, Error> {
     }
     if trimmed.starts_with('-') {
         return Err(refused(entry, "installer options are not accepted; give only package requirements"));
+    }
+    if let Some((_, m)) = trimmed.split_once(';') {
+        check_marker(entry, m)?;
     }
     if trimmed.contains("://") || trimmed.contains('@') {
         return Err(refused(entry, "URLs and direct references (@) are not accepted; give a package name and version"));

@@ -72,10 +72,10 @@ pub(crate) mod state_dir;
 /// The hostile-tar rules shared by uploads, layers and snapshots: pure, no I/O.
 pub(crate) mod tarcheck;
 
-pub use server::SandboxServer;
 /// Every tool result is cut to fit one MCP message a client accepts (public for the
 /// integration tier's stress test of it).
 pub use server::fit::{BUDGET as RESULT_BUDGET, fit as fit_result};
+pub use server::{CORE_TOOLS, SandboxServer};
 pub use session::registry::{Error as RegistryError, Registry};
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -1,18 +1,26 @@
 //! Capped capture of one output stream.
 
-/// Bytes of one stream, kept up to a cap; the rest is counted, not stored, so server memory
-/// is bounded by the cap whatever the code prints.
+/// Bytes of one stream, kept up to a cap, plus the last quarter-cap of what came after it
+/// (the end of a long output is where its outcome usually is); the rest is counted, not
+/// stored, so server memory is bounded by 1.25 × the cap whatever the code prints.
 #[derive(Debug, Clone)]
 pub struct Capture {
     cap: usize,
     data: Vec<u8>,
     dropped: u64,
+    /// The last bytes past the cap, at most `tail_cap` once [`Capture::tail`] trims it; up to
+    /// twice that in between, so trimming is amortised.
+    tail: Vec<u8>,
 }
 
 impl Capture {
-    /// An empty capture that keeps at most `cap` bytes.
+    /// An empty capture that keeps at most `cap` bytes, and the last `cap / 4` past them.
     pub fn new(cap: usize) -> Self {
-        Self { cap, data: Vec::new(), dropped: 0 }
+        Self { cap, data: Vec::new(), dropped: 0, tail: Vec::new() }
+    }
+
+    fn tail_cap(&self) -> usize {
+        self.cap / 4
     }
 
     /// Appends a chunk, keeping what fits.
@@ -20,12 +28,45 @@ impl Capture {
         let room = self.cap.saturating_sub(self.data.len());
         let keep = room.min(chunk.len());
         self.data.extend_from_slice(&chunk[..keep]);
-        self.dropped += (chunk.len() - keep) as u64;
+        let rest = &chunk[keep..];
+        self.dropped += rest.len() as u64;
+        let tail_cap = self.tail_cap();
+        if rest.len() >= tail_cap {
+            self.tail.clear();
+            self.tail.extend_from_slice(&rest[rest.len() - tail_cap..]);
+        } else {
+            self.tail.extend_from_slice(rest);
+            if self.tail.len() > 2 * tail_cap {
+                self.tail.drain(..self.tail.len() - tail_cap);
+            }
+        }
     }
 
-    /// Bytes that did not fit.
+    /// Bytes that did not fit the cap (the kept tail among them).
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+
+    /// The bytes kept from the start of the stream.
+    pub fn head(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The last bytes of the stream past the cap (at most a quarter of the cap): empty when
+    /// nothing was dropped.
+    pub fn tail(&self) -> &[u8] {
+        let tail_cap = self.tail_cap();
+        &self.tail[self.tail.len().saturating_sub(tail_cap)..]
+    }
+
+    /// Bytes written to the stream in all.
+    pub fn total(&self) -> u64 {
+        self.data.len() as u64 + self.dropped
+    }
+
+    /// The bytes kept in all: the head and the tail.
+    pub fn kept_bound(&self) -> usize {
+        self.cap + self.tail_cap()
     }
 
     /// The kept output as text. Invalid UTF-8 becomes U+FFFD here; the exact bytes are in
@@ -58,6 +99,12 @@ impl Capture {
         }
         (text, raw)
     }
+}
+
+/// "1 file", "2 files": a count and its noun, in the number the count needs.
+pub(crate) fn count(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
 }
 
 /// One piece of sandbox text (an exception message, a file name, an installer line) made
@@ -146,6 +193,14 @@ mod tests {
     }
 
     #[test]
+    fn counts_take_their_number() {
+        assert_eq!(
+            (count(1u32, "snapshot"), count(0u32, "file"), count(2u64, "name")),
+            ("1 snapshot".into(), "0 files".into(), "2 names".into())
+        );
+    }
+
+    #[test]
     fn under_the_cap_everything_is_kept() {
         let mut c = Capture::new(100);
         c.push(b"hello ");
@@ -161,9 +216,24 @@ mod tests {
             c.push(b"abcdef");
         }
         assert_eq!(c.dropped(), 20);
+        assert_eq!(c.tail(), b"ef", "the last cap/4 bytes past the cap are kept");
         let (text, raw) = c.render();
         assert!(text.starts_with("abcdefabcd\n[output truncated: 20 more bytes"), "{text}");
         assert!(raw.is_none());
+    }
+
+    #[test]
+    fn the_tail_is_the_last_bytes_whatever_the_chunks() {
+        let mut c = Capture::new(8);
+        c.push(b"0123456789");
+        assert_eq!((c.head(), c.tail(), c.total()), (&b"01234567"[..], &b"89"[..], 10));
+        for b in b"abcdefgh" {
+            c.push(&[*b]);
+        }
+        assert_eq!(c.tail(), b"gh");
+        c.push(b"xyz");
+        assert_eq!(c.tail(), b"yz");
+        assert_eq!(c.total(), 21);
     }
 
     #[test]

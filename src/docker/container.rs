@@ -15,7 +15,7 @@ use bollard::query_parameters::{
 use super::identity::{self, LABEL_UID};
 use super::{Error, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_OWNER, LABEL_SESSION};
 
-pub use super::{ENV, INIT_USER, WORKSPACE};
+pub use super::{CACHE_ENV, ENV, INIT_USER, WORKSPACE};
 
 /// Who owns a container: this server instance, on this host.
 #[derive(Debug, Clone)]
@@ -328,7 +328,7 @@ async fn make(
         cmd: Some(vec!["sleep".into(), "infinity".into()]),
         user: Some(INIT_USER.into()),
         working_dir: Some(WORKSPACE.into()),
-        env: Some(ENV.iter().map(|s| (*s).to_owned()).chain([orphan_env(spec)]).collect()),
+        env: Some(ENV.iter().chain(&CACHE_ENV).map(|s| (*s).to_owned()).chain([orphan_env(spec)]).collect()),
         labels: Some(labels),
         network_disabled: Some(true),
         host_config: Some(hc),

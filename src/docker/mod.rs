@@ -140,3 +140,12 @@ pub const ENV: [&str; 9] = [
     "PYTHONUNBUFFERED=1",
     "MPLBACKEND=Agg",
 ];
+/// Where libraries keep their caches: the sandbox's /tmp, not the workspace (`HOME`), so they
+/// never show in list_files, archives, snapshots or `pyberth run --output` (issue 28). Unlike
+/// [`ENV`], a caller may set these (a run's `env`, `session_env`).
+pub const CACHE_ENV: [&str; 4] = [
+    "XDG_CACHE_HOME=/tmp/.cache",
+    "MPLCONFIGDIR=/tmp/.cache/matplotlib",
+    "PIP_CACHE_DIR=/tmp/.cache/pip",
+    "IPYTHONDIR=/tmp/.cache/ipython",
+];

@@ -332,6 +332,9 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
     if let Some(v) = spec.timeout_s {
         cfg.timeout_s = v;
     }
+    if let Some(v) = spec.text_budget {
+        cfg.text_budget = v;
+    }
     // The environment's allowances add to the server's.
     for p in &spec.allow_sdist {
         if !cfg.allow_sdist.contains(p) {
@@ -430,7 +433,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pyberth-envdata-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let file = format!(
-            "[environments.science]\npackages = [\"numpy\"]\nmemory_mb = 1024\n\
+            "[environments.science]\npackages = [\"numpy\"]\nmemory_mb = 1024\ntext_budget = 4000\n\
              mounts = [{{ host = \"{}\", path = \"/data\" }}]\n\
              [environments.\"python3.13\"]\ndescription = \"mine\"\n",
             dir.display()
@@ -439,6 +442,8 @@ mod tests {
         let science = envs.get(Some("science")).expect("science");
         assert_eq!(science.packages, vec!["numpy".to_owned()]);
         assert_eq!(science.cfg.memory_mb, 1024);
+        assert_eq!(science.cfg.text_budget, 4000, "the text budget is set per environment");
+        assert_eq!(envs.get(None).expect("default").cfg.text_budget, 20_000);
         assert_eq!(science.mounts[0].path, "/data");
         let py313 = envs.get(Some("python3.13")).expect("python3.13");
         assert_eq!(py313.description, "mine");

@@ -40,6 +40,8 @@ pub struct EnvironmentSpec {
     pub tmp_mb: Option<u64>,
     /// Default time limit of a run, seconds.
     pub timeout_s: Option<u64>,
+    /// Characters of output a run's text shows a model (`text_budget`).
+    pub text_budget: Option<usize>,
     /// Host folders mounted read-only.
     #[serde(default)]
     pub mounts: Vec<MountSpec>,

@@ -33,6 +33,8 @@ pub(super) struct Limits {
     pub max_timeout_s: u64,
     /// Bytes of stdout and of stderr kept per run.
     pub output_cap: usize,
+    /// Characters of output a run's text shows (head and tail, the whole saved apart).
+    pub text_budget: usize,
 }
 
 impl Limits {
@@ -46,6 +48,7 @@ impl Limits {
             timeout_s: cfg.timeout_s,
             max_timeout_s: cfg.max_timeout_s,
             output_cap: cfg.output_cap,
+            text_budget: cfg.text_budget,
         }
     }
 }
@@ -199,7 +202,7 @@ impl SandboxServer {
         };
         let text = format!(
             "session {}: environment {}, Python {}, image {}\nlimits: {} MiB memory, {} CPU, {} processes, {} s per run \
-             (at most {} s), {} bytes of output per stream, workspace {}\nnetwork: {}\nread-only folders: {}\npackages installed: {}\npackage index: {} (CA bundle: {})\n",
+             (at most {} s), {} bytes of output per stream ({} characters shown), workspace {}\nnetwork: {}\nread-only folders: {}\npackages installed: {}\npackage index: {} (CA bundle: {})\n",
             out.session,
             out.environment,
             out.python,
@@ -210,6 +213,7 @@ impl SandboxServer {
             out.limits.timeout_s,
             out.limits.max_timeout_s,
             out.limits.output_cap,
+            out.limits.text_budget,
             match out.limits.workspace_mb {
                 0 => "on disk".to_owned(),
                 mb => format!("{mb} MiB (counts against memory)"),

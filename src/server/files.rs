@@ -300,7 +300,9 @@ impl SandboxServer {
             reply.entries.truncate(1000);
             reply.truncated = true;
         }
-        let mut text = String::new();
+        // A header names the columns; sizes are bytes.
+        let mut text =
+            if reply.entries.is_empty() { String::new() } else { "kind\tbytes\tallocated\tpath\n".to_owned() };
         for e in &reply.entries {
             // Names are the code's: escaped, so one cannot add lines to the listing.
             let allocated = e.allocated.map_or_else(|| "-".to_owned(), |a| a.to_string());

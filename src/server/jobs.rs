@@ -11,7 +11,7 @@ use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
 use super::error::{ToolError, ToolResult};
-use super::render::{outcome_text, render_run, render_run_output, running_job, structured};
+use super::render::{View, outcome_text, render_run, render_run_output, running_job, structured};
 use super::{Caller, SandboxServer};
 use crate::checks::check_wait;
 use crate::protocol::Stream;
@@ -109,8 +109,17 @@ pub(super) struct JobList {
 }
 
 /// A finished job's result as a run's: with its `egress` totals when its session has egress.
-fn render_job(job: &Job, o: &crate::session::RunOutcome) -> CallToolResult {
-    let mut result = render_run(&job.session, o, Some(&job.id));
+/// A stream its text cuts is read whole from the job's record, by offsets.
+fn render_job(job: &Job, o: &crate::session::RunOutcome, budget: usize) -> CallToolResult {
+    let whole = |name: &str, c: &crate::output::Capture| {
+        Some(format!(
+            "job_status job={:?} {name}_offset=0 and on (the job keeps its first {} bytes)",
+            job.id,
+            c.head().len()
+        ))
+    };
+    let view = View { budget, whole: [whole("stdout", &o.stdout), whole("stderr", &o.stderr)] };
+    let mut result = render_run(&job.session, o, Some(&job.id), &view);
     if let (Some(e), Some(serde_json::Value::Object(sc))) = (job.egress(), result.structured_content.as_mut()) {
         sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
     }
@@ -121,7 +130,25 @@ fn unknown(job: &str) -> ToolError {
     ToolError::new(format!("no job {job:?}: list_jobs shows yours (finished jobs are kept for an hour)"))
 }
 
+/// `bytes` past `offset` within `keep` characters' worth, cut at a character's start, and
+/// the offset after what is kept.
+pub(super) fn page(bytes: Vec<u8>, offset: usize, keep: usize) -> (String, usize, usize) {
+    let mut end = bytes.len().min(keep);
+    let mut back = 0;
+    while end > 0 && end < bytes.len() && back < 3 && (0x80..0xc0).contains(&bytes[end]) {
+        end -= 1;
+        back += 1;
+    }
+    (String::from_utf8_lossy(&bytes[..end]).into_owned(), offset + end, bytes.len() - end)
+}
+
 impl SandboxServer {
+    /// The text budget of a job's session (its environment's), or the server's once the
+    /// session is gone.
+    fn budget_of(&self, job: &Job) -> usize {
+        self.registry.find(&job.principal, &job.session).map_or(self.cfg.text_budget, |s| s.settings().text_budget)
+    }
+
     /// Waits up to `wait` for a job, then answers with its result or with what it has so far.
     /// A caller that cancels while waiting stops the job too: it was never handed out.
     pub(super) async fn await_job(
@@ -156,40 +183,58 @@ impl SandboxServer {
             }
         };
         if !finished {
-            return Ok(running_job(job, notices));
+            return Ok(running_job(job, notices, self.budget_of(job)));
         }
         match job.result().as_deref() {
             Some(Finished::Outcome(o)) => {
                 let mut o = o.as_ref().clone();
                 o.notices.splice(0..0, notices);
-                Ok(render_job(job, &o))
+                Ok(render_job(job, &o, self.budget_of(job)))
             }
             Some(Finished::Failed(e)) => Err(format!("the run could not complete: {e}").into()),
             None => Err("the job ended without a result".into()),
         }
     }
 
+    /// A job's output since the offsets, a page of it within the budget (the offsets returned
+    /// go on from where the page ends), its status, and once finished its result.
     fn job_status_of(&self, job: &Job, stdout_offset: usize, stderr_offset: usize) -> CallToolResult {
-        let (stdout, stderr, so, se) = job.output_since(stdout_offset, stderr_offset);
+        let budget = self.budget_of(job);
+        let (stdout, stderr, _, _) = job.output_since(stdout_offset, stderr_offset);
+        let (stdout, so, out_left) = page(stdout, stdout_offset, budget / 2);
+        let (stderr, se, err_left) = page(stderr, stderr_offset, budget / 4);
         let finished = job.result();
         let rendered = match finished.as_deref() {
-            Some(Finished::Outcome(o)) => Some(render_job(job, o)),
+            Some(Finished::Outcome(o)) => Some(render_job(job, o, budget)),
             _ => None,
         };
         let out = JobStatusOutput {
             job: job.id.clone(),
             session: job.session.clone(),
             status: job.status(),
-            stdout: String::from_utf8_lossy(&stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&stderr).into_owned(),
+            stdout,
+            stderr,
             stdout_offset: so,
             stderr_offset: se,
             elapsed_s: (job.age().as_secs_f64() * 10.0).round() / 10.0,
             result: rendered.as_ref().and_then(|r| r.structured_content.clone()),
         };
-        let mut text = out.stdout.clone();
+        let mut text = String::new();
+        if out_left + err_left > 0 {
+            text.push_str(&format!(
+                "[output cut to fit {budget} characters: {out_left} more bytes of stdout and {err_left} of stderr; \
+                 call job_status with stdout_offset {so} and stderr_offset {se} to read on]\n"
+            ));
+        }
+        text.push_str(&out.stdout);
         if !out.stderr.is_empty() {
+            if !text.is_empty() && !text.ends_with('\n') {
+                text.push('\n');
+            }
             text.push_str(&format!("[stderr]\n{}", out.stderr));
+        }
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
         }
         match finished.as_deref() {
             None => text.push_str(&format!(
@@ -199,8 +244,8 @@ impl SandboxServer {
             Some(Finished::Failed(e)) => text.push_str(&format!("[status] the run could not complete: {e}\n")),
             // Rendered as a run's result is: the value, the traceback, the status, the notices.
             Some(Finished::Outcome(o)) => {
-                let run = render_run_output(&job.session, o, Some(&job.id));
-                let tail = outcome_text(&run);
+                let run = render_run_output(&job.session, o, Some(&job.id), budget);
+                let tail = outcome_text(&run, budget);
                 text.push_str(if tail.is_empty() { "[status] ok\n" } else { &tail });
             }
         }

@@ -5,7 +5,9 @@
 //! - `sessions.rs`: `list_sessions`, `reset_session`, `close_session`, `list_variables`;
 //! - `files.rs`, `transfer.rs`, `jobs.rs`, `envs.rs`: the workspace, archives, jobs, environments;
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
-//! - `types.rs` the tools' arguments and results, `render.rs` the results' text, `error.rs` the
+//! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
+//! - `types.rs` the tools' arguments and results, `render.rs` the results' text (`budget.rs`
+//!   its size in characters), `error.rs` the
 //!   one way a tool fails, `live.rs` output while a call works, `fit.rs` the message budget.
 //!
 //! Every failure a caller can cause or fix is a tool result with `isError: true`
@@ -28,10 +30,12 @@ use crate::checks::{self, session_name};
 use crate::config::SandboxConfig;
 use crate::session::registry::Registry;
 
+mod budget;
 mod envs;
 mod error;
 mod files;
 pub(crate) mod fit;
+mod habits;
 mod jobs;
 mod live;
 mod render;
@@ -56,20 +60,40 @@ pub struct SandboxServer {
 impl SandboxServer {
     /// A server over a registry.
     pub fn new(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> Self {
-        Self {
-            registry,
-            cfg,
-            log_level: Arc::default(),
-            tool_router: Self::run_router()
-                + Self::sessions_router()
-                + Self::files_router()
-                + Self::jobs_router()
-                + Self::envs_router()
-                + Self::transfer_router()
-                + Self::snapshots_router(),
+        let mut tool_router = Self::run_router()
+            + Self::sessions_router()
+            + Self::files_router()
+            + Self::jobs_router()
+            + Self::envs_router()
+            + Self::transfer_router()
+            + Self::snapshots_router();
+        if cfg.tools == crate::config::ToolProfile::Core {
+            let others: Vec<String> = tool_router
+                .list_all()
+                .into_iter()
+                .map(|t| t.name.into_owned())
+                .filter(|n| !CORE_TOOLS.contains(&n.as_str()))
+                .collect();
+            for name in others {
+                tool_router.remove_route(&name);
+            }
         }
+        Self { registry, cfg, log_level: Arc::default(), tool_router }
     }
 }
+
+/// The tools of `--tools core`: what a model needs to run code, install packages and move
+/// files, and to read or stop a run that went to the background.
+pub const CORE_TOOLS: [&str; 8] = [
+    "run_python",
+    "install_packages",
+    "list_packages",
+    "read_file",
+    "write_file",
+    "list_files",
+    "job_status",
+    "cancel_job",
+];
 
 /// The principal of a caller over stdio: the one local client.
 pub(crate) const LOCAL: &str = "local";

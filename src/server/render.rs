@@ -3,23 +3,60 @@
 use rmcp::model::{CallToolResult, ContentBlock};
 use serde::Serialize;
 
+use super::budget::{self, StreamText};
 use super::types::RunOutput;
 use crate::session::jobs::Job;
 use crate::session::{RunOutcome, RunStatus};
 
-/// A run's structured content.
-pub(super) fn render_run_output(session: &str, outcome: &RunOutcome, job: Option<&str>) -> RunOutput {
+/// How a run's text is sized for a model: the budget in characters, and where the whole of
+/// each stream (stdout, stderr) can be read when its text is cut.
+#[derive(Debug, Clone)]
+pub(crate) struct View {
+    /// Characters of text (the session's `text_budget`).
+    pub budget: usize,
+    /// For stdout and stderr: how to read the whole stream, said in the top line.
+    pub whole: [Option<String>; 2],
+}
+
+impl View {
+    /// A view whose cut streams are not saved anywhere.
+    #[cfg(test)]
+    pub(crate) fn new(budget: usize) -> Self {
+        Self { budget, whole: [None, None] }
+    }
+}
+
+/// The streams of a run, and which of them its budget cuts (their share of characters).
+pub(crate) fn stream_plan(outcome: &RunOutcome, budget: usize) -> ([StreamText; 2], [Option<usize>; 2]) {
+    let streams = [StreamText::of("stdout", &outcome.stdout), StreamText::of("stderr", &outcome.stderr)];
+    let out = render_run_output("", outcome, None, budget);
+    let fixed = outcome_text(&out, budget).chars().count();
+    let shares = budget::plan(&streams, fixed, budget);
+    (streams, shares)
+}
+
+/// A run's structured content. A final value longer than a fifth of the budget keeps its
+/// head and tail (`truncated` says so).
+pub(super) fn render_run_output(session: &str, outcome: &RunOutcome, job: Option<&str>, budget: usize) -> RunOutput {
     let (stdout, stdout_base64) = outcome.stdout.render();
     let (stderr, stderr_base64) = outcome.stderr.render();
+    let (result, result_cut) = match &outcome.result {
+        // The agent cuts a repr past 65536 characters with a note of its own.
+        Some(r) => {
+            let (r2, cut) = budget::cut_text(r, budget / 5, "the value");
+            (Some(r2), cut || r.ends_with(" characters truncated]"))
+        }
+        None => (None, false),
+    };
     RunOutput {
         session: session.to_owned(),
         status: outcome.status,
-        truncated: outcome.stdout.dropped() > 0 || outcome.stderr.dropped() > 0,
+        truncated: outcome.stdout.dropped() > 0 || outcome.stderr.dropped() > 0 || result_cut,
         stdout,
         stderr,
         stdout_base64,
         stderr_base64,
-        result: outcome.result.clone(),
+        result,
         error: outcome.error.clone(),
         exit_code: outcome.exit_code,
         duration_ms: (outcome.duration.as_secs_f64() * 1e6).round() / 1e3,
@@ -32,28 +69,45 @@ pub(super) fn render_run_output(session: &str, outcome: &RunOutcome, job: Option
         stdout_offset: None,
         stderr_offset: None,
         egress: None,
+        stdout_file: None,
+        stderr_file: None,
     }
 }
 
-/// Renders a run as readable text plus structured content.
-pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>) -> CallToolResult {
+/// Renders a run as readable text within the view's budget, plus structured content. A cut
+/// result starts with one line saying how much was cut and where the whole is.
+pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>, view: &View) -> CallToolResult {
     let images = outcome.images.clone();
-    let out = render_run_output(session, outcome, job);
+    let mut out = render_run_output(session, outcome, job, view.budget);
+    let (streams, shares) = stream_plan(outcome, view.budget);
+    let mut cuts = Vec::new();
+    let mut body = String::new();
+    for (i, s) in streams.iter().enumerate() {
+        if s.is_empty() {
+            continue;
+        }
+        let (text, cut) = budget::cut_stream(s, shares[i]);
+        if i == 1 {
+            if !body.is_empty() && !body.ends_with('\n') {
+                body.push('\n');
+            }
+            body.push_str("[stderr]\n");
+        }
+        body.push_str(&text);
+        if let Some(c) = cut {
+            cuts.push((s.name, c, view.whole[i].as_deref().unwrap_or("not kept beyond what is shown")));
+        }
+    }
+    if !body.is_empty() && !body.ends_with('\n') {
+        body.push('\n');
+    }
     let mut text = String::new();
-    if !out.stdout.is_empty() {
-        text.push_str(&out.stdout);
-        if !text.ends_with('\n') {
-            text.push('\n');
-        }
+    if !cuts.is_empty() {
+        out.truncated = true;
+        text.push_str(&budget::top_line(view.budget, &cuts));
     }
-    if !out.stderr.is_empty() {
-        text.push_str("[stderr]\n");
-        text.push_str(&out.stderr);
-        if !text.ends_with('\n') {
-            text.push('\n');
-        }
-    }
-    text.push_str(&outcome_text(&out));
+    text.push_str(&body);
+    text.push_str(&outcome_text(&out, view.budget));
     if text.is_empty() {
         text.push_str("[ok] no output\n");
     }
@@ -67,20 +121,22 @@ pub(crate) fn render_run(session: &str, outcome: &RunOutcome, job: Option<&str>)
 
 /// What a model must read of a finished run besides its output: the final value, the error
 /// (its message too when the traceback does not carry it: a missing script, an exit status),
-/// the status and the notices.
-pub(super) fn outcome_text(out: &RunOutput) -> String {
+/// the status and the notices. The traceback and the notices each keep to a fifth of the
+/// budget (a traceback its head and tail: the exception is at its end).
+pub(super) fn outcome_text(out: &RunOutput, budget: usize) -> String {
     let mut text = String::new();
     if let Some(r) = &out.result {
         text.push_str(&format!("[result] {r}\n"));
     }
     if let Some(e) = &out.error {
-        text.push_str(&e.traceback);
+        text.push_str(&budget::cut_text(&e.traceback, budget / 5, "the traceback").0);
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
         if !e.message.is_empty() && !e.traceback.contains(&e.message) {
             let kind = if e.kind.is_empty() { "error" } else { e.kind.as_str() };
-            text.push_str(&format!("[error] {kind}: {}\n", e.message));
+            let message = budget::cut_text(&e.message, budget / 10, "the message").0;
+            text.push_str(&format!("[error] {kind}: {message}\n"));
         }
     }
     let status = match out.status {
@@ -98,8 +154,15 @@ pub(super) fn outcome_text(out: &RunOutput) -> String {
     if let Some(s) = status {
         text.push_str(&format!("[status] {s}\n"));
     }
-    for n in &out.notices {
-        text.push_str(&format!("[notice] {n}\n"));
+    let mut room = budget / 5;
+    for (i, n) in out.notices.iter().enumerate() {
+        let line = format!("[notice] {}\n", budget::cut_text(n, budget / 10, "the notice").0);
+        if line.chars().count() > room {
+            text.push_str(&format!("[{} more notices in structuredContent.notices]\n", out.notices.len() - i));
+            break;
+        }
+        room -= line.chars().count();
+        text.push_str(&line);
     }
     text
 }
@@ -110,15 +173,17 @@ pub(super) fn structured<T: Serialize>(value: &T, text: String) -> CallToolResul
     result
 }
 
-/// The answer for a job still running when its caller stopped waiting: what it printed so far,
-/// and how to read on.
-pub(super) fn running_job(job: &Job, notices: Vec<String>) -> CallToolResult {
-    let (stdout, stderr, so, se) = job.output_since(0, 0);
+/// The answer for a job still running when its caller stopped waiting: what it printed so far
+/// (a page of it within the budget), and how to read on.
+pub(super) fn running_job(job: &Job, notices: Vec<String>, budget: usize) -> CallToolResult {
+    let (stdout, stderr, _, _) = job.output_since(0, 0);
+    let (stdout, so, out_left) = super::jobs::page(stdout, 0, budget / 2);
+    let (stderr, se, err_left) = super::jobs::page(stderr, 0, budget / 4);
     let out = RunOutput {
         session: job.session.clone(),
         status: RunStatus::Running,
-        stdout: String::from_utf8_lossy(&stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+        stdout,
+        stderr,
         stdout_base64: None,
         stderr_base64: None,
         result: None,
@@ -126,7 +191,7 @@ pub(super) fn running_job(job: &Job, notices: Vec<String>) -> CallToolResult {
         exit_code: None,
         duration_ms: (job.age().as_secs_f64() * 1e3).round(),
         cpu_ms: None,
-        truncated: false,
+        truncated: out_left + err_left > 0,
         state_lost: false,
         notices,
         images: 0,
@@ -135,16 +200,33 @@ pub(super) fn running_job(job: &Job, notices: Vec<String>) -> CallToolResult {
         stdout_offset: Some(so),
         stderr_offset: Some(se),
         egress: None,
+        stdout_file: None,
+        stderr_file: None,
     };
-    let mut text = out.stdout.clone();
+    let mut text = String::new();
+    if out.truncated {
+        text.push_str(&format!(
+            "[output cut to fit {budget} characters: {out_left} more bytes of stdout and {err_left} of stderr so far]\n"
+        ));
+    }
+    text.push_str(&out.stdout);
     if !out.stderr.is_empty() {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
         text.push_str(&format!("[stderr]\n{}", out.stderr));
+    }
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
     }
     text.push_str(&format!(
         "[status] running as {}: call job_status with stdout_offset {so} and stderr_offset {se} for newer output, \
          cancel_job to stop it\n",
         job.id
     ));
+    for n in &out.notices {
+        text.push_str(&format!("[notice] {}\n", budget::cut_text(n, budget / 10, "the notice").0));
+    }
     structured(&out, text)
 }
 
@@ -168,7 +250,7 @@ mod tests {
 
     #[test]
     fn ok_runs_are_not_errors_and_failures_are() {
-        let ok = render_run("s", &outcome(RunStatus::Ok), None);
+        let ok = render_run("s", &outcome(RunStatus::Ok), None, &View::new(20_000));
         assert_eq!(ok.is_error, Some(false));
         let sc = ok.structured_content.expect("structured");
         assert_eq!(sc["stdout"], "hi\n");
@@ -176,7 +258,7 @@ mod tests {
         assert_eq!(sc["status"], "ok");
         assert_eq!(sc["truncated"], false);
         assert_eq!(sc["peak_memory_kb"], 2048);
-        let running = render_run("s", &outcome(RunStatus::Running), Some("job-1"));
+        let running = render_run("s", &outcome(RunStatus::Running), Some("job-1"), &View::new(20_000));
         assert_eq!(running.is_error, Some(false), "a running job is not a failure");
         assert_eq!(running.structured_content.expect("structured")["job"], "job-1");
         let statuses = [
@@ -187,7 +269,7 @@ mod tests {
             RunStatus::Oom,
         ];
         for s in statuses {
-            let r = render_run("s", &outcome(s), None);
+            let r = render_run("s", &outcome(s), None, &View::new(20_000));
             assert_eq!(r.is_error, Some(true), "{s:?}");
             assert!(r.structured_content.is_some());
         }

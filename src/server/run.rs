@@ -11,9 +11,10 @@ use rmcp::handler::server::wrapper::Parameters;
 use rmcp::service::RequestContext;
 use rmcp::{RoleServer, tool, tool_router};
 
+use super::budget::{SAVED_DIR, saved_bytes};
 use super::error::{Context as _, ToolError, ToolResult};
 use super::live::{LiveChannel, live_channel, relay};
-use super::render::{render_run, structured};
+use super::render::{View, render_run, stream_plan, structured};
 use super::types::{InstallArgs, InstallOutput, ListPackagesArgs, PackageList, RunOutput, RunPythonArgs};
 use super::{Caller, SandboxServer, principal_of};
 use crate::checks::{self, check_code, check_path, check_timeout, check_wait, session_name, wanted_packages};
@@ -21,6 +22,64 @@ use crate::deps;
 use crate::protocol::Request;
 use crate::session::registry::Opened;
 use crate::session::{RunSpec, Session};
+
+/// For each stream whose text the budget cuts: the whole of it (up to the output cap and its
+/// last quarter-cap) written to `.pyberth-output/<stream>.txt` in the workspace, replacing the
+/// last cut run's, and how the top line tells a model to read it. A write that fails (a full
+/// workspace, a broken session) is said in its place.
+async fn save_whole(
+    session: &Session,
+    outcome: &crate::session::RunOutcome,
+    budget: usize,
+) -> ([Option<String>; 2], [Option<String>; 2]) {
+    let (_, shares) = stream_plan(outcome, budget);
+    let mut whole = [None, None];
+    let mut files = [None, None];
+    for (i, (name, capture)) in [("stdout", &outcome.stdout), ("stderr", &outcome.stderr)].into_iter().enumerate() {
+        if shares[i].is_none() {
+            continue;
+        }
+        let path = format!("{SAVED_DIR}/{name}.txt");
+        let bytes = saved_bytes(capture);
+        let b = base64::engine::general_purpose::STANDARD.encode(&bytes);
+        let p = path.as_str();
+        let write = |id| Request::Write { id, path: p, b: &b, append: false };
+        whole[i] = Some(match super::files::agent_file(session, "", write).await {
+            Ok(_) if capture.dropped() > capture.tail().len() as u64 => format!(
+                "read_file path={path:?} ({} bytes: the first {} and the last {} of them; the server keeps no more)",
+                bytes.len(),
+                capture.head().len(),
+                capture.tail().len()
+            ),
+            Ok(_) => format!("read_file path={path:?} ({} bytes, all of it)", bytes.len()),
+            Err(e) => format!("could not be saved in the workspace ({})", e.to_string().trim_start_matches(": ")),
+        });
+        if whole[i].as_deref().is_some_and(|w| w.starts_with("read_file")) {
+            files[i] = Some(path);
+        }
+    }
+    (whole, files)
+}
+
+/// What a failed run should be told about a notebook habit the sandbox does not serve: the
+/// network in an offline session, `input()` without a stdin.
+fn habit_notices(outcome: &crate::session::RunOutcome, offline: bool) -> Vec<String> {
+    let mut notices = Vec::new();
+    if outcome.status != crate::session::RunStatus::Error {
+        return notices;
+    }
+    let (stderr, _) = outcome.stderr.render();
+    let error = outcome.error.as_ref().map(|e| format!("{}\n{}", e.traceback, e.message)).unwrap_or_default();
+    let said = format!("{stderr}\n{error}");
+    notices.extend(super::habits::pip_notice(&said));
+    if offline {
+        notices.extend(super::habits::offline_notice(&said));
+    }
+    if let Some(e) = &outcome.error {
+        notices.extend(super::habits::stdin_notice(&e.kind, &e.message));
+    }
+    notices
+}
 
 /// Environment variables by name.
 type Env = BTreeMap<String, String>;
@@ -80,9 +139,20 @@ impl SandboxServer {
         if let Some(e) = &egress {
             outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));
         }
-        let mut result = render_run(&session.name, &outcome, None);
-        if let (Some(e), Some(serde_json::Value::Object(sc))) = (egress, result.structured_content.as_mut()) {
-            sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
+        let offline = self.registry.egress.rules(&who, &session.name).is_none_or(|r| r.is_empty());
+        outcome.notices.extend(habit_notices(&outcome, offline));
+        let budget = session.settings().text_budget;
+        let (whole, files) = save_whole(&session, &outcome, budget).await;
+        let mut result = render_run(&session.name, &outcome, None, &View { budget, whole });
+        if let Some(serde_json::Value::Object(sc)) = result.structured_content.as_mut() {
+            if let Some(e) = egress {
+                sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
+            }
+            for (key, path) in ["stdout_file", "stderr_file"].into_iter().zip(files) {
+                if let Some(path) = path {
+                    sc.insert(key.into(), path.into());
+                }
+            }
         }
         Ok(result)
     }
@@ -115,8 +185,11 @@ impl SandboxServer {
     /// Each session is an isolated Docker container with no network access, a read-only
     /// system, a writable working directory /workspace (kept for the session's life), a
     /// small /tmp, and limits on memory, CPU and processes. Output of child processes is
-    /// captured too; each stream is capped (1 MiB by default). Runs in one session execute
-    /// one at a time, in order.
+    /// captured too; each stream is capped (1 MiB by default), and the text shows its head and
+    /// tail within a budget, naming a file with the rest. Figures (matplotlib, display())
+    /// come back as images. Notebook lines work: `%pip install x` installs x first,
+    /// `%matplotlib inline` does nothing, `!cmd` runs a shell command. Runs in one session
+    /// execute one at a time, in order.
     #[tool(
         annotations(title = "Run Python", destructive_hint = false, open_world_hint = false),
         output_schema = schema_for_output::<RunOutput>()
@@ -131,13 +204,17 @@ impl SandboxServer {
         // Checked against the server before any container is touched; resolved in `execute`.
         check_timeout(args.timeout_s, &self.cfg)?;
         let wait = check_wait(args.wait_s, args.background, &self.cfg)?;
-        let packages = wanted_packages(args.packages.as_deref(), Some(&args.code), self.cfg.max_packages)?;
+        let habits = super::habits::rewrite(&args.code)?;
+        let mut asked = args.packages.clone().unwrap_or_default();
+        asked.extend(habits.packages);
+        let asked = (!asked.is_empty()).then_some(asked);
+        let packages = wanted_packages(asked.as_deref(), Some(&args.code), self.cfg.max_packages)?;
         let (env, session_env) = run_env(&args)?;
         let save_as = args.save_as.as_deref().map(|p| check_path(p, false)).transpose()?;
         let opened =
             self.open(&ctx, &name, args.environment.as_deref(), &packages, args.allow_hosts.as_deref()).await?;
         let session = opened.session;
-        let mut notices = Vec::new();
+        let mut notices = habits.notices;
         if let (false, Some(asked)) = (opened.created, &args.allow_hosts) {
             // An existing session: the same narrowing as set_network.
             let now = self.registry.narrow(&session, asked).await?;
@@ -177,7 +254,7 @@ impl SandboxServer {
             .await?;
             notices.push(format!("code saved as {path}"));
         }
-        let spec = RunSpec { code: args.code, env, ..Default::default() };
+        let spec = RunSpec { code: habits.code, env, ..Default::default() };
         self.execute(&ctx, session, spec, args.timeout_s, wait, notices).await
     }
 

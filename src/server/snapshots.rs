@@ -18,7 +18,7 @@ use super::render::structured;
 use super::{Caller, SandboxServer};
 use crate::checks::session_name;
 use crate::durable::catalogue::Entry;
-use crate::output::one_line;
+use crate::output::{count, one_line};
 use crate::protocol::Lost;
 use crate::session::snapshot::Grade;
 /// Names shown in a result's text; the structured content has them all.
@@ -176,13 +176,13 @@ fn ms(d: std::time::Duration) -> u64 {
 
 fn restore_text(out: &RestoreOutput, what: &str) -> String {
     let mut text = format!(
-        "session {:?} made from {what} {:?} ({}): {} files ({} bytes) and {} names restored in {} ms\n",
+        "session {:?} made from {what} {:?} ({}): {} ({} bytes) and {} restored in {} ms\n",
         out.session,
         out.from,
         out.grade.as_str(),
-        out.files,
+        count(out.files, "file"),
         out.bytes,
-        out.restored.len(),
+        count(out.restored.len() as u64, "name"),
         out.took_ms
     );
     lost_lines(&mut text, &out.lost, "not restored");
@@ -206,14 +206,14 @@ impl SandboxServer {
         let entry = self.registry.save_snapshot(&who, &session_name_, &snap).await?;
         let out = describe(&entry, true);
         let mut text = format!(
-            "snapshot {:?} of session {:?} ({}): {} files ({} bytes), {} bytes of interpreter state, {} names saved, in {} ms\n",
+            "snapshot {:?} of session {:?} ({}): {} ({} bytes), {} bytes of interpreter state, {} saved, in {} ms\n",
             out.snapshot,
             out.session,
             out.grade.as_str(),
-            out.files,
+            count(out.files, "file"),
             out.workspace_bytes,
             out.state_bytes,
-            out.saved.len(),
+            count(out.saved.len() as u64, "name"),
             out.took_ms
         );
         if out.skipped_entries > 0 {
@@ -229,14 +229,14 @@ impl SandboxServer {
         let (entries, cache) = self.registry.list_snapshots(&who);
         let snapshots: Vec<SnapshotOutput> = entries.iter().map(|e| describe(e, false)).collect();
         let list = SnapshotList { snapshots, total_bytes: cache.total_bytes, cache_bytes: cache.cache_bytes };
-        let mut text = format!("{} snapshots\n", list.snapshots.len());
+        let mut text = format!("{}\n", count(list.snapshots.len() as u64, "snapshot"));
         for s in &list.snapshots {
             text.push_str(&format!(
-                "{}: of session {}, {}, {} files ({} bytes) + {} bytes of state, {} s old\n",
+                "{}: of session {}, {}, {} ({} bytes) + {} bytes of state, {} s old\n",
                 s.snapshot,
                 s.session,
                 s.grade.as_str(),
-                s.files,
+                count(s.files, "file"),
                 s.workspace_bytes,
                 s.state_bytes,
                 s.age_s

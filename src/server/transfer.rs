@@ -121,7 +121,7 @@ impl SandboxServer {
             count += 1;
             bytes += data.len() as u64;
         }
-        let mut text = format!("unpacked {count} files ({bytes} bytes) into {dest}\n");
+        let mut text = format!("unpacked {} ({bytes} bytes) into {dest}\n", crate::output::count(count, "file"));
         for s in &skipped {
             text.push_str(&format!("[skipped] {s}\n"));
         }
@@ -143,8 +143,9 @@ impl SandboxServer {
         let cap = archive::Cap { bytes: MAX_ARCHIVE as u64, files: MAX_FILES };
         let (tar, moved) = session.download_tree(&rel, cap).await?;
         let text = format!(
-            "packed {} files ({} bytes) of {rel}; the archive is in archive (base64 tar)\n",
-            moved.files, moved.bytes
+            "packed {} ({} bytes) of {rel}; the archive is in archive (base64 tar)\n",
+            crate::output::count(moved.files, "file"),
+            moved.bytes
         );
         let archive = base64::engine::general_purpose::STANDARD.encode(&tar);
         Ok(structured(&DownloadOutput { session: name, archive, files: moved.files, bytes: moved.bytes }, text))

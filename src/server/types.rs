@@ -162,7 +162,8 @@ pub(crate) struct RunOutput {
     pub duration_ms: f64,
     /// CPU time of the run (user + system, child processes included) in milliseconds.
     pub cpu_ms: Option<f64>,
-    /// True when stdout or stderr went over the output cap and was cut.
+    /// True when stdout or stderr went over the output cap, or the text over its budget of
+    /// characters, or the final value's repr over its share of it, and was cut.
     pub truncated: bool,
     /// True when the interpreter state (variables, imports) from before this call is gone.
     pub state_lost: bool,
@@ -185,6 +186,13 @@ pub(crate) struct RunOutput {
     /// refused.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub egress: Option<crate::egress::Totals>,
+    /// When the text cut stdout: the workspace file (for read_file) holding the whole of it,
+    /// up to the output cap and the last quarter-cap; replaced by the next run that is cut.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdout_file: Option<String>,
+    /// The same for stderr.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stderr_file: Option<String>,
 }
 
 /// Arguments of `set_network`.

@@ -65,6 +65,7 @@ mod durable;
 // The result fitter under a 60 MiB result of small items (no Docker; too slow for the lib tier).
 mod fit_stress;
 // What a text-only client reads: failed run_file reasons, finished jobs as runs.
-mod model_text;
+mod model_habits;
+mod model_text; // Issue 28 items 4-7: notebook habits, wording, caches, the tool profile.
 // Per-caller snapshot caps (issue 26): count and bytes, hibernated sessions included.
 mod snapshot_caps;
