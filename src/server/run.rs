@@ -139,7 +139,7 @@ impl SandboxServer {
         if let Some(e) = &egress {
             outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));
         }
-        let offline = self.registry.egress.rules(&who, &session.name).is_none_or(|r| r.is_empty());
+        let offline = self.registry.egress_rules(&who, &session.name).is_empty();
         outcome.notices.extend(habit_notices(&outcome, offline));
         let budget = session.settings().text_budget;
         let (whole, files) = save_whole(&session, &outcome, budget).await;
