@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::{Engine, EngineRef};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -123,7 +123,7 @@ impl Instance {
     /// in time, so the adopting server puts them to sleep (issue 18: they hibernate).
     pub async fn claim_adoptable(
         &self,
-        docker: &Docker,
+        docker: &dyn Engine,
         found: &[Found],
         candidates: &HashSet<String>,
         grace: Duration,
@@ -283,7 +283,7 @@ impl Sweeper {
     /// One sweep: lists our labelled containers and volumes once, reads the heartbeats of the
     /// instances found (an inspect per stopped one), probes the locks we can see, and removes
     /// what the dead instances left.
-    pub async fn sweep(&self, docker: &Docker) -> Result<Swept, engine::Error> {
+    pub async fn sweep(&self, docker: &dyn Engine) -> Result<Swept, engine::Error> {
         let found = container::inventory(docker).await?;
         let (dead, recheck) = self.dead(docker, &found).await;
         let mut swept = Swept { recheck: recheck.map(|r| r + Duration::from_secs(1)), ..Swept::default() };
@@ -309,7 +309,7 @@ impl Sweeper {
 
     /// The instances of `found`'s resources that are dead by the rule, and when to look again
     /// for those in doubt.
-    pub async fn dead(&self, docker: &Docker, found: &container::Inventory) -> (HashSet<Key>, Option<Duration>) {
+    pub async fn dead(&self, docker: &dyn Engine, found: &container::Inventory) -> (HashSet<Key>, Option<Duration>) {
         let owners: HashSet<Key> = found
             .containers
             .iter()
@@ -367,7 +367,7 @@ impl Sweeper {
     }
 
     /// The heartbeat evidence of every instance that has heartbeats.
-    async fn beats(&self, docker: &Docker, containers: &[Found]) -> HashMap<Key, Beat> {
+    async fn beats(&self, docker: &dyn Engine, containers: &[Found]) -> HashMap<Key, Beat> {
         let mut beats: HashMap<Key, Beat> = HashMap::new();
         let mut now: Option<Duration> = None;
         for c in containers.iter().filter(|c| c.labels.contains_key(LABEL_HEARTBEAT)) {
@@ -410,7 +410,7 @@ impl Sweeper {
 }
 
 /// The engine's clock, or ours when the engine does not say.
-async fn engine_clock(docker: &Docker) -> Duration {
+async fn engine_clock(docker: &dyn Engine) -> Duration {
     match heartbeat::engine_now(docker).await {
         Ok(Some(t)) => t,
         _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default(),
@@ -450,12 +450,12 @@ pub struct Keeper {
 impl Keeper {
     /// Keeps a heartbeat of `owner` running on the image of `cfg` (once that image exists),
     /// making a new one whenever it stops while this server runs.
-    pub fn beat(&self, docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner) {
+    pub fn beat(&self, docker: EngineRef, cfg: Arc<SandboxConfig>, owner: Owner) {
         self.tasks.spawn(keep_beating(docker, cfg, owner, self.stop.clone(), self.leave.clone()));
     }
 
     /// Sweeps again after `after`, and again while some heartbeat is within its grace.
-    pub fn recheck(&self, docker: Docker, sweeper: Sweeper, after: Duration) {
+    pub fn recheck(&self, docker: EngineRef, sweeper: Sweeper, after: Duration) {
         let stop = self.stop.clone();
         self.tasks.spawn(async move {
             let mut after = after;
@@ -479,7 +479,7 @@ impl Keeper {
     /// Stops the heartbeats and the waiting sweeps. With `remove`, removes the heartbeats of
     /// `owners` (this instance's, and those it adopted); without, they stay, stopped, saying
     /// when this server left its sessions (docs/design.md D12).
-    pub async fn stop(&self, docker: &Docker, owners: &[Owner], remove: bool) {
+    pub async fn stop(&self, docker: &dyn Engine, owners: &[Owner], remove: bool) {
         self.leave.store(!remove, Ordering::SeqCst);
         self.stop.cancel();
         self.tasks.close();
@@ -493,7 +493,7 @@ impl Keeper {
 }
 
 async fn keep_beating(
-    docker: Docker,
+    docker: EngineRef,
     cfg: Arc<SandboxConfig>,
     owner: Owner,
     stop: CancellationToken,

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::models::{
     ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits, RestartPolicy,
     RestartPolicyNameEnum, VolumeCreateRequest,
@@ -229,7 +229,7 @@ pub fn host_config(spec: &Spec, volume: &str) -> HostConfig {
 
 /// Creates the workspace volume and the container of one session, and starts it.
 pub async fn create(
-    docker: &Docker,
+    docker: &dyn Engine,
     spec: &Spec,
     image: &str,
     owner: &Owner,
@@ -313,7 +313,7 @@ fn orphan_env(spec: &Spec) -> String {
 
 /// Removes a session's container (killing it) and its volumes. Failures are logged, not
 /// returned: cleanup must go on for the other resources, and the sweep catches what is left.
-pub async fn destroy(docker: &Docker, c: &Created) {
+pub async fn destroy(docker: &dyn Engine, c: &Created) {
     remove_container(docker, &c.id).await;
     remove_volume(docker, &c.volume).await;
     remove_volume(docker, &super::tether::keep_volume(&c.volume)).await;
@@ -325,7 +325,7 @@ use super::next_serial;
 /// Whether Docker reported an out-of-memory kill in the container since `since`. An exec
 /// killed by the OOM killer exits 137 but leaves `State.OOMKilled` false; the event is the
 /// only sign (docs/threat-model.md §5).
-pub async fn oom_since(docker: &Docker, id: &str, since: std::time::SystemTime) -> bool {
+pub async fn oom_since(docker: &dyn Engine, id: &str, since: std::time::SystemTime) -> bool {
     use futures::StreamExt;
     let secs = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let since = secs(since).saturating_sub(1).to_string();
@@ -344,7 +344,7 @@ pub async fn oom_since(docker: &Docker, id: &str, since: std::time::SystemTime) 
 }
 
 /// Whether the container is running.
-pub async fn is_running(docker: &Docker, id: &str) -> Result<bool, Error> {
+pub async fn is_running(docker: &dyn Engine, id: &str) -> Result<bool, Error> {
     match docker.inspect_container(id, None).await {
         Ok(c) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),
         Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(false),
@@ -356,7 +356,7 @@ pub async fn is_running(docker: &Docker, id: &str) -> Result<bool, Error> {
 /// engine reads it from the container's cgroup: outside the sandbox, so no code in it can
 /// forge it. `None` when the engine does not say. Can take a second (the engine samples its
 /// containers once a second).
-pub async fn cpu_ns(docker: &Docker, id: &str) -> Option<u64> {
+pub async fn cpu_ns(docker: &dyn Engine, id: &str) -> Option<u64> {
     use futures::StreamExt as _;
     let opts = bollard::query_parameters::StatsOptionsBuilder::default().stream(false).one_shot(true).build();
     let stats = docker.stats(id, Some(opts)).next().await?.ok()?;
@@ -364,7 +364,7 @@ pub async fn cpu_ns(docker: &Docker, id: &str) -> Option<u64> {
 }
 
 /// Removes (killing) a container; failures are logged.
-pub async fn remove_container(docker: &Docker, id: &str) {
+pub async fn remove_container(docker: &dyn Engine, id: &str) {
     super::tether::release(id);
     let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
     match docker.remove_container(id, Some(opts)).await {
@@ -376,7 +376,7 @@ pub async fn remove_container(docker: &Docker, id: &str) {
 }
 
 /// Removes a volume; failures are logged.
-pub async fn remove_volume(docker: &Docker, name: &str) {
+pub async fn remove_volume(docker: &dyn Engine, name: &str) {
     let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
     match docker.remove_volume(name, Some(opts)).await {
         Ok(()) => {}
@@ -420,7 +420,7 @@ pub(crate) struct Utility<'a> {
 /// network, no capabilities, no new privileges, a read-only root, bounded memory and pids, and
 /// our labels, so a sweep finds it if the server dies meanwhile. The layer store's writer and
 /// the snapshot packer are both made here, so their fences cannot drift apart.
-pub(crate) async fn create_utility(docker: &Docker, u: Utility<'_>) -> Result<String, bollard::errors::Error> {
+pub(crate) async fn create_utility(docker: &dyn Engine, u: Utility<'_>) -> Result<String, bollard::errors::Error> {
     let labels = u.owner.labels_with(&[]);
     let cmd = ["python3", "-I", "-S", "-c", u.script].iter().map(|s| (*s).to_owned()).chain(u.args).collect();
     let fence = Fence {

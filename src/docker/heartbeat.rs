@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::container::LogOutput;
 use bollard::models::{ContainerCreateBody, HostConfig};
 use bollard::query_parameters::{
@@ -60,7 +60,7 @@ impl Live {
 /// Creates, attaches to and starts a heartbeat for `owner` on `image` (any image with
 /// `python3`: the sandbox image). Attached before it starts, so that no moment exists where
 /// it runs with nobody holding its stdin: such a heartbeat would beat forever.
-pub async fn start(docker: &Docker, image: &str, owner: &Owner, suffix: &str) -> Result<Live, Error> {
+pub async fn start(docker: &dyn Engine, image: &str, owner: &Owner, suffix: &str) -> Result<Live, Error> {
     let name = format!("pyberth-{}-heartbeat-{suffix}", owner.instance);
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
@@ -113,7 +113,7 @@ pub async fn start(docker: &Docker, image: &str, owner: &Owner, suffix: &str) ->
 }
 
 /// Removes every heartbeat of `owner`, running or not.
-pub async fn remove_all(docker: &Docker, owner: &Owner) -> Result<(), Error> {
+pub async fn remove_all(docker: &dyn Engine, owner: &Owner) -> Result<(), Error> {
     let beat = format!("{LABEL_HEARTBEAT}={}", owner.instance);
     let host = format!("{LABEL_HOST}={}", owner.host);
     let filters = HashMap::from([("label", vec![beat.as_str(), host.as_str()])]);
@@ -128,13 +128,13 @@ pub async fn remove_all(docker: &Docker, owner: &Owner) -> Result<(), Error> {
 
 /// The engine's clock, read once per sweep: stop times are compared with the clock that wrote
 /// them, so a skew between this host and a remote engine does not shorten the grace.
-pub async fn engine_now(docker: &Docker) -> Result<Option<Duration>, Error> {
+pub async fn engine_now(docker: &dyn Engine) -> Result<Option<Duration>, Error> {
     Ok(docker.info().await?.system_time.as_deref().and_then(parse_time))
 }
 
 /// When a stopped heartbeat stopped, by the engine's clock: `State.FinishedAt`, or its
 /// creation time when it never ran (its server died between creating and starting it).
-pub async fn stopped_at(docker: &Docker, id: &str, created: Option<i64>) -> Result<Option<Duration>, Error> {
+pub async fn stopped_at(docker: &dyn Engine, id: &str, created: Option<i64>) -> Result<Option<Duration>, Error> {
     let finished = docker.inspect_container(id, None).await?.state.and_then(|s| s.finished_at);
     let finished = finished.as_deref().and_then(parse_time).filter(|t| t.as_secs() > 0);
     Ok(finished.or_else(|| created.and_then(|c| u64::try_from(c).ok()).map(Duration::from_secs)))

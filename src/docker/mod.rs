@@ -11,11 +11,14 @@ pub mod heartbeat;
 pub mod identity;
 pub mod image;
 pub mod inventory;
+pub mod seam;
 pub mod snapshot;
 pub mod tether;
 mod unpack;
 
 use bollard::Docker;
+
+pub use seam::{Body, Engine, EngineRef, IntoEngine, body_full, body_try_stream};
 
 /// Label on everything pyberth creates.
 pub const LABEL_MANAGED: &str = "pyberth.managed";

@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::query_parameters::DownloadFromContainerOptionsBuilder;
 use bytes::Bytes;
 use futures::TryStreamExt;
@@ -17,7 +17,7 @@ use super::{CHUNK, Error, MAX_TREE, Meta};
 /// failure reaches the re-packer as an error, never as an early end: a tree cut short must
 /// not become a layer.
 pub(super) async fn download_tree(
-    docker: &Docker,
+    docker: &dyn Engine,
     id: &str,
     tx: mpsc::Sender<std::io::Result<Bytes>>,
 ) -> Result<(), Error> {

@@ -9,7 +9,7 @@ use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bollard::Docker;
+use crate::docker::EngineRef;
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
@@ -76,7 +76,7 @@ pub enum Error {
 
 /// The sessions of one server instance.
 pub struct Registry {
-    docker: Docker,
+    docker: EngineRef,
     cfg: Arc<SandboxConfig>,
     instance: Instance,
     /// The environments, and each one's image, found or built once.
@@ -154,7 +154,7 @@ impl Registry {
     /// A registry for this instance.
     /// Fails on a bad environment definition or an unreadable CA bundle, saying which.
     pub fn new(
-        docker: Docker,
+        docker: EngineRef,
         cfg: Arc<SandboxConfig>,
         instance: Instance,
         sandboxing: Sandboxing,
@@ -372,7 +372,7 @@ impl Registry {
     }
 
     /// The engine.
-    pub fn docker(&self) -> &Docker {
+    pub fn docker(&self) -> &EngineRef {
         &self.docker
     }
 
