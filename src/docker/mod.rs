@@ -7,6 +7,8 @@ pub mod container;
 mod copyback;
 pub mod engine;
 pub mod exec;
+#[cfg(test)]
+pub(crate) mod fake;
 pub mod heartbeat;
 pub mod identity;
 pub mod image;

@@ -25,6 +25,8 @@ use crate::packages::{self, IndexSettings, Layer};
 use crate::sandbox::Blueprint;
 
 mod adopt;
+#[cfg(test)]
+mod owner_tests;
 mod sleepers;
 mod snapshots;
 
