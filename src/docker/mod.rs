@@ -1,5 +1,7 @@
 //! Everything that speaks to the Docker engine lives below this module, so that another
 //! backend (Kubernetes pods through their exec API) can sit beside it later (docs/design.md D10).
+//! The owners reach an engine only through the seam, [`Engine`] (`seam/`); the lib tests put
+//! an in-process fake engine behind it (`fake/`, test-only).
 
 pub mod archive;
 mod chunks;

@@ -72,6 +72,32 @@ impl Bench {
         let volumes = w.volumes.iter().filter(|(_, v)| mine(&v.labels)).map(|(n, _)| n.clone());
         containers.chain(volumes).collect()
     }
+
+    /// The records on disk agree with the engine: every running record names a running
+    /// container of ours with its workspace volume, every sleeper a snapshot volume, and every
+    /// session container of ours is recorded.
+    fn records_agree(&self) {
+        let running = self.reg.ledger.running();
+        let sleepers = self.reg.ledger.sleepers();
+        let own = &self.reg.instance.owner.instance;
+        let w = self.fake.world();
+        for r in &running {
+            let c =
+                w.containers.get(&r.about.container).unwrap_or_else(|| panic!("{} recorded, not there", r.about.name));
+            assert!(c.running && c.mounts.iter().any(|(_, v)| *v == r.about.volume), "{}", r.about.name);
+            assert_eq!(c.labels.get(LABEL_INSTANCE), Some(own));
+        }
+        for s in &sleepers {
+            assert!(w.volumes.contains_key(&s.saved.volume), "{}: its snapshot volume", s.about.name);
+        }
+        let recorded: Vec<&String> = running.iter().map(|r| &r.about.container).collect();
+        for (name, c) in &w.containers {
+            let sandbox = c.labels.get(LABEL_INSTANCE) == Some(own)
+                && c.mounts.iter().any(|(t, _)| t == crate::docker::WORKSPACE);
+            let pooled = c.labels.get(LABEL_SESSION).is_some_and(|s| s.starts_with("pool-"));
+            assert!(!sandbox || pooled || recorded.contains(&name), "{name} runs unrecorded");
+        }
+    }
 }
 
 impl Drop for Bench {
@@ -115,6 +141,7 @@ async fn a_session_is_opened_once_recorded_and_closed_with_its_container_volume_
         b.reg.ledger.running().into_iter().map(|r| (r.about.name, r.about.container)).collect();
     assert!(recorded.contains(&("s1".into(), container.clone())), "{recorded:?}");
     assert_eq!(recorded.len(), 2);
+    b.records_agree();
 
     b.reg.close("alice", "s1").await.expect("closed");
     assert!(b.containers_of("alice", "s1").is_empty());
@@ -123,6 +150,7 @@ async fn a_session_is_opened_once_recorded_and_closed_with_its_container_volume_
     assert!(!left.contains(&container), "its record went: {left:?}");
     assert!(matches!(b.reg.get("alice", "s1"), Err(Error::Ended { .. })));
     assert!(b.reg.find("bob", "s1").is_some(), "bob's is untouched");
+    b.records_agree();
     assert!(matches!(b.reg.close("alice", "nope").await, Err(Error::NotFound(_))));
 }
 
@@ -139,6 +167,7 @@ async fn caps_per_caller_and_per_server_refuse_before_anything_is_made() {
     b.reg.close("alice", "a").await.expect("closed");
     b.open("bob", "b").await.expect("room again");
     assert_eq!(b.reg.ledger.running().len(), 3);
+    b.records_agree();
 }
 
 #[tokio::test]
@@ -188,6 +217,7 @@ async fn a_hibernated_session_keeps_only_its_snapshot_and_wakes_with_its_variabl
     assert!(slept, "hibernated");
     assert!(s.is_asleep());
     assert!(b.containers_of("alice", "sleepy").is_empty(), "its container went");
+    b.records_agree();
     let sleepers = b.reg.ledger.sleepers();
     let [sleeper] = sleepers.as_slice() else { panic!("one sleeper record: {sleepers:?}") };
     assert!(b.reg.ledger.running().is_empty(), "the running record went");
@@ -214,6 +244,7 @@ async fn a_hibernated_session_keeps_only_its_snapshot_and_wakes_with_its_variabl
     assert!(b.reg.ledger.sleepers().is_empty());
     let running: Vec<String> = b.reg.ledger.running().into_iter().map(|r| r.about.container).collect();
     assert_eq!(running, [after]);
+    b.records_agree();
 }
 
 #[tokio::test]
@@ -231,6 +262,7 @@ async fn a_killed_interpreter_is_replaced_and_the_run_says_its_state_went() {
     assert_ne!(replaced, c);
     let running: Vec<String> = b.reg.ledger.running().into_iter().map(|r| r.about.container).collect();
     assert_eq!(running, [replaced], "the record follows the new container");
+    b.records_agree();
 }
 
 #[tokio::test]
