@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use bollard::Docker;
+use crate::docker::EngineRef;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -32,7 +32,7 @@ pub enum Error {
 #[derive(Debug)]
 pub struct Host {
     /// The engine.
-    pub docker: Docker,
+    pub docker: EngineRef,
     /// The private state dir (locks, records).
     pub state_dir: PathBuf,
 }
@@ -43,7 +43,7 @@ impl Host {
         cfg.validate().map_err(|e| Error::Settings(e.to_string()))?;
         let docker = docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| Error::Engine(e.to_string()))?;
         let state_dir = cfg.secure_state_dir().map_err(Error::Settings)?;
-        Ok(Self { docker, state_dir })
+        Ok(Self { docker: std::sync::Arc::new(docker), state_dir })
     }
 
     /// Checks the engine: settles the runtime (`auto` included) and the seccomp profile of

@@ -10,7 +10,6 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use bollard::Docker;
 use bollard::container::LogOutput;
 use bollard::exec::{CreateExecOptions, StartExecResults};
 use bollard::models::{ContainerCreateBody, HostConfig};
@@ -18,6 +17,7 @@ use bollard::query_parameters::{
     CreateContainerOptionsBuilder, ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, StatsOptionsBuilder,
 };
 use futures::StreamExt;
+use pyberth::docker::Engine;
 use rmcp::ServiceExt as _;
 use rmcp::model::CallToolRequestParams;
 use serde_json::json;
@@ -387,7 +387,7 @@ async fn cached_set_rows(server: &Server, pool: usize, table: &mut Table) -> any
 /// Many sessions at once, each making its calls one after another; then the memory per idle
 /// session they leave.
 async fn concurrency_and_memory(
-    docker: &Docker,
+    docker: &dyn Engine,
     server: &Server,
     instance: &str,
     args: &BenchArgs,
@@ -484,7 +484,7 @@ async fn output_volume(cfg: &SandboxConfig, instance: &str, args: &BenchArgs, ta
 /// idle session container's memory. Bounded: 8 containers, `runs` round trips and warm runs, and
 /// 8 sessions per runtime.
 async fn side_by_side(
-    docker: &Docker,
+    docker: &dyn Engine,
     cfg: &SandboxConfig,
     img: &str,
     instance: &str,
@@ -620,7 +620,7 @@ async fn fresh_samples(server: &Server, prefix: &str, pool: usize) -> anyhow::Re
 }
 
 /// Containers of one server instance and the memory they hold (page cache not counted).
-async fn containers_memory(docker: &Docker, instance: &str) -> anyhow::Result<(usize, u64)> {
+async fn containers_memory(docker: &dyn Engine, instance: &str) -> anyhow::Result<(usize, u64)> {
     let label = format!("{LABEL_INSTANCE}={instance}");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
     let opts = ListContainersOptionsBuilder::default().filters(&filters).build();
@@ -645,7 +645,7 @@ fn bench_labels() -> HashMap<String, String> {
     HashMap::from([(LABEL_MANAGED.to_owned(), "1".to_owned()), ("pyberth.bench".to_owned(), "floor".to_owned())])
 }
 
-async fn floor_container(docker: &Docker, img: &str, runtime: Option<&str>) -> anyhow::Result<String> {
+async fn floor_container(docker: &dyn Engine, img: &str, runtime: Option<&str>) -> anyhow::Result<String> {
     let host_config = HostConfig {
         network_mode: Some("none".into()),
         init: Some(true),
@@ -667,7 +667,7 @@ async fn floor_container(docker: &Docker, img: &str, runtime: Option<&str>) -> a
     Ok(c.id)
 }
 
-async fn remove(docker: &Docker, id: &str) {
+async fn remove(docker: &dyn Engine, id: &str) {
     let opts = RemoveContainerOptionsBuilder::default().force(true).build();
     let _ = docker.remove_container(id, Some(opts)).await;
 }
@@ -675,7 +675,7 @@ async fn remove(docker: &Docker, id: &str) {
 /// Measures the engine floors; returns p50 of create+start and of a round trip on an
 /// attached stream.
 async fn floors(
-    docker: &Docker,
+    docker: &dyn Engine,
     img: &str,
     container: &str,
     runs: usize,
@@ -717,7 +717,7 @@ async fn floors(
 }
 
 /// Round trips over an already-attached stream: write a line, read it echoed (after 20 to warm up).
-async fn round_trips(docker: &Docker, container: &str, runs: usize) -> anyhow::Result<Vec<Duration>> {
+async fn round_trips(docker: &dyn Engine, container: &str, runs: usize) -> anyhow::Result<Vec<Duration>> {
     let echo = "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n    sys.stdout.flush()";
     let opts = CreateExecOptions {
         cmd: Some(vec!["python3", "-u", "-c", echo]),
@@ -727,7 +727,7 @@ async fn round_trips(docker: &Docker, container: &str, runs: usize) -> anyhow::R
         tty: Some(false),
         ..Default::default()
     };
-    let ex = docker.create_exec(container, opts).await?;
+    let ex = docker.create_exec(container, opts.into()).await?;
     let StartExecResults::Attached { mut output, mut input } = docker.start_exec(&ex.id, None).await? else {
         bail!("exec not attached");
     };
@@ -752,14 +752,14 @@ async fn round_trips(docker: &Docker, container: &str, runs: usize) -> anyhow::R
     Ok(rt)
 }
 
-async fn exec_to_end(docker: &Docker, container: &str, cmd: Vec<&str>) -> anyhow::Result<()> {
+async fn exec_to_end(docker: &dyn Engine, container: &str, cmd: Vec<&str>) -> anyhow::Result<()> {
     let opts = CreateExecOptions {
         cmd: Some(cmd),
         attach_stdout: Some(true),
         attach_stderr: Some(true),
         ..Default::default()
     };
-    let ex = docker.create_exec(container, opts).await?;
+    let ex = docker.create_exec(container, opts.into()).await?;
     if let StartExecResults::Attached { mut output, .. } = docker.start_exec(&ex.id, None).await? {
         while let Some(frame) = output.next().await {
             frame?;
@@ -776,7 +776,7 @@ async fn exec_to_end(docker: &Docker, container: &str, cmd: Vec<&str>) -> anyhow
 /// target, no hardening, no layer), and pip's for pandas. Both sides download cold: the bench
 /// server runs with no shared download cache, the floors with `--no-cache`; both take uv from
 /// the installer's tool volume, fetched beforehand by a warm-up install.
-async fn installer_rows(cfg: &SandboxConfig, docker: &Docker, img: &str, table: &mut Table) -> anyhow::Result<()> {
+async fn installer_rows(cfg: &SandboxConfig, docker: &dyn Engine, img: &str, table: &mut Table) -> anyhow::Result<()> {
     let instance = format!("bench-{}-installer", std::process::id());
     // The pool as configured, as a new user has it: the session that asks comes from it.
     let env = [("PYBERTH_INSTALLER_CACHE_MB", "0".to_owned()), ("PYBERTH_POOL_SIZE", cfg.pool_size.to_string())];
@@ -818,7 +818,7 @@ async fn installer_rows(cfg: &SandboxConfig, docker: &Docker, img: &str, table: 
 
 /// The installer's shared volume the bench server uses on `img` (base image, index and uv
 /// requirement, as its labels record them), if there is one.
-async fn tool_volume(docker: &Docker, img: &str, cfg: &SandboxConfig) -> Option<String> {
+async fn tool_volume(docker: &dyn Engine, img: &str, cfg: &SandboxConfig) -> Option<String> {
     let id = docker.inspect_image(img).await.ok()?.id?;
     let labels = [
         format!("pyberth.base-id={id}"),
@@ -836,7 +836,7 @@ async fn tool_volume(docker: &Docker, img: &str, cfg: &SandboxConfig) -> Option<
 /// One install of `package` in a plain container of `img`, timed from create to exit: uv from
 /// the tool volume `uv` (read-only) when given and `with_uv`, else pip.
 async fn floor_install(
-    docker: &Docker,
+    docker: &dyn Engine,
     img: &str,
     cfg: &SandboxConfig,
     uv: Option<&str>,
@@ -921,7 +921,7 @@ impl Server {
 /// numpy is not in the sandbox image (built offline from Debian packages), so the variables
 /// are 200 bytes objects of 1 MiB each: pickle copies both the same way (one buffer each).
 async fn durable(
-    docker: &Docker,
+    docker: &dyn Engine,
     cfg: &SandboxConfig,
     img: &str,
     instance: &str,
@@ -1016,7 +1016,7 @@ async fn durable(
     for _ in 0..3 {
         let t = Instant::now();
         let opts = bollard::query_parameters::UploadToContainerOptionsBuilder::default().path("/tmp").build();
-        docker.upload_to_container(&floor, Some(opts), bollard::body_full(files.clone())).await?;
+        docker.upload_to_container(&floor, Some(opts), pyberth::docker::body_full(files.clone())).await?;
         ins.push(t.elapsed());
         let t = Instant::now();
         let opts = bollard::query_parameters::DownloadFromContainerOptionsBuilder::default().path("/tmp/files").build();

@@ -92,7 +92,10 @@ pub async fn run(cfg: &SandboxConfig, args: &GcArgs) -> anyhow::Result<String> {
 /// What a leaving server leaves on the engine of `instances` (its own and those it adopted):
 /// containers (its sandboxes, running until their tethers stop them, then removed by the
 /// engine) and volumes (workspaces, tmpfs copies, snapshots, heartbeat marks), which stay.
-pub async fn left_by(docker: &bollard::Docker, instances: &[String]) -> Result<(usize, usize), crate::docker::Error> {
+pub async fn left_by(
+    docker: &dyn crate::docker::Engine,
+    instances: &[String],
+) -> Result<(usize, usize), crate::docker::Error> {
     let found = container::inventory(docker).await?;
     let of = |l: &HashMap<String, String>| {
         let i = l.get(LABEL_INSTANCE).or_else(|| l.get(crate::docker::heartbeat::LABEL_HEARTBEAT));

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::{Engine, EngineRef};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -126,7 +126,7 @@ impl Instance {
     /// adopting server puts them to sleep (issue 18: they hibernate).
     pub async fn claim_adoptable(
         &self,
-        docker: &Docker,
+        docker: &dyn Engine,
         found: &container::Inventory,
         candidates: &HashSet<String>,
         grace: Duration,
@@ -262,7 +262,7 @@ impl Sweeper {
     /// One sweep: lists our labelled containers and volumes once, reads the heartbeats of the
     /// instances found (an inspect per stopped one), probes the locks we can see, and removes
     /// what the dead instances left.
-    pub async fn sweep(&self, docker: &Docker) -> Result<Swept, engine::Error> {
+    pub async fn sweep(&self, docker: &dyn Engine) -> Result<Swept, engine::Error> {
         let found = container::inventory(docker).await?;
         let (dead, recheck) = self.dead(docker, &found).await;
         let mut swept = Swept { recheck: recheck.map(|r| r + Duration::from_secs(1)), ..Swept::default() };
@@ -288,7 +288,7 @@ impl Sweeper {
 
     /// The instances of `found`'s resources that are dead by the rule, and when to look again
     /// for those in doubt.
-    pub async fn dead(&self, docker: &Docker, found: &container::Inventory) -> (HashSet<Key>, Option<Duration>) {
+    pub async fn dead(&self, docker: &dyn Engine, found: &container::Inventory) -> (HashSet<Key>, Option<Duration>) {
         let owners: HashSet<Key> = found
             .containers
             .iter()
@@ -399,12 +399,12 @@ pub struct Keeper {
 impl Keeper {
     /// Keeps a heartbeat of `owner` running on the image of `cfg` (once that image exists),
     /// making a new one whenever it stops while this server runs.
-    pub fn beat(&self, docker: Docker, cfg: Arc<SandboxConfig>, owner: Owner) {
+    pub fn beat(&self, docker: EngineRef, cfg: Arc<SandboxConfig>, owner: Owner) {
         self.tasks.spawn(keep_beating(docker, cfg, owner, self.stop.clone(), self.leave.clone()));
     }
 
     /// Sweeps again after `after`, and again while some heartbeat is within its grace.
-    pub fn recheck(&self, docker: Docker, sweeper: Sweeper, after: Duration) {
+    pub fn recheck(&self, docker: EngineRef, sweeper: Sweeper, after: Duration) {
         let stop = self.stop.clone();
         self.tasks.spawn(async move {
             let mut after = after;
@@ -428,7 +428,7 @@ impl Keeper {
     /// Stops the heartbeats and the waiting sweeps. With `remove`, removes the heartbeats of
     /// `owners` (this instance's, and those it adopted) and their marks; without, each stops
     /// and its stop is marked, saying when this server left its sessions (docs/design.md D12).
-    pub async fn stop(&self, docker: &Docker, owners: &[Owner], remove: bool) {
+    pub async fn stop(&self, docker: &dyn Engine, owners: &[Owner], remove: bool) {
         self.leave.store(!remove, Ordering::SeqCst);
         self.stop.cancel();
         self.tasks.close();
@@ -442,7 +442,7 @@ impl Keeper {
 }
 
 async fn keep_beating(
-    docker: Docker,
+    docker: EngineRef,
     cfg: Arc<SandboxConfig>,
     owner: Owner,
     stop: CancellationToken,
@@ -506,7 +506,7 @@ async fn keep_beating(
 /// removes it), then the moment is marked (`heartbeat::mark_stopped`). Not marked before it
 /// has stopped: a next server started at once would see it running, as if it were its own,
 /// and find no time of leaving.
-async fn leave_stopped(docker: &Docker, live: heartbeat::Live, owner: &Owner) {
+async fn leave_stopped(docker: &dyn Engine, live: heartbeat::Live, owner: &Owner) {
     let id = live.id.clone();
     drop(live);
     let stopped = async {

@@ -6,8 +6,11 @@
 //! sessions, jobs), [`durable`] (the ledger, the only writer of the state dir's records),
 //! [`packages`] (dependency layers), [`egress`] (networks and the proxy). A session's containers
 //! are made from a [`sandbox::Blueprint`]: settings ([`config`], [`environment`]) plus what the
-//! engine found, as plain data. [`docker`] is the engine adapter: bollard calls, one hardened
-//! fence, and nothing above it. The wire ([`protocol`], [`output`], `tarcheck`) is pure.
+//! engine found, as plain data. [`docker`] is the engine adapter: the seam
+//! ([`docker::Engine`], which `bollard::Docker` implements and the owners hold as an
+//! [`docker::EngineRef`]), one hardened fence, and nothing above it; the lib tests run the
+//! owners on an in-process fake engine behind the same seam (`docker/fake/`, test-only). The
+//! wire ([`protocol`], [`output`], `tarcheck`) is pure.
 //!
 //! # Where a `run_python` call goes
 //! 1. A transport hands the call to [`server::SandboxServer`]: stdio (`main.rs`, `serve`) or
@@ -37,7 +40,8 @@ pub(crate) mod checks;
 pub mod config;
 /// Requirement strings: parsing, normalising, PEP 723 inline metadata.
 pub(crate) mod deps;
-/// The engine adapter: every bollard call (containers, execs, images, archives, volumes), and
+/// The engine adapter: the seam (the [`docker::Engine`] trait, implemented for
+/// `bollard::Docker`), the helpers over it (containers, execs, images, archives, volumes), and
 /// nothing above it.
 pub mod docker;
 /// What outlives a server: the ledger, the one writer of the state dir's records.

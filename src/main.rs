@@ -346,7 +346,7 @@ async fn image_build(cfg: SandboxConfig, force: bool, all: bool, environment: Op
 /// containers with (the sandbox image), an identity for their labels, and the state dir.
 async fn layer_store_access(
     cfg: &SandboxConfig,
-) -> anyhow::Result<(bollard::Docker, String, Instance, std::path::PathBuf)> {
+) -> anyhow::Result<(pyberth::docker::EngineRef, String, Instance, std::path::PathBuf)> {
     let host = Host::open(cfg).await?;
     let progress = |line: &str| eprintln!("{line}");
     let img = image::ensure(&host.docker, cfg, &progress).await?;

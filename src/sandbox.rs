@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use bollard::Docker;
+use crate::docker::Engine;
 
 use crate::config::SandboxConfig;
 use crate::docker;
@@ -54,7 +54,7 @@ impl Blueprint {
     /// the engine's create, then egress finishes (the CA bundle in place before any code runs).
     pub async fn create(
         &self,
-        docker: &Docker,
+        docker: &dyn Engine,
         store: bollard::models::Mount,
         image: &str,
         owner: &Owner,
@@ -85,7 +85,7 @@ impl Blueprint {
     #[allow(clippy::too_many_arguments)] // `create`'s parts, and the volume and uid it had
     pub async fn recreate(
         &self,
-        docker: &Docker,
+        docker: &dyn Engine,
         store: bollard::models::Mount,
         image: &str,
         owner: &Owner,

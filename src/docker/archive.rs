@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::query_parameters::UploadToContainerOptionsBuilder;
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -57,7 +57,7 @@ pub struct Moved {
 /// Uploads the contents of `dir` into the workspace of container `id`, skipping `.git`, every
 /// entry owned by `uid` (the container's code). Symlinks travel as symlinks (the container
 /// resolves them, inside itself). Refuses a tree over `cap` bytes.
-pub async fn upload_dir(docker: &Docker, id: &str, uid: u32, dir: &Path, cap: Cap) -> Result<Moved, String> {
+pub async fn upload_dir(docker: &dyn Engine, id: &str, uid: u32, dir: &Path, cap: Cap) -> Result<Moved, String> {
     let meta = std::fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
     if !meta.is_dir() {
         return Err(format!("{} is not a directory", dir.display()));
@@ -81,7 +81,7 @@ pub async fn upload_dir(docker: &Docker, id: &str, uid: u32, dir: &Path, cap: Ca
     });
     let body = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
     let opts = UploadToContainerOptionsBuilder::default().path(WORKSPACE).build();
-    let sent = docker.upload_to_container(id, Some(opts), bollard::body_try_stream(body)).await;
+    let sent = docker.upload_to_container(id, Some(opts), crate::docker::body_try_stream(body)).await;
     let packed = packer.await.map_err(|e| format!("the packer stopped: {e}"))?;
     let moved = packed?;
     sent.map_err(|e| format!("cannot upload {}: {e}", dir.display()))?;
@@ -90,7 +90,13 @@ pub async fn upload_dir(docker: &Docker, id: &str, uid: u32, dir: &Path, cap: Ca
 
 /// Uploads one file, `name` (no directories), into the workspace, owned by `uid`; returns its
 /// (mtime, size).
-pub async fn upload_file(docker: &Docker, id: &str, uid: u32, name: &str, data: &[u8]) -> Result<(u64, u64), String> {
+pub async fn upload_file(
+    docker: &dyn Engine,
+    id: &str,
+    uid: u32,
+    name: &str,
+    data: &[u8],
+) -> Result<(u64, u64), String> {
     let mtime = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let mut ar = tar::Builder::new(Vec::new());
     let mut h = tar::Header::new_gnu();
@@ -104,7 +110,7 @@ pub async fn upload_file(docker: &Docker, id: &str, uid: u32, name: &str, data: 
     let buf = ar.into_inner().map_err(|e| format!("cannot pack {name}: {e}"))?;
     let opts = UploadToContainerOptionsBuilder::default().path(WORKSPACE).build();
     docker
-        .upload_to_container(id, Some(opts), bollard::body_full(buf.into()))
+        .upload_to_container(id, Some(opts), crate::docker::body_full(buf.into()))
         .await
         .map_err(|e| format!("cannot upload {name}: {e}"))?;
     Ok((mtime, data.len() as u64))

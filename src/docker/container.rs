@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::models::{
     ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountType, ResourcesUlimits, RestartPolicy,
     RestartPolicyNameEnum, VolumeCreateRequest,
@@ -229,7 +229,7 @@ pub fn host_config(spec: &Spec, volume: &str) -> HostConfig {
 
 /// Creates the workspace volume and the container of one session, and starts it.
 pub async fn create(
-    docker: &Docker,
+    docker: &dyn Engine,
     spec: &Spec,
     image: &str,
     owner: &Owner,
@@ -272,7 +272,7 @@ pub async fn create(
 /// does both, in that order ([`super::tether::COPY_BACK`]). On failure the volumes stay.
 #[allow(clippy::too_many_arguments)] // a session's parts, as `create` takes them, and its volume
 pub async fn recreate(
-    docker: &Docker,
+    docker: &dyn Engine,
     spec: &Spec,
     image: &str,
     owner: &Owner,
@@ -306,7 +306,7 @@ pub async fn recreate(
 /// (and, for a tmpfs workspace, its keep volume); returns its id. On failure what it made of
 /// the container is removed; the volumes are the caller's.
 async fn make(
-    docker: &Docker,
+    docker: &dyn Engine,
     spec: &Spec,
     image: &str,
     made: &Created,
@@ -359,7 +359,7 @@ fn orphan_env(spec: &Spec) -> String {
 
 /// Removes a session's container (killing it) and its volumes. Failures are logged, not
 /// returned: cleanup must go on for the other resources, and the sweep catches what is left.
-pub async fn destroy(docker: &Docker, c: &Created) {
+pub async fn destroy(docker: &dyn Engine, c: &Created) {
     remove_container(docker, &c.id).await;
     for volume in [c.volume.clone(), super::tether::keep_volume(&c.volume)] {
         remove_volume_once_free(docker, &volume).await;
@@ -370,7 +370,7 @@ pub async fn destroy(docker: &Docker, c: &Created) {
 /// Removes a volume, waiting (up to 10 s) while the engine still counts it in use: a
 /// container that stopped by itself is removed by the engine (`AutoRemove`) a moment later,
 /// and its volumes are free only then.
-async fn remove_volume_once_free(docker: &Docker, name: &str) {
+async fn remove_volume_once_free(docker: &dyn Engine, name: &str) {
     let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
     for _ in 0..50 {
         match docker.remove_volume(name, Some(opts.clone())).await {
@@ -392,7 +392,7 @@ use super::next_serial;
 /// Whether Docker reported an out-of-memory kill in the container since `since`. An exec
 /// killed by the OOM killer exits 137 but leaves `State.OOMKilled` false; the event is the
 /// only sign (docs/threat-model.md §5).
-pub async fn oom_since(docker: &Docker, id: &str, since: std::time::SystemTime) -> bool {
+pub async fn oom_since(docker: &dyn Engine, id: &str, since: std::time::SystemTime) -> bool {
     use futures::StreamExt;
     let secs = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let since = secs(since).saturating_sub(1).to_string();
@@ -411,7 +411,7 @@ pub async fn oom_since(docker: &Docker, id: &str, since: std::time::SystemTime) 
 }
 
 /// Whether the container is running.
-pub async fn is_running(docker: &Docker, id: &str) -> Result<bool, Error> {
+pub async fn is_running(docker: &dyn Engine, id: &str) -> Result<bool, Error> {
     match docker.inspect_container(id, None).await {
         Ok(c) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),
         Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(false),
@@ -423,7 +423,7 @@ pub async fn is_running(docker: &Docker, id: &str) -> Result<bool, Error> {
 /// engine reads it from the container's cgroup: outside the sandbox, so no code in it can
 /// forge it. `None` when the engine does not say. Can take a second (the engine samples its
 /// containers once a second).
-pub async fn cpu_ns(docker: &Docker, id: &str) -> Option<u64> {
+pub async fn cpu_ns(docker: &dyn Engine, id: &str) -> Option<u64> {
     use futures::StreamExt as _;
     let opts = bollard::query_parameters::StatsOptionsBuilder::default().stream(false).one_shot(true).build();
     let stats = docker.stats(id, Some(opts)).next().await?.ok()?;
@@ -431,7 +431,7 @@ pub async fn cpu_ns(docker: &Docker, id: &str) -> Option<u64> {
 }
 
 /// Removes (killing) a container; failures are logged.
-pub async fn remove_container(docker: &Docker, id: &str) {
+pub async fn remove_container(docker: &dyn Engine, id: &str) {
     super::tether::release(id);
     let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
     match docker.remove_container(id, Some(opts)).await {
@@ -443,7 +443,7 @@ pub async fn remove_container(docker: &Docker, id: &str) {
 }
 
 /// Removes a volume; failures are logged.
-pub async fn remove_volume(docker: &Docker, name: &str) {
+pub async fn remove_volume(docker: &dyn Engine, name: &str) {
     let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
     match docker.remove_volume(name, Some(opts)).await {
         Ok(()) => {}

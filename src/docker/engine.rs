@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::models::Runtime;
 use serde_json::{Value, json};
 
@@ -547,7 +547,7 @@ pub struct Ask {
 /// Checks the engine, logs what is known to be wrong with it (as warnings when `announce`,
 /// else at debug level: `pyberth run` shares stderr with the program), refuses to go on under
 /// `--strict-engine`, and says what sandboxes are made with (runtime, seccomp profile).
-pub async fn check(docker: &Docker, ask: &Ask, announce: bool) -> Result<EngineFacts, String> {
+pub async fn check(docker: &dyn Engine, ask: &Ask, announce: bool) -> Result<EngineFacts, String> {
     // Both at once: start-up waits for one round trip, not two.
     let (version, info) = tokio::join!(docker.version(), docker.info());
     let version = version.map_err(|e| format!("cannot read the engine's version: {e}"))?;

@@ -8,7 +8,7 @@
 
 use std::pin::Pin;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::container::LogOutput;
 use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
 use futures::{Stream, StreamExt};
@@ -58,11 +58,11 @@ pub struct Attached {
 
 /// Reaches the agent in a running container as the code's uid (the container's own), through
 /// a relay to its keeper; the keeper and a fresh agent are started first when none runs.
-pub async fn attach_agent(docker: &Docker, container: &str, uid: u32) -> Result<Attached, Error> {
+pub async fn attach_agent(docker: &dyn Engine, container: &str, uid: u32) -> Result<Attached, Error> {
     attach(docker, container, uid, &AGENT_CMD, true).await
 }
 
-async fn attach(docker: &Docker, container: &str, uid: u32, cmd: &[&str], stdin: bool) -> Result<Attached, Error> {
+async fn attach(docker: &dyn Engine, container: &str, uid: u32, cmd: &[&str], stdin: bool) -> Result<Attached, Error> {
     let user = identity::user(uid);
     let opts = CreateExecOptions {
         cmd: Some(cmd.to_vec()),
@@ -77,7 +77,7 @@ async fn attach(docker: &Docker, container: &str, uid: u32, cmd: &[&str], stdin:
         env: Some(ENV.to_vec()),
         ..Default::default()
     };
-    let created = docker.create_exec(container, opts).await?;
+    let created = docker.create_exec(container, opts.into()).await?;
     let start = StartExecOptions { detach: false, tty: false, output_capacity: Some(256 << 10) };
     match docker.start_exec(&created.id, Some(start)).await? {
         StartExecResults::Attached { output, input } => Ok(Attached { id: created.id, input, output }),
@@ -89,13 +89,13 @@ async fn attach(docker: &Docker, container: &str, uid: u32, cmd: &[&str], stdin:
 /// grandchildren that left the agent's process group. PID 1 runs under another uid and is
 /// untouched; `kill(-1)` spares the caller itself. The uid is the container's own, so nothing
 /// outside the container shares it.
-pub async fn kill_code_processes(docker: &Docker, container: &str, uid: u32) -> Result<(), Error> {
+pub async fn kill_code_processes(docker: &dyn Engine, container: &str, uid: u32) -> Result<(), Error> {
     // Waited for, so the caller knows the old agent is gone.
     run_as_code(docker, container, uid, "kill -KILL -1").await
 }
 
 /// Runs a fixed `sh` script (never input) as the code's uid, to its end.
-pub async fn run_as_code(docker: &Docker, container: &str, uid: u32, script: &str) -> Result<(), Error> {
+pub async fn run_as_code(docker: &dyn Engine, container: &str, uid: u32, script: &str) -> Result<(), Error> {
     let mut exec = attach(docker, container, uid, &["sh", "-c", script], false).await?;
     while let Some(frame) = exec.output.next().await {
         frame?;
@@ -105,7 +105,7 @@ pub async fn run_as_code(docker: &Docker, container: &str, uid: u32, script: &st
 
 /// Runs `cmd` in the container as `uid` and waits for it: its exit code and the start of its
 /// stderr. Its processes are the container's, and so is what they allocate.
-pub async fn run_as(docker: &Docker, container: &str, uid: u32, cmd: &[&str]) -> Result<(i64, String), Error> {
+pub async fn run_as(docker: &dyn Engine, container: &str, uid: u32, cmd: &[&str]) -> Result<(i64, String), Error> {
     let mut exec = attach(docker, container, uid, cmd, false).await?;
     let mut err = Vec::new();
     while let Some(frame) = exec.output.next().await {
@@ -120,7 +120,7 @@ pub async fn run_as(docker: &Docker, container: &str, uid: u32, cmd: &[&str]) ->
 }
 
 /// Exit code of a finished exec, if Docker knows it.
-pub async fn exit_code(docker: &Docker, exec_id: &str) -> Option<i64> {
+pub async fn exit_code(docker: &dyn Engine, exec_id: &str) -> Option<i64> {
     docker.inspect_exec(exec_id).await.ok().and_then(|e| e.exit_code)
 }
 

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::container::LogOutput;
 use bollard::models::{ContainerCreateBody, HostConfig, VolumeCreateRequest};
 use bollard::query_parameters::{
@@ -75,7 +75,7 @@ impl Live {
 /// Creates, attaches to and starts a heartbeat for `owner` on `image` (any image with
 /// `python3`: the sandbox image). Attached before it starts, so that no moment exists where
 /// it runs with nobody holding its stdin: such a heartbeat would beat forever.
-pub async fn start(docker: &Docker, image: &str, owner: &Owner, suffix: &str) -> Result<Live, Error> {
+pub async fn start(docker: &dyn Engine, image: &str, owner: &Owner, suffix: &str) -> Result<Live, Error> {
     let name = format!("pyberth-{}-heartbeat-{suffix}", owner.instance);
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
@@ -129,7 +129,7 @@ pub async fn start(docker: &Docker, image: &str, owner: &Owner, suffix: &str) ->
 }
 
 /// Removes every heartbeat of `owner`, running or not, and its volumes.
-pub async fn remove_all(docker: &Docker, owner: &Owner) -> Result<(), Error> {
+pub async fn remove_all(docker: &dyn Engine, owner: &Owner) -> Result<(), Error> {
     let beat = format!("{LABEL_HEARTBEAT}={}", owner.instance);
     let host = format!("{LABEL_HOST}={}", owner.host);
     let filters = HashMap::from([("label", vec![beat.as_str(), host.as_str()])]);
@@ -153,7 +153,7 @@ fn mark_name(instance: &str, kind: &str) -> String {
 }
 
 /// Makes (or finds: a name is made once) the volume saying `kind` of `owner`'s heartbeat.
-async fn mark(docker: &Docker, owner: &Owner, kind: &str) -> Result<(), Error> {
+async fn mark(docker: &dyn Engine, owner: &Owner, kind: &str) -> Result<(), Error> {
     let labels = HashMap::from([
         (LABEL_MANAGED.to_owned(), "1".to_owned()),
         (LABEL_HOST.to_owned(), owner.host.clone()),
@@ -173,7 +173,7 @@ async fn mark(docker: &Docker, owner: &Owner, kind: &str) -> Result<(), Error> {
 /// saying it stopped (made by its own leave before, or by a server that found it gone while
 /// this one made another). Called after the heartbeat started, never before: a server that
 /// marks it stopped meanwhile looks again afterwards and finds it running ([`evidence`]).
-pub async fn mark_beating(docker: &Docker, owner: &Owner) -> Result<(), Error> {
+pub async fn mark_beating(docker: &dyn Engine, owner: &Owner) -> Result<(), Error> {
     mark(docker, owner, HAD).await?;
     let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
     match docker.remove_volume(&mark_name(&owner.instance, STOPPED), Some(opts)).await {
@@ -183,7 +183,7 @@ pub async fn mark_beating(docker: &Docker, owner: &Owner) -> Result<(), Error> {
 }
 
 /// When `owner`'s heartbeat has stopped and its server leaves its sessions: the moment, kept.
-pub async fn mark_stopped(docker: &Docker, owner: &Owner) -> Result<(), Error> {
+pub async fn mark_stopped(docker: &dyn Engine, owner: &Owner) -> Result<(), Error> {
     mark(docker, owner, STOPPED).await
 }
 
@@ -214,7 +214,7 @@ fn beat_key(labels: &HashMap<String, String>) -> Option<Key> {
 /// than its real stop. Then its heartbeats are listed again: one running now (its server made
 /// another meanwhile, and marked it beating before this mark) removes the mark again.
 pub async fn evidence(
-    docker: &Docker,
+    docker: &dyn Engine,
     containers: &[Found],
     wanted: &(dyn Fn(&Key) -> bool + Send + Sync),
 ) -> HashMap<Key, Beat> {
@@ -280,7 +280,7 @@ pub async fn evidence(
 }
 
 /// An instance that has had a heartbeat and shows none: marked stopped now (see [`evidence`]).
-async fn observe_gone(docker: &Docker, key: &Key) -> Beat {
+async fn observe_gone(docker: &dyn Engine, key: &Key) -> Beat {
     use bollard::models::ContainerSummaryStateEnum as S;
     let owner = Owner { instance: key.0.clone(), host: key.1.clone() };
     if let Err(e) = mark_stopped(docker, &owner).await {
@@ -306,7 +306,7 @@ async fn observe_gone(docker: &Docker, key: &Key) -> Beat {
 }
 
 /// The engine's clock, or ours when the engine does not say.
-pub async fn engine_clock(docker: &Docker) -> Duration {
+pub async fn engine_clock(docker: &dyn Engine) -> Duration {
     match engine_now(docker).await {
         Ok(Some(t)) => t,
         _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default(),
@@ -315,13 +315,13 @@ pub async fn engine_clock(docker: &Docker) -> Duration {
 
 /// The engine's clock, read once per sweep: stop times are compared with the clock that wrote
 /// them, so a skew between this host and a remote engine does not shorten the grace.
-pub async fn engine_now(docker: &Docker) -> Result<Option<Duration>, Error> {
+pub async fn engine_now(docker: &dyn Engine) -> Result<Option<Duration>, Error> {
     Ok(docker.info().await?.system_time.as_deref().and_then(parse_time))
 }
 
 /// When a stopped heartbeat stopped, by the engine's clock: `State.FinishedAt`, or its
 /// creation time when it never ran (its server died between creating and starting it).
-pub async fn stopped_at(docker: &Docker, id: &str, created: Option<i64>) -> Result<Option<Duration>, Error> {
+pub async fn stopped_at(docker: &dyn Engine, id: &str, created: Option<i64>) -> Result<Option<Duration>, Error> {
     let finished = docker.inspect_container(id, None).await?.state.and_then(|s| s.finished_at);
     let finished = finished.as_deref().and_then(parse_time).filter(|t| t.as_secs() > 0);
     Ok(finished.or_else(|| created.and_then(|c| u64::try_from(c).ok()).map(Duration::from_secs)))

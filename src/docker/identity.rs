@@ -13,10 +13,10 @@ use std::collections::{HashMap, HashSet};
 use std::io::Read as _;
 use std::sync::Mutex;
 
-use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder};
 
 use super::Error;
+use crate::docker::Engine;
 
 /// Label holding the uid (and gid) a container's code runs as.
 pub const LABEL_UID: &str = "pyberth.uid";
@@ -118,7 +118,7 @@ static IN_USE: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
 /// Picks a uid for a new container: at random in `range`, lent to no container of this
 /// process, and carried by no container the engine knows (another server sharing the
 /// engine). Give it back with [`release`] when the container is gone.
-pub async fn pick(docker: &Docker, range: UidRange) -> Result<u32, Error> {
+pub async fn pick(docker: &dyn Engine, range: UidRange) -> Result<u32, Error> {
     for _ in 0..64 {
         let uid = random_in(range)?;
         if !lend(uid) {
@@ -162,7 +162,7 @@ fn lend(uid: u32) -> bool {
 /// Whether any container on the engine, running or not, or any volume carries `uid` in its
 /// label: a session whose container is gone keeps its uid in its workspace volume, for the
 /// container a server makes on it again (docs/design.md D12).
-async fn engine_holds(docker: &Docker, uid: u32) -> Result<bool, Error> {
+async fn engine_holds(docker: &dyn Engine, uid: u32) -> Result<bool, Error> {
     let label = format!("{LABEL_UID}={uid}");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
     let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();

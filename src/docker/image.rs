@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::process::Stdio;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::query_parameters::{BuildImageOptionsBuilder, CreateImageOptionsBuilder};
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
@@ -99,7 +99,7 @@ pub fn tag_for(cfg: &(impl Recipe + ?Sized)) -> String {
 }
 
 /// Whether an image exists locally.
-pub async fn exists(docker: &Docker, name: &str) -> Result<bool, Error> {
+pub async fn exists(docker: &dyn Engine, name: &str) -> Result<bool, Error> {
     match docker.inspect_image(name).await {
         Ok(_) => Ok(true),
         Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(false),
@@ -108,7 +108,11 @@ pub async fn exists(docker: &Docker, name: &str) -> Result<bool, Error> {
 }
 
 /// The image sessions run: `--image` as given, or the sandbox image, built when absent.
-pub async fn ensure(docker: &Docker, cfg: &(impl Recipe + ?Sized), progress: Progress<'_>) -> Result<String, Error> {
+pub async fn ensure(
+    docker: &dyn Engine,
+    cfg: &(impl Recipe + ?Sized),
+    progress: Progress<'_>,
+) -> Result<String, Error> {
     if let Some(image) = cfg.pinned() {
         if exists(docker, image).await? {
             return Ok(image.to_owned());
@@ -142,7 +146,7 @@ async fn build_lock(dir: &std::path::Path) -> Result<std::fs::File, Error> {
 
 /// Builds the sandbox image under `tag`, finding or making a base first.
 pub async fn build(
-    docker: &Docker,
+    docker: &dyn Engine,
     cfg: &(impl Recipe + ?Sized),
     tag: &str,
     progress: Progress<'_>,
@@ -159,7 +163,7 @@ pub async fn build(
         .rm(true)
         .forcerm(true)
         .build();
-    let mut stream = docker.build_image(opts, None, Some(bollard::body_full(context.into())));
+    let mut stream = docker.build_image(opts, None, Some(crate::docker::body_full(context.into())));
     while let Some(item) = stream.next().await {
         match item {
             Ok(info) => {
@@ -198,7 +202,11 @@ fn context_tar() -> std::io::Result<Vec<u8>> {
 
 /// The base to build on: the configured image if present or pullable, else the offline
 /// Debian base, bootstrapped if needed.
-async fn resolve_base(docker: &Docker, cfg: &(impl Recipe + ?Sized), progress: Progress<'_>) -> Result<String, Error> {
+async fn resolve_base(
+    docker: &dyn Engine,
+    cfg: &(impl Recipe + ?Sized),
+    progress: Progress<'_>,
+) -> Result<String, Error> {
     let base = cfg.base_image();
     if exists(docker, base).await? {
         return Ok(base.to_owned());
@@ -223,7 +231,7 @@ async fn resolve_base(docker: &Docker, cfg: &(impl Recipe + ?Sized), progress: P
     Ok(fallback)
 }
 
-async fn pull(docker: &Docker, image: &str) -> Result<(), Error> {
+async fn pull(docker: &dyn Engine, image: &str) -> Result<(), Error> {
     let opts = CreateImageOptionsBuilder::default().from_image(image).build();
     let mut stream = docker.create_image(Some(opts), None, None);
     while let Some(item) = stream.next().await {
@@ -237,7 +245,7 @@ async fn pull(docker: &Docker, image: &str) -> Result<(), Error> {
 
 /// Runs images/debootstrap-base.sh and imports its root filesystem as `tag`.
 async fn bootstrap(
-    docker: &Docker,
+    docker: &dyn Engine,
     cfg: &(impl Recipe + ?Sized),
     tag: &str,
     progress: Progress<'_>,
@@ -296,7 +304,7 @@ async fn bootstrap(
         }
         progress(&format!("importing {tag}"));
         let file = tokio::fs::File::open(&rootfs).await.map_err(io("cannot reopen the rootfs file"))?;
-        let body = bollard::body_try_stream(tokio_util::io::ReaderStream::new(file));
+        let body = crate::docker::body_try_stream(tokio_util::io::ReaderStream::new(file));
         let (repo, release) = tag.split_once(':').unwrap_or((tag, "latest"));
         let opts = CreateImageOptionsBuilder::default()
             .from_src("-")

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::query_parameters::{
     ListContainersOptionsBuilder, ListVolumesOptionsBuilder, RemoveContainerOptionsBuilder, RemoveVolumeOptionsBuilder,
 };
@@ -37,7 +37,7 @@ pub struct Inventory {
 }
 
 /// Lists everything carrying our label: two engine calls.
-pub async fn inventory(docker: &Docker) -> Result<Inventory, Error> {
+pub async fn inventory(docker: &dyn Engine) -> Result<Inventory, Error> {
     use bollard::models::ContainerSummaryStateEnum as S;
     let filters = HashMap::from([("label", vec![LABEL_MANAGED])]);
     let opts = ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
@@ -69,7 +69,7 @@ pub async fn inventory(docker: &Docker) -> Result<Inventory, Error> {
 }
 
 /// Removes (killing) a leftover container; true when it was removed by this call.
-pub async fn remove_leftover_container(docker: &Docker, id: &str) -> bool {
+pub async fn remove_leftover_container(docker: &dyn Engine, id: &str) -> bool {
     let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
     match docker.remove_container(id, Some(opts)).await {
         Ok(()) => true,
@@ -84,7 +84,7 @@ pub async fn remove_leftover_container(docker: &Docker, id: &str) -> bool {
 }
 
 /// Removes a leftover volume; true when it was removed by this call.
-pub async fn remove_leftover_volume(docker: &Docker, name: &str) -> bool {
+pub async fn remove_leftover_volume(docker: &dyn Engine, name: &str) -> bool {
     let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
     match docker.remove_volume(name, Some(opts)).await {
         Ok(()) => true,
@@ -98,7 +98,7 @@ pub async fn remove_leftover_volume(docker: &Docker, name: &str) -> bool {
 /// Removes the containers, then the volumes, carrying our label for which `pick` says yes
 /// (the shutdown's belt and braces: this instance's own). Returns how many of each went.
 pub async fn sweep(
-    docker: &Docker,
+    docker: &dyn Engine,
     pick: &(dyn Fn(&HashMap<String, String>) -> bool + Send + Sync),
 ) -> Result<(usize, usize), Error> {
     let found = inventory(docker).await?;

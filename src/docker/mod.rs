@@ -1,5 +1,7 @@
 //! Everything that speaks to the Docker engine lives below this module, so that another
 //! backend (Kubernetes pods through their exec API) can sit beside it later (docs/design.md D10).
+//! The owners reach an engine only through the seam, [`Engine`] (`seam/`); the lib tests put
+//! an in-process fake engine behind it (`fake/`, test-only).
 
 pub mod archive;
 pub mod chunks;
@@ -7,16 +9,21 @@ pub mod container;
 mod copyback;
 pub mod engine;
 pub mod exec;
+#[cfg(test)]
+pub(crate) mod fake;
 pub mod heartbeat;
 pub mod identity;
 pub mod image;
 pub mod inventory;
+pub mod seam;
 pub mod snapshot;
 pub mod tether;
 mod unpack;
 pub(crate) mod utility;
 
 use bollard::Docker;
+
+pub use seam::{Body, Engine, EngineRef, IntoEngine, body_full, body_try_stream};
 
 /// Label on everything pyberth creates.
 pub const LABEL_MANAGED: &str = "pyberth.managed";

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
 use bollard::models::{Mount, MountType, VolumeCreateRequest};
 
@@ -75,7 +75,7 @@ pub fn keep_volume(volume: &str) -> String {
 
 /// Creates the volume of [`KEEP`] beside the workspace volume `volume`, and its mount.
 pub async fn add_keep(
-    docker: &Docker,
+    docker: &dyn Engine,
     volume: &str,
     labels: &HashMap<String, String>,
     mounts: &mut Vec<Mount>,
@@ -107,7 +107,7 @@ fn held() -> &'static Mutex<HashMap<String, Held>> {
 
 /// Tethers a running container to this server: it stops `after` plus [`MARGIN`] after this
 /// server lets go of it (or dies). A tether held already is replaced.
-pub async fn hold(docker: &Docker, container: &str, after: Duration) -> Result<(), Error> {
+pub async fn hold(docker: &dyn Engine, container: &str, after: Duration) -> Result<(), Error> {
     let wait = (after + MARGIN).as_secs().to_string();
     let cmd = vec!["sh", "-c", SCRIPT, TAG, wait.as_str()];
     let opts = CreateExecOptions {
@@ -122,7 +122,7 @@ pub async fn hold(docker: &Docker, container: &str, after: Duration) -> Result<(
         env: Some(ENV.to_vec()),
         ..Default::default()
     };
-    let created = docker.create_exec(container, opts).await?;
+    let created = docker.create_exec(container, opts.into()).await?;
     let start = StartExecOptions { detach: false, tty: false, output_capacity: None };
     match docker.start_exec(&created.id, Some(start)).await? {
         StartExecResults::Attached { output, input } => {

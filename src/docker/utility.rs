@@ -2,7 +2,7 @@
 //! waited on for their exit status, so never `AutoRemove`; our labels, so a sweep finds one
 //! a killed server left.
 
-use bollard::Docker;
+use super::Engine;
 use bollard::models::{ContainerCreateBody, HostConfig, Mount};
 use bollard::query_parameters::CreateContainerOptionsBuilder;
 
@@ -29,7 +29,7 @@ pub(crate) struct Utility<'a> {
 /// network, no capabilities, no new privileges, a read-only root, bounded memory and pids, and
 /// our labels, so a sweep finds it if the server dies meanwhile. The layer store's writer and
 /// the snapshot packer are both made here, so their fences cannot drift apart.
-pub(crate) async fn create_utility(docker: &Docker, u: Utility<'_>) -> Result<String, bollard::errors::Error> {
+pub(crate) async fn create_utility(docker: &dyn Engine, u: Utility<'_>) -> Result<String, bollard::errors::Error> {
     let labels = u.owner.labels_with(&[]);
     let cmd = ["python3", "-I", "-S", "-c", u.script].iter().map(|s| (*s).to_owned()).chain(u.args).collect();
     let fence = Fence {

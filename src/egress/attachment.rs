@@ -65,7 +65,7 @@ impl Attachment {
     /// a short exec. Root's file in a root-owned directory under the sticky `/tmp`: the code
     /// reads it and can neither replace nor remove it. (The root filesystem is read-only and
     /// the engine cannot copy into a tmpfs, hence an exec.)
-    pub async fn after_start(&self, docker: &Docker, id: &str) -> Result<(), bollard::errors::Error> {
+    pub async fn after_start(&self, docker: &dyn Engine, id: &str) -> Result<(), bollard::errors::Error> {
         use bollard::exec::{CreateExecOptions, StartExecResults};
         use futures::StreamExt;
         use tokio::io::AsyncWriteExt;
@@ -83,7 +83,7 @@ impl Attachment {
             cmd: Some(vec!["sh".to_owned(), "-c".to_owned(), script]),
             ..Default::default()
         };
-        let exec = docker.create_exec(id, opts).await?;
+        let exec = docker.create_exec(id, opts.into()).await?;
         if let StartExecResults::Attached { mut input, mut output } = docker.start_exec(&exec.id, None).await? {
             let io = |err| bollard::errors::Error::IOError { err };
             input.write_all(ca).await.map_err(io)?;

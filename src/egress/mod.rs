@@ -25,7 +25,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::{Engine, EngineRef};
 use bollard::container::LogOutput;
 use bollard::models::{
     ContainerCreateBody, HostConfig, NetworkConnectRequest, NetworkCreateRequest, NetworkDisconnectRequest,
@@ -87,7 +87,7 @@ struct Proxy {
 
 /// The egress of a server: its proxy and the networks of its sessions.
 pub struct Manager {
-    docker: Docker,
+    docker: EngineRef,
     owner: Owner,
     cfg: Arc<SandboxConfig>,
     /// The server's CA bundle (`--ca-bundle`): what the proxy trusts for upstreams.
@@ -124,7 +124,13 @@ use crate::docker::next_serial;
 
 impl Manager {
     /// The egress of one server; nothing is started until a session asks.
-    pub fn new(docker: Docker, owner: Owner, cfg: Arc<SandboxConfig>, ca: Option<Vec<u8>>) -> Self {
+    pub fn new(
+        docker: impl crate::docker::IntoEngine,
+        owner: Owner,
+        cfg: Arc<SandboxConfig>,
+        ca: Option<Vec<u8>>,
+    ) -> Self {
+        let docker = docker.into_engine();
         // A CA of this server's own, made at start and held in memory only: the sessions that
         // trust it are this server's (their networks die with it), so nothing needs to keep it.
         // None at all when no environment has headers: then sandboxes trust nothing new.
@@ -401,7 +407,7 @@ impl Manager {
 /// After the sweep of dead instances' containers: removes egress networks of other instances
 /// that have no container left (no session, no proxy, no heartbeat). A live instance always
 /// has its heartbeat, and the engine refuses to remove a network anything is attached to.
-pub async fn sweep_orphan_networks(docker: &Docker, own: &str) -> usize {
+pub async fn sweep_orphan_networks(docker: &dyn Engine, own: &str) -> usize {
     let Ok(found) = container::inventory(docker).await else { return 0 };
     let live: std::collections::HashSet<&String> = found
         .containers
@@ -413,7 +419,10 @@ pub async fn sweep_orphan_networks(docker: &Docker, own: &str) -> usize {
 }
 
 /// Removes the egress networks carrying our label for which `pick` says yes.
-pub async fn sweep_networks(docker: &Docker, pick: &(dyn Fn(&HashMap<String, String>) -> bool + Send + Sync)) -> usize {
+pub async fn sweep_networks(
+    docker: &dyn Engine,
+    pick: &(dyn Fn(&HashMap<String, String>) -> bool + Send + Sync),
+) -> usize {
     let filters = HashMap::from([("label", vec![LABEL_EGRESS])]);
     let opts = bollard::query_parameters::ListNetworksOptionsBuilder::default().filters(&filters).build();
     let Ok(nets) = docker.list_networks(Some(opts)).await else { return 0 };

@@ -193,7 +193,7 @@ impl Manager {
         let (dir, file) = PROXY_EXE.rsplit_once('/').unwrap_or(("/usr/local/bin", "pyberth-egress"));
         let opts = UploadToContainerOptionsBuilder::default().path(dir).build();
         self.docker
-            .upload_to_container(id, Some(opts), bollard::body_full(tar_one(file, &exe, 0o555).into()))
+            .upload_to_container(id, Some(opts), crate::docker::body_full(tar_one(file, &exe, 0o555).into()))
             .await
             .map_err(|e| format!("cannot put the egress proxy into its container: {e}"))?;
         let attach =

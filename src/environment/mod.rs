@@ -175,7 +175,7 @@ fn default_description(cfg: &SandboxConfig) -> String {
 /// read from the engine (the tagged images in its history), in place of both cases. An
 /// operator's own description, and every other environment's (the same Python either way),
 /// are returned as they are; so is the default's while its image is not built.
-pub async fn description_as_built(docker: &bollard::Docker, env: &Environment) -> String {
+pub async fn description_as_built(docker: &dyn crate::docker::Engine, env: &Environment) -> String {
     let generated = env.name == DEFAULT && env.description == default_description(&env.cfg);
     if !generated || env.cfg.image.is_some() {
         return env.description.clone();

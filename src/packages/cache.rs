@@ -5,7 +5,7 @@ use super::*;
 
 /// Whether the sets this process knows of may exceed `keep_bytes` (0: keep none), so a prune
 /// is worth reading the store for. Unknown: yes.
-pub async fn over(docker: &Docker, keep_bytes: u64) -> bool {
+pub async fn over(docker: &dyn Engine, keep_bytes: u64) -> bool {
     match Store::get(docker).await {
         Ok(store) => known_bytes(&store).is_none_or(|b| keep_bytes == 0 || b > keep_bytes),
         Err(_) => true,
@@ -33,7 +33,7 @@ pub struct LayerInfo {
 
 /// The store's sets, most recently used first, by the use record in `state_dir`.
 pub async fn list_by_use(
-    docker: &Docker,
+    docker: &dyn Engine,
     image: &str,
     owner: &Owner,
     state_dir: &std::path::Path,
@@ -61,7 +61,7 @@ pub async fn list_by_use(
 /// The sets in use by any live instance's sessions: the records of instances that still have
 /// a container on the engine (an instance without one has no session holding a set; its
 /// record is left from a crash and is removed).
-async fn in_use(docker: &Docker, state_dir: &std::path::Path) -> Result<HashSet<String>, DockerError> {
+async fn in_use(docker: &dyn Engine, state_dir: &std::path::Path) -> Result<HashSet<String>, DockerError> {
     let inventory = crate::docker::container::inventory(docker).await?;
     let alive: HashSet<&str> = inventory
         .containers
@@ -75,7 +75,7 @@ async fn in_use(docker: &Docker, state_dir: &std::path::Path) -> Result<HashSet<
 /// removes all), never one a session uses (`in_use`) nor one of `protect`. Returns the
 /// removed sets.
 pub async fn prune(
-    docker: &Docker,
+    docker: &dyn Engine,
     image: &str,
     owner: &Owner,
     state_dir: &std::path::Path,
@@ -108,7 +108,7 @@ pub async fn prune(
 
 /// Removes the layer images of pyberth before the store (`pyberth-layer:*`); returns their
 /// names. One a container still uses is kept by the engine.
-pub async fn prune_old_images(docker: &Docker) -> Result<Vec<String>, DockerError> {
+pub async fn prune_old_images(docker: &dyn Engine) -> Result<Vec<String>, DockerError> {
     let label = format!("{LABEL_IMAGE}=layer");
     let filters = HashMap::from([("label", vec![label.as_str()])]);
     let opts = ListImagesOptionsBuilder::default().filters(&filters).build();

@@ -16,7 +16,7 @@
 //!   build code can neither poison the cache for other sets nor read which packages others
 //!   installed.
 
-use bollard::Docker;
+use crate::docker::{Engine, EngineRef};
 use bollard::models::{Mount, MountType, VolumeCreateRequest};
 
 use super::explain::explain;
@@ -122,7 +122,7 @@ pub(super) fn sdist_allowed(cfg: &SandboxConfig, requirements: &[String]) -> Vec
 
 /// Runs the installer container, then builds the layer from the tree it installed.
 pub(super) async fn install(
-    docker: &Docker,
+    docker: &EngineRef,
     cfg: &SandboxConfig,
     owner: &Owner,
     spec: &LayerSpec<'_>,
@@ -168,7 +168,7 @@ pub(super) async fn install(
 /// [`install`] with the installer's name, uid and shared volume.
 #[allow(clippy::too_many_arguments)] // install's arguments, plus the three it chose
 async fn install_as(
-    docker: &Docker,
+    docker: &EngineRef,
     cfg: &SandboxConfig,
     owner: &Owner,
     spec: &LayerSpec<'_>,

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::container::LogOutput;
 use bollard::models::{ContainerCreateBody, Mount};
 use bollard::query_parameters::{
@@ -58,7 +58,7 @@ pub(super) struct Finished {
 }
 
 /// Creates, starts and waits for `job`'s container. On any failure the container is removed.
-pub(super) async fn run_job(docker: &Docker, sandbox: &container::Spec, job: Job<'_>) -> Result<Finished, Error> {
+pub(super) async fn run_job(docker: &dyn Engine, sandbox: &container::Spec, job: Job<'_>) -> Result<Finished, Error> {
     let mut hc = container::host_config(sandbox, job.name);
     hc.mounts = if job.mounts.is_empty() { None } else { Some(job.mounts.clone()) };
     if job.network.is_some() && job.wheels_only {
@@ -105,7 +105,7 @@ pub(super) async fn run_job(docker: &Docker, sandbox: &container::Spec, job: Job
 }
 
 /// Uploads, starts and follows the created container `id` to its exit.
-pub(super) async fn watch(docker: &Docker, id: &str, job: Job<'_>) -> Result<(i64, Vec<u8>, Vec<String>), Error> {
+pub(super) async fn watch(docker: &dyn Engine, id: &str, job: Job<'_>) -> Result<(i64, Vec<u8>, Vec<String>), Error> {
     let mut t = std::time::Instant::now();
     let uploads = async {
         for (dir, name, data) in &job.uploads {
@@ -163,7 +163,7 @@ pub(super) async fn watch(docker: &Docker, id: &str, job: Job<'_>) -> Result<(i6
     Ok((code, stdout, tail))
 }
 
-pub(super) async fn wait_exit(docker: &Docker, id: &str) -> Result<i64, Error> {
+pub(super) async fn wait_exit(docker: &dyn Engine, id: &str) -> Result<i64, Error> {
     let mut wait = docker.wait_container(id, None);
     match wait.next().await {
         Some(Ok(r)) => Ok(r.status_code),
@@ -174,7 +174,13 @@ pub(super) async fn wait_exit(docker: &Docker, id: &str) -> Result<i64, Error> {
     }
 }
 
-pub(super) async fn upload_file(docker: &Docker, id: &str, dir: &str, name: &str, data: &[u8]) -> Result<(), Error> {
+pub(super) async fn upload_file(
+    docker: &dyn Engine,
+    id: &str,
+    dir: &str,
+    name: &str,
+    data: &[u8],
+) -> Result<(), Error> {
     let mut ar = tar::Builder::new(Vec::new());
     let mut h = tar::Header::new_gnu();
     h.set_size(data.len() as u64);
@@ -184,6 +190,6 @@ pub(super) async fn upload_file(docker: &Docker, id: &str, dir: &str, name: &str
     ar.append_data(&mut h, name, data).map_err(|e| Error::Failed(format!("cannot pack {name}: {e}")))?;
     let buf = ar.into_inner().map_err(|e| Error::Failed(format!("cannot pack {name}: {e}")))?;
     let opts = UploadToContainerOptionsBuilder::default().path(dir).build();
-    docker.upload_to_container(id, Some(opts), bollard::body_full(buf.into())).await?;
+    docker.upload_to_container(id, Some(opts), crate::docker::body_full(buf.into())).await?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use bollard::Docker;
+use crate::docker::Engine;
 
 use super::Error;
 use super::job::{Job, labels, run_job};
@@ -31,7 +31,7 @@ print(json.dumps(out))
 /// with the sandbox's hardening, no network and no volume. `Some(false)` is a marker pip
 /// would skip its requirement for; `None`, one it could not evaluate (pip then decides).
 pub async fn evaluate_markers(
-    docker: &Docker,
+    docker: &dyn Engine,
     blueprint: &crate::sandbox::Blueprint,
     owner: &Owner,
     image: &str,

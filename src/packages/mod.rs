@@ -14,7 +14,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use bollard::Docker;
+use crate::docker::{Engine, EngineRef};
 use bollard::query_parameters::{ListImagesOptionsBuilder, RemoveImageOptionsBuilder};
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
@@ -212,7 +212,7 @@ static CLEANUPS: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>> = std::sync:
 /// Removes the volume `name` in a task of its own: the install answers without waiting. The
 /// engine finishes a removal it started even if this process stops; a volume it never got
 /// to is removed by the final sweep of this instance's objects, or the next server's.
-fn clean_up_later(docker: &Docker, name: &str) {
+fn clean_up_later(docker: &EngineRef, name: &str) {
     let (docker, name) = (docker.clone(), name.to_owned());
     let task = tokio::spawn(async move { crate::docker::container::remove_volume(&docker, &name).await });
     let mut pending = CLEANUPS.lock().unwrap_or_else(|e| e.into_inner());
@@ -268,7 +268,7 @@ fn mark_known(store: &Store, dir: &str, present: Option<u64>) {
 
 /// Reads the store's listing now if this process has not yet, so the first ask for a cached
 /// set is not the one that waits for it (one reader container, `image` to run it).
-pub async fn preload(docker: &Docker, image: &str, owner: &Owner) {
+pub async fn preload(docker: &dyn Engine, image: &str, owner: &Owner) {
     let read = async {
         let store = Store::get(docker).await?;
         if known(&store, "").is_none() {
@@ -295,7 +295,7 @@ pub fn forget(site: &str) {
 /// The layer for `requirements` on `base`, installed if absent.
 #[allow(clippy::too_many_arguments)] // what a set is, where it goes, and the installer network
 pub async fn ensure(
-    docker: &Docker,
+    docker: &EngineRef,
     blueprint: &crate::sandbox::Blueprint,
     owner: &Owner,
     base: &str,
@@ -354,7 +354,7 @@ fn now_s() -> i64 {
 /// store's upload; bounded channels join the three, so neither memory nor a runtime worker
 /// holds it. Two servers storing one set at once: the first rename wins, the other copy goes.
 async fn build_layer(
-    docker: &Docker,
+    docker: &dyn Engine,
     installer: &str,
     spec: &LayerSpec<'_>,
     writer: &store::Writer,

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::models::VolumeCreateRequest;
 use bollard::query_parameters::ListVolumesOptionsBuilder;
 use sha2::{Digest, Sha256};
@@ -25,7 +25,7 @@ pub(super) struct Shared {
 /// `None` when neither uv nor the cache is wanted, when it is absent and not to be created,
 /// or when the uid it records is not one of ours (a volume of another configuration).
 pub(super) async fn shared_volume(
-    docker: &Docker,
+    docker: &dyn Engine,
     cfg: &SandboxConfig,
     base: &str,
     index: &IndexSettings,
@@ -99,7 +99,7 @@ pub(super) fn shared_key(base_id: &str, index: &IndexSettings, uv: &str) -> Stri
 
 /// Removes shared installer volumes whose base image is gone (a rebuilt sandbox image): no
 /// install can use them again. The engine refuses to remove one an installer is using.
-pub(super) async fn prune_stale(docker: &Docker) {
+pub(super) async fn prune_stale(docker: &dyn Engine) {
     let filters = HashMap::from([("label", vec![LABEL_INSTALLER_VOLUME])]);
     let opts = ListVolumesOptionsBuilder::default().filters(&filters).build();
     let Ok(list) = docker.list_volumes(Some(opts)).await else { return };

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::container::LogOutput;
 use bollard::models::{Mount, MountType, MountVolumeOptions, VolumeCreateRequest};
 use bollard::query_parameters::{AttachContainerOptionsBuilder, UploadToContainerOptionsBuilder};
@@ -72,7 +72,7 @@ static OPENED: std::sync::Mutex<Option<Store>> = std::sync::Mutex::new(None);
 impl Store {
     /// Creates the store volume if absent and reads its secret. Two servers creating it at
     /// once each propose a secret; the engine keeps one volume, and both use the label it kept.
-    pub async fn open(docker: &Docker) -> Result<Store, Error> {
+    pub async fn open(docker: &dyn Engine) -> Result<Store, Error> {
         let volume = store_name();
         let labels = HashMap::from([
             (LABEL_MANAGED.to_owned(), "1".to_owned()),
@@ -101,7 +101,7 @@ impl Store {
     }
 
     /// The store this process opened last, else opened now.
-    pub async fn get(docker: &Docker) -> Result<Store, Error> {
+    pub async fn get(docker: &dyn Engine) -> Result<Store, Error> {
         let known = OPENED.lock().ok().and_then(|o| o.clone()).filter(|s| s.volume == store_name());
         match known {
             Some(s) => Ok(s),
@@ -205,7 +205,7 @@ sys.exit(2)
 /// given. Returns the exit code and what the script printed. An upload that fails still
 /// runs the script, whose `store` step then discards the partial directory.
 async fn run_script(
-    docker: &Docker,
+    docker: &dyn Engine,
     store: &Store,
     image: &str,
     owner: &Owner,
@@ -221,7 +221,7 @@ async fn run_script(
 
 /// Creates (does not start) the container of [`run_script`].
 async fn create_script(
-    docker: &Docker,
+    docker: &dyn Engine,
     store: &Store,
     image: &str,
     owner: &Owner,
@@ -258,7 +258,11 @@ async fn create_script(
 
 /// Uploads `upload` into the created container `id`, starts it and waits for its script.
 /// The caller removes the container.
-async fn finish_script(docker: &Docker, id: &str, upload: Option<Tar>) -> Result<(i64, String, Option<Error>), Error> {
+async fn finish_script(
+    docker: &dyn Engine,
+    id: &str,
+    upload: Option<Tar>,
+) -> Result<(i64, String, Option<Error>), Error> {
     let mut t = std::time::Instant::now();
     let mut upload_error = None;
     if let Some(tar) = upload {
@@ -270,7 +274,7 @@ async fn finish_script(docker: &Docker, id: &str, upload: Option<Tar>) -> Result
                 counter.fetch_add(c.len() as u64, std::sync::atomic::Ordering::Relaxed);
             }
         });
-        if let Err(e) = docker.upload_to_container(id, Some(opts), bollard::body_try_stream(tar)).await {
+        if let Err(e) = docker.upload_to_container(id, Some(opts), crate::docker::body_try_stream(tar)).await {
             upload_error = Some(Error::from(e));
         }
         tracing::debug!(bytes = sent.load(std::sync::atomic::Ordering::Relaxed), "uploaded to the layer store");
@@ -318,7 +322,13 @@ pub struct Writer {
 
 impl Writer {
     /// A writer for set `key`, created now and started by [`Writer::put`].
-    pub async fn create(docker: &Docker, store: &Store, image: &str, owner: &Owner, key: &str) -> Result<Self, Error> {
+    pub async fn create(
+        docker: &dyn Engine,
+        store: &Store,
+        image: &str,
+        owner: &Owner,
+        key: &str,
+    ) -> Result<Self, Error> {
         let tmp = tmp_name()?;
         let args = vec!["store".into(), tmp.clone(), store.dir_name(key), key.to_owned()];
         let id = create_script(docker, store, image, owner, args, true).await?;
@@ -330,7 +340,7 @@ impl Writer {
     /// whole `meta.json` and is discarded, as is a copy that lost the race to another writer.
     /// The writer's container is left for [`Writer::discard`], which the caller may overlap
     /// with its own clean-up.
-    pub async fn put(&self, docker: &Docker, tar: Tar) -> Result<Stored, Error> {
+    pub async fn put(&self, docker: &dyn Engine, tar: Tar) -> Result<Stored, Error> {
         let (code, _, upload_error) = finish_script(docker, &self.id, Some(tar)).await?;
         match (code, upload_error) {
             (0, None) => Ok(Stored::New),
@@ -344,14 +354,14 @@ impl Writer {
     }
 
     /// Removes the writer's container.
-    pub async fn discard(self, docker: &Docker) {
+    pub async fn discard(self, docker: &dyn Engine) {
         container::remove_container(docker, &self.id).await;
     }
 }
 
 /// A set as its `meta.json` describes it, by directory name (None: unreadable metadata).
 pub async fn index(
-    docker: &Docker,
+    docker: &dyn Engine,
     store: &Store,
     image: &str,
     owner: &Owner,
@@ -366,7 +376,7 @@ pub async fn index(
 /// Removes the sets in `dirs`: each renamed away first, so it disappears at once, then deleted.
 /// Returns those removed.
 pub async fn remove(
-    docker: &Docker,
+    docker: &dyn Engine,
     store: &Store,
     image: &str,
     owner: &Owner,

@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::query_parameters::DownloadFromContainerOptionsBuilder;
 use bytes::Bytes;
 use futures::TryStreamExt;
@@ -19,7 +19,7 @@ use crate::tarcheck::{Modes, link_inside, own_by_root, under};
 /// failure reaches the re-packer as an error, never as an early end: a tree cut short must
 /// not become a layer.
 pub(super) async fn download_tree(
-    docker: &Docker,
+    docker: &dyn Engine,
     id: &str,
     tx: mpsc::Sender<std::io::Result<Bytes>>,
 ) -> Result<(), Error> {

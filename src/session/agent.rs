@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::container::LogOutput;
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
@@ -466,7 +466,7 @@ fn is_version(v: &str) -> bool {
 
 /// Starts the agent in `container` and waits for its greeting; returns it with its Python
 /// version.
-pub(super) async fn greet(docker: &Docker, container: &Created, name: &str) -> Result<(Agent, String), Error> {
+pub(super) async fn greet(docker: &dyn Engine, container: &Created, name: &str) -> Result<(Agent, String), Error> {
     let attached = exec::attach_agent(docker, &container.id, container.uid).await?;
     let mut agent = Agent::from_exec(attached);
     match agent.hello(HELLO_TIMEOUT).await? {

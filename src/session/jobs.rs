@@ -286,7 +286,7 @@ impl Jobs {
     /// container is gone end, saying so; the rest are not ours.
     pub(crate) async fn take_over(
         &self,
-        docker: &bollard::Docker,
+        docker: &dyn crate::docker::Engine,
         ledger: &Ledger,
         instances: &[String],
         adopted: &dyn Fn(&str, &str) -> Option<Arc<Session>>,

@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use bollard::Docker;
+use crate::docker::{Engine, EngineRef};
 
 use self::agent::{Agent, greet};
 use crate::checks::check_path;
@@ -227,7 +227,7 @@ pub struct Session {
     me: Weak<Session>,
     /// Wakes the watchdog when the lease changes.
     lease_changed: Arc<tokio::sync::Notify>,
-    docker: Docker,
+    docker: EngineRef,
     cfg: Arc<SandboxConfig>,
     /// What its containers are made from (the same `cfg`, the engine's spec, its egress).
     blueprint: Arc<Blueprint>,
@@ -287,7 +287,7 @@ pub struct Naming {
 /// reaches the sets it asked for by name, docs/design.md D6). The layer store is opened first:
 /// a mount of a missing volume would make an unlabelled one, with no secret.
 async fn make_container(
-    docker: &Docker,
+    docker: &dyn Engine,
     blueprint: &Blueprint,
     image: &str,
     owner: &Owner,
@@ -299,7 +299,7 @@ async fn make_container(
 }
 
 /// The layer store, which every session container mounts read-only.
-async fn open_store(docker: &Docker) -> Result<packages::Store, docker::Error> {
+async fn open_store(docker: &dyn Engine) -> Result<packages::Store, docker::Error> {
     packages::Store::open(docker).await.map_err(|e| match e {
         packages::Error::Docker(e) => e,
         // A plain message (`NoBaseImage` prints its text as is).
@@ -316,7 +316,7 @@ pub struct Prepared {
 impl Prepared {
     /// Creates a container under `label` and starts its agent.
     pub async fn make(
-        docker: &Docker,
+        docker: &dyn Engine,
         blueprint: &Blueprint,
         image: &str,
         owner: &Owner,
@@ -334,7 +334,7 @@ impl Prepared {
     }
 
     /// Removes its container and volumes.
-    pub async fn destroy(self, docker: &Docker) {
+    pub async fn destroy(self, docker: &dyn Engine) {
         container::destroy(docker, &self.inner.container).await;
     }
 }
@@ -342,7 +342,7 @@ impl Prepared {
 impl Session {
     /// Creates the container and starts the agent.
     pub async fn start(
-        docker: Docker,
+        docker: EngineRef,
         blueprint: Arc<Blueprint>,
         image: String,
         owner: Owner,
@@ -356,7 +356,7 @@ impl Session {
     /// Makes a prepared container someone's session.
     #[allow(clippy::too_many_arguments)] // the parts of a session, each needed once
     pub fn adopt(
-        docker: Docker,
+        docker: EngineRef,
         blueprint: Arc<Blueprint>,
         image: String,
         owner: Owner,

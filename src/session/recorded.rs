@@ -109,7 +109,7 @@ impl Session {
     /// A session from its record: running (reattached on its first call) or hibernated. Its
     /// record stays as it is until its next change.
     pub(crate) fn revive(
-        docker: bollard::Docker,
+        docker: crate::docker::EngineRef,
         blueprint: Arc<crate::sandbox::Blueprint>,
         owner: container::Owner,
         about: About,

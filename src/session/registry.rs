@@ -9,7 +9,7 @@ use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bollard::Docker;
+use crate::docker::EngineRef;
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
@@ -26,6 +26,8 @@ use crate::sandbox::Blueprint;
 
 mod adopt;
 mod front;
+#[cfg(test)]
+mod owner_tests;
 mod sleepers;
 mod snapshots;
 
@@ -77,7 +79,7 @@ pub enum Error {
 
 /// The sessions of one server instance.
 pub struct Registry {
-    docker: Docker,
+    docker: EngineRef,
     cfg: Arc<SandboxConfig>,
     instance: Instance,
     /// The environments, and each one's image, found or built once.
@@ -155,7 +157,7 @@ impl Registry {
     /// A registry for this instance.
     /// Fails on a bad environment definition or an unreadable CA bundle, saying which.
     pub fn new(
-        docker: Docker,
+        docker: EngineRef,
         cfg: Arc<SandboxConfig>,
         instance: Instance,
         sandboxing: Sandboxing,

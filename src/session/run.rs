@@ -103,7 +103,7 @@ const WATCH_AFTER: Duration = Duration::from_millis(500);
 /// memory limit, a removal) can leave the exec stream open, and without the engine's word
 /// the run would wait out its time limit.
 pub(super) struct Sandbox {
-    pub(super) docker: bollard::Docker,
+    pub(super) docker: crate::docker::EngineRef,
     pub(super) id: String,
     pub(super) since: std::time::SystemTime,
 }

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use bollard::Docker;
+use crate::docker::Engine;
 use bollard::container::LogOutput;
 use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType, MountVolumeOptions, VolumeCreateRequest};
 use bollard::query_parameters::{
@@ -107,7 +107,7 @@ pub struct Stored {
 
 /// Creates the storage of a new snapshot: a volume labelled with its owner (this instance,
 /// so that it goes with the instance's other leftovers) and the principal it belongs to.
-pub async fn create(docker: &Docker, owner: &Owner, principal: &str, id: &str) -> Result<Stored, Error> {
+pub async fn create(docker: &dyn Engine, owner: &Owner, principal: &str, id: &str) -> Result<Stored, Error> {
     let name = format!("pyberth-{}-snap-{id}", owner.instance);
     let labels = owner.labels_with(&[(LABEL_OWNER, principal), (LABEL_SNAPSHOT, id)]);
     let request = VolumeCreateRequest { name: Some(name.clone()), labels: Some(labels), ..Default::default() };
@@ -116,7 +116,7 @@ pub async fn create(docker: &Docker, owner: &Owner, principal: &str, id: &str) -
 }
 
 /// Removes a snapshot's volume.
-pub async fn remove(docker: &Docker, stored: &Stored) {
+pub async fn remove(docker: &dyn Engine, stored: &Stored) {
     container::remove_volume(docker, &stored.volume).await;
 }
 
@@ -125,7 +125,7 @@ pub async fn remove(docker: &Docker, stored: &Stored) {
 #[derive(Debug, Clone, Copy)]
 pub struct Via<'a> {
     /// The engine.
-    pub docker: &'a Docker,
+    pub docker: &'a dyn Engine,
     /// This instance.
     pub owner: &'a Owner,
     /// The session's image.
@@ -171,7 +171,7 @@ pub async fn write(
 ) -> Result<(), Error> {
     let id = helper(via, &stored.volume).await?;
     let opts = UploadToContainerOptionsBuilder::default().path(MOUNT).build();
-    let written = via.docker.upload_to_container(&id, Some(opts), bollard::body_try_stream(body(rx))).await;
+    let written = via.docker.upload_to_container(&id, Some(opts), crate::docker::body_try_stream(body(rx))).await;
     container::remove_container(via.docker, &id).await;
     Ok(written?)
 }
@@ -202,12 +202,12 @@ pub async fn read(via: Via<'_>, stored: &Stored, tx: mpsc::Sender<Bytes>) -> Res
 
 /// Uploads a tar (streamed from `rx`) into the workspace of a session container.
 pub async fn upload_workspace(
-    docker: &Docker,
+    docker: &dyn Engine,
     id: &str,
     rx: mpsc::Receiver<Result<Bytes, std::io::Error>>,
 ) -> Result<(), Error> {
     let opts = UploadToContainerOptionsBuilder::default().path(container::WORKSPACE).build();
-    Ok(docker.upload_to_container(id, Some(opts), bollard::body_try_stream(body(rx))).await?)
+    Ok(docker.upload_to_container(id, Some(opts), crate::docker::body_try_stream(body(rx))).await?)
 }
 
 /// The packer's script (`python3 -I -S -c`): see its docstring.
@@ -235,7 +235,7 @@ struct Answer {
 #[derive(Debug, Clone, Copy)]
 pub struct Packer<'a> {
     /// The engine.
-    pub docker: &'a Docker,
+    pub docker: &'a dyn Engine,
     /// This instance (the packer's labels).
     pub owner: &'a Owner,
     /// The session's image.

@@ -34,7 +34,7 @@ fn unix_ms(t: SystemTime) -> u64 {
 
 /// Whether a snapshot's volume is still there (a record written before issue 26 also names a
 /// helper container: not kept, the sweep removes it).
-async fn store_exists(docker: &bollard::Docker, saved: &SavedRecord) -> bool {
+async fn store_exists(docker: &dyn crate::docker::Engine, saved: &SavedRecord) -> bool {
     docker.inspect_volume(&saved.volume).await.is_ok()
 }
 

@@ -1,0 +1,291 @@
+//! The registry as an owner, through the in-process fake engine (`docker::fake`): no Docker.
+//! Each test checks what the owner says against what the engine holds, and against the
+//! records the ledger wrote in the state dir.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{Error, Registry};
+use crate::docker::container::Sandboxing;
+use crate::docker::fake::FakeEngine;
+use crate::docker::{LABEL_INSTANCE, LABEL_OWNER, LABEL_SESSION};
+use crate::instance::Instance;
+use crate::protocol::Request;
+use crate::session::{RunSpec, Session};
+
+/// A registry on a fake engine that holds the sandbox image, with its own state dir (removed
+/// on drop). Records are kept (`--keep-sessions`), so the ledger's writes can be checked.
+struct Bench {
+    fake: FakeEngine,
+    reg: Arc<Registry>,
+    dir: std::path::PathBuf,
+}
+
+impl Bench {
+    fn new(flags: &[&str]) -> Self {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "pyberth-owner-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let dir_arg = dir.to_string_lossy().into_owned();
+        let mut args = vec!["--state-dir", dir_arg.as_str(), "--keep-sessions", "--adopt-grace-s", "600"];
+        args.extend_from_slice(flags);
+        let cfg = crate::config::from_flags(&args);
+        let fake = FakeEngine::with_images(&[crate::docker::image::tag_for(&cfg)]);
+        let instance = Instance::acquire(&dir, None).expect("an instance lock");
+        let reg =
+            Registry::new(Arc::new(fake.clone()), Arc::new(cfg), instance, Sandboxing::default()).expect("a registry");
+        Self { fake, reg: Arc::new(reg), dir }
+    }
+
+    async fn open(&self, principal: &str, name: &str) -> Result<(Arc<Session>, bool), Error> {
+        let opened = self.reg.open(principal, name, None, &[], None, &|_| {}).await?;
+        Ok((opened.session, opened.created))
+    }
+
+    /// The containers of session `name` of `principal` on the engine.
+    fn containers_of(&self, principal: &str, name: &str) -> Vec<String> {
+        let w = self.fake.world();
+        w.containers
+            .iter()
+            .filter(|(_, c)| {
+                c.labels.get(LABEL_SESSION).is_some_and(|s| s == name)
+                    && c.labels.get(LABEL_OWNER).is_some_and(|p| p == principal)
+            })
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Names of the volumes and containers of this instance on the engine.
+    fn ours(&self) -> Vec<String> {
+        let own = &self.reg.instance.owner.instance;
+        let w = self.fake.world();
+        let mine = |l: &std::collections::HashMap<String, String>| l.get(LABEL_INSTANCE) == Some(own);
+        let containers = w.containers.iter().filter(|(_, c)| mine(&c.labels)).map(|(n, _)| n.clone());
+        let volumes = w.volumes.iter().filter(|(_, v)| mine(&v.labels)).map(|(n, _)| n.clone());
+        containers.chain(volumes).collect()
+    }
+
+    /// The records on disk agree with the engine: every running record names a running
+    /// container of ours with its workspace volume, every sleeper a snapshot volume, and every
+    /// session container of ours is recorded.
+    fn records_agree(&self) {
+        let running = self.reg.ledger.running();
+        let sleepers = self.reg.ledger.sleepers();
+        let own = &self.reg.instance.owner.instance;
+        let w = self.fake.world();
+        for r in &running {
+            let c =
+                w.containers.get(&r.about.container).unwrap_or_else(|| panic!("{} recorded, not there", r.about.name));
+            assert!(c.running && c.mounts.iter().any(|(_, v)| *v == r.about.volume), "{}", r.about.name);
+            assert_eq!(c.labels.get(LABEL_INSTANCE), Some(own));
+        }
+        for s in &sleepers {
+            assert!(w.volumes.contains_key(&s.saved.volume), "{}: its snapshot volume", s.about.name);
+        }
+        let recorded: Vec<&String> = running.iter().map(|r| &r.about.container).collect();
+        for (name, c) in &w.containers {
+            let sandbox = c.labels.get(LABEL_INSTANCE) == Some(own)
+                && c.mounts.iter().any(|(t, _)| t == crate::docker::WORKSPACE);
+            let pooled = c.labels.get(LABEL_SESSION).is_some_and(|s| s.starts_with("pool-"));
+            assert!(!sandbox || pooled || recorded.contains(&name), "{name} runs unrecorded");
+        }
+    }
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn run(s: &Session, code: &str) -> crate::session::RunOutcome {
+    let spec = RunSpec { code: code.into(), ..RunSpec::default() };
+    s.run(spec, Duration::from_secs(10), &CancellationToken::new(), &|_, _| {}).await.expect("a run")
+}
+
+fn names(vars: &[crate::protocol::Variable]) -> BTreeMap<String, String> {
+    vars.iter().map(|v| (v.name.clone(), v.repr.clone())).collect()
+}
+
+#[tokio::test]
+async fn a_session_is_opened_once_recorded_and_closed_with_its_container_volume_and_record() {
+    let b = Bench::new(&[]);
+    let (s, created) = b.open("alice", "s1").await.expect("opened");
+    assert!(created);
+    let out = run(&s, "x = 40\nprint('hi')\nx + 2").await;
+    assert_eq!(out.result.as_deref(), Some("42"));
+    assert_eq!(out.stdout.render().0, "hi\n");
+    // The same (principal, name) is the same session; another principal's is its own.
+    let (again, created) = b.open("alice", "s1").await.expect("found");
+    assert!(!created && Arc::ptr_eq(&s, &again));
+    let (bobs, _) = b.open("bob", "s1").await.expect("bob's");
+    assert!(!Arc::ptr_eq(&s, &bobs));
+    let [container] = b.containers_of("alice", "s1").try_into().expect("one container of alice's s1");
+    {
+        let w = b.fake.world();
+        let c = &w.containers[&container];
+        assert!(c.running);
+        let workspace = &c.mounts.iter().find(|(t, _)| t == crate::docker::WORKSPACE).expect("a workspace").1;
+        assert!(w.volumes.contains_key(workspace));
+    }
+    // The ledger wrote the running session through: its record names that container.
+    let recorded: Vec<(String, String)> =
+        b.reg.ledger.running().into_iter().map(|r| (r.about.name, r.about.container)).collect();
+    assert!(recorded.contains(&("s1".into(), container.clone())), "{recorded:?}");
+    assert_eq!(recorded.len(), 2);
+    b.records_agree();
+
+    b.reg.close("alice", "s1").await.expect("closed");
+    assert!(b.containers_of("alice", "s1").is_empty());
+    assert!(!b.fake.world().volumes.keys().any(|v| v.starts_with(&container)), "its volumes went too");
+    let left: Vec<String> = b.reg.ledger.running().into_iter().map(|r| r.about.container).collect();
+    assert!(!left.contains(&container), "its record went: {left:?}");
+    assert!(matches!(b.reg.get("alice", "s1"), Err(Error::Ended { .. })));
+    assert!(b.reg.find("bob", "s1").is_some(), "bob's is untouched");
+    b.records_agree();
+    assert!(matches!(b.reg.close("alice", "nope").await, Err(Error::NotFound(_))));
+}
+
+#[tokio::test]
+async fn caps_per_caller_and_per_server_refuse_before_anything_is_made() {
+    let b = Bench::new(&["--max-sessions", "2", "--max-sessions-total", "3"]);
+    b.open("alice", "a").await.expect("a");
+    b.open("alice", "b").await.expect("b");
+    assert!(matches!(b.open("alice", "c").await, Err(Error::Capacity(2))));
+    b.open("bob", "a").await.expect("bob's a");
+    assert!(matches!(b.open("bob", "b").await, Err(Error::ServerFull)));
+    assert!(b.containers_of("alice", "c").is_empty() && b.containers_of("bob", "b").is_empty());
+    // A closed session frees its place.
+    b.reg.close("alice", "a").await.expect("closed");
+    b.open("bob", "b").await.expect("room again");
+    assert_eq!(b.reg.ledger.running().len(), 3);
+    b.records_agree();
+}
+
+#[tokio::test]
+async fn an_idle_session_is_reaped_with_its_container_and_record_and_says_why() {
+    let b = Bench::new(&["--idle-ttl-s", "60"]);
+    let (s, _) = b.open("alice", "idle").await.expect("opened");
+    let (busy, _) = b.open("alice", "busy").await.expect("opened");
+    assert_eq!(b.reg.reap_idle().await, 0, "nothing idle for a minute yet");
+    // Its last use an hour ago, as the clock of an idle server would have it.
+    let long_ago = std::time::Instant::now().checked_sub(Duration::from_secs(3600)).expect("an hour of uptime");
+    *s.last_used.lock().expect("last use") = long_ago;
+    *busy.last_used.lock().expect("last use") = long_ago;
+    // Held as a run holds it.
+    let held = busy.inner.lock().await;
+    assert_eq!(b.containers_of("alice", "idle").len(), 1);
+    drop(s);
+    assert_eq!(b.reg.reap_idle().await, 1);
+    assert!(b.containers_of("alice", "idle").is_empty());
+    let running: Vec<String> = b.reg.ledger.running().into_iter().map(|r| r.about.name).collect();
+    assert_eq!(running, ["busy"], "a busy session is never reaped, however idle");
+    assert_eq!(b.containers_of("alice", "busy").len(), 1);
+    drop(held);
+    let why = b.reg.ended_why("alice", "idle").expect("a reason");
+    assert!(why.starts_with("expired"), "{why}");
+}
+
+#[tokio::test]
+async fn a_hibernated_session_keeps_only_its_snapshot_and_wakes_with_its_variables_and_files() {
+    let b = Bench::new(&[]);
+    let (s, _) = b.open("alice", "sleepy").await.expect("opened");
+    run(&s, "x = 7\nname = 'berth'").await;
+    let written =
+        s.file(|id| Request::Write { id, path: "notes/a.txt", b: "aGk=", append: false }).await.expect("written");
+    assert_eq!(written.size, Some(2));
+    let [before] = b.containers_of("alice", "sleepy").try_into().expect("one container");
+
+    // A session busy for a moment (its watchdog looking at the lease) is not hibernated
+    // now: the reaper tries again on its next tick, and so does this test.
+    let mut slept = false;
+    for _ in 0..100 {
+        slept = b.reg.hibernate_within_caps(&s).await.expect("no cap in the way");
+        if slept {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(slept, "hibernated");
+    assert!(s.is_asleep());
+    assert!(b.containers_of("alice", "sleepy").is_empty(), "its container went");
+    b.records_agree();
+    let sleepers = b.reg.ledger.sleepers();
+    let [sleeper] = sleepers.as_slice() else { panic!("one sleeper record: {sleepers:?}") };
+    assert!(b.reg.ledger.running().is_empty(), "the running record went");
+    {
+        let w = b.fake.world();
+        let snap = w.volumes.get(&sleeper.saved.volume).expect("the recorded snapshot volume exists");
+        assert_eq!(snap.files.files.get("workspace/notes/a.txt").map(Vec::as_slice), Some(&b"hi"[..]));
+        assert!(snap.files.files.contains_key("state/values.pkl"));
+        assert!(!w.volumes.keys().any(|v| v.starts_with(&before)), "the workspace volume went");
+    }
+
+    // The next call wakes it: a new container, variables and files back, the snapshot gone.
+    let out = run(&s, "x + 1").await;
+    assert_eq!(out.result.as_deref(), Some("8"));
+    assert!(out.notices.iter().any(|n| n.contains("was woken")), "{:?}", out.notices);
+    assert!(!out.state_lost, "{:?}", out.notices);
+    let (vars, _) = s.variables().await.expect("variables");
+    assert_eq!(names(&vars), BTreeMap::from([("name".into(), "'berth'".into()), ("x".into(), "7".into())]));
+    let read = s.file(|id| Request::Read { id, path: "notes/a.txt", offset: 0, length: 100 }).await.expect("read");
+    assert_eq!(read.data, b"hi");
+    let [after] = b.containers_of("alice", "sleepy").try_into().expect("one new container");
+    assert_ne!(after, before);
+    assert!(!b.fake.world().volumes.contains_key(&sleeper.saved.volume), "the snapshot was removed");
+    assert!(b.reg.ledger.sleepers().is_empty());
+    let running: Vec<String> = b.reg.ledger.running().into_iter().map(|r| r.about.container).collect();
+    assert_eq!(running, [after]);
+    b.records_agree();
+}
+
+#[tokio::test]
+async fn a_killed_interpreter_is_replaced_and_the_run_says_its_state_went() {
+    let b = Bench::new(&[]);
+    let (s, _) = b.open("alice", "k").await.expect("opened");
+    run(&s, "x = 1").await;
+    let [c] = b.containers_of("alice", "k").try_into().expect("one container");
+    // Behind the registry's back, as `docker rm -f` would.
+    b.fake.vanish(&c);
+    let out = run(&s, "y = 2\ny").await;
+    assert_eq!(out.result.as_deref(), Some("2"));
+    assert!(out.state_lost, "{:?}", out.notices);
+    let [replaced] = b.containers_of("alice", "k").try_into().expect("a new container");
+    assert_ne!(replaced, c);
+    let running: Vec<String> = b.reg.ledger.running().into_iter().map(|r| r.about.container).collect();
+    assert_eq!(running, [replaced], "the record follows the new container");
+    b.records_agree();
+}
+
+#[tokio::test]
+async fn the_warm_pool_hands_out_a_ready_container_and_a_stop_leaves_nothing_of_ours() {
+    let b = Bench::new(&["--pool-size", "1"]);
+    let stop = CancellationToken::new();
+    let keeper = tokio::spawn(b.reg.clone().pool_keeper(stop.clone()));
+    // The keeper fills the pool in the background: wait (bounded) for its container.
+    let pooled = async {
+        loop {
+            if let Some(p) = b.containers_of("", "pool-1").first() {
+                return p.clone();
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let pooled = tokio::time::timeout(Duration::from_secs(10), pooled).await.expect("the pool filled");
+    let (s, created) = b.open("alice", "warm").await.expect("opened");
+    assert!(created);
+    assert_eq!(s.container_id(), pooled, "the session took the pooled container");
+    stop.cancel();
+    keeper.await.expect("the keeper stopped");
+    b.reg.shutdown(false).await;
+    assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
+    assert!(b.reg.ledger.running().is_empty());
+}
