@@ -1,8 +1,8 @@
-//! All sessions of a server: lookup by (principal, name), the session cap, the idle reaper,
-//! and cleanup at start and at shutdown (docs/design.md D9).
-//!
-//! Why this file passes 500 lines: lookup, creation (pool, image, layer), caps, reaping and
-//! sweeping share one lock over the sessions map; a split would pass that lock around.
+//! All sessions of a server: lookup by (principal, name), creation, the session and run caps
+//! (docs/design.md D9). The rest of the owner sits beside it in `registry/`: `layers.rs`
+//! (dependency layers and images), `lifetime.rs` (reaping, hibernation, the warm pool, sweeps,
+//! stop), `adopt.rs` and `sleepers.rs` (sessions of earlier servers), `snapshots.rs`,
+//! `front.rs` (what the fronts ask beyond sessions) and `error.rs`.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -25,57 +25,22 @@ use crate::packages::{self, IndexSettings, Layer};
 use crate::sandbox::Blueprint;
 
 mod adopt;
+mod error;
 mod front;
+mod layers;
+mod lifetime;
 #[cfg(test)]
 mod owner_tests;
 mod sleepers;
 mod snapshots;
+
+pub use error::Error;
 
 type Key = (String, String);
 
 /// Ended sessions whose reason is kept; past it the record starts over.
 const MAX_ENDED: usize = 10_000;
 type Slot = Arc<OnceCell<Arc<Session>>>;
-
-/// Why a session could not be had.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The caller's session cap is reached.
-    #[error(
-        "you have {0} sessions open (the limit per caller): close one with close_session, or wait for idle ones to expire"
-    )]
-    Capacity(usize),
-    /// The server's session ceiling is reached; says nothing of who holds the sessions.
-    #[error("the server has no room for another session right now: try again later, or close one of yours")]
-    ServerFull,
-    /// A tool that needs an existing session named one that does not exist.
-    #[error("no session named {0:?}: run_python creates sessions; list_sessions shows the open ones")]
-    NotFound(String),
-    /// The session existed and ended: why, as [`Ended`] says it.
-    #[error("no session named {name:?}: it {why}; run_python with that name starts a new, empty one")]
-    Ended { name: String, why: String },
-    /// The sandbox image could not be found or built.
-    #[error("the sandbox image is unavailable: {0}")]
-    Image(#[source] docker::Error),
-    /// Installing packages failed.
-    #[error(transparent)]
-    Install(#[from] packages::Error),
-    /// The session failed to start.
-    #[error(transparent)]
-    Session(#[from] SessionError),
-    /// No such environment.
-    #[error("{0}")]
-    Environment(String),
-    /// The session exists in another environment.
-    #[error(
-        "session {session:?} runs in environment {has:?}, not {asked:?}: a session keeps its environment for life. \
-         Use another session name for {asked:?}, or close_session {session:?} first (its variables and files go)"
-    )]
-    OtherEnvironment { session: String, has: String, asked: String },
-    /// The session's network could not be had, or a caller asked to widen its allow-list.
-    #[error("{0}")]
-    Egress(String),
-}
 
 /// The sessions of one server instance.
 pub struct Registry {
@@ -201,155 +166,6 @@ impl Registry {
         Arc::new(Blueprint::new(env.cfg.clone(), &self.sandboxing, &env.mounts, egress))
     }
 
-    /// The layer holding `requirements` (canonical, sorted) on an environment's image,
-    /// installed if absent.
-    pub async fn layer(
-        &self,
-        env: &Environment,
-        requirements: &[String],
-        progress: Progress<'_>,
-    ) -> Result<Layer, Error> {
-        let base = self.image(env, progress).await?;
-        let lock = {
-            let mut installs = self.installs.lock().unwrap_or_else(|e| e.into_inner());
-            shared(&mut installs, requirements.to_vec(), Default::default)
-        };
-        let _guard = lock.lock().await;
-        let layer = packages::ensure(
-            &self.docker,
-            &self.blueprint(env, None),
-            &self.instance.owner,
-            &base,
-            requirements,
-            &self.index,
-            &self.egress,
-            progress,
-        )
-        .await?;
-        let state_dir = self.cfg.state_dir();
-        // A file read, write and rename: off the runtime's workers.
-        let (ledger, key) = (self.ledger.clone(), layer.key.clone());
-        if let Err(e) = tokio::task::spawn_blocking(move || ledger.layer_used(&key)).await {
-            tracing::debug!(error = %e, "cannot record layer use");
-        }
-        if !layer.cached && packages::over(&self.docker, self.cfg.layer_cache_mb << 20).await {
-            // Never the set just made, nor one a session of ours holds (the record of this
-            // instance may lag a session being created).
-            let mut protect = self.layers_in_use();
-            protect.push(layer.key.clone());
-            let (owner, keep) = (&self.instance.owner, self.cfg.layer_cache_mb << 20);
-            match packages::prune(&self.docker, &base, owner, &state_dir, keep, &protect).await {
-                Ok(removed) if !removed.is_empty() => {
-                    let removed: Vec<&str> = removed.iter().map(|l| l.key.as_str()).collect();
-                    tracing::info!(?removed, "layer cache over its size; pruned");
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot prune layers"),
-            }
-        }
-        Ok(layer)
-    }
-
-    /// Keys of the layers this server's sessions hold.
-    fn layers_in_use(&self) -> Vec<String> {
-        let sessions: Vec<Arc<Session>> = self.slots().values().filter_map(|slot| slot.get().cloned()).collect();
-        let mut keys: Vec<String> = sessions.iter().flat_map(|s| s.layer_keys()).collect();
-        keys.sort();
-        keys.dedup();
-        keys
-    }
-
-    /// Writes this instance's record of the layers its sessions hold, which every prune on
-    /// this host reads (docs/design.md D6): a small file, written in place of the last.
-    fn record_layers(&self) {
-        self.ledger.layers_in_use(&self.instance.owner.instance, &self.layers_in_use());
-    }
-
-    /// Adds requirements to a running session (a no-op for those it has).
-    pub async fn install(
-        &self,
-        session: &Session,
-        requirements: &[String],
-        progress: Progress<'_>,
-    ) -> Result<Installed, Error> {
-        let added = session.missing(requirements);
-        let present: Vec<String> = requirements.iter().filter(|r| !added.contains(r)).cloned().collect();
-        if added.is_empty() {
-            return Ok(Installed { added, present, layer: None, skipped: Vec::new() });
-        }
-        let env = self.environments.get(Some(&session.environment)).map_err(Error::Environment)?;
-        let layer = self.layer(&env, &added, progress).await?;
-        let attached = session.add_layer(&layer, &added).await;
-        self.record_layers();
-        attached?;
-        Ok(Installed { added, present, layer: Some(layer), skipped: Vec::new() })
-    }
-
-    /// Splits `packages` into those to install and those whose environment marker is false
-    /// where the session `name` runs (or will run): pip ignores those, so installing them
-    /// would install nothing while saying it did. Markers are evaluated by the environment's
-    /// own interpreter, once per image and marker. When they cannot be evaluated, nothing is
-    /// skipped (pip still decides, as before).
-    async fn without_false_markers(
-        &self,
-        principal: &str,
-        name: &str,
-        environment: Option<&str>,
-        packages: &[String],
-        progress: Progress<'_>,
-    ) -> (Vec<String>, Vec<String>) {
-        let unchanged = || (packages.to_vec(), Vec::new());
-        if !packages.iter().any(|p| crate::deps::marker_of(p).is_some()) {
-            return unchanged();
-        }
-        let env_name = self.find(principal, name).map(|s| s.environment.clone());
-        let Ok(env) = self.environments.get(env_name.as_deref().or(environment)) else { return unchanged() };
-        let Ok(image) = self.image(&env, progress).await else { return unchanged() };
-        let known = |m: &str| {
-            let cache = self.markers.lock().unwrap_or_else(|e| e.into_inner());
-            cache.get(&(image.clone(), m.to_owned())).copied()
-        };
-        let mut unknown: Vec<String> = packages
-            .iter()
-            .filter_map(|p| crate::deps::marker_of(p))
-            .filter(|m| known(m).is_none())
-            .map(str::to_owned)
-            .collect();
-        unknown.sort();
-        unknown.dedup();
-        if !unknown.is_empty() {
-            match packages::evaluate_markers(
-                &self.docker,
-                &self.blueprint(&env, None),
-                &self.instance.owner,
-                &image,
-                &unknown,
-            )
-            .await
-            {
-                Ok(verdicts) => {
-                    let mut cache = self.markers.lock().unwrap_or_else(|e| e.into_inner());
-                    for (m, v) in unknown.into_iter().zip(verdicts) {
-                        if let Some(v) = v {
-                            cache.insert((image.clone(), m), v);
-                        }
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot evaluate environment markers; pip decides"),
-            }
-        }
-        let (mut keep, mut skipped) = (Vec::new(), Vec::new());
-        for p in packages {
-            if crate::deps::marker_of(p).is_some_and(|m| known(m) == Some(false)) {
-                progress(&format!("{p}: skipped, marker false in this environment"));
-                skipped.push(p.clone());
-            } else {
-                keep.push(p.clone());
-            }
-        }
-        (keep, skipped)
-    }
-
     /// The session `name` of `principal`, created if new, holding `packages`: the one way a
     /// call opens a session and makes sure of its packages.
     pub async fn open(
@@ -372,38 +188,6 @@ impl Registry {
         };
         installed.skipped = skipped;
         Ok(Opened { session, created, installed })
-    }
-
-    /// An environment's image, found or built once per server (a build reports progress).
-    pub async fn image(&self, env: &Environment, progress: Progress<'_>) -> Result<String, Error> {
-        let slot = {
-            let mut images = self.images.lock().unwrap_or_else(|e| e.into_inner());
-            images.entry(env.name.clone()).or_default().clone()
-        };
-        if let Some(tag) = slot.tag.get() {
-            return Ok(tag.clone());
-        }
-        // Whoever builds, every caller waiting for the image hears its progress: the first
-        // call of a fresh server waits for the build its start-up began.
-        let mut lines = slot.lines.subscribe();
-        let build = slot.tag.get_or_try_init(|| async {
-            let both = |line: &str| {
-                let line = crate::output::plain_line(line);
-                tracing::info!(target: "pyberth::image", environment = %env.name, "{line}");
-                slot.lines.send_replace(line);
-            };
-            image::ensure(&self.docker, &env.cfg, &both).await
-        });
-        tokio::pin!(build);
-        loop {
-            tokio::select! {
-                built = &mut build => return built.cloned().map_err(Error::Image),
-                Ok(()) = lines.changed() => {
-                    let line = lines.borrow_and_update().clone();
-                    progress(&line);
-                }
-            }
-        }
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Slot>> {
@@ -429,35 +213,6 @@ impl Registry {
             Some(why) => Error::Ended { name: name.to_owned(), why },
             None => Error::NotFound(name.to_owned()),
         }
-    }
-
-    /// Why the session of that name ended, within the last hour.
-    pub fn ended_why(&self, principal: &str, name: &str) -> Option<String> {
-        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
-        let (why, at) = ended.get(&(principal.to_owned(), name.to_owned()))?;
-        (at.elapsed() < KEPT).then(|| why.clone())
-    }
-
-    /// The caller's sessions that ended within the last hour: name, why, seconds ago.
-    pub fn ended_of(&self, principal: &str) -> Vec<(String, String, u64)> {
-        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
-        let mut all: Vec<(String, String, u64)> = ended
-            .iter()
-            .filter(|((p, _), (_, at))| p == principal && at.elapsed() < KEPT)
-            .map(|((_, n), (why, at))| (n.clone(), why.clone(), at.elapsed().as_secs()))
-            .collect();
-        all.sort();
-        all
-    }
-
-    /// Records why a session ended (kept an hour, at most [`MAX_ENDED`] at once).
-    fn ended(&self, principal: &str, name: &str, why: String) {
-        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
-        ended.retain(|_, (_, at)| at.elapsed() < KEPT);
-        if ended.len() >= MAX_ENDED {
-            ended.clear();
-        }
-        ended.insert((principal.to_owned(), name.to_owned()), (why, Instant::now()));
     }
 
     /// The named session, created on first use in `environment` (the default when `None`),
@@ -612,18 +367,6 @@ impl Registry {
         Ok(session)
     }
 
-    /// Takes a container from the warm pool (waking its keeper to refill it), for a wake.
-    fn pool_take(&self) -> super::snapshot::PoolTake {
-        let (pool, wake) = (self.pool.clone(), self.pool_wake.clone());
-        Arc::new(move || {
-            let taken = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            if taken.is_some() {
-                wake.notify_one();
-            }
-            taken
-        })
-    }
-
     /// A new session on a network of its own whose only other member is the egress proxy.
     async fn start_with_egress(
         &self,
@@ -688,99 +431,6 @@ impl Registry {
         Ok(())
     }
 
-    /// Closes sessions idle longer than the TTL. Busy sessions are never reaped.
-    pub async fn reap_idle(&self) -> usize {
-        let ttl = self.cfg.idle_ttl();
-        let expired: Vec<Arc<Session>> = {
-            let mut slots = self.slots();
-            let keys: Vec<Key> = slots
-                .iter()
-                .filter(|(_, slot)| slot.get().is_some_and(|s| s.idle() >= ttl && !s.is_busy()))
-                .map(|(k, _)| k.clone())
-                .collect();
-            keys.iter().filter_map(|k| slots.remove(k)).filter_map(|slot| slot.get().cloned()).collect()
-        };
-        for s in &expired {
-            tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
-            let state = if s.is_asleep() { "hibernated" } else { "running" };
-            let why = format!(
-                "expired: idle for {} s, past --idle-ttl-s {} s (it was {state}); its variables and files are gone",
-                s.idle().as_secs(),
-                ttl.as_secs()
-            );
-            self.ended(&s.principal, &s.name, why);
-            s.close().await;
-            self.egress.detach(&s.principal, &s.name).await;
-        }
-        if !expired.is_empty() {
-            self.record_layers();
-        }
-        if let Some(after) = self.cfg.hibernate_after() {
-            self.hibernate_idle(after).await;
-        }
-        expired.len()
-    }
-
-    /// Hibernates running sessions idle for `after` (busy ones, jobs included, stay awake:
-    /// a run holds its session). One at a time, so a wave of idle sessions does not crowd out
-    /// running ones.
-    async fn hibernate_idle(&self, after: Duration) {
-        let idle: Vec<Arc<Session>> = self
-            .slots()
-            .values()
-            .filter_map(|slot| slot.get().cloned())
-            .filter(|s| s.idle() >= after && !s.is_busy() && !s.is_asleep())
-            .collect();
-        for s in idle {
-            // Its record follows (the session writes it as it falls asleep).
-            if let Err(e) = self.hibernate_within_caps(&s).await {
-                tracing::warn!(session = %s.name, error = %e, "cannot hibernate; the session stays awake");
-            }
-        }
-    }
-
-    /// Runs the idle reaper until `shutdown` fires.
-    pub async fn reaper(self: Arc<Self>, shutdown: CancellationToken) {
-        let shortest = self.cfg.hibernate_after().map_or(self.cfg.idle_ttl(), |h| h.min(self.cfg.idle_ttl()));
-        let period = (shortest / 4).clamp(Duration::from_millis(500), Duration::from_secs(60));
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => { self.reap_idle().await; }
-            }
-        }
-    }
-
-    /// At start: keeps this instance's heartbeat from now on, and removes what dead instances
-    /// left behind (docs/design.md D9). When some instance's heartbeat stopped too recently
-    /// to call it dead, a sweep runs again once the grace is over.
-    pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
-        match self.adopt_leftovers().await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(sessions = n, "adopted the sessions of stopped servers"),
-            Err(e) => tracing::warn!(error = %e, "cannot adopt the sessions of stopped servers"),
-        }
-        // After the adoption, which reads when this instance's name (given again) last beat:
-        // a new heartbeat removes that mark (docker/heartbeat.rs).
-        match self.environments.get(None) {
-            Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
-            Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
-        }
-        let sweeper = self.instance.sweeper(self.cfg.leftover_grace()).keeping(self.cfg.idle_ttl());
-        let swept = sweeper.sweep(&self.docker).await?;
-        let nets = crate::egress::sweep_orphan_networks(&self.docker, &self.instance.owner.instance).await;
-        if nets > 0 {
-            tracing::info!(networks = nets, "removed egress networks of instances that have no containers left");
-        }
-        if let Some(after) = swept.recheck {
-            tracing::debug!(after_s = after.as_secs(), "a heartbeat stopped recently; sweeping again after the grace");
-            self.keeper.recheck(self.docker.clone(), sweeper, after);
-        }
-        Ok(())
-    }
-
     /// A run slot for `principal`, held for the run's life; a clear error when all are taken.
     pub fn run_permit(&self, principal: &str) -> Result<tokio::sync::OwnedSemaphorePermit, String> {
         let max = self.cfg.max_runs_per_caller;
@@ -794,169 +444,6 @@ impl Registry {
                  (list_jobs shows them)"
             )
         })
-    }
-
-    /// Keeps the warm pool full until `shutdown` fires, making one container at a time so
-    /// refills never crowd out running sessions; then removes what is left in the pool.
-    pub async fn pool_keeper(self: Arc<Self>, shutdown: CancellationToken) {
-        let size = self.cfg.pool_size;
-        let mut serial = 0u64;
-        let mut preloaded = false;
-        // Doubles after each failure (a missing image is a whole bootstrap each try), back to
-        // the start after a success.
-        let mut backoff = Duration::from_secs(10);
-        while size > 0 && !shutdown.is_cancelled() {
-            let missing = size.saturating_sub(self.pool.lock().unwrap_or_else(|e| e.into_inner()).len());
-            if missing == 0 && !preloaded {
-                // Once the pool is full: the layer store's listing, so that the first new
-                // session asking for a cached set waits for nothing but its pooled container.
-                preloaded = true;
-                if let (Ok(env), owner) = (self.environments.get(None), &self.instance.owner)
-                    && let Ok(image) = self.image(&env, &|_| {}).await
-                {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        () = packages::preload(&self.docker, &image, owner) => {}
-                    }
-                }
-                continue;
-            }
-            if missing == 0 {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = self.pool_wake.notified() => continue,
-                }
-            }
-            serial += 1;
-            let label = format!("pool-{serial}");
-            // Waiting for the image may be cut short by a stop; making the container may not: a
-            // container dropped half-made is one nobody would remove.
-            let env = match self.environments.get(None) {
-                Ok(env) => env,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot fill the warm pool");
-                    break;
-                }
-            };
-            let image = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                image = self.image(&env, &|_| {}) => image,
-            };
-            let made = match image {
-                Ok(image) => super::Prepared::make(
-                    &self.docker,
-                    &self.blueprint(&env, None),
-                    &image,
-                    &self.instance.owner,
-                    &label,
-                    "",
-                )
-                .await
-                .map_err(Error::from),
-                Err(e) => Err(e),
-            };
-            if shutdown.is_cancelled() {
-                if let Ok(p) = made {
-                    p.destroy(&self.docker).await;
-                }
-                break;
-            }
-            match made {
-                Ok(p) => {
-                    self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                    backoff = Duration::from_secs(10);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot fill the warm pool; retrying in {} s", backoff.as_secs());
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(600));
-                }
-            }
-        }
-        self.drain_pool().await;
-    }
-
-    async fn drain_pool(&self) {
-        let left: Vec<super::Prepared> = std::mem::take(&mut *self.pool.lock().unwrap_or_else(|e| e.into_inner()));
-        futures::future::join_all(left.into_iter().map(|p| p.destroy(&self.docker))).await;
-    }
-
-    /// Closes every session, then removes anything of ours still labelled (belt and braces).
-    /// With `leave`, sessions stay running instead, for the next server of the state dir to
-    /// adopt within `--adopt-grace-s` (docs/design.md D12): only the pool and jobs stop.
-    pub async fn shutdown(&self, leave: bool) {
-        self.drain_pool().await;
-        // Nothing to leave: a clean stop, with nothing kept for a next server.
-        let leave = leave && self.slots().values().any(|slot| slot.initialized());
-        if leave {
-            // Finished jobs' records are kept with the sessions the next server adopts.
-            let live: std::collections::HashSet<Key> =
-                self.slots().iter().filter(|(_, slot)| slot.initialized()).map(|(k, _)| k.clone()).collect();
-            self.jobs.leave(&|p, s| live.contains(&(p.to_owned(), s.to_owned()))).await;
-        } else {
-            self.jobs.shutdown().await;
-        }
-        if leave {
-            // Snapshots and sessions are recorded already, as they changed.
-            let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
-            self.instance.keep_lock_files();
-            self.keeper.stop(&self.docker, &[], false).await;
-            packages::settle().await;
-            self.egress.drop_idle_installers().await;
-            self.say_left(left).await;
-            return;
-        }
-        let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
-        futures::future::join_all(all.iter().map(|s| s.close())).await;
-        self.record_layers();
-        // Installer volumes still being emptied: theirs before the sweep's.
-        packages::settle().await;
-        let snapshots = self.snapshots.drain();
-        futures::future::join_all(
-            snapshots.iter().map(|e| crate::docker::snapshot::remove(&self.docker, &e.saved.store)),
-        )
-        .await;
-        if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
-            tracing::warn!(error = %e, "final sweep failed");
-        }
-        self.egress.shutdown().await;
-        // Last: until everything else of ours is gone, others see this instance alive.
-        let mut owners = self.instance.adopted_owners();
-        owners.push(self.instance.owner.clone());
-        self.keeper.stop(&self.docker, &owners, true).await;
-    }
-}
-
-impl Registry {
-    /// The stop's last word when it leaves sessions: what stays, for how long, how to remove it.
-    async fn say_left(&self, left: usize) {
-        let mut instances: Vec<String> = self.instance.adopted_owners().into_iter().map(|o| o.instance).collect();
-        instances.push(self.instance.owner.instance.clone());
-        let (containers, volumes) = crate::gc::left_by(&self.docker, &instances).await.unwrap_or_default();
-        let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
-        tracing::info!(
-            sessions = left,
-            containers,
-            volumes,
-            instances = ?instances,
-            adopt_within_s = self.cfg.adopt_grace_s,
-            stop_after_s = stop_s,
-            "{left} sessions left for the next server of state dir {}: it adopts them running if it starts within {} s. \
-             Left on the engine: {containers} containers, running until {stop_s} s after this stop, when each saves its \
-             state into its volumes and stops, and the engine removes it (no process, nothing in docker ps -a); and \
-             {volumes} volumes (workspaces, their on-disk copies, snapshots, heartbeat marks), which stay: a server of \
-             this state dir wakes those sessions from them whenever it starts; a server of another state dir removes \
-             them once this stop is --idle-ttl-s ({} s) old. To remove it all now: pyberth gc --yes --grace-s 0 \
-             --only-instance I, for I in {}, with another state dir than this one (whose records keep them for its \
-             next server)",
-            self.cfg.state_dir().display(),
-            self.cfg.adopt_grace_s,
-            self.cfg.idle_ttl_s,
-            instances.join(", "),
-        );
     }
 }
 

@@ -1,0 +1,302 @@
+//! The registry over time: idle sessions reaped or hibernated, the warm pool kept full,
+//! leftovers of dead servers swept, and the stop that ends or leaves every session.
+
+use super::*;
+
+impl Registry {
+    /// Closes sessions idle longer than the TTL. Busy sessions are never reaped.
+    pub async fn reap_idle(&self) -> usize {
+        let ttl = self.cfg.idle_ttl();
+        let expired: Vec<Arc<Session>> = {
+            let mut slots = self.slots();
+            let keys: Vec<Key> = slots
+                .iter()
+                .filter(|(_, slot)| slot.get().is_some_and(|s| s.idle() >= ttl && !s.is_busy()))
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.iter().filter_map(|k| slots.remove(k)).filter_map(|slot| slot.get().cloned()).collect()
+        };
+        for s in &expired {
+            tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
+            let state = if s.is_asleep() { "hibernated" } else { "running" };
+            let why = format!(
+                "expired: idle for {} s, past --idle-ttl-s {} s (it was {state}); its variables and files are gone",
+                s.idle().as_secs(),
+                ttl.as_secs()
+            );
+            self.ended(&s.principal, &s.name, why);
+            s.close().await;
+            self.egress.detach(&s.principal, &s.name).await;
+        }
+        if !expired.is_empty() {
+            self.record_layers();
+        }
+        if let Some(after) = self.cfg.hibernate_after() {
+            self.hibernate_idle(after).await;
+        }
+        expired.len()
+    }
+
+    /// Hibernates running sessions idle for `after` (busy ones, jobs included, stay awake:
+    /// a run holds its session). One at a time, so a wave of idle sessions does not crowd out
+    /// running ones.
+    pub(super) async fn hibernate_idle(&self, after: Duration) {
+        let idle: Vec<Arc<Session>> = self
+            .slots()
+            .values()
+            .filter_map(|slot| slot.get().cloned())
+            .filter(|s| s.idle() >= after && !s.is_busy() && !s.is_asleep())
+            .collect();
+        for s in idle {
+            // Its record follows (the session writes it as it falls asleep).
+            if let Err(e) = self.hibernate_within_caps(&s).await {
+                tracing::warn!(session = %s.name, error = %e, "cannot hibernate; the session stays awake");
+            }
+        }
+    }
+
+    /// Runs the idle reaper until `shutdown` fires.
+    pub async fn reaper(self: Arc<Self>, shutdown: CancellationToken) {
+        let shortest = self.cfg.hibernate_after().map_or(self.cfg.idle_ttl(), |h| h.min(self.cfg.idle_ttl()));
+        let period = (shortest / 4).clamp(Duration::from_millis(500), Duration::from_secs(60));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => { self.reap_idle().await; }
+            }
+        }
+    }
+
+    /// At start: keeps this instance's heartbeat from now on, and removes what dead instances
+    /// left behind (docs/design.md D9). When some instance's heartbeat stopped too recently
+    /// to call it dead, a sweep runs again once the grace is over.
+    pub async fn sweep_leftovers(&self) -> Result<(), docker::Error> {
+        match self.adopt_leftovers().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(sessions = n, "adopted the sessions of stopped servers"),
+            Err(e) => tracing::warn!(error = %e, "cannot adopt the sessions of stopped servers"),
+        }
+        // After the adoption, which reads when this instance's name (given again) last beat:
+        // a new heartbeat removes that mark (docker/heartbeat.rs).
+        match self.environments.get(None) {
+            Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
+            Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
+        }
+        let sweeper = self.instance.sweeper(self.cfg.leftover_grace()).keeping(self.cfg.idle_ttl());
+        let swept = sweeper.sweep(&self.docker).await?;
+        let nets = crate::egress::sweep_orphan_networks(&self.docker, &self.instance.owner.instance).await;
+        if nets > 0 {
+            tracing::info!(networks = nets, "removed egress networks of instances that have no containers left");
+        }
+        if let Some(after) = swept.recheck {
+            tracing::debug!(after_s = after.as_secs(), "a heartbeat stopped recently; sweeping again after the grace");
+            self.keeper.recheck(self.docker.clone(), sweeper, after);
+        }
+        Ok(())
+    }
+
+    /// Keeps the warm pool full until `shutdown` fires, making one container at a time so
+    /// refills never crowd out running sessions; then removes what is left in the pool.
+    pub async fn pool_keeper(self: Arc<Self>, shutdown: CancellationToken) {
+        let size = self.cfg.pool_size;
+        let mut serial = 0u64;
+        let mut preloaded = false;
+        // Doubles after each failure (a missing image is a whole bootstrap each try), back to
+        // the start after a success.
+        let mut backoff = Duration::from_secs(10);
+        while size > 0 && !shutdown.is_cancelled() {
+            let missing = size.saturating_sub(self.pool.lock().unwrap_or_else(|e| e.into_inner()).len());
+            if missing == 0 && !preloaded {
+                // Once the pool is full: the layer store's listing, so that the first new
+                // session asking for a cached set waits for nothing but its pooled container.
+                preloaded = true;
+                if let (Ok(env), owner) = (self.environments.get(None), &self.instance.owner)
+                    && let Ok(image) = self.image(&env, &|_| {}).await
+                {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        () = packages::preload(&self.docker, &image, owner) => {}
+                    }
+                }
+                continue;
+            }
+            if missing == 0 {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = self.pool_wake.notified() => continue,
+                }
+            }
+            serial += 1;
+            let label = format!("pool-{serial}");
+            // Waiting for the image may be cut short by a stop; making the container may not: a
+            // container dropped half-made is one nobody would remove.
+            let env = match self.environments.get(None) {
+                Ok(env) => env,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot fill the warm pool");
+                    break;
+                }
+            };
+            let image = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                image = self.image(&env, &|_| {}) => image,
+            };
+            let made = match image {
+                Ok(image) => crate::session::Prepared::make(
+                    &self.docker,
+                    &self.blueprint(&env, None),
+                    &image,
+                    &self.instance.owner,
+                    &label,
+                    "",
+                )
+                .await
+                .map_err(Error::from),
+                Err(e) => Err(e),
+            };
+            if shutdown.is_cancelled() {
+                if let Ok(p) = made {
+                    p.destroy(&self.docker).await;
+                }
+                break;
+            }
+            match made {
+                Ok(p) => {
+                    self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+                    backoff = Duration::from_secs(10);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot fill the warm pool; retrying in {} s", backoff.as_secs());
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(600));
+                }
+            }
+        }
+        self.drain_pool().await;
+    }
+
+    pub(super) async fn drain_pool(&self) {
+        let left: Vec<crate::session::Prepared> =
+            std::mem::take(&mut *self.pool.lock().unwrap_or_else(|e| e.into_inner()));
+        futures::future::join_all(left.into_iter().map(|p| p.destroy(&self.docker))).await;
+    }
+
+    /// Closes every session, then removes anything of ours still labelled (belt and braces).
+    /// With `leave`, sessions stay running instead, for the next server of the state dir to
+    /// adopt within `--adopt-grace-s` (docs/design.md D12): only the pool and jobs stop.
+    pub async fn shutdown(&self, leave: bool) {
+        self.drain_pool().await;
+        // Nothing to leave: a clean stop, with nothing kept for a next server.
+        let leave = leave && self.slots().values().any(|slot| slot.initialized());
+        if leave {
+            // Finished jobs' records are kept with the sessions the next server adopts.
+            let live: std::collections::HashSet<Key> =
+                self.slots().iter().filter(|(_, slot)| slot.initialized()).map(|(k, _)| k.clone()).collect();
+            self.jobs.leave(&|p, s| live.contains(&(p.to_owned(), s.to_owned()))).await;
+        } else {
+            self.jobs.shutdown().await;
+        }
+        if leave {
+            // Snapshots and sessions are recorded already, as they changed.
+            let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
+            self.instance.keep_lock_files();
+            self.keeper.stop(&self.docker, &[], false).await;
+            packages::settle().await;
+            self.egress.drop_idle_installers().await;
+            self.say_left(left).await;
+            return;
+        }
+        let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
+        futures::future::join_all(all.iter().map(|s| s.close())).await;
+        self.record_layers();
+        // Installer volumes still being emptied: theirs before the sweep's.
+        packages::settle().await;
+        let snapshots = self.snapshots.drain();
+        futures::future::join_all(
+            snapshots.iter().map(|e| crate::docker::snapshot::remove(&self.docker, &e.saved.store)),
+        )
+        .await;
+        if let Err(e) = container::sweep(&self.docker, &|l| self.instance.is_own(l)).await {
+            tracing::warn!(error = %e, "final sweep failed");
+        }
+        self.egress.shutdown().await;
+        // Last: until everything else of ours is gone, others see this instance alive.
+        let mut owners = self.instance.adopted_owners();
+        owners.push(self.instance.owner.clone());
+        self.keeper.stop(&self.docker, &owners, true).await;
+    }
+
+    /// The stop's last word when it leaves sessions: what stays, for how long, how to remove it.
+    pub(super) async fn say_left(&self, left: usize) {
+        let mut instances: Vec<String> = self.instance.adopted_owners().into_iter().map(|o| o.instance).collect();
+        instances.push(self.instance.owner.instance.clone());
+        let (containers, volumes) = crate::gc::left_by(&self.docker, &instances).await.unwrap_or_default();
+        let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
+        tracing::info!(
+            sessions = left,
+            containers,
+            volumes,
+            instances = ?instances,
+            adopt_within_s = self.cfg.adopt_grace_s,
+            stop_after_s = stop_s,
+            "{left} sessions left for the next server of state dir {}: it adopts them running if it starts within {} s. \
+             Left on the engine: {containers} containers, running until {stop_s} s after this stop, when each saves its \
+             state into its volumes and stops, and the engine removes it (no process, nothing in docker ps -a); and \
+             {volumes} volumes (workspaces, their on-disk copies, snapshots, heartbeat marks), which stay: a server of \
+             this state dir wakes those sessions from them whenever it starts; a server of another state dir removes \
+             them once this stop is --idle-ttl-s ({} s) old. To remove it all now: pyberth gc --yes --grace-s 0 \
+             --only-instance I, for I in {}, with another state dir than this one (whose records keep them for its \
+             next server)",
+            self.cfg.state_dir().display(),
+            self.cfg.adopt_grace_s,
+            self.cfg.idle_ttl_s,
+            instances.join(", "),
+        );
+    }
+
+    /// Why the session of that name ended, within the last hour.
+    pub fn ended_why(&self, principal: &str, name: &str) -> Option<String> {
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        let (why, at) = ended.get(&(principal.to_owned(), name.to_owned()))?;
+        (at.elapsed() < KEPT).then(|| why.clone())
+    }
+
+    /// The caller's sessions that ended within the last hour: name, why, seconds ago.
+    pub fn ended_of(&self, principal: &str) -> Vec<(String, String, u64)> {
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<(String, String, u64)> = ended
+            .iter()
+            .filter(|((p, _), (_, at))| p == principal && at.elapsed() < KEPT)
+            .map(|((_, n), (why, at))| (n.clone(), why.clone(), at.elapsed().as_secs()))
+            .collect();
+        all.sort();
+        all
+    }
+
+    /// Records why a session ended (kept an hour, at most [`MAX_ENDED`] at once).
+    pub(super) fn ended(&self, principal: &str, name: &str, why: String) {
+        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        ended.retain(|_, (_, at)| at.elapsed() < KEPT);
+        if ended.len() >= MAX_ENDED {
+            ended.clear();
+        }
+        ended.insert((principal.to_owned(), name.to_owned()), (why, Instant::now()));
+    }
+
+    /// Takes a container from the warm pool (waking its keeper to refill it), for a wake.
+    pub(super) fn pool_take(&self) -> crate::session::snapshot::PoolTake {
+        let (pool, wake) = (self.pool.clone(), self.pool_wake.clone());
+        Arc::new(move || {
+            let taken = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            if taken.is_some() {
+                wake.notify_one();
+            }
+            taken
+        })
+    }
+}
