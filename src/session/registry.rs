@@ -60,8 +60,8 @@ pub enum Error {
     /// The session failed to start.
     #[error(transparent)]
     Session(#[from] SessionError),
-    /// No such environment.
-    #[error("{0}")]
+    /// No such environment (said to an MCP caller: `pyberth run` checks the name first).
+    #[error("{0} (list_environments describes them)")]
     Environment(String),
     /// The session exists in another environment.
     #[error(
@@ -238,7 +238,7 @@ impl Registry {
             match packages::prune(&self.docker, &base, owner, &state_dir, keep, &protect).await {
                 Ok(removed) if !removed.is_empty() => {
                     let removed: Vec<&str> = removed.iter().map(|l| l.key.as_str()).collect();
-                    tracing::info!(?removed, "layer cache over its size; pruned");
+                    tracing::info!(removed = %removed.join(" "), "layer cache over its size; pruned");
                 }
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "cannot prune layers"),
