@@ -204,82 +204,128 @@ async fn healthz(registry: Arc<Registry>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// Serves until `shutdown` fires; the caller then shuts the registry down.
-pub async fn serve(
-    args: &HttpArgs,
-    addr: SocketAddr,
-    registry: Arc<Registry>,
-    cfg: Arc<SandboxConfig>,
-    shutdown: CancellationToken,
-) -> Result<(), Error> {
-    let tokens = Arc::new(Tokens::load(args)?);
-    if tokens.is_empty() && !addr.ip().is_loopback() {
-        return Err(Error::OpenWithoutTokens(addr));
+/// `GET /`: where things are, for a person or a client pointed at the bare address (no token
+/// needed: it says nothing a reader of the README would not know).
+async fn root() -> &'static str {
+    "pyberth: MCP over streamable HTTP is served at /mcp (send Authorization: Bearer <token>); \
+     /healthz says whether the Docker engine answers and the sandbox image is there.\n"
+}
+
+/// What is settled before the server starts anything: tokens read, limits checked, the address
+/// bound. So a refused start (an open address without tokens, a bad tokens file, a port in
+/// use) is said before any engine call, as the last thing the server says.
+pub struct Listening {
+    args: HttpArgs,
+    tokens: Arc<Tokens>,
+    allowed: Arc<hosts::AllowedHosts>,
+    listener: tokio::net::TcpListener,
+    bound: SocketAddr,
+}
+
+// By hand: the tokens stay out of any debug output.
+impl std::fmt::Debug for Listening {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listening").field("bound", &self.bound).field("principals", &self.tokens.len()).finish()
     }
-    for (flag, value) in [
-        ("max-mcp-sessions-per-caller", args.max_mcp_sessions_per_caller as u64),
-        ("max-connections", args.max_connections as u64),
-        ("max-connections-per-client", args.max_connections_per_client as u64),
-        ("header-timeout-s", args.header_timeout_s),
-        ("idle-timeout-s", args.idle_timeout_s),
-    ] {
-        if value == 0 {
-            return Err(Error::Limit { flag, rule: "at least 1" });
+}
+
+impl Listening {
+    /// Checks `args` and binds `addr`; warns once when a loopback address has no tokens.
+    pub async fn bind(args: &HttpArgs, addr: SocketAddr) -> Result<Self, Error> {
+        let tokens = Arc::new(Tokens::load(args)?);
+        if tokens.is_empty() && !addr.ip().is_loopback() {
+            return Err(Error::OpenWithoutTokens(addr));
         }
+        for (flag, value) in [
+            ("max-mcp-sessions-per-caller", args.max_mcp_sessions_per_caller as u64),
+            ("max-connections", args.max_connections as u64),
+            ("max-connections-per-client", args.max_connections_per_client as u64),
+            ("header-timeout-s", args.header_timeout_s),
+            ("idle-timeout-s", args.idle_timeout_s),
+        ] {
+            if value == 0 {
+                return Err(Error::Limit { flag, rule: "at least 1" });
+            }
+        }
+        let allowed = Arc::new(hosts::AllowedHosts::new(&args.allowed_hosts)?);
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
+        let bound = listener.local_addr().unwrap_or(addr);
+        if tokens.is_empty() {
+            tracing::warn!(
+                "no tokens: every local user and process can run code through http://{bound}/mcp; \
+                 set PYBERTH_TOKEN or --tokens-file to require one"
+            );
+        }
+        Ok(Self { args: args.clone(), tokens, allowed, listener, bound })
     }
-    let idle_timeout = Duration::from_secs(args.idle_timeout_s);
-    let max_body = args.max_request_mb << 20;
-    let allowed = Arc::new(hosts::AllowedHosts::new(&args.allowed_hosts)?);
-    // rmcp's own Host check stays behind ours, with the same names.
-    let mut hosts: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
-    hosts.extend(args.allowed_hosts.iter().cloned());
-    let config = StreamableHttpServerConfig::default()
-        .with_allowed_hosts(hosts)
-        .with_max_request_body_bytes(max_body)
-        // Keep-alive events keep a quiet stream from looking idle.
-        .with_sse_keep_alive(Some(SSE_KEEP_ALIVE.min(idle_timeout / 3)))
-        .with_cancellation_token(shutdown.child_token());
-    let factory_registry = registry.clone();
-    let factory_cfg = cfg.clone();
-    let owners = Arc::new(sessions::Owners::new(args.max_mcp_sessions_per_caller));
-    let manager = Arc::new(sessions::Bound::new(owners.clone()));
-    let mcp = StreamableHttpService::new(
-        move || Ok(SandboxServer::new(factory_registry.clone(), factory_cfg.clone())),
-        manager.clone(),
-        config,
-    );
-    let auth_tokens = tokens.clone();
-    let app = Router::new()
-        .nest_service("/mcp", mcp)
-        // Innermost: needs the principal the token layer found.
-        .layer(middleware::from_fn(move |req: Request, next: Next| {
-            sessions::bind(owners.clone(), manager.clone(), max_body, req, next)
-        }))
-        .layer(middleware::from_fn(move |req: Request, next: Next| {
-            tokens::authenticate(auth_tokens.clone(), req, next)
-        }))
-        // Outermost: a request from elsewhere is refused before its token is looked at.
-        .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
-        .route("/healthz", axum::routing::get(move || healthz(registry.clone())));
-    let fds = conn::raise_fd_limit();
-    let max_connections = conn::connection_cap(args.max_connections, fds);
-    if max_connections < args.max_connections {
-        tracing::warn!(
-            open_files = ?fds,
-            "the open-files limit leaves room for {max_connections} connections, not --max-connections {}: \
-             raise the hard limit (ulimit -Hn, LimitNOFILE=)",
-            args.max_connections
+
+    /// Serves until `shutdown` fires; the caller then shuts the registry down.
+    pub async fn serve(self, registry: Arc<Registry>, cfg: Arc<SandboxConfig>, shutdown: CancellationToken) {
+        let args = &self.args;
+        let fds = conn::raise_fd_limit();
+        let max_connections = conn::connection_cap(args.max_connections, fds);
+        if max_connections < args.max_connections {
+            tracing::warn!(
+                open_files = fds.unwrap_or(u64::MAX),
+                "the open-files limit leaves room for {max_connections} connections, not --max-connections {}: \
+                 raise the hard limit (ulimit -Hn, LimitNOFILE=)",
+                args.max_connections
+            );
+        }
+        let limits = conn::Limits {
+            max_connections,
+            per_client: args.max_connections_per_client,
+            header_timeout: Duration::from_secs(args.header_timeout_s),
+            idle_timeout: Duration::from_secs(args.idle_timeout_s),
+        };
+        let app = self.router(registry, cfg, &shutdown);
+        tracing::info!(
+            address = %self.bound,
+            principals = self.tokens.len(),
+            max_connections,
+            per_client = limits.per_client,
+            header_timeout_s = args.header_timeout_s,
+            idle_timeout_s = args.idle_timeout_s,
+            "serving MCP over HTTP at /mcp"
         );
+        conn::serve(self.listener, app, limits, shutdown).await;
     }
-    let limits = conn::Limits {
-        max_connections,
-        per_client: args.max_connections_per_client,
-        header_timeout: Duration::from_secs(args.header_timeout_s),
-        idle_timeout,
-    };
-    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
-    let bound = listener.local_addr().unwrap_or(addr);
-    tracing::info!(address = %bound, principals = tokens.len(), ?limits, "serving MCP over HTTP at /mcp");
-    conn::serve(listener, app, limits, shutdown).await;
-    Ok(())
+
+    /// `/mcp` behind its checks, `/healthz` and `/` beside them.
+    fn router(&self, registry: Arc<Registry>, cfg: Arc<SandboxConfig>, shutdown: &CancellationToken) -> Router {
+        let args = &self.args;
+        let idle_timeout = Duration::from_secs(args.idle_timeout_s);
+        let max_body = args.max_request_mb << 20;
+        // rmcp's own Host check stays behind ours, with the same names.
+        let mut hosts: Vec<String> = vec!["localhost".into(), "127.0.0.1".into(), "::1".into()];
+        hosts.extend(args.allowed_hosts.iter().cloned());
+        let config = StreamableHttpServerConfig::default()
+            .with_allowed_hosts(hosts)
+            .with_max_request_body_bytes(max_body)
+            // Keep-alive events keep a quiet stream from looking idle.
+            .with_sse_keep_alive(Some(SSE_KEEP_ALIVE.min(idle_timeout / 3)))
+            .with_cancellation_token(shutdown.child_token());
+        let (factory_registry, factory_cfg) = (registry.clone(), cfg.clone());
+        let owners = Arc::new(sessions::Owners::new(args.max_mcp_sessions_per_caller));
+        let manager = Arc::new(sessions::Bound::new(owners.clone()));
+        let mcp = StreamableHttpService::new(
+            move || Ok(SandboxServer::new(factory_registry.clone(), factory_cfg.clone())),
+            manager.clone(),
+            config,
+        );
+        let (auth_tokens, allowed) = (self.tokens.clone(), self.allowed.clone());
+        Router::new()
+            .nest_service("/mcp", mcp)
+            // Innermost: needs the principal the token layer found.
+            .layer(middleware::from_fn(move |req: Request, next: Next| {
+                sessions::bind(owners.clone(), manager.clone(), max_body, req, next)
+            }))
+            .layer(middleware::from_fn(move |req: Request, next: Next| {
+                tokens::authenticate(auth_tokens.clone(), req, next)
+            }))
+            // Outermost: a request from elsewhere is refused before its token is looked at.
+            .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
+            .route("/healthz", axum::routing::get(move || healthz(registry.clone())))
+            .route("/", axum::routing::get(root))
+    }
 }

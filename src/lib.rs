@@ -27,7 +27,8 @@
 //! 4. `server/render.rs` turns the outcome into text plus structured content, and `server/fit.rs`
 //!    keeps every result within one message a client accepts.
 //!
-//! `pyberth bench` (`src/bench.rs`) is part of the binary, not of this library.
+//! `pyberth bench` (`src/bench/`) and `pyberth envs` (`src/envs.rs`) belong to the binary, not
+//! to this library.
 //!
 //! `docs/architecture.md` follows the same path in more detail; `docs/agent-protocol.md` is the
 //! wire format between the server and `images/python/agent.py`.

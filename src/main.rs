@@ -1,9 +1,10 @@
 //! The `pyberth` command line: `serve` (MCP over stdio or HTTP), `run` (CI), `image`,
-//! `layers`, `bench`.
+//! `layers`, `envs`, `gc`, `bench`.
 
 use std::sync::Arc;
 
 mod bench;
+mod envs;
 
 use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
@@ -54,6 +55,12 @@ enum Command {
     /// Run a script, or a command after `--`, in a fresh sandbox and exit with its status
     /// (for CI). 124: timeout, 125: pyberth or Docker failed, 130: interrupted, 137: out of memory.
     Run(pyberth::runner::RunArgs),
+    /// List the environments sessions and `pyberth run --environment` can use: base, limits,
+    /// packages, read-only folders, network.
+    Envs {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+    },
     /// Measure pyberth through MCP stdio (warm runs, new sessions with and without the pool,
     /// concurrency, idle memory, output volume) beside the raw Docker floors.
     Bench {
@@ -159,6 +166,7 @@ fn parse() -> anyhow::Result<Cli> {
         Command::Image { action: ImageAction::Build { cfg, .. } }
         | Command::Layers { action: LayersAction::List { cfg } | LayersAction::Prune { cfg, .. } }
         | Command::Bench { cfg, .. }
+        | Command::Envs { cfg }
         | Command::Gc { cfg, .. } => (Some(cfg), None),
         Command::Run(args) => (Some(&mut args.cfg), None),
         Command::Image { action: ImageAction::Tag } | Command::EgressProxy => (None, None),
@@ -196,7 +204,9 @@ fn main() -> std::process::ExitCode {
         Command::Bench { .. } => "info,rmcp=warn",
         // Its stdout is the server's channel; only real trouble goes to stderr.
         Command::EgressProxy => "warn",
-        _ => "info",
+        // rmcp logs each initialize and notification at INFO as Rust debug structs: its
+        // warnings and errors only, unless RUST_LOG asks.
+        _ => "info,rmcp=warn",
     };
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
@@ -254,6 +264,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
             image_build(cfg, force, all, environment.as_deref()).await
         }
         Command::Bench { cfg, args } => bench::run(cfg, args).await,
+        Command::Envs { cfg } => {
+            let out = envs::listing(&cfg)?;
+            #[allow(clippy::print_stdout)] // the listing is the command's output
+            {
+                print!("{out}");
+            }
+            Ok(())
+        }
         Command::Gc { cfg, args } => {
             let out = pyberth::gc::run(&cfg, &args).await?;
             #[allow(clippy::print_stdout)] // the listing is the command's output
@@ -299,7 +317,7 @@ async fn image_build(cfg: SandboxConfig, force: bool, all: bool, environment: Op
     let docker = host.docker.clone();
     let progress = |line: &str| eprintln!("{line}");
     let targets: Vec<_> =
-        if all { envs.all().cloned().collect() } else { vec![envs.get(environment).map_err(anyhow::Error::msg)?] };
+        if all { envs.all().cloned().collect() } else { vec![envs.get(environment).map_err(envs::hint)?] };
     let mut instance = None;
     for env in targets {
         let tag = image::tag_for(&env.cfg);
@@ -378,22 +396,25 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
         cfg.keep_sessions = true;
     }
     let leave = cfg.keep_sessions && cfg.adopt_grace_s > 0;
+    // Tokens, limits and the address before anything starts: a refused start says why last.
+    let listening = match http.http {
+        Some(addr) => Some(pyberth::http::Listening::bind(&http, addr).await?),
+        None => None,
+    };
     let runtime = Runtime::start(cfg, Voice::Loud).await?;
     runtime.background();
     let (registry, cfg) = (runtime.registry.clone(), runtime.cfg.clone());
-    let served = match http.http {
-        Some(addr) => {
+    let served = match listening {
+        Some(listening) => {
             let stop = runtime.shutdown_token();
             let signal = runtime.spawn(async move {
                 pyberth::shutdown_signal().await;
                 tracing::info!("signal received; shutting down");
                 stop.cancel();
             });
-            let served = pyberth::http::serve(&http, addr, registry, cfg, runtime.shutdown_token())
-                .await
-                .map_err(anyhow::Error::from);
+            listening.serve(registry, cfg, runtime.shutdown_token()).await;
             signal.abort();
-            served
+            Ok(())
         }
         None => serve_stdio(registry, cfg).await,
     };

@@ -26,7 +26,9 @@ impl HeldBack {
         match self {
             Self::Vcs => "version-control metadata is never copied back",
             Self::Excluded => "matches --output-exclude",
-            Self::Exists => "a file not given to the run is there: --output-overwrite replaces it",
+            Self::Exists => {
+                "the file already there was kept: the run was not given it (--output-overwrite replaces it)"
+            }
         }
     }
 }

@@ -266,12 +266,11 @@ impl Environments {
         Ok(Self { map, default })
     }
 
-    /// The named environment, or the default one.
+    /// The named environment, or the default one. The error lists the choices; each front end
+    /// adds where they are described (the `list_environments` tool, `pyberth envs`).
     pub fn get(&self, name: Option<&str>) -> Result<Arc<Environment>, String> {
         let name = name.unwrap_or(&self.default);
-        self.map.get(name).cloned().ok_or_else(|| {
-            format!("no environment {name:?}: choose one of {} (list_environments describes them)", self.names())
-        })
+        self.map.get(name).cloned().ok_or_else(|| format!("no environment {name:?}: choose one of {}", self.names()))
     }
 
     /// The default environment's name.
@@ -450,7 +449,8 @@ mod tests {
         assert_eq!(py313.cfg.fallback_release, "trixie", "unset fields keep the built-in's");
         assert_eq!(envs.get(None).expect("default").name, "default");
         let e = envs.get(Some("nope")).expect_err("unknown");
-        assert!(e.contains("python3.11") && e.contains("list_environments"), "{e}");
+        assert!(e.contains("python3.11") && e.contains("datascience"), "{e}");
+        assert!(!e.contains("list_environments"), "no MCP tool named to a CLI user: {e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -49,7 +49,8 @@ pub(super) fn raise_fd_limit() -> Option<u64> {
     if limit.current != limit.maximum {
         let raised = Rlimit { current: limit.maximum, maximum: limit.maximum };
         if let Err(e) = setrlimit(Resource::Nofile, raised) {
-            tracing::warn!(error = %e, soft = ?limit.current, hard = ?limit.maximum, "cannot raise the open-files limit");
+            let shown = |l: Option<u64>| l.map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+            tracing::warn!(error = %e, soft = %shown(limit.current), hard = %shown(limit.maximum), "cannot raise the open-files limit");
         }
     }
     getrlimit(Resource::Nofile).current

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use clap::Args;
 use serde::Serialize;
@@ -235,7 +235,7 @@ fn target(args: &RunArgs, code_cap: usize) -> Result<Target, Failure> {
 /// Runs `pyberth run`; returns the process exit code.
 pub async fn run(args: RunArgs) -> u8 {
     let status = Status::new();
-    match run_inner(&args, &status).await {
+    match run_inner(&args, &status, Instant::now()).await {
         Ok(code) => code,
         Err(f) => {
             status.clear();
@@ -254,7 +254,8 @@ pub async fn run(args: RunArgs) -> u8 {
     }
 }
 
-async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
+/// `begun`: when the command started, for the closing line's whole wall time.
+async fn run_inner(args: &RunArgs, status: &Status, begun: Instant) -> Result<u8, Failure> {
     let cfg = &args.cfg;
     cfg.validate().map_err(|e| usage(e.to_string()))?;
     if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= cfg.max_timeout_s as f64) {
@@ -285,7 +286,7 @@ async fn run_inner(args: &RunArgs, status: &Status) -> Result<u8, Failure> {
         crate::app::Error::Engine(e) => infra(e),
     })?;
     let registry = runtime.registry.clone();
-    let result = in_session(args, status, &registry, &packages, target, env).await;
+    let result = in_session(args, status, &registry, &packages, target, env, begun).await;
     status.clear();
     drop(registry);
     runtime.stop(false).await;
@@ -299,10 +300,14 @@ async fn in_session(
     packages: &[String],
     target: Target,
     env: BTreeMap<String, String>,
+    begun: Instant,
 ) -> Result<u8, Failure> {
     let progress = |l: &str| status.line(l);
     // A bad name is a bad invocation, found before any container is made.
-    registry.environments.get(args.environment.as_deref()).map_err(usage)?;
+    registry
+        .environments
+        .get(args.environment.as_deref())
+        .map_err(|e| usage(format!("{e} (pyberth envs describes them)")))?;
     let (session, _) =
         registry.get_or_create("cli", "run", args.environment.as_deref(), packages, &progress).await.map_err(|e| {
             match e {
@@ -361,7 +366,7 @@ async fn in_session(
         Some(out) => Some(copy_back(args, &session, out, given, started, cap, &outcome).await?),
         None => None,
     };
-    report(args, &outcome, code, copied.as_ref(), mid_line);
+    report(args, &outcome, code, copied.as_ref(), mid_line, begun.elapsed());
     Ok(code)
 }
 
@@ -433,13 +438,18 @@ async fn copy_back(
     let code = exit_code(outcome);
     session.download_changed(since, rules, out, cap).await.map_err(|e| Failure {
         program_exit: Some(code),
-        ..infra(format!("{e}; the program exited {code} ({})", outcome.status))
+        ..infra(format!(
+            "nothing was copied back, {} is as it was: {e}; the program exited {code} ({})",
+            out.display(),
+            outcome.status
+        ))
     })
 }
 
 /// What `pyberth run` says at the end: the `--json` result, or the copied files, notices and
-/// our last line on stderr.
-fn report(args: &RunArgs, outcome: &RunOutcome, code: u8, copied: Option<&Moved>, mid_line: bool) {
+/// our last line on stderr, with the whole wall time (`wall`: sandbox, installs, transfers
+/// included) beside the program's own.
+fn report(args: &RunArgs, outcome: &RunOutcome, code: u8, copied: Option<&Moved>, mid_line: bool, wall: Duration) {
     if args.json {
         print_json(outcome, code, copied);
     } else {
@@ -466,7 +476,12 @@ fn report(args: &RunArgs, outcome: &RunOutcome, code: u8, copied: Option<&Moved>
         }
         // Always the last line, and one the program cannot forge: its own lines that start with
         // `[pyberth]` were defused (unless --raw-output).
-        eprintln!("[pyberth] exit {code} ({}) after {:.1} s", outcome.status, outcome.duration.as_secs_f64());
+        eprintln!(
+            "[pyberth] exit {code} ({}) after {:.1} s (the program ran {:.1} s)",
+            outcome.status,
+            wall.as_secs_f64(),
+            outcome.duration.as_secs_f64()
+        );
     }
 }
 

@@ -422,6 +422,11 @@ async fn a_copy_back_that_cannot_finish_writes_nothing_and_tells_the_programs_st
     assert_eq!(o.status.code(), Some(125), "{err}");
     assert!(err.contains("in the way"), "{err}");
     assert!(err.contains("the program exited 3"), "the program's own status is told: {err}");
+    let refusal = err.lines().find(|l| l.contains("in the way")).unwrap_or_default();
+    assert!(
+        refusal.contains("nothing was copied back") && refusal.contains("is as it was"),
+        "what was kept, and why, in one line: {refusal}"
+    );
     for f in ["a.txt", "z.txt"] {
         assert!(!dir.join("out").join(f).exists(), "{f} was written though the copy back failed");
     }

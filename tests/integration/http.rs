@@ -165,6 +165,11 @@ async fn tokens_are_required_and_healthz_reports() {
         .await
         .expect("post");
     assert_eq!(rebound.status().as_u16(), 403);
+    // The bare address points the way instead of asking for a token.
+    let root = http.get(s.url("/")).send().await.expect("get /");
+    assert_eq!(root.status().as_u16(), 200);
+    let body = root.text().await.expect("body");
+    assert!(body.contains("/mcp") && body.contains("/healthz"), "{body}");
     let health: Value = http.get(s.url("/healthz")).send().await.expect("get").json().await.expect("json");
     assert_eq!(health["docker"], true);
     assert_eq!(health["image"], true);

@@ -30,6 +30,8 @@ mod environments;
 // The CI runner, `pyberth run`.
 mod cli;
 mod cli_state; // The default state dir: one another user made first does not stop a start.
+// The first hour: the CLI's own lines, the HTTP front door, a plain log and a clean stop.
+mod first_hour;
 // Hostile code: exhaustion, protocol abuse, isolation probes, with the four checks.
 mod hostile;
 // Code that speaks as the agent: forged images and notices, its stderr, FIFOs, slow reprs.

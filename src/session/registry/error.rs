@@ -28,8 +28,8 @@ pub enum Error {
     /// The session failed to start.
     #[error(transparent)]
     Session(#[from] SessionError),
-    /// No such environment.
-    #[error("{0}")]
+    /// No such environment (said to an MCP caller: `pyberth run` checks the name first).
+    #[error("{0} (list_environments describes them)")]
     Environment(String),
     /// The session exists in another environment.
     #[error(

@@ -44,7 +44,7 @@ impl Registry {
             match packages::prune(&self.docker, &base, owner, &state_dir, keep, &protect).await {
                 Ok(removed) if !removed.is_empty() => {
                     let removed: Vec<&str> = removed.iter().map(|l| l.key.as_str()).collect();
-                    tracing::info!(?removed, "layer cache over its size; pruned");
+                    tracing::info!(removed = %removed.join(" "), "layer cache over its size; pruned");
                 }
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "cannot prune layers"),

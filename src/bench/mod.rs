@@ -1,0 +1,282 @@
+//! `pyberth bench`: pyberth's figures beside the raw Docker floors measured in the same run,
+//! so every figure also reads as a ratio. It drives the real binary over MCP stdio, as a
+//! desktop agent does. It fails only when something breaks, never on a missed target.
+//!
+//! Each row is printed as soon as it is measured, with a progress line on stderr
+//! (`table.rs`). The parts: `drive.rs` the servers it drives, `floors.rs` the engine's own
+//! costs (and both runtimes side by side), `rows.rs` pyberth's figures through one server,
+//! `install.rs` first installs beside uv and pip in a plain container, `durable.rs`
+//! snapshots, forks, wakes and the reattach after a restart.
+
+use std::time::{Duration, Instant};
+
+use pyberth::docker::Engine;
+
+use pyberth::config::SandboxConfig;
+use pyberth::docker::image;
+
+mod drive;
+mod durable;
+mod floors;
+mod install;
+mod rows;
+mod table;
+
+use drive::{Server, bench_store, fresh_samples, raw_warm};
+use table::Table;
+
+/// What to measure beyond the basics.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Warm runs to time.
+    #[arg(long, default_value_t = 200)]
+    pub runs: usize,
+    /// Concurrent sessions to drive at once, one level after another.
+    #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
+    pub concurrency: Vec<usize>,
+    /// Calls each concurrent session makes.
+    #[arg(long, default_value_t = 10)]
+    pub calls_per_session: usize,
+    /// Sizes of stdout to stream through one run, MiB.
+    #[arg(long, value_delimiter = ',', default_value = "10,100")]
+    pub stdout_mib: Vec<usize>,
+    /// Measure only the durable-session figures (snapshot, restore, fork, hibernate, wake).
+    #[arg(long)]
+    pub durable_only: bool,
+    /// Measure only the first installs beside their floors (uv and pip in a plain container).
+    #[arg(long, conflicts_with = "durable_only")]
+    pub installer_only: bool,
+    /// A first look in under a minute: the floors, a warm run, new sessions with and without
+    /// the pool, 8 sessions at once, idle memory and 10 MiB of stdout, with fewer samples; no
+    /// installs (no index needed), no durable sessions, no second runtime. Overrides --runs,
+    /// --concurrency, --calls-per-session and --stdout-mib.
+    #[arg(long, conflicts_with_all = ["durable_only", "installer_only"])]
+    pub quick: bool,
+}
+
+/// How much of each is measured: the arguments, or `--quick`'s smaller set.
+#[derive(Debug)]
+pub(crate) struct Plan {
+    runs: usize,
+    concurrency: Vec<usize>,
+    calls_per_session: usize,
+    stdout_mib: Vec<usize>,
+    /// Containers made (and removed) for the create floors.
+    containers: usize,
+    /// Execs timed for the exec floors.
+    execs: usize,
+    /// New sessions timed per fresh-session row.
+    fresh: usize,
+    /// Installs, the installer's floors, durable sessions, both runtimes.
+    everything: bool,
+}
+
+impl Plan {
+    fn of(args: &BenchArgs) -> Self {
+        if args.quick {
+            return Self {
+                runs: 50,
+                concurrency: vec![8],
+                calls_per_session: 3,
+                stdout_mib: vec![10],
+                containers: 3,
+                execs: 6,
+                fresh: 3,
+                everything: false,
+            };
+        }
+        Self {
+            runs: args.runs.max(10),
+            concurrency: args.concurrency.clone(),
+            calls_per_session: args.calls_per_session,
+            stdout_mib: args.stdout_mib.clone(),
+            containers: 8,
+            execs: 20,
+            fresh: 8,
+            everything: true,
+        }
+    }
+
+    /// The steps `run` takes, for the progress line.
+    fn steps(&self, pool: bool) -> usize {
+        let base = 5 + usize::from(pool);
+        if self.everything { base + 4 } else { base }
+    }
+}
+
+/// Runs the benchmark and prints its figures as they come.
+pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
+    let host = pyberth::app::Host::open(&cfg).await?;
+    // Settles the runtime (`auto` included) and says whether gVisor is there, as serve does.
+    let engine = host.check(&mut cfg, pyberth::app::Voice::Loud).await?;
+    let docker = host.docker;
+    let progress = |line: &str| tracing::info!(target: "pyberth::image", "{line}");
+    let img = image::ensure(&docker, &cfg, &progress).await?;
+    let instance = format!("bench-{}", std::process::id());
+    let plan = Plan::of(&args);
+    let result = if args.durable_only {
+        let mut table = Table::new(2);
+        table.step("durable sessions: snapshot, restore, fork, wake");
+        let r = durable::durable(&docker, &cfg, &img, &instance, &mut table).await;
+        let r = match r {
+            Ok(()) => {
+                table.step("reattach after a server restart");
+                durable::durable_reattach(&cfg, &instance, &mut table).await
+            }
+            e => e,
+        };
+        table.finish();
+        r
+    } else if args.installer_only {
+        let mut table = Table::new(1);
+        table.step("first installs beside uv and pip in a plain container");
+        let r = install::installer_rows(&cfg, &docker, &img, &mut table).await;
+        table.finish();
+        r
+    } else {
+        let mut table = Table::new(plan.steps(cfg.pool_size > 0));
+        let r = whole(&docker, &cfg, &img, &instance, &plan, &mut table).await;
+        let r = match (r, &engine.gvisor) {
+            // Both runtimes side by side, on what a runtime changes, when the engine has gVisor.
+            (Ok(()), Some(g)) if plan.everything => {
+                let other = if engine.runtime == g.name { &engine.default_runtime } else { &engine.runtime };
+                if other == &g.name {
+                    Ok(())
+                } else {
+                    table.step("both runtimes side by side");
+                    floors::side_by_side(&docker, &cfg, &img, &instance, plan.runs, [other, &g.name], &mut table).await
+                }
+            }
+            (r, _) => r,
+        };
+        table.finish();
+        r
+    };
+    remove_store(&docker).await;
+    result
+}
+
+/// Every step but the second runtime's, in order.
+async fn whole(
+    docker: &dyn Engine,
+    cfg: &SandboxConfig,
+    img: &str,
+    instance: &str,
+    plan: &Plan,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    // Floors: the engine alone, under the runtime sandboxes get.
+    table.step("Docker floors: containers, execs, an attached stream");
+    let container = floors::floor_container(docker, img, cfg.runtime.as_deref()).await?;
+    let floors = floors::floors(docker, img, &container, plan, table).await;
+    floors::remove(docker, &container).await;
+    let (create_p50, stream_p50) = floors?;
+    let server = first_server(cfg, instance, plan, stream_p50, table).await?;
+    let measured = with_first_server(docker, cfg, img, instance, plan, create_p50, &server, table).await;
+    server.stop().await;
+    measured?;
+    table.step("new sessions without the pool");
+    let plain = Server::start(cfg, &format!("{instance}-nopool"), &[("PYBERTH_POOL_SIZE", "0".into())]).await?;
+    plain.run("first", "1", &[]).await?;
+    let mut fresh = fresh_samples(&plain, "plain", 0, plan.fresh).await?;
+    let what = format!("first call in a new session ({} sessions, pool 0)", fresh.len());
+    let (p50, _) = table.add(&what, &mut fresh, String::new());
+    table.note(format!("{:.2}x container create+start", p50 / create_p50));
+    plain.stop().await;
+    table.step("output volume");
+    rows::output_volume(cfg, instance, plan, table).await?;
+    if plan.everything {
+        table.step("durable sessions: snapshot, restore, fork, wake");
+        durable::durable(docker, cfg, img, instance, table).await?;
+        table.step("reattach after a server restart");
+        durable::durable_reattach(cfg, instance, table).await?;
+    }
+    Ok(())
+}
+
+/// The server most rows go through, with the pool as configured and room for every bench
+/// session; its start to a first result, then warm runs through rmcp and as bare lines.
+async fn first_server(
+    cfg: &SandboxConfig,
+    instance: &str,
+    plan: &Plan,
+    stream_p50: f64,
+    table: &mut Table,
+) -> anyhow::Result<Server> {
+    table.step("server start, warm runs");
+    let most = plan.concurrency.iter().copied().max().unwrap_or(1).max(1);
+    let sessions_needed: usize = plan.concurrency.iter().sum::<usize>() + 32;
+    let env = [
+        ("PYBERTH_POOL_SIZE", cfg.pool_size.to_string()),
+        ("PYBERTH_MAX_SESSIONS", sessions_needed.to_string()),
+        ("PYBERTH_MAX_RUNS_PER_CALLER", most.to_string()),
+    ];
+    let t0 = Instant::now();
+    let server = Server::start(cfg, instance, &env).await?;
+    server.run("bench", "1", &[]).await?;
+    let mut startup = [t0.elapsed()];
+    let note = "process spawn, MCP init, new session, run".into();
+    table.add("server start to first result (existing image)", &mut startup, note);
+    let runs = plan.runs;
+    let mut warm = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let t = Instant::now();
+        server.run("bench", "x = 1\nx + 1", &[]).await?;
+        warm.push(t.elapsed());
+    }
+    let (warm_p50, _) =
+        table.add(&format!("warm run_python through MCP stdio ({runs} calls)"), &mut warm, String::new());
+    table.note(format!("{:.1}x the attached-stream floor; rmcp client", warm_p50 / stream_p50));
+    let mut raw = raw_warm(cfg, &format!("{instance}-raw"), runs, &[]).await?;
+    let (raw_p50, _) =
+        table.add(&format!("warm run_python, raw JSON-RPC lines ({runs} calls)"), &mut raw, String::new());
+    table.note(format!("{:.1}x the floor; the server's share, no client library", raw_p50 / stream_p50));
+    Ok(server)
+}
+
+/// The rows through the first server: pooled sessions, layers and installs (unless quick),
+/// concurrency and idle memory.
+#[allow(clippy::too_many_arguments)] // the bench's context, passed down as it is
+async fn with_first_server(
+    docker: &dyn Engine,
+    cfg: &SandboxConfig,
+    img: &str,
+    instance: &str,
+    plan: &Plan,
+    create_p50: f64,
+    server: &Server,
+    table: &mut Table,
+) -> anyhow::Result<()> {
+    if cfg.pool_size > 0 {
+        table.step("new sessions from the warm pool");
+        let mut fresh = fresh_samples(server, "pooled", cfg.pool_size, plan.fresh).await?;
+        let what = format!("first call in a new session ({} sessions, pool {})", fresh.len(), cfg.pool_size);
+        let (p50, _) = table.add(&what, &mut fresh, String::new());
+        table.note(format!("{:.2}x container create+start", p50 / create_p50));
+    }
+    if plan.everything {
+        // Dependency layers: a cold install, then the same set from the cache. The bench's
+        // servers share a layer store of their own (`bench_store`), so first installs are
+        // first; the installer runs under the engine's default runtime, so under gVisor too.
+        table.step("dependency layers: a first install, cached sets");
+        rows::layers_rows(server, table).await?;
+        rows::cached_set_rows(server, cfg.pool_size, table).await?;
+        table.step("first installs beside uv and pip in a plain container");
+        install::installer_rows(cfg, docker, img, table).await?;
+    }
+    table.step("sessions at once, idle memory");
+    rows::concurrency_and_memory(docker, server, instance, plan, table).await
+}
+
+/// The bench's layer store; pooled containers mounting it may still be going: retried.
+async fn remove_store(docker: &dyn Engine) {
+    for _ in 0..20 {
+        let opts = bollard::query_parameters::RemoveVolumeOptionsBuilder::default().force(true).build();
+        match docker.remove_volume(&bench_store(), Some(opts)).await {
+            Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            _ => break,
+        }
+    }
+}
