@@ -295,14 +295,7 @@ impl Jobs {
         for left in instances.iter().flat_map(|i| ledger.jobs_left(i)) {
             let r = &left.record;
             if r.done.is_some() {
-                // Finished under an earlier server: shown again, unless another has its id.
-                if self.jobs.lock().is_ok_and(|j| !j.contains_key(&r.id)) {
-                    let n = r.number();
-                    if let (Some(job), Ok(mut jobs)) = (kept::restore(ledger, left), self.jobs.lock()) {
-                        self.next.fetch_max(n.map_or(0, |n| n + 1), Ordering::Relaxed);
-                        jobs.insert(job.id.clone(), job);
-                    }
-                }
+                self.show_finished(ledger, left);
                 continue;
             }
             // Two claimed instances may each have left a `job-1`: the first keeps the id, the
@@ -355,23 +348,39 @@ impl Jobs {
                 continue;
             };
             taken += 1;
-            tracing::info!(job = %job.id, session = %session.name, "following a job an earlier server started");
-            let (id, timeout) = (r.run, r.left());
-            let leave = self.leave.clone();
-            self.tasks.spawn(async move {
-                let observer = |s: Stream, b: &[u8]| job.observe(s, b);
-                let result = tokio::select! {
-                    r = session.resume(id, timeout, &job.cancel, &observer) => r,
-                    () = leave.cancelled(), if job.durable.is_some() => return,
-                };
-                job.finish(match result {
-                    Ok(outcome) => Finished::Outcome(Box::new(outcome)),
-                    Err(e) => Finished::Failed(e.to_string()),
-                });
-            });
+            self.follow(job, session, r.run, r.left());
         }
         self.prune();
         taken
+    }
+
+    /// A job an earlier server finished: shown again, unless another has its id.
+    fn show_finished(&self, ledger: &Ledger, left: durable::Left) {
+        if self.jobs.lock().is_ok_and(|j| j.contains_key(&left.record.id)) {
+            return;
+        }
+        let n = left.record.number();
+        if let (Some(job), Ok(mut jobs)) = (kept::restore(ledger, left), self.jobs.lock()) {
+            self.next.fetch_max(n.map_or(0, |n| n + 1), Ordering::Relaxed);
+            jobs.insert(job.id.clone(), job);
+        }
+    }
+
+    /// Follows the run `id` of an adopted session to its end, for `job`.
+    fn follow(&self, job: Arc<Job>, session: Arc<Session>, id: u64, timeout: Duration) {
+        tracing::info!(job = %job.id, session = %session.name, "following a job an earlier server started");
+        let leave = self.leave.clone();
+        self.tasks.spawn(async move {
+            let observer = |s: Stream, b: &[u8]| job.observe(s, b);
+            let result = tokio::select! {
+                r = session.resume(id, timeout, &job.cancel, &observer) => r,
+                () = leave.cancelled(), if job.durable.is_some() => return,
+            };
+            job.finish(match result {
+                Ok(outcome) => Finished::Outcome(Box::new(outcome)),
+                Err(e) => Finished::Failed(e.to_string()),
+            });
+        });
     }
 
     /// The server stops and leaves its sessions running: jobs that a next server can take

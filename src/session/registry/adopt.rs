@@ -98,6 +98,26 @@ impl Registry {
         for (name, _) in found.volumes.iter().filter(|(n, l)| of_adopted(l) && !kept_volumes.contains(n)) {
             container::remove_leftover_volume(&self.docker, name).await;
         }
+        self.take_over_egress(with_egress, &names).await;
+        if adopted > 0 {
+            // Their sets are in use: no prune may take them.
+            self.record_layers();
+        }
+        // Their jobs, running on under the keepers, are followed again.
+        let find = |principal: &str, name: &str| {
+            self.slots().get(&(principal.to_owned(), name.to_owned())).and_then(|slot| slot.get().cloned())
+        };
+        let jobs = self.jobs.take_over(&self.docker, &self.ledger, &names, &find).await;
+        if jobs > 0 {
+            tracing::info!(jobs, "following the jobs of stopped servers");
+        }
+        self.hibernate_late(asleep_now).await;
+        Ok(adopted)
+    }
+
+    /// With their old proxies gone, this server's proxy takes the networks of the running
+    /// sessions adopted; networks of those instances that nothing uses any more go.
+    async fn take_over_egress(&self, with_egress: Vec<(Arc<Session>, Arc<Environment>)>, names: &[String]) {
         // With their old proxies gone (just above), this server's proxy takes their networks.
         for (session, env) in with_egress {
             let Some(att) = session.blueprint.egress.clone() else { continue };
@@ -117,20 +137,6 @@ impl Registry {
         if nets > 0 {
             tracing::info!(networks = nets, "removed egress networks of adopted instances that nothing uses");
         }
-        if adopted > 0 {
-            // Their sets are in use: no prune may take them.
-            self.record_layers();
-        }
-        // Their jobs, running on under the keepers, are followed again.
-        let find = |principal: &str, name: &str| {
-            self.slots().get(&(principal.to_owned(), name.to_owned())).and_then(|slot| slot.get().cloned())
-        };
-        let jobs = self.jobs.take_over(&self.docker, &self.ledger, &names, &find).await;
-        if jobs > 0 {
-            tracing::info!(jobs, "following the jobs of stopped servers");
-        }
-        self.hibernate_late(asleep_now).await;
-        Ok(adopted)
     }
 
     /// Sessions nobody adopted within the grace hibernate now (their server is long gone):
