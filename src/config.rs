@@ -257,6 +257,13 @@ pub struct SandboxConfig {
     #[serde(default)]
     pub environments: std::collections::BTreeMap<String, crate::environment::spec::EnvironmentSpec>,
 
+    /// Upstream MCP servers sessions may call in code mode (config file only:
+    /// `[upstreams.NAME]`), each reached over stdio or streamable HTTP; environments say which
+    /// of their tools their sessions may call (`tools = ["NAME:*"]`).
+    #[arg(skip)]
+    #[serde(default)]
+    pub upstreams: std::collections::BTreeMap<String, crate::bridge::spec::UpstreamSpec>,
+
     /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
     #[arg(long, env = "PYBERTH_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
@@ -653,6 +660,7 @@ impl SandboxConfig {
         let mut keys: Vec<String> =
             Self::augment_args(clap::Command::new("keys")).get_arguments().map(|a| a.get_id().to_string()).collect();
         keys.push("environments".into());
+        keys.push("upstreams".into());
         keys
     }
 }

@@ -31,6 +31,8 @@
 
 /// The runtime every command starts from: engine, instance, owners, background tasks, stop.
 pub mod app;
+/// Code mode: Python in a session calls the operator's upstream MCP tools (issue 30).
+pub mod bridge;
 /// Checks on caller input, before any Docker call, shared by the MCP tools and `pyberth run`.
 pub(crate) mod checks;
 /// Every setting: flags, environment variables and the TOML file, in one struct.

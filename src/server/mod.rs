@@ -5,6 +5,7 @@
 //! - `sessions.rs`: `list_sessions`, `reset_session`, `close_session`, `list_variables`;
 //! - `files.rs`, `transfer.rs`, `jobs.rs`, `envs.rs`: the workspace, archives, jobs, environments;
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
+//! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
 //! - `types.rs` the tools' arguments and results, `render.rs` the results' text, `error.rs` the
 //!   one way a tool fails, `live.rs` output while a call works, `fit.rs` the message budget.
 //!
@@ -28,6 +29,7 @@ use crate::checks::{self, session_name};
 use crate::config::SandboxConfig;
 use crate::session::registry::Registry;
 
+mod bridged;
 mod envs;
 mod error;
 mod files;
@@ -66,7 +68,8 @@ impl SandboxServer {
                 + Self::jobs_router()
                 + Self::envs_router()
                 + Self::transfer_router()
-                + Self::snapshots_router(),
+                + Self::snapshots_router()
+                + Self::bridged_router(),
         }
     }
 }

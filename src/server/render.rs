@@ -32,6 +32,7 @@ pub(super) fn render_run_output(session: &str, outcome: &RunOutcome, job: Option
         stdout_offset: None,
         stderr_offset: None,
         egress: None,
+        tool_calls: Some(outcome.tool_calls).filter(|c| *c != crate::bridge::CallCounts::default()),
     }
 }
 
@@ -135,6 +136,7 @@ pub(super) fn running_job(job: &Job, notices: Vec<String>) -> CallToolResult {
         stdout_offset: Some(so),
         stderr_offset: Some(se),
         egress: None,
+        tool_calls: None,
     };
     let mut text = out.stdout.clone();
     if !out.stderr.is_empty() {

@@ -185,6 +185,10 @@ pub(crate) struct RunOutput {
     /// refused.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub egress: Option<crate::egress::Totals>,
+    /// Code mode: the upstream tool calls this run made, and those the server refused
+    /// (absent when it made none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<crate::bridge::CallCounts>,
 }
 
 /// Arguments of `set_network`.

@@ -56,6 +56,8 @@ mod adopt_forged;
 mod egress;
 // Egress under attack from its own sessions: refusal floods.
 mod egress_abuse;
+// Code mode: Python calls the operator's upstream MCP tools (issue 30).
+mod codemode;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;
 // Durable sessions: snapshots, restore, fork, hibernation, why a session ended.
