@@ -282,3 +282,71 @@ async fn budgets_hostile_upstreams_and_interrupts_are_contained_and_secrets_stay
     let log = s.stop().await;
     assert!(!log.contains(SECRET), "nor in the server's log");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_over_streamable_http_gets_its_header_from_the_host() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let hostile = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/integration/codemode/hostile_upstream.py");
+    let mut upstream = tokio::process::Command::new(venv().join("bin/python"))
+        .arg(&hostile)
+        .args(["http", &port.to_string()])
+        .env("EXPECT_TOKEN", SECRET)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the HTTP upstream");
+    let until = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < until, "the HTTP upstream did not listen");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let envs = format!(
+        "[upstreams.web]\nurl = \"http://127.0.0.1:{port}/mcp\"\nheaders = {{ Authorization = \"env:CODEMODE_TEST_AUTH\" }}\n\n\
+         [upstreams.nokey]\nurl = \"http://127.0.0.1:{port}/mcp\"\n\n\
+         [environments.default]\ntools = [\"web:echo\", \"nokey:echo\"]\n"
+    );
+    let f = Fixture::new("http", &envs);
+    let auth = format!("Bearer {SECRET}");
+    let s = Server::start(
+        "codemode-http",
+        &[("PYBERTH_CONFIG", &f.config), ("CODEMODE_TEST_SECRET", SECRET), ("CODEMODE_TEST_AUTH", &auth)],
+    )
+    .await;
+    let code = "import tools\nprint(tools.web.echo(text='over http'))\nprint(tools.search('echo'))";
+    let (err, sc, t) = run(&s, "w", "default", code).await;
+    assert!(!err, "{t}");
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("over http"), "{out}");
+    // The upstream without the header is refused by it: listed as unavailable, never a secret.
+    assert!(out.contains("nokey: unavailable"), "{out}");
+    assert!(!t.contains(SECRET), "the header's value is in no result");
+    let log = s.stop().await;
+    assert!(!log.contains(SECRET), "nor in the server's log");
+    let _ = upstream.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_code_mode_configuration_stops_the_server_naming_the_key_and_never_a_value() {
+    let dir = state_dir().join(format!("codemode-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let config = dir.join("pyberth.toml");
+    for (file, want) in [
+        ("[upstreams.x]\ncommand = \"x\"\nenv = { T = \"env:CODEMODE_UNSET_VAR\" }\n", "upstreams.x.env.T"),
+        ("[upstreams.x]\nurl = \"ftp://h\"\n", "upstreams.x.url"),
+        ("[upstreams.x]\ncommand = \"x\"\n[environments.e]\ntools = [\"y:*\"]\n", "environments.e.tools"),
+        ("[upstreams.x]\ncommand = \"x\"\n[environments.e]\ntools = [\"x:*\"]\nwrite_tools = [\"x:*\"]\n", "full name"),
+    ] {
+        std::fs::write(&config, file).expect("config");
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("PYBERTH_STATE_DIR", state_dir())
+            .env_remove("CODEMODE_UNSET_VAR")
+            .stdin(std::process::Stdio::null())
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(60), out).await.expect("exits").expect("output");
+        assert!(!out.status.success(), "{file}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{file}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -50,5 +50,26 @@ def secret() -> str:
     return "token set: %s" % bool(os.environ.get("UPSTREAM_TOKEN"))
 
 
+def serve_http(port):
+    """Streamable HTTP on 127.0.0.1:port, answering only requests that carry the header
+    `Authorization: Bearer $EXPECT_TOKEN`."""
+    import uvicorn
+
+    app = server.streamable_http_app()
+    want = ("Bearer " + os.environ["EXPECT_TOKEN"]).encode()
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != want:
+            await send({"type": "http.response.start", "status": 401, "headers": []})
+            await send({"type": "http.response.body", "body": b"no token"})
+            return
+        await app(scope, receive, send)
+
+    uvicorn.run(guarded, host="127.0.0.1", port=port, log_level="warning")
+
+
 if __name__ == "__main__":
-    asyncio.run(server.run_stdio_async())
+    if len(sys.argv) > 2 and sys.argv[1] == "http":
+        serve_http(int(sys.argv[2]))
+    else:
+        asyncio.run(server.run_stdio_async())
