@@ -40,6 +40,8 @@ const NAME_SHOWN: usize = 128;
 #[derive(Debug, Default)]
 pub struct Bridge {
     upstreams: Upstreams,
+    /// Principals' own lists, which narrow their environments'.
+    principals: HashMap<String, Vec<policy::Pattern>>,
 }
 
 impl Bridge {
@@ -51,7 +53,23 @@ impl Bridge {
         for (name, s) in &cfg.upstreams {
             all.push(spec::resolve(name, s, &var, &file)?);
         }
-        Ok(Self { upstreams: Upstreams::new(all) })
+        let known = |s: &str| cfg.upstreams.contains_key(s);
+        let mut principals = HashMap::new();
+        for (who, p) in &cfg.principals {
+            let list = p
+                .tools
+                .iter()
+                .map(|t| policy::Pattern::parse(t, &known))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("principals.{who}.tools: {e}"))?;
+            principals.insert(who.clone(), list);
+        }
+        Ok(Self { upstreams: Upstreams::new(all), principals })
+    }
+
+    /// `policy` as `principal` may use it: narrowed by the principal's own list, if any.
+    pub fn narrowed(&self, policy: &Policy, principal: &str) -> Policy {
+        Policy { narrow: self.principals.get(principal).cloned(), ..policy.clone() }
     }
 
     /// What a session of `principal` may call in its runs, under `policy`; `None` when the
@@ -60,7 +78,7 @@ impl Bridge {
         (!policy.allow.is_empty()).then(|| {
             Arc::new(Grant {
                 bridge: self.clone(),
-                policy: policy.clone(),
+                policy: self.narrowed(policy, principal),
                 principal: principal.to_owned(),
                 session: session.to_owned(),
             })
@@ -72,11 +90,17 @@ impl Bridge {
     pub async fn catalogue(&self, policy: &Policy) -> (Vec<Listed>, Vec<(String, String)>) {
         let mut listed = Vec::new();
         let mut unavailable = Vec::new();
-        let mut servers: Vec<&str> = policy.allow.iter().map(policy::Pattern::server).collect();
+        let mut servers: Vec<&str> =
+            policy.allow.iter().map(policy::Pattern::server).filter(|s| policy.reaches(s)).collect();
+        servers.sort_unstable();
         servers.dedup();
-        for server in servers {
-            let Some(link) = self.upstreams.get(server) else { continue };
-            match link.tools().await {
+        // Every upstream at once: one slow to start does not hold up the others' lists.
+        let lists = futures::future::join_all(
+            servers.iter().filter_map(|s| self.upstreams.get(s).map(|link| async move { (*s, link.tools().await) })),
+        )
+        .await;
+        for (server, tools) in lists {
+            match tools {
                 Ok(tools) => {
                     for t in tools.iter() {
                         match policy.check(&t.server, &t.tool, t.read_only) {

@@ -60,6 +60,9 @@ pub struct Policy {
     pub calls: u32,
     /// Time one run's calls may take together.
     pub time: Duration,
+    /// The caller's own list (`[principals.NAME] tools`), when the operator gave one: a call
+    /// must be on both lists.
+    pub narrow: Option<Vec<Pattern>>,
 }
 
 impl Default for Policy {
@@ -69,6 +72,7 @@ impl Default for Policy {
             write: BTreeSet::new(),
             calls: DEFAULT_CALLS,
             time: Duration::from_secs(DEFAULT_CALL_TIME_S),
+            narrow: None,
         }
     }
 }
@@ -113,17 +117,20 @@ impl Policy {
         if !(1..=86_400).contains(&time_s) {
             return Err(format!("{at}.tool_time_s: 1 to 86400"));
         }
-        Ok(Self { allow, write, calls, time: Duration::from_secs(time_s) })
+        Ok(Self { allow, write, calls, time: Duration::from_secs(time_s), narrow: None })
     }
 
     /// Whether any tool of `server` may be listed.
     pub fn reaches(&self, server: &str) -> bool {
         self.allow.iter().any(|p| p.server == server)
+            && self.narrow.as_ref().is_none_or(|n| n.iter().any(|p| p.server == server))
     }
 
     /// Whether `server:tool`, whose read-only hint is `read_only`, may be called.
     pub fn check(&self, server: &str, tool: &str, read_only: bool) -> Result<(), Refusal> {
-        if !self.allow.iter().any(|p| p.matches(server, tool)) {
+        if !self.allow.iter().any(|p| p.matches(server, tool))
+            || self.narrow.as_ref().is_some_and(|n| !n.iter().any(|p| p.matches(server, tool)))
+        {
             return Err(Refusal::NotAllowed);
         }
         if !read_only && !self.write.contains(&format!("{server}:{tool}")) {
@@ -160,6 +167,13 @@ mod tests {
         assert_eq!(p.check("git", "git_commit", false), Ok(()));
         assert_eq!(p.check("git", "git_reset", false), Err(Refusal::NotReadOnly));
         assert!(policy(&[], &[]).expect("empty").allow.is_empty());
+        // A principal's own list narrows, never widens.
+        let mut p = policy(&["time:*", "git:git_log"], &[]).expect("valid");
+        p.narrow = Some(vec![Pattern::parse("time:get_*", &known).expect("pattern")]);
+        assert_eq!(p.check("time", "get_current_time", true), Ok(()));
+        assert_eq!(p.check("time", "convert_time", true), Err(Refusal::NotAllowed));
+        assert_eq!(p.check("git", "git_log", true), Err(Refusal::NotAllowed));
+        assert!(p.reaches("time") && !p.reaches("git"));
     }
 
     #[test]

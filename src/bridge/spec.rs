@@ -40,6 +40,16 @@ pub struct UpstreamSpec {
     pub max_result_kb: Option<u64>,
 }
 
+/// A principal's own code-mode list (`[principals.NAME]`): it narrows the environment's.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrincipalSpec {
+    /// Upstream tools this principal's sessions may call, as an environment's `tools`; a call
+    /// must be on both lists.
+    #[serde(default)]
+    pub tools: Vec<String>,
+}
+
 /// How an upstream is reached, resolved.
 #[derive(Clone)]
 pub enum Transport {

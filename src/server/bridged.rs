@@ -6,9 +6,9 @@ use rmcp::handler::server::wrapper::Parameters;
 use rmcp::{tool, tool_router};
 use serde::{Deserialize, Serialize};
 
-use super::SandboxServer;
 use super::error::ToolResult;
 use super::render::structured;
+use super::{Caller, SandboxServer};
 
 /// Arguments of `list_bridged_tools`.
 #[derive(Debug, Deserialize, schemars::JsonSchema)]
@@ -54,9 +54,9 @@ impl SandboxServer {
     /// one run_python call, instead of calling tools one by one. `tools.search("words")` and
     /// `tools.describe("server.tool")` show signatures inside the sandbox.
     #[tool(annotations(title = "List bridged tools", read_only_hint = true), output_schema = schema_for_output::<BridgedList>())]
-    async fn list_bridged_tools(&self, Parameters(args): Parameters<BridgedArgs>) -> ToolResult {
+    async fn list_bridged_tools(&self, Parameters(args): Parameters<BridgedArgs>, Caller(who): Caller) -> ToolResult {
         let env = self.registry.environments.get(args.environment.as_deref())?;
-        let policy = &env.bridge;
+        let policy = &self.registry.bridge.narrowed(&env.bridge, &who);
         if policy.allow.is_empty() {
             let out = BridgedList {
                 environment: env.name.clone(),

@@ -334,6 +334,7 @@ async fn a_bad_code_mode_configuration_stops_the_server_naming_the_key_and_never
         ("[upstreams.x]\nurl = \"ftp://h\"\n", "upstreams.x.url"),
         ("[upstreams.x]\ncommand = \"x\"\n[environments.e]\ntools = [\"y:*\"]\n", "environments.e.tools"),
         ("[upstreams.x]\ncommand = \"x\"\n[environments.e]\ntools = [\"x:*\"]\nwrite_tools = [\"x:*\"]\n", "full name"),
+        ("[upstreams.x]\ncommand = \"x\"\n[principals.bob]\ntools = [\"y:*\"]\n", "principals.bob.tools"),
     ] {
         std::fs::write(&config, file).expect("config");
         let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
@@ -349,4 +350,50 @@ async fn a_bad_code_mode_configuration_stops_the_server_naming_the_key_and_never
         assert!(err.contains(want), "{file}: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_principals_own_list_narrows_its_sessions_and_nothing_a_session_sends_widens_it() {
+    use crate::http::{ALICE, BOB, HttpServer, call};
+    let f = Fixture::new(
+        "principals",
+        "[environments.default]\ntools = [\"time:*\", \"bad:echo\"]\n\n[principals.bob]\ntools = [\"time:get_*\"]\n",
+    );
+    let s = HttpServer::start_with(
+        "codemode-principals",
+        &[("PYBERTH_CONFIG", &f.config), ("CODEMODE_TEST_SECRET", SECRET)],
+        None,
+    )
+    .await;
+    let (alice, bob) = (s.client(ALICE).await, s.client(BOB).await);
+
+    let (r, _) = call(&bob, "list_bridged_tools", json!({})).await;
+    let t = text(&r);
+    assert!(
+        t.contains("tools.time.get_current_time") && !t.contains("convert_time") && !t.contains("tools.bad"),
+        "{t}"
+    );
+
+    // Bob, from Python and forged, in a session he named like alice's.
+    let code = "import tools\nprint(tools.servers())\nprint(tools.time.get_current_time(timezone='UTC')['timezone'])\n\
+                b = display.__self__.bridge\n\
+                for name, args in [('time.convert_time', {'source_timezone': 'UTC', 'time': '12:00', 'target_timezone': 'UTC'}), ('bad.echo', {'text': 'x'})]:\n\
+                \x20   try:\n        print(b.request('call', name, args))\n    except tools.ToolError as e:\n        print('refused:', e)";
+    let (r, sc) = call(&bob, "run_python", json!({ "session": "shared", "code": code })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("['time']\nUTC\n"), "{out}");
+    assert!(out.contains("refused: time.convert_time is not on this session's allow-list"), "{out}");
+    assert!(out.contains("refused: bad.echo is not on this session's allow-list"), "{out}");
+    assert_eq!(sc["tool_calls"], json!({ "made": 1, "refused": 2 }));
+
+    // Alice, with no list of her own, has the environment's whole list.
+    let code = "import tools\nprint(tools.time.convert_time(source_timezone='UTC', time='12:00', target_timezone='UTC')['time_difference'])\n\
+                print(tools.bad.echo(text='alice'))";
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "shared", "code": code })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("+0.0h") && out.contains("alice"), "{out}");
+    drop((alice, bob));
+    s.stop().await;
 }
