@@ -29,6 +29,8 @@ use upstream::Upstreams;
 
 /// Largest arguments of one call accepted, bytes of JSON.
 pub const MAX_ARGS: usize = 256 << 10;
+/// Largest catalogue sent to the agent, bytes of JSON.
+const MAX_CATALOGUE: usize = 4 << 20;
 /// Catalogue requests one run may make (the Python side keeps what it got).
 const MAX_LISTS: u32 = 50;
 /// Refusals of one run logged line by line; the rest are counted in one line at its end.
@@ -188,6 +190,21 @@ pub struct CallCounts {
     pub refused: u32,
 }
 
+/// The catalogue as the agent gets it, within [`MAX_CATALOGUE`] bytes: when the tools'
+/// schemas would pass it, they are left out (`tools.describe` then shows none), then tools.
+fn bounded_catalogue(mut listed: Vec<Listed>, unavailable: Vec<(String, String)>) -> Value {
+    let size = |l: &[Listed]| serde_json::to_vec(l).map_or(usize::MAX, |v| v.len());
+    if size(&listed) > MAX_CATALOGUE {
+        for l in &mut listed {
+            l.info.input_schema = Value::Object(serde_json::Map::new());
+        }
+        while size(&listed) > MAX_CATALOGUE {
+            listed.truncate(listed.len() / 2);
+        }
+    }
+    serde_json::json!({ "tools": listed, "unavailable": unavailable })
+}
+
 /// Hex of the first 8 bytes of SHA-256 of the arguments' JSON: enough to tell calls apart
 /// in an audit, nothing of their content.
 fn args_hash(args: &Value) -> String {
@@ -264,7 +281,7 @@ impl<'a> RunCalls<'a> {
             self.pending.push(
                 async move {
                     let (listed, unavailable) = bridge.catalogue(&policy).await;
-                    let value = serde_json::json!({ "tools": listed, "unavailable": unavailable });
+                    let value = bounded_catalogue(listed, unavailable);
                     (call, Done::Answer(upstream::Answer { value, is_error: false }), usize::MAX)
                 }
                 .boxed(),
@@ -425,5 +442,45 @@ impl Drop for RunCalls<'_> {
                 "bridged tool calls refused and not logged one by one (the first {LOGGED_REFUSALS} of a run are)"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listed(n: usize, schema_kb: usize) -> Vec<Listed> {
+        (0..n)
+            .map(|i| Listed {
+                info: upstream::ToolInfo {
+                    server: "s".into(),
+                    tool: format!("t{i}"),
+                    description: "d".into(),
+                    input_schema: serde_json::json!({ "x": "y".repeat(schema_kb << 10) }),
+                    read_only: true,
+                },
+                callable: true,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_catalogue_drops_schemas_then_tools_to_stay_within_its_bound() {
+        let small = bounded_catalogue(listed(3, 1), Vec::new());
+        assert_eq!(small["tools"].as_array().map(Vec::len), Some(3));
+        assert!(small["tools"][0]["input_schema"]["x"].is_string(), "kept when it fits");
+        let big = bounded_catalogue(listed(1000, 64), vec![("u".into(), "down".into())]);
+        assert!(serde_json::to_vec(&big).expect("json").len() <= MAX_CATALOGUE + 1024);
+        assert_eq!(big["tools"].as_array().map(Vec::len), Some(1000), "every tool, without its schema");
+        assert_eq!(big["tools"][0]["input_schema"], serde_json::json!({}));
+        assert_eq!(big["unavailable"][0][0], "u");
+    }
+
+    #[test]
+    fn the_arguments_hash_tells_calls_apart_and_shows_nothing_of_them() {
+        let a = args_hash(&serde_json::json!({ "token": "s3cret" }));
+        assert_eq!(a.len(), 16);
+        assert!(!a.contains("s3cret"));
+        assert_ne!(a, args_hash(&serde_json::json!({ "token": "other" })));
     }
 }

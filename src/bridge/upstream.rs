@@ -248,6 +248,12 @@ fn cut(s: &str, max: usize) -> String {
     s.chars().take(max).collect()
 }
 
+/// A tool name kept: 1 to 128 ASCII letters, digits, `_` or `-` (a Python attribute, or a
+/// name for `tools.call`); nothing that could pass for `server.tool` or a pattern.
+fn tool_name(name: &str) -> bool {
+    (1..=128).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-".contains(&b))
+}
+
 /// An upstream's tool list, bounded.
 async fn list_tools(name: &str, peer: &Peer<RoleClient>) -> Result<Vec<ToolInfo>, Failure> {
     let mut tools = Vec::new();
@@ -261,8 +267,8 @@ async fn list_tools(name: &str, peer: &Peer<RoleClient>) -> Result<Vec<ToolInfo>
             if tools.len() >= MAX_TOOLS {
                 break;
             }
-            if !super::spec::valid_name(&t.name) && !t.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-                tracing::debug!(upstream = %name, "a tool whose name is not an identifier left out");
+            if !tool_name(&t.name) {
+                tracing::debug!(upstream = %name, "a tool whose name is not a plain name left out");
                 continue;
             }
             let schema = Value::Object((*t.input_schema).clone());

@@ -242,6 +242,12 @@ async fn budgets_hostile_upstreams_and_interrupts_are_contained_and_secrets_stay
     assert_eq!(sc["status"], "timeout", "{}", text(&r));
     assert!(f.await_mark("hang-started", 2).await);
     assert!(f.await_mark("hang-cancelled", 2).await, "the interrupted run's call was cancelled upstream");
+    // The client giving up on the call (notifications/cancelled) cancels the upstream call too.
+    let args = json!({ "session": "h", "code": "import tools\ntools.bad.hang()" });
+    let abandoned = tokio::time::timeout(Duration::from_secs(2), s.run_with(args)).await;
+    assert!(abandoned.is_err(), "the call was still going");
+    assert!(f.await_mark("hang-started", 3).await);
+    assert!(f.await_mark("hang-cancelled", 3).await, "the abandoned call's upstream call was cancelled");
     let sc = s.ok("h", "x = 1\nx").await;
     assert_eq!(sc["result"], "1", "the interpreter is kept");
 
