@@ -141,7 +141,10 @@ pub struct Grant {
 /// An answer for the agent: the call's number, then the value or the error's text.
 pub type Reply = (u64, Result<Value, String>);
 
-/// A call that finished: its number, how, its result cap.
+/// The result cap that marks a finished listing (a call's cap is at most 8 MiB).
+const LISTING: usize = usize::MAX;
+
+/// A call that finished: its number, how, its result cap ([`LISTING`] for a listing).
 type Finished = (u64, Done, usize);
 
 /// How a call finished.
@@ -282,7 +285,7 @@ impl<'a> RunCalls<'a> {
                 async move {
                     let (listed, unavailable) = bridge.catalogue(&policy).await;
                     let value = bounded_catalogue(listed, unavailable);
-                    (call, Done::Answer(upstream::Answer { value, is_error: false }), usize::MAX)
+                    (call, Done::Answer(upstream::Answer { value, is_error: false }), LISTING)
                 }
                 .boxed(),
             );
@@ -309,6 +312,10 @@ impl<'a> RunCalls<'a> {
         }
         if self.closed {
             return Some(self.refuse(call, &server, &name, &hash, "the run is being stopped".into()));
+        }
+        if self.in_flight.contains_key(&call) {
+            // Forged: every call must be audited and counted once, under its own number.
+            return Some(self.refuse(call, &server, &name, &hash, format!("call number {call} is already in flight")));
         }
         if self.made >= grant.policy.calls {
             let why = format!("call budget spent: a run may make {} tool calls", grant.policy.calls);
@@ -377,12 +384,15 @@ impl<'a> RunCalls<'a> {
         let Some((call, done, max)) = self.pending.next().await else {
             return std::future::pending().await;
         };
-        let Some(f) = self.in_flight.remove(&call) else {
+        if max == LISTING {
             // A listing: not a call, not audited.
             return match done {
                 Done::Answer(a) => (call, Ok(a.value)),
                 Done::Failed(why) | Done::Refused(why) => (call, Err(why)),
             };
+        }
+        let Some(f) = self.in_flight.remove(&call) else {
+            return (call, Err("the call was dropped".into()));
         };
         let took = f.started.elapsed();
         self.spent += took;
