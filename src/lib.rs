@@ -6,7 +6,9 @@
 //! sessions, jobs), [`durable`] (the ledger, the only writer of the state dir's records),
 //! [`packages`] (dependency layers), [`egress`] (networks and the proxy). A session's containers
 //! are made from a [`sandbox::Blueprint`]: settings ([`config`], [`environment`]) plus what the
-//! engine found, as plain data. [`docker`] is the engine adapter: bollard calls, one hardened
+//! engine found, as plain data. [`bridge`] is code mode: the operator's upstream MCP servers,
+//! which code in a session calls over the agent channel, each call checked on the host.
+//! [`docker`] is the engine adapter: bollard calls, one hardened
 //! fence, and nothing above it. The wire ([`protocol`], [`output`], `tarcheck`) is pure.
 //!
 //! # Where a `run_python` call goes

@@ -162,6 +162,17 @@ async fn python_calls_time_and_git_and_the_allow_list_holds_against_forged_calls
     assert!(out.contains("time.convert_time(*, source_timezone, time, target_timezone)"), "{out}");
     assert_eq!(sc["tool_calls"], json!({ "made": 1, "refused": 0 }), "counted in the result");
 
+    // What a new user asks first: ten time zones in one program, one table back.
+    let code = "import tools\nzones = ['UTC', 'Europe/Paris', 'Asia/Tokyo', 'America/New_York', 'Australia/Sydney',\n\
+                'Asia/Kolkata', 'Africa/Cairo', 'America/Sao_Paulo', 'Europe/London', 'Pacific/Auckland']\n\
+                for z in zones:\n    r = tools.time.get_current_time(timezone=z)\n    print(f\"{z:20} {r['datetime'][11:16]} {r['day_of_week']}\")";
+    let (err, sc, t) = run(&s, "a", "default", code).await;
+    assert!(!err, "{t}");
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert_eq!(out.lines().count(), 10, "{out}");
+    assert!(out.contains("Pacific/Auckland"), "{out}");
+    assert_eq!(sc["tool_calls"], json!({ "made": 10, "refused": 0 }));
+
     // git_log reads; git_commit, not read-only, is refused until the operator names it.
     let repo = f.repo();
     let code = format!(
