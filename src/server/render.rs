@@ -102,6 +102,9 @@ pub(super) fn outcome_text(out: &RunOutput) -> String {
     for n in &out.notices {
         text.push_str(&format!("[notice] {n}\n"));
     }
+    if let Some(c) = &out.tool_calls {
+        text.push_str(&format!("[tool calls] {} made, {} refused\n", c.made, c.refused));
+    }
     text
 }
 

@@ -172,6 +172,7 @@ async fn python_calls_time_and_git_and_the_allow_list_holds_against_forged_calls
     assert_eq!(out.lines().count(), 10, "{out}");
     assert!(out.contains("Pacific/Auckland"), "{out}");
     assert_eq!(sc["tool_calls"], json!({ "made": 10, "refused": 0 }));
+    assert!(t.contains("[tool calls] 10 made, 0 refused"), "text-only clients read the count too: {t}");
 
     // git_log reads; git_commit, not read-only, is refused until the operator names it.
     let repo = f.repo();
