@@ -8,6 +8,8 @@ real stdout and sends whatever arrives on the pipes, so output of child processe
 captured too, and output written just before the interpreter dies is not lost.
 
 Standard library only: the same file runs on every base image.
+Why this file passes 500 lines: the image copies it whole as the one agent, and code mode's
+`tools` module (ToolBridge, make_tools_module) lives here so the reader thread can route answers.
 """
 
 import ast

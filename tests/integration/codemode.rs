@@ -303,20 +303,26 @@ async fn budgets_hostile_upstreams_and_interrupts_are_contained_and_secrets_stay
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upstream_over_streamable_http_gets_its_header_from_the_host() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    use tokio::io::AsyncBufReadExt as _;
     let hostile = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/integration/codemode/hostile_upstream.py");
     let mut upstream = tokio::process::Command::new(venv().join("bin/python"))
         .arg(&hostile)
-        .args(["http", &port.to_string()])
+        .arg("http")
         .env("EXPECT_TOKEN", SECRET)
+        .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("start the HTTP upstream");
-    let until = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < until, "the HTTP upstream did not listen");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // It listens before it says its port: no other test can take the port in between.
+    let stdout = upstream.stdout.take().expect("stdout");
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line());
+    let port: u16 = first
+        .await
+        .ok()
+        .and_then(|l| l.ok().flatten())
+        .and_then(|l| l.trim().parse().ok())
+        .expect("the HTTP upstream says its port");
     let envs = format!(
         "[upstreams.web]\nurl = \"http://127.0.0.1:{port}/mcp\"\nheaders = {{ Authorization = \"env:CODEMODE_TEST_AUTH\" }}\n\n\
          [upstreams.nokey]\nurl = \"http://127.0.0.1:{port}/mcp\"\n\n\

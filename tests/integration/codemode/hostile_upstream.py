@@ -50,9 +50,12 @@ def secret() -> str:
     return "token set: %s" % bool(os.environ.get("UPSTREAM_TOKEN"))
 
 
-def serve_http(port):
-    """Streamable HTTP on 127.0.0.1:port, answering only requests that carry the header
+def serve_http():
+    """Streamable HTTP on a port of 127.0.0.1 it picks itself (and prints first, so no other
+    test can take it in between), answering only requests that carry the header
     `Authorization: Bearer $EXPECT_TOKEN`."""
+    import socket
+
     import uvicorn
 
     app = server.streamable_http_app()
@@ -65,11 +68,15 @@ def serve_http(port):
             return
         await app(scope, receive, send)
 
-    uvicorn.run(guarded, host="127.0.0.1", port=port, log_level="warning")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(uvicorn.Config(guarded, log_level="warning")).run(sockets=[sock])
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "http":
-        serve_http(int(sys.argv[2]))
+    if len(sys.argv) > 1 and sys.argv[1] == "http":
+        serve_http()
     else:
         asyncio.run(server.run_stdio_async())
