@@ -282,6 +282,19 @@ pub struct SandboxConfig {
     #[serde(default)]
     pub environments: std::collections::BTreeMap<String, crate::environment::spec::EnvironmentSpec>,
 
+    /// Upstream MCP servers sessions may call in code mode (config file only:
+    /// `[upstreams.NAME]`), each reached over stdio or streamable HTTP; environments say which
+    /// of their tools their sessions may call (`tools = ["NAME:*"]`).
+    #[arg(skip)]
+    #[serde(default)]
+    pub upstreams: std::collections::BTreeMap<String, crate::bridge::spec::UpstreamSpec>,
+
+    /// Per principal, the upstream tools its sessions may call at most (config file only:
+    /// `[principals.NAME] tools = ["time:*"]`): narrows each environment's list, never widens it.
+    #[arg(skip)]
+    #[serde(default)]
+    pub principals: std::collections::BTreeMap<String, crate::bridge::spec::PrincipalSpec>,
+
     /// Directory for the liveness locks that tell a live server from a dead one's leftovers.
     #[arg(long, env = "PYBERTH_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
@@ -714,6 +727,8 @@ impl SandboxConfig {
         let mut keys: Vec<String> =
             Self::augment_args(clap::Command::new("keys")).get_arguments().map(|a| a.get_id().to_string()).collect();
         keys.push("environments".into());
+        keys.push("upstreams".into());
+        keys.push("principals".into());
         keys
     }
 }

@@ -6,7 +6,9 @@
 //! sessions, jobs), [`durable`] (the ledger, the only writer of the state dir's records),
 //! [`packages`] (dependency layers), [`egress`] (networks and the proxy). A session's containers
 //! are made from a [`sandbox::Blueprint`]: settings ([`config`], [`environment`]) plus what the
-//! engine found, as plain data. [`docker`] is the engine adapter: the seam
+//! engine found, as plain data. [`bridge`] is code mode: the operator's upstream MCP servers,
+//! which code in a session calls over the agent channel, each call checked on the host.
+//! [`docker`] is the engine adapter: the seam
 //! ([`docker::Engine`], which `bollard::Docker` implements and the owners hold as an
 //! [`docker::EngineRef`]), one hardened fence, and nothing above it; the lib tests run the
 //! owners on an in-process fake engine behind the same seam (`docker/fake/`, test-only). The
@@ -35,6 +37,8 @@
 
 /// The runtime every command starts from: engine, instance, owners, background tasks, stop.
 pub mod app;
+/// Code mode: Python in a session calls the operator's upstream MCP tools (issue 30).
+pub mod bridge;
 /// Checks on caller input, before any Docker call, shared by the MCP tools and `pyberth run`.
 pub(crate) mod checks;
 /// Every setting: flags, environment variables and the TOML file, in one struct.

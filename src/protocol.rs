@@ -153,6 +153,17 @@ pub enum Request<'a> {
         /// says `small`: the stream is the faster way for them.
         small_below: u64,
     },
+    /// The answer to a `tool_call` event (code mode): the value, or why there is none.
+    ToolResult {
+        /// The call's number, as the agent gave it.
+        call: u64,
+        /// The tool's value (structured content, or its text); absent on failure.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        result: Option<&'a serde_json::Value>,
+        /// Why the call failed or was refused.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        error: Option<&'a str>,
+    },
     /// Restore the state the server unpacked into `/workspace/.pyberth-restore`, then remove
     /// it. Answered by [`Event::Restored`].
     Restore {
@@ -307,6 +318,24 @@ pub(crate) enum Event {
         /// Peak resident memory during the run, KiB.
         #[serde(default)]
         peak_kb: Option<u64>,
+    },
+    /// Code in run `id` calls an upstream tool (`op` absent or `call`, `tool` = `server.tool`)
+    /// or asks for the tools it may call (`op` = `list`): answered by [`Request::ToolResult`].
+    /// The code can forge it: the server checks everything (`bridge`).
+    ToolCall {
+        /// Run id.
+        id: u64,
+        /// The call's number, the agent's own.
+        call: u64,
+        /// `call` (the default) or `list`.
+        #[serde(default)]
+        op: Option<String>,
+        /// `server.tool`.
+        #[serde(default)]
+        tool: Option<String>,
+        /// Keyword arguments.
+        #[serde(default)]
+        args: Option<serde_json::Value>,
     },
     /// Answer to [`Request::Vars`].
     Vars {

@@ -8,6 +8,8 @@ real stdout and sends whatever arrives on the pipes, so output of child processe
 captured too, and output written just before the interpreter dies is not lost.
 
 Standard library only: the same file runs on every base image.
+Why this file passes 500 lines: the image copies it whole as the one agent, and code mode's
+`tools` module (ToolBridge, make_tools_module) lives here so the reader thread can route answers.
 """
 
 import ast
@@ -374,6 +376,175 @@ def cpu_seconds():
     return t.user + t.system + t.children_user + t.children_system
 
 
+class ToolError(Exception):
+    """A bridged tool call failed: the tool reported an error, or the server refused or
+    could not make the call (not on the allow-list, budget spent, too large, timed out)."""
+
+
+class ToolBridge:
+    """Code mode: calls of upstream MCP tools, sent to the server as `tool_call` events and
+    answered by `tool_result` requests. The server decides everything; this only waits."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.lock = threading.Lock()
+        self.next_call = 0
+        self.waiting = {}
+        self.catalogue = None  # (run id, tools, unavailable)
+
+    def deliver(self, msg):
+        with self.lock:
+            slot = self.waiting.get(msg.get("call"))
+        if slot is not None:
+            slot[1] = msg
+            slot[0].set()
+
+    def request(self, op, tool=None, args=None):
+        with self.agent.state_lock:
+            run_id = self.agent.current
+        if run_id is None:
+            raise ToolError("tools can be called only while a run is going")
+        event = threading.Event()
+        with self.lock:
+            self.next_call += 1
+            call = self.next_call
+            slot = [event, None]
+            self.waiting[call] = slot
+        try:
+            msg = {"ev": "tool_call", "id": run_id, "call": call, "op": op}
+            if tool is not None:
+                msg["tool"] = tool
+                msg["args"] = args or {}
+            self.agent.channel.send(msg)
+            while not event.wait(1.0):
+                pass
+        finally:
+            with self.lock:
+                self.waiting.pop(call, None)
+        reply = slot[1] or {}
+        if reply.get("error") is not None or "result" not in reply:
+            raise ToolError(str(reply.get("error") or "no answer"))
+        return reply["result"]
+
+    def tools(self):
+        with self.agent.state_lock:
+            run_id = self.agent.current
+        if self.catalogue is None or self.catalogue[0] != run_id:
+            listing = self.request("list") or {}
+            self.catalogue = (run_id, listing.get("tools") or [], listing.get("unavailable") or [])
+        return self.catalogue
+
+
+JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "array": "list", "object": "dict"}
+
+
+def tool_function(bridge, info):
+    """A Python function for one upstream tool, its signature and docstring from its schema."""
+    import inspect
+
+    server, name = str(info.get("server")), str(info.get("tool"))
+    schema = info.get("input_schema") or {}
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = [r for r in schema.get("required") or [] if r in props]
+    params, lines = [], []
+    for key in required + [k for k in props if k not in required]:
+        if not (isinstance(key, str) and key.isidentifier()):
+            continue
+        spec = props.get(key) if isinstance(props.get(key), dict) else {}
+        default = inspect.Parameter.empty if key in required else None
+        params.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default))
+        kind = JSON_TYPES.get(spec.get("type"), spec.get("type") or "any")
+        text = str(spec.get("description") or "").strip()
+        lines.append("    %s (%s%s): %s" % (key, kind, "" if key in required else ", optional", text))
+    signature = inspect.Signature(params)
+
+    def call(**kwargs):
+        args = {k: v for k, v in kwargs.items() if v is not None}
+        return bridge.request("call", "%s.%s" % (server, name), args)
+
+    call.__name__ = call.__qualname__ = name
+    call.__signature__ = signature
+    doc = str(info.get("description") or "").strip()
+    if lines:
+        doc += "\n\nArgs:\n" + "\n".join(lines)
+    if not info.get("callable", True):
+        doc += "\n\nNot callable here: not marked read-only, and the operator has not allowed it by name."
+    call.__doc__ = doc + "\n\nReturns the tool's structured content as Python data, or its text; raises tools.ToolError."
+    return call
+
+
+class ToolServer:
+    """One upstream server's tools, as attributes."""
+
+    def __init__(self, name, functions):
+        self._name = name
+        self.__dict__.update(functions)
+
+    def __repr__(self):
+        return "<tools.%s: %s>" % (self._name, ", ".join(sorted(k for k in self.__dict__ if not k.startswith("_"))))
+
+    def __getattr__(self, attr):
+        raise AttributeError("tools.%s has no tool %r you may call; tools.search() lists them" % (self._name, attr))
+
+
+def make_tools_module(bridge):
+    module = types.ModuleType("tools")
+    module.__doc__ = (
+        "Upstream MCP tools the operator lets this session call (code mode).\n\n"
+        "    import tools\n    tools.search('time')            # what may I call?\n"
+        "    help(tools.time.get_current_time)\n    tools.time.get_current_time(timezone='UTC')\n"
+    )
+    module.ToolError = ToolError
+
+    def servers():
+        _, listed, _ = bridge.tools()
+        grouped = {}
+        for info in listed:
+            grouped.setdefault(str(info.get("server")), {})[str(info.get("tool"))] = tool_function(bridge, info)
+        return grouped
+
+    def search(query="", limit=20):
+        """Tools whose name or description hold every word of `query`: 'server.tool: summary' lines."""
+        _, listed, unavailable = bridge.tools()
+        words = str(query).lower().split()
+        found = []
+        for info in listed:
+            text = ("%s.%s %s" % (info.get("server"), info.get("tool"), info.get("description") or "")).lower()
+            if all(w in text for w in words):
+                summary = (str(info.get("description") or "").strip().splitlines() or [""])[0][:120]
+                found.append("%s.%s: %s" % (info.get("server"), info.get("tool"), summary))
+        for server, why in unavailable:
+            found.append("%s: unavailable (%s)" % (server, why))
+        return found[:limit]
+
+    def describe(name):
+        """The signature, docstring and input schema of 'server.tool'."""
+        import inspect
+
+        server, _, tool = str(name).partition(".")
+        fn = servers().get(server, {}).get(tool)
+        if fn is None:
+            raise ToolError("%s is not a tool this session may see; tools.search() lists them" % name)
+        return "%s.%s%s\n\n%s" % (server, tool, inspect.signature(fn), fn.__doc__)
+
+    def call(name, **args):
+        """Calls 'server.tool' with keyword arguments."""
+        return bridge.request("call", str(name), args)
+
+    def module_getattr(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        grouped = servers()
+        if attr in grouped:
+            return ToolServer(attr, grouped[attr])
+        raise AttributeError("no upstream %r this session may call; tools.search() lists what it may" % attr)
+
+    module.search, module.describe, module.call = search, describe, call
+    module.servers = lambda: sorted(servers())
+    module.__getattr__ = module_getattr
+    return module
+
+
 class Agent:
     def __init__(self):
         self.out_r, self.out_w = os.pipe()
@@ -419,6 +590,8 @@ class Agent:
         sys.path.insert(0, "")
         add_site_dirs()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.bridge = ToolBridge(self)
+        sys.modules["tools"] = make_tools_module(self.bridge)
 
     def restore_fds(self):
         """Puts fds 0, 1, 2 back in place, in case the last run closed or moved them."""
@@ -436,6 +609,8 @@ class Agent:
                     continue
                 if msg.get("op") == "interrupt":
                     self.interrupt(msg.get("id"))
+                elif msg.get("op") == "tool_result":
+                    self.bridge.deliver(msg)
                 else:
                     self.requests.put(msg)
         self.requests.put({"op": "shutdown"})

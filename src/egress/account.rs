@@ -63,7 +63,7 @@ impl RefusalLog {
 /// Text from a sandbox as a log field: cut to `max` bytes (on a character boundary), quoted,
 /// every quote, backslash, control and non-ASCII character escaped, so that nothing in it
 /// can pass for another field or another line.
-pub(super) struct Shown<'a>(&'a str, usize);
+pub(crate) struct Shown<'a>(pub(crate) &'a str, pub(crate) usize);
 
 impl std::fmt::Debug for Shown<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

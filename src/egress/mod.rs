@@ -8,6 +8,8 @@
 //! stdin/stdout (policies in, connection records out), so the proxy has no control port.
 
 mod account;
+/// Sandbox text as a log field, cut and escaped (also the bridge's audit lines).
+pub(crate) use account::Shown;
 mod attachment;
 mod installer_net;
 pub mod policy;

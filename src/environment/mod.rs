@@ -59,6 +59,8 @@ pub struct Environment {
     pub egress: Vec<crate::egress::policy::Rule>,
     /// Headers the proxy adds, by host, values resolved (secret: never shown).
     pub egress_headers: crate::egress::policy::SecretHeaders,
+    /// The upstream tools its sessions may call (code mode), and their budget.
+    pub bridge: crate::bridge::policy::Policy,
 }
 
 /// Every environment of a server.
@@ -366,7 +368,24 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
         crate::egress::policy::SecretHeaders(resolve_headers(name, spec.egress_headers.as_ref(), &|v| {
             std::env::var(v).ok()
         })?);
-    Ok(Environment { name: name.to_owned(), description, cfg: Arc::new(cfg), packages, mounts, egress, egress_headers })
+    let bridge = crate::bridge::policy::Policy::new(
+        &format!("environments.{name}"),
+        &spec.tools,
+        &spec.write_tools,
+        spec.tool_calls,
+        spec.tool_time_s,
+        &|server| base.upstreams.contains_key(server),
+    )?;
+    Ok(Environment {
+        name: name.to_owned(),
+        description,
+        cfg: Arc::new(cfg),
+        packages,
+        mounts,
+        egress,
+        egress_headers,
+        bridge,
+    })
 }
 
 /// `${VAR}` in header values replaced from `var`; names and values checked. Errors name the

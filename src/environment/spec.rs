@@ -55,4 +55,16 @@ pub struct EnvironmentSpec {
     /// Packages its installs may build from source, beside the server's `allow_sdist`.
     #[serde(default)]
     pub allow_sdist: Vec<String>,
+    /// Upstream tools its sessions may call from Python (code mode): `server:tool` with `*`
+    /// or a prefix ending in `*` for the tool (`time:*`, `git:git_log`); empty: none.
+    #[serde(default)]
+    pub tools: Vec<String>,
+    /// Tools not marked read-only by their server that may be called all the same, each by
+    /// its full name (`git:git_commit`).
+    #[serde(default)]
+    pub write_tools: Vec<String>,
+    /// Tool calls one run may make (default 100).
+    pub tool_calls: Option<u32>,
+    /// Time one run's tool calls may take together, seconds (default 300).
+    pub tool_time_s: Option<u64>,
 }

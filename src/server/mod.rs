@@ -6,6 +6,7 @@
 //! - `files.rs`, `transfer.rs`, `jobs.rs`, `envs.rs`: the workspace, archives, jobs, environments;
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
 //! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
+//! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
 //! - `types.rs` the tools' arguments and results, `render.rs` the results' text (`budget.rs`
 //!   its size in characters), `error.rs` the
 //!   one way a tool fails, `live.rs` output while a call works, `fit.rs` the message budget.
@@ -30,6 +31,7 @@ use crate::checks::{self, session_name};
 use crate::config::SandboxConfig;
 use crate::session::registry::Registry;
 
+mod bridged;
 mod budget;
 mod envs;
 mod error;
@@ -66,7 +68,8 @@ impl SandboxServer {
             + Self::jobs_router()
             + Self::envs_router()
             + Self::transfer_router()
-            + Self::snapshots_router();
+            + Self::snapshots_router()
+            + Self::bridged_router();
         if cfg.tools == crate::config::ToolProfile::Core {
             let others: Vec<String> = tool_router
                 .list_all()

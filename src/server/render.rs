@@ -71,6 +71,7 @@ pub(super) fn render_run_output(session: &str, outcome: &RunOutcome, job: Option
         egress: None,
         stdout_file: None,
         stderr_file: None,
+        tool_calls: Some(outcome.tool_calls).filter(|c| *c != crate::bridge::CallCounts::default()),
     }
 }
 
@@ -164,6 +165,9 @@ pub(super) fn outcome_text(out: &RunOutput, budget: usize) -> String {
         room -= line.chars().count();
         text.push_str(&line);
     }
+    if let Some(c) = &out.tool_calls {
+        text.push_str(&format!("[tool calls] {} made, {} refused\n", c.made, c.refused));
+    }
     text
 }
 
@@ -202,6 +206,7 @@ pub(super) fn running_job(job: &Job, notices: Vec<String>, budget: usize) -> Cal
         egress: None,
         stdout_file: None,
         stderr_file: None,
+        tool_calls: None,
     };
     let mut text = String::new();
     if out.truncated {

@@ -111,6 +111,8 @@ impl SandboxServer {
         mut notices: Vec<String>,
     ) -> ToolResult {
         let who = principal_of(ctx);
+        // Code mode: what the session's environment lets its code call upstream.
+        let spec = RunSpec { bridge: self.registry.grant(&session), ..spec };
         // An adopted session whose egress could not be taken over says so in every run.
         notices.extend(self.registry.egress_notice(&who, &session.name));
         let timeout = check_timeout(timeout_s, session.settings())?;

@@ -193,6 +193,10 @@ pub(crate) struct RunOutput {
     /// The same for stderr.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stderr_file: Option<String>,
+    /// Code mode: the upstream tool calls this run made, and those the server refused
+    /// (absent when it made none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<crate::bridge::CallCounts>,
 }
 
 /// Arguments of `set_network`.

@@ -149,7 +149,7 @@ async fn run_code(
     let mut outcome = empty_outcome();
     let id = agent.next_id();
     let spec = RunSpec { code: code.to_owned(), ..Default::default() };
-    let stop = Stop { timeout, grace: GRACE, ct, sandbox: None };
+    let stop = Stop { timeout, grace: GRACE, ct, sandbox: None, bridge: None };
     let ending = tokio::time::timeout(STEP + timeout, drive(agent, id, &spec, stop, &mut outcome, observer, "test"))
         .await
         .expect("the run neither ended nor was stopped");

@@ -51,6 +51,7 @@ impl RunOutcome {
             images: Vec::new(),
             peak_memory_kb: None,
             extras: Extras::default(),
+            tool_calls: crate::bridge::CallCounts::default(),
         }
     }
 

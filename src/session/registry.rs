@@ -79,6 +79,8 @@ pub struct Registry {
     sandboxing: Sandboxing,
     /// The state dir's records: adoption reads them, layer use is written there.
     ledger: crate::durable::ledger::Ledger,
+    /// The operator's upstream MCP servers, for code mode (issue 30).
+    pub bridge: Arc<crate::bridge::Bridge>,
 }
 
 /// An environment's image, found or built once, and the latest line of its build.
@@ -129,6 +131,7 @@ impl Registry {
     ) -> Result<Self, String> {
         let index = IndexSettings::from_config(&cfg).map_err(|e| format!("cannot read the CA bundle: {e}"))?;
         let environments = Environments::from_config(&cfg)?;
+        let bridge = Arc::new(crate::bridge::Bridge::from_config(&cfg)?);
         let egress =
             crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone())
                 .with_sandboxing(&sandboxing);
@@ -154,7 +157,15 @@ impl Registry {
             egress,
             sandboxing,
             ledger,
+            bridge,
         })
+    }
+
+    /// What runs of `session` may call in code mode: its environment's allow-list, for its
+    /// principal; `None` when that allows nothing.
+    pub(crate) fn grant(&self, session: &super::Session) -> Option<Arc<crate::bridge::Grant>> {
+        let env = self.environments.get(Some(&session.environment)).ok()?;
+        self.bridge.grant(&env.bridge, &session.principal, &session.name)
     }
 
     /// What sessions of `env` (with `egress`, when they have a network) are made from.
@@ -388,14 +399,6 @@ impl Registry {
                 Err(e.into())
             }
         }
-    }
-
-    /// Narrows what `session` may reach (never widens): the list in force after, which its
-    /// record keeps for a next server.
-    pub async fn narrow(&self, session: &Session, asked: &[String]) -> Result<Vec<String>, String> {
-        let now = self.egress.narrow(&session.principal, &session.name, asked).await?;
-        session.write_through();
-        Ok(now)
     }
 
     /// Sessions of one principal, sorted by name.

@@ -51,6 +51,8 @@ pub struct RunOutcome {
     pub peak_memory_kb: Option<u64>,
     /// What the run's limits on images and notices kept and dropped (`extras.rs`).
     pub(crate) extras: Extras,
+    /// Its code-mode tool calls, made and refused.
+    pub tool_calls: crate::bridge::CallCounts,
 }
 
 /// What to run: owned, so that one type serves a call and a job that outlives it.
@@ -66,6 +68,8 @@ pub struct RunSpec {
     pub cmd: Vec<String>,
     /// Environment for this run, on top of the session's.
     pub env: BTreeMap<String, String>,
+    /// The upstream tools its code may call (code mode); `None`: none.
+    pub bridge: Option<std::sync::Arc<crate::bridge::Grant>>,
 }
 
 /// Most times one run reattaches after its stream dropped.
@@ -92,6 +96,8 @@ pub(super) struct Stop<'a> {
     /// The sandbox whose death ends the run, when the engine can tell (`None` in tests
     /// without Docker).
     pub(super) sandbox: Option<&'a Sandbox>,
+    /// What the run's code may call upstream (code mode).
+    pub(super) bridge: Option<&'a crate::bridge::Grant>,
 }
 
 /// How long a run goes before the engine is asked to tell of the sandbox's death. Short runs
@@ -241,7 +247,8 @@ impl Session {
         let spec = RunSpec { env, ..spec };
         let run_started = std::time::SystemTime::now();
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
-        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
+        let grant = spec.bridge.clone();
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox), bridge: grant.as_deref() };
         let mut sent = tokio::time::Instant::now();
         let run_id = std::sync::atomic::AtomicU64::new(0);
         let on_id = |id: u64| {
@@ -311,7 +318,7 @@ impl Session {
         }
         let run_started = std::time::SystemTime::now();
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
-        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox), bridge: None };
         let sent = tokio::time::Instant::now();
         // A probe queued behind the run: its ack, seen before the run's `done`, says the run
         // ended and its `done` was in flight in the stream that dropped.
@@ -485,7 +492,8 @@ pub(super) async fn drive(
     follow(agent, id, stop, outcome, observer, name, None).await
 }
 
-/// Reads the events of run `id`, already taken by the agent, into `outcome` until it ends.
+/// Reads the events of run `id`, already taken by the agent, into `outcome` until it ends;
+/// its code-mode calls are answered meanwhile, and those in flight cancelled at its end.
 async fn follow(
     agent: &mut Agent,
     id: u64,
@@ -495,7 +503,27 @@ async fn follow(
     name: &str,
     probe: Option<u64>,
 ) -> Ending {
-    let Stop { timeout, grace, ct, sandbox } = stop;
+    let mut calls = crate::bridge::RunCalls::new(stop.bridge);
+    let ending = follow_events(agent, id, stop, outcome, observer, name, probe, &mut calls).await;
+    let counts = calls.counts();
+    outcome.tool_calls.made += counts.made;
+    outcome.tool_calls.refused += counts.refused;
+    ending
+}
+
+/// [`follow`]'s loop.
+#[allow(clippy::too_many_arguments)] // follow's, plus the run's calls
+async fn follow_events(
+    agent: &mut Agent,
+    id: u64,
+    stop: Stop<'_>,
+    outcome: &mut RunOutcome,
+    observer: &Observer<'_>,
+    name: &str,
+    probe: Option<u64>,
+    calls: &mut crate::bridge::RunCalls<'_>,
+) -> Ending {
+    let Stop { timeout, grace, ct, sandbox, .. } = stop;
     let deadline = tokio::time::Instant::now() + timeout;
     let died = async {
         match sandbox {
@@ -542,16 +570,24 @@ async fn follow(
                 Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.add_image(mime, b),
                 Ok(Some(Event::Notice { id: Some(i), text })) if i == id => outcome.add_notice(text),
                 Ok(Some(Event::Ack { id: i })) if Some(i) == probe => return Ending::Vanished,
+                Ok(Some(Event::ToolCall { id: i, call, op, tool, args })) if i == id => {
+                    if let Some(reply) = calls.begin(call, op.as_deref(), tool.as_deref(), args) {
+                        answer(agent, reply).await;
+                    }
+                }
                 Ok(Some(other)) => tracing::debug!(session = %name, event = ?other, "event outside the run ignored"),
                 Ok(None) => return Ending::Died(stopping.map(|s| s.0)),
                 Err(ReadError::Skippable(e)) => tracing::warn!(session = %name, error = %e, "unreadable agent line skipped"),
                 Err(ReadError::Fatal(e)) => return Ending::Broken(e),
             },
+            reply = calls.next() => answer(agent, reply).await,
             _ = tokio::time::sleep_until(deadline), if stopping.is_none() => {
+                calls.close();
                 stopping = Some((RunStatus::Timeout, tokio::time::Instant::now() + grace));
                 let _ = agent.send(&Request::Interrupt { id }).await;
             }
             _ = ct.cancelled(), if stopping.is_none() => {
+                calls.close();
                 stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + grace));
                 let _ = agent.send(&Request::Interrupt { id }).await;
             }
@@ -564,4 +600,13 @@ async fn follow(
             }
         }
     }
+}
+
+/// Sends the agent the answer to a code-mode call. A failed write is seen by the next read.
+async fn answer(agent: &mut Agent, (call, reply): crate::bridge::Reply) {
+    let req = match &reply {
+        Ok(v) => Request::ToolResult { call, result: Some(v), error: None },
+        Err(why) => Request::ToolResult { call, result: None, error: Some(why) },
+    };
+    let _ = agent.send(&req).await;
 }

@@ -60,6 +60,8 @@ mod egress;
 mod egress_abuse;
 // Live DNS rebinding: a resolver of the test's own against the proxy's checks.
 mod egress_dns;
+// Code mode: Python calls the operator's upstream MCP tools (issue 30).
+mod codemode;
 // Forged agent answers: a forged done, code left running, forged listings, links out of archives.
 mod forged;
 // Durable sessions: snapshots, restore, fork, hibernation, why a session ended.

@@ -9,6 +9,7 @@ use super::Registry;
 use crate::docker::image;
 use crate::egress::Totals;
 use crate::environment::Environment;
+use crate::session::Session;
 
 /// Counts the egress of one run of a session, from its start.
 pub struct EgressMeter {
@@ -48,6 +49,14 @@ impl Registry {
     /// said in every run of that session.
     pub fn egress_notice(&self, principal: &str, session: &str) -> Option<String> {
         self.egress.notice(principal, session)
+    }
+
+    /// Narrows what `session` may reach (never widens): the list in force after, which its
+    /// record keeps for a next server.
+    pub async fn narrow(&self, session: &Session, asked: &[String]) -> Result<Vec<String>, String> {
+        let now = self.egress.narrow(&session.principal, &session.name, asked).await?;
+        session.write_through();
+        Ok(now)
     }
 
     /// The egress rules a session runs under (empty: no network).
