@@ -359,6 +359,23 @@ fn check(ok: bool, key: &'static str, why: impl Into<String>) -> Result<(), Inva
 impl SandboxConfig {
     /// Checks every value; the error names the flag.
     pub fn validate(&self) -> Result<(), Invalid> {
+        self.validate_limits()?;
+        self.validate_egress()?;
+        self.validate_packages()?;
+        if let Some(instance) = &self.instance {
+            check(
+                !instance.is_empty()
+                    && instance.len() <= 40
+                    && instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'),
+                "--instance",
+                "must be 1 to 40 letters, digits or dashes",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The limits of a session and of its runs.
+    fn validate_limits(&self) -> Result<(), Invalid> {
         check(self.memory_mb >= 64, "--memory-mb", "must be at least 64")?;
         check(self.cpus > 0.0 && self.cpus <= 1024.0, "--cpus", "must be above 0")?;
         check(self.pids >= 16, "--pids", "must be at least 16")?;
@@ -414,6 +431,11 @@ impl SandboxConfig {
         check(self.file_cap >= 1024 && self.file_cap <= 8 << 20, "--file-cap", "must be between 1 KiB and 8 MiB")?;
         check(self.install_timeout_s >= 10, "--install-timeout-s", "must be at least 10")?;
         check(self.max_packages >= 1, "--max-packages", "must be at least 1")?;
+        Ok(())
+    }
+
+    /// The egress settings: budgets, pins, resolvers.
+    fn validate_egress(&self) -> Result<(), Invalid> {
         check(self.egress_max_conns >= 1, "--egress-max-conns", "must be at least 1")?;
         for (name, addr) in &self.egress_pin {
             check(
@@ -434,7 +456,11 @@ impl SandboxConfig {
                 ),
             )?;
         }
+        Ok(())
+    }
 
+    /// The package settings: sdists, the installer, the index, its CA bundle.
+    fn validate_packages(&self) -> Result<(), Invalid> {
         for p in &self.allow_sdist {
             check(
                 p == ":all:" || crate::deps::parse(p).is_ok_and(|r| r.canonical == r.name),
@@ -460,15 +486,6 @@ impl SandboxConfig {
         }
         if let Some(ca) = self.ca_bundle() {
             check(ca.is_file(), "--ca-bundle", format!("{} is not a readable file", ca.display()))?;
-        }
-        if let Some(instance) = &self.instance {
-            check(
-                !instance.is_empty()
-                    && instance.len() <= 40
-                    && instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'),
-                "--instance",
-                "must be 1 to 40 letters, digits or dashes",
-            )?;
         }
         Ok(())
     }
