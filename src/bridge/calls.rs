@@ -3,6 +3,7 @@
 //! line of each, and the counts the run's result reports.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt as _;
@@ -11,7 +12,8 @@ use futures::stream::{FuturesUnordered, StreamExt as _};
 use serde_json::Value;
 use sha2::Digest as _;
 
-use super::policy::{self, Refusal};
+use super::policy::{self, Policy, Refusal};
+use super::upstream::Link;
 use super::{Grant, LOGGED_REFUSALS, Listed, MAX_ARGS, MAX_CATALOGUE, MAX_LISTS, NAME_SHOWN, upstream};
 use crate::egress::Shown;
 
@@ -153,106 +155,91 @@ impl<'a> RunCalls<'a> {
             );
         };
         if op == Some("list") {
-            self.lists += 1;
-            if self.lists > MAX_LISTS {
-                return Some(self.refuse(call, "", "", "", format!("more than {MAX_LISTS} tool listings in one run")));
-            }
-            let (bridge, policy) = (grant.bridge.clone(), grant.policy.clone());
-            self.pending.push(
-                async move {
-                    let (listed, unavailable) = bridge.catalogue(&policy).await;
-                    let value = bounded_catalogue(listed, unavailable);
-                    (call, Done::Answer(upstream::Answer { value, is_error: false }), LISTING)
-                }
-                .boxed(),
-            );
-            return None;
+            return self.list(call, grant);
         }
         let tool = tool.unwrap_or_default();
         let args = args.unwrap_or(Value::Object(serde_json::Map::new()));
         let hash = args_hash(&args);
+        let (server, name, link, args, left) = match self.admit(call, grant, tool, args) {
+            Ok(admitted) => admitted,
+            Err((server, name, why)) => return Some(self.refuse(call, &server, &name, &hash, why)),
+        };
+        self.made += 1;
+        let policy = grant.policy.clone();
+        self.in_flight.insert(
+            call,
+            InFlight { server: server.clone(), tool: name.clone(), args_hash: hash, started: Instant::now() },
+        );
+        self.pending.push(call_upstream(call, link, server, name, args, policy, left).boxed());
+        None
+    }
+
+    /// A listing of the tools this run may call, answered through [`RunCalls::next`].
+    fn list(&mut self, call: u64, grant: &Grant) -> Option<Reply> {
+        self.lists += 1;
+        if self.lists > MAX_LISTS {
+            return Some(self.refuse(call, "", "", "", format!("more than {MAX_LISTS} tool listings in one run")));
+        }
+        let (bridge, policy) = (grant.bridge.clone(), grant.policy.clone());
+        self.pending.push(
+            async move {
+                let (listed, unavailable) = bridge.catalogue(&policy).await;
+                let value = bounded_catalogue(listed, unavailable);
+                (call, Done::Answer(upstream::Answer { value, is_error: false }), LISTING)
+            }
+            .boxed(),
+        );
+        None
+    }
+
+    /// The checks of one call before it starts: the allow-list, the arguments, the budgets.
+    /// Ok: the call's upstream, its arguments and the time left; Err: (server, tool, why).
+    #[allow(clippy::type_complexity)] // named once, here
+    fn admit(
+        &self,
+        call: u64,
+        grant: &Grant,
+        tool: &str,
+        args: Value,
+    ) -> Result<(String, String, Arc<Link>, serde_json::Map<String, Value>, Duration), (String, String, String)> {
         let Some((server, name)) = tool.split_once('.') else {
-            return Some(self.refuse(call, "", tool, &hash, format!("{tool:?} is not server.tool")));
+            return Err((String::new(), tool.to_owned(), format!("{tool:?} is not server.tool")));
         };
         let (server, name) = (server.to_owned(), name.to_owned());
         let Some(link) = grant.bridge.upstreams.get(&server).filter(|_| grant.policy.reaches(&server)).cloned() else {
             let why = format!("{server}.{name} is not on this session's allow-list");
-            return Some(self.refuse(call, &server, &name, &hash, why));
+            return Err((server, name, why));
         };
         let Value::Object(args) = args else {
-            return Some(self.refuse(call, &server, &name, &hash, "arguments must be keyword arguments".into()));
+            return Err((server, name, "arguments must be keyword arguments".into()));
         };
         let size = serde_json::to_vec(&args).map_or(usize::MAX, |v| v.len());
         if size > MAX_ARGS {
             let why = format!("arguments of {size} bytes, over the {} KiB limit", MAX_ARGS >> 10);
-            return Some(self.refuse(call, &server, &name, &hash, why));
+            return Err((server, name, why));
         }
         if self.closed {
-            return Some(self.refuse(call, &server, &name, &hash, "the run is being stopped".into()));
+            return Err((server, name, "the run is being stopped".into()));
         }
         if self.in_flight.contains_key(&call) {
             // Forged: every call must be audited and counted once, under its own number.
-            return Some(self.refuse(call, &server, &name, &hash, format!("call number {call} is already in flight")));
+            return Err((server, name, format!("call number {call} is already in flight")));
         }
         if self.made >= grant.policy.calls {
             let why = format!("call budget spent: a run may make {} tool calls", grant.policy.calls);
-            return Some(self.refuse(call, &server, &name, &hash, why));
+            return Err((server, name, why));
         }
         let left = grant.policy.time.saturating_sub(self.spent);
         if left.is_zero() {
             let why =
                 format!("time budget spent: a run's tool calls may take {} s together", grant.policy.time.as_secs());
-            return Some(self.refuse(call, &server, &name, &hash, why));
+            return Err((server, name, why));
         }
         if self.in_flight.len() >= policy::CONCURRENT_CALLS {
             let why = format!("{} tool calls already in flight in this session", policy::CONCURRENT_CALLS);
-            return Some(self.refuse(call, &server, &name, &hash, why));
+            return Err((server, name, why));
         }
-        self.made += 1;
-        let policy = grant.policy.clone();
-        let max = link.spec.max_result;
-        self.in_flight.insert(
-            call,
-            InFlight { server: server.clone(), tool: name.clone(), args_hash: hash, started: Instant::now() },
-        );
-        self.pending.push(
-            async move {
-                // The allow-list is checked against the upstream's own word on the tool.
-                let tools = match link.tools().await {
-                    Ok(t) => t,
-                    Err(why) => return (call, Done::Failed(why), max),
-                };
-                let Some(info) = tools.iter().find(|t| t.tool == name) else {
-                    return (call, Done::Refused(format!("upstream {server} has no tool {name}")), max);
-                };
-                match policy.check(&server, &name, info.read_only) {
-                    Ok(()) => {}
-                    Err(Refusal::NotAllowed) => {
-                        let why = format!("{server}.{name} is not on this session's allow-list");
-                        return (call, Done::Refused(why), max);
-                    }
-                    Err(Refusal::NotReadOnly) => {
-                        return (
-                            call,
-                            Done::Refused(format!(
-                                "{server}.{name} is not marked read-only by its server, and the operator has not \
-                                 allowed it by name (write_tools = [\"{server}:{name}\"])"
-                            )),
-                            max,
-                        );
-                    }
-                }
-                match tokio::time::timeout(left, link.call(&name, args)).await {
-                    Ok(Ok(answer)) => (call, Done::Answer(answer), max),
-                    Ok(Err(why)) => (call, Done::Failed(why), max),
-                    Err(_) => {
-                        (call, Done::Failed("the run's time budget for tool calls ran out during the call".into()), max)
-                    }
-                }
-            }
-            .boxed(),
-        );
-        None
+        Ok((server, name, link, args, left))
     }
 
     /// The next call to finish, as an answer for the agent; pending forever when none is
@@ -329,6 +316,51 @@ impl Drop for RunCalls<'_> {
                 "bridged tool calls refused and not logged one by one (the first {LOGGED_REFUSALS} of a run are)"
             );
         }
+    }
+}
+
+/// One call to an upstream, once admitted: the allow-list checked again against the
+/// upstream's own word on the tool, then the call within the run's time left.
+#[allow(clippy::too_many_arguments)] // one call's parts, moved into its future
+async fn call_upstream(
+    call: u64,
+    link: Arc<Link>,
+    server: String,
+    name: String,
+    args: serde_json::Map<String, Value>,
+    policy: Policy,
+    left: Duration,
+) -> Finished {
+    let max = link.spec.max_result;
+    // The allow-list is checked against the upstream's own word on the tool.
+    let tools = match link.tools().await {
+        Ok(t) => t,
+        Err(why) => return (call, Done::Failed(why), max),
+    };
+    let Some(info) = tools.iter().find(|t| t.tool == name) else {
+        return (call, Done::Refused(format!("upstream {server} has no tool {name}")), max);
+    };
+    match policy.check(&server, &name, info.read_only) {
+        Ok(()) => {}
+        Err(Refusal::NotAllowed) => {
+            let why = format!("{server}.{name} is not on this session's allow-list");
+            return (call, Done::Refused(why), max);
+        }
+        Err(Refusal::NotReadOnly) => {
+            return (
+                call,
+                Done::Refused(format!(
+                    "{server}.{name} is not marked read-only by its server, and the operator has not \
+                         allowed it by name (write_tools = [\"{server}:{name}\"])"
+                )),
+                max,
+            );
+        }
+    }
+    match tokio::time::timeout(left, link.call(&name, args)).await {
+        Ok(Ok(answer)) => (call, Done::Answer(answer), max),
+        Ok(Err(why)) => (call, Done::Failed(why), max),
+        Err(_) => (call, Done::Failed("the run's time budget for tool calls ran out during the call".into()), max),
     }
 }
 
