@@ -542,27 +542,11 @@ async fn follow_events(
         tokio::select! {
             ev = agent.next_event() => match ev {
                 Ok(Some(Event::Out { id: Some(i), s, t, b })) if i == id => match Event::payload(t, b) {
-                    Ok(bytes) => {
-                        observer(s, &bytes);
-                        match s {
-                            protocol::Stream::Stdout => outcome.stdout.push(&bytes),
-                            protocol::Stream::Stderr => outcome.stderr.push(&bytes),
-                        }
-                    }
+                    Ok(bytes) => take_output(outcome, observer, s, &bytes),
                     Err(e) => tracing::warn!(session = %name, error = %e, "bad output chunk"),
                 },
-                Ok(Some(Event::Done { id: i, status, result, error, exit_code, cpu_ms, peak_kb, .. })) if i == id => {
-                    outcome.peak_memory_kb = peak_kb;
-                    outcome.result = result;
-                    outcome.error = error;
-                    outcome.exit_code = exit_code;
-                    outcome.cpu_ms = Some(cpu_ms);
-                    outcome.status = match (status, stopping) {
-                        (DoneStatus::Interrupted, Some((why, _))) => why,
-                        (DoneStatus::Interrupted, None) => RunStatus::Error,
-                        (DoneStatus::Error, _) => RunStatus::Error,
-                        (DoneStatus::Ok, _) => RunStatus::Ok,
-                    };
+                Ok(Some(done @ Event::Done { id: i, .. })) if i == id => {
+                    take_done(outcome, done, stopping.map(|s| s.0));
                     // Its code may still hold the interpreter: the done may be the code's own.
                     agent.last_run = Some(id);
                     return Ending::Done;
@@ -600,6 +584,30 @@ async fn follow_events(
             }
         }
     }
+}
+
+/// A chunk of the run's output: to the observer, and kept in the outcome.
+fn take_output(outcome: &mut RunOutcome, observer: &Observer<'_>, s: protocol::Stream, bytes: &[u8]) {
+    observer(s, bytes);
+    match s {
+        protocol::Stream::Stdout => outcome.stdout.push(bytes),
+        protocol::Stream::Stderr => outcome.stderr.push(bytes),
+    }
+}
+
+/// The run's `done` into its outcome; an interrupted run keeps the reason we stopped it for.
+fn take_done(outcome: &mut RunOutcome, done: Event, stopping: Option<RunStatus>) {
+    let Event::Done { status, result, error, exit_code, cpu_ms, peak_kb, .. } = done else { return };
+    outcome.peak_memory_kb = peak_kb;
+    outcome.result = result;
+    outcome.error = error;
+    outcome.exit_code = exit_code;
+    outcome.cpu_ms = Some(cpu_ms);
+    outcome.status = match (status, stopping) {
+        (DoneStatus::Interrupted, Some(why)) => why,
+        (DoneStatus::Interrupted, None) | (DoneStatus::Error, _) => RunStatus::Error,
+        (DoneStatus::Ok, _) => RunStatus::Ok,
+    };
 }
 
 /// Sends the agent the answer to a code-mode call. A failed write is seen by the next read.
