@@ -302,7 +302,8 @@ pub fn runtime_refusal(cfg: &SandboxConfig) -> Option<String> {
     })
 }
 
-fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<Environment, String> {
+/// The server's settings with the environment's own over them.
+fn settings(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<SandboxConfig, String> {
     let mut cfg = base.clone();
     cfg.environments.clear();
     // --image pins the default environment's image only; the others build their own.
@@ -342,6 +343,11 @@ fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<E
             cfg.allow_sdist.push(p.clone());
         }
     }
+    Ok(cfg)
+}
+
+fn resolve(base: &SandboxConfig, name: &str, spec: &EnvironmentSpec) -> Result<Environment, String> {
+    let mut cfg = settings(base, name, spec)?;
     cfg.max_timeout_s = cfg.max_timeout_s.max(cfg.timeout_s);
     let mounts: Vec<MountSpec> = spec.mounts.iter().map(|m| check_mount(name, m)).collect::<Result<_, _>>()?;
     let mut paths: Vec<&str> = mounts.iter().map(|m| m.path.as_str()).collect();
