@@ -289,3 +289,36 @@ async fn the_warm_pool_hands_out_a_ready_container_and_a_stop_leaves_nothing_of_
     assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
     assert!(b.reg.ledger.running().is_empty());
 }
+
+#[tokio::test]
+async fn a_burst_of_new_sessions_grows_the_pool_to_its_max_and_a_stop_leaves_nothing() {
+    let b = Bench::new(&["--pool-size", "1", "--pool-max", "4"]);
+    let stop = CancellationToken::new();
+    let keeper = tokio::spawn(b.reg.clone().pool_keeper(stop.clone()));
+    let reg = b.reg.clone();
+    let holds = |n: usize| {
+        let reg = reg.clone();
+        async move {
+            loop {
+                if reg.pool_len() == n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), holds(1)).await.expect("the pool filled to its floor");
+    // Six new sessions at once: more than --pool-max asked for within one interval.
+    let names: Vec<String> = (0..6).map(|i| format!("burst{i}")).collect();
+    let opened = futures::future::join_all(names.iter().map(|n| b.open("alice", n))).await;
+    let mut ids: Vec<String> = opened.into_iter().map(|o| o.expect("opened").0.container_id()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 6, "each session has a container of its own");
+    tokio::time::timeout(Duration::from_secs(10), holds(4)).await.expect("the pool grew to --pool-max");
+    stop.cancel();
+    keeper.await.expect("the keeper stopped");
+    assert_eq!(b.reg.pool_len(), 0, "a stopped keeper leaves no pooled container");
+    b.reg.shutdown(false).await;
+    assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
+}
