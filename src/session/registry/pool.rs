@@ -13,8 +13,8 @@ use super::*;
 pub(crate) const INTERVAL: Duration = Duration::from_secs(10);
 /// The peak halves for each such span in which no interval reached it.
 pub(crate) const HALF_LIFE: Duration = Duration::from_secs(60);
-/// Containers made at once when the target jumps: more would crowd out running sessions on
-/// a small machine (the engine serialises much of a create anyway).
+/// Most containers made at once when the target jumps above the floor: more would crowd out
+/// running sessions on a small machine (the engine serialises much of a create anyway).
 pub(crate) const AT_ONCE: usize = 4;
 /// First pause after a failed make; it doubles up to [`LONGEST_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_secs(10);
@@ -116,7 +116,10 @@ impl Registry {
             let target = self.demand().target(now);
             self.shrink_pool(target).await;
             let held = self.pool_len();
-            while retry_at.is_none_or(|t| t <= now) && held + making.len() < target && making.len() < AT_ONCE {
+            // At the floor, one at a time as ever (refills never crowd out running sessions);
+            // more at once only as far as demand is above it.
+            let at_once = target.saturating_sub(self.cfg.pool_size).clamp(1, AT_ONCE);
+            while retry_at.is_none_or(|t| t <= now) && held + making.len() < target && making.len() < at_once {
                 serial += 1;
                 making.spawn(self.clone().make_pooled(env.clone(), format!("pool-{serial}"), shutdown.clone()));
             }
