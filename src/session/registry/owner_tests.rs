@@ -322,3 +322,39 @@ async fn a_burst_of_new_sessions_grows_the_pool_to_its_max_and_a_stop_leaves_not
     b.reg.shutdown(false).await;
     assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
 }
+
+#[tokio::test]
+async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
+    let b = Bench::new(&[]);
+    let (s, _) = b.open("alice", "idle").await.expect("opened");
+    // A run with a 1 s limit: its lease passes 1 s after it started. Under test the
+    // watchdog's steps are a hundred times shorter (`watch.rs`): quiet for 1.2 s, it ends.
+    let short = |code: &str| {
+        let spec = RunSpec { code: code.into(), ..RunSpec::default() };
+        let s = s.clone();
+        async move { s.run(spec, Duration::from_secs(1), &CancellationToken::new(), &|_, _| {}).await.expect("a run") }
+    };
+    assert_eq!(short("1").await.result.as_deref(), Some("1"));
+    let calls = || b.fake.world().stats_calls;
+    let before = calls();
+    // Past the lease and the quiet window (bounded wait): the watchdog sampled, then stopped.
+    let stopped = async {
+        let mut last = calls();
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = calls();
+            if now > before && now == last {
+                return now;
+            }
+            last = now;
+        }
+    };
+    let sampled = tokio::time::timeout(Duration::from_secs(30), stopped).await.expect("the watchdog stopped");
+    // Its longest pause is 0.3 s: ten of them with no call is a watchdog that ended.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(calls(), sampled, "an idle, quiet session costs the engine nothing");
+    // The next run's lease is watched again.
+    short("2").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(calls() > sampled, "a new lease starts a new watchdog");
+}
