@@ -113,13 +113,15 @@ impl Registry {
         let (mut backoff, mut retry_at) = (FIRST_BACKOFF, None::<Instant>);
         while !shutdown.is_cancelled() {
             let now = Instant::now();
+            // A pause after a failure that is over (kept, it would wake this loop at once).
+            retry_at = retry_at.filter(|t| *t > now);
             let target = self.demand().target(now);
             self.shrink_pool(target).await;
             let held = self.pool_len();
             // At the floor, one at a time as ever (refills never crowd out running sessions);
             // more at once only as far as demand is above it.
             let at_once = target.saturating_sub(self.cfg.pool_size).clamp(1, AT_ONCE);
-            while retry_at.is_none_or(|t| t <= now) && held + making.len() < target && making.len() < at_once {
+            while retry_at.is_none() && held + making.len() < target && making.len() < at_once {
                 serial += 1;
                 making.spawn(self.clone().make_pooled(env.clone(), format!("pool-{serial}"), shutdown.clone()));
             }
