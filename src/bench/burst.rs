@@ -16,7 +16,7 @@ use super::drive::{Server, containers_memory};
 use super::table::Table;
 
 /// Most sessions one burst asks for: each is a container, and all run at once.
-pub(super) const MOST: usize = 200;
+pub(super) const MOST: i64 = 200;
 /// How long the pool may take to settle between the bursts.
 const SETTLE: Duration = Duration::from_secs(180);
 
@@ -28,7 +28,7 @@ pub(super) async fn burst(
     n: usize,
     table: &mut Table,
 ) -> anyhow::Result<()> {
-    if n == 0 || n > MOST {
+    if n == 0 || i64::try_from(n).map_or(true, |n| n > MOST) {
         bail!("--burst takes 1 to {MOST} sessions, not {n}");
     }
     let room = n + 8;

@@ -57,8 +57,9 @@ pub(crate) struct BenchArgs {
     /// Measure only N new sessions asked for at once (at most 200): p50, p95, p99 of the time
     /// to each one's first result, from cold (the pool at --pool-size), then after that burst
     /// taught the pool; with what the pool held.
-    #[arg(long, value_name = "N", conflicts_with_all = ["durable_only", "installer_only", "quick"])]
-    pub burst: Option<usize>,
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=burst::MOST),
+          conflicts_with_all = ["durable_only", "installer_only", "quick"])]
+    pub burst: Option<u16>,
 }
 
 /// How much of each is measured: the arguments, or `--quick`'s smaller set.
@@ -136,7 +137,7 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
         r
     } else if let Some(n) = args.burst {
         let mut table = Table::new(3);
-        let r = burst::burst(&docker, &cfg, &format!("{instance}-burst"), n, &mut table).await;
+        let r = burst::burst(&docker, &cfg, &format!("{instance}-burst"), n.into(), &mut table).await;
         table.finish();
         r
     } else if args.installer_only {
