@@ -248,6 +248,12 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_POOL_SIZE", default_value_t = 2)]
     pub pool_size: usize,
 
+    /// Most containers the warm pool holds when recent demand asks for more than
+    /// `--pool-size` (it follows the peak of new sessions per 10 s, halving each idle minute;
+    /// never below `--pool-size`).
+    #[arg(long, env = "PYBERTH_POOL_MAX", default_value_t = 16)]
+    pub pool_max: usize,
+
     /// Runs (foreground and jobs) one caller may have going at once, across its sessions.
     #[arg(long, env = "PYBERTH_MAX_RUNS_PER_CALLER", default_value_t = 8)]
     pub max_runs_per_caller: usize,

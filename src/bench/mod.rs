@@ -6,7 +6,8 @@
 //! (`table.rs`). The parts: `drive.rs` the servers it drives, `floors.rs` the engine's own
 //! costs (and both runtimes side by side), `rows.rs` pyberth's figures through one server,
 //! `install.rs` first installs beside uv and pip in a plain container, `durable.rs`
-//! snapshots, forks, wakes and the reattach after a restart.
+//! snapshots, forks, wakes and the reattach after a restart, `burst.rs` many new sessions at
+//! once (`--burst N`).
 
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use pyberth::docker::Engine;
 use pyberth::config::SandboxConfig;
 use pyberth::docker::image;
 
+mod burst;
 mod drive;
 mod durable;
 mod floors;
@@ -52,6 +54,12 @@ pub(crate) struct BenchArgs {
     /// --concurrency, --calls-per-session and --stdout-mib.
     #[arg(long, conflicts_with_all = ["durable_only", "installer_only"])]
     pub quick: bool,
+    /// Measure only N new sessions asked for at once (at most 200): p50, p95, p99 of the time
+    /// to each one's first result, from cold (the pool at --pool-size), then after that burst
+    /// taught the pool; with what the pool held.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=burst::MOST),
+          conflicts_with_all = ["durable_only", "installer_only", "quick"])]
+    pub burst: Option<u16>,
 }
 
 /// How much of each is measured: the arguments, or `--quick`'s smaller set.
@@ -125,6 +133,11 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
             }
             e => e,
         };
+        table.finish();
+        r
+    } else if let Some(n) = args.burst {
+        let mut table = Table::new(3);
+        let r = burst::burst(&docker, &cfg, &format!("{instance}-burst"), n.into(), &mut table).await;
         table.finish();
         r
     } else if args.installer_only {

@@ -1,7 +1,7 @@
 //! All sessions of a server: lookup by (principal, name), creation, the session and run caps
 //! (docs/design.md D9). The rest of the owner sits beside it in `registry/`: `layers.rs`
-//! (dependency layers and images), `lifetime.rs` (reaping, hibernation, the warm pool, sweeps,
-//! stop), `adopt.rs` and `sleepers.rs` (sessions of earlier servers), `snapshots.rs`,
+//! (dependency layers and images), `lifetime.rs` (reaping, hibernation, sweeps, stop),
+//! `pool.rs` (the warm pool, following demand), `adopt.rs` and `sleepers.rs` (sessions of earlier servers), `snapshots.rs`,
 //! `front.rs` (what the fronts ask beyond sessions) and `error.rs`.
 
 use std::collections::HashMap;
@@ -31,6 +31,7 @@ mod layers;
 mod lifetime;
 #[cfg(test)]
 mod owner_tests;
+mod pool;
 mod sleepers;
 mod snapshots;
 
@@ -62,8 +63,10 @@ pub struct Registry {
     /// The warm pool: started containers of the default environment, each handed out once.
     /// Shared with sessions that wake from hibernation.
     pool: Arc<Mutex<Vec<super::Prepared>>>,
-    /// Wakes the pool keeper when a container was taken.
+    /// Wakes the pool keeper when a container was asked for.
     pool_wake: Arc<tokio::sync::Notify>,
+    /// Recent asks for pooled containers, which set the pool's target (`pool.rs`).
+    demand: Arc<Mutex<pool::Demand>>,
     /// Snapshots of every principal (issue 18).
     pub(crate) snapshots: crate::durable::catalogue::Catalogue,
     /// Why recently ended sessions ended, and when, for a later call that names one and for
@@ -136,6 +139,7 @@ impl Registry {
             crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone())
                 .with_sandboxing(&sandboxing);
         let ledger = crate::durable::ledger::Ledger::of(&cfg);
+        let demand = Arc::new(Mutex::new(pool::Demand::new(cfg.pool_size, cfg.pool_max, Instant::now())));
         let snapshots = crate::durable::catalogue::Catalogue::new(ledger.clone(), instance.owner.instance.clone());
         Ok(Self {
             docker,
@@ -150,6 +154,7 @@ impl Registry {
             runs: Mutex::new(HashMap::new()),
             pool: Arc::default(),
             pool_wake: Arc::default(),
+            demand,
             snapshots,
             ended: Mutex::new(HashMap::new()),
             markers: Mutex::new(HashMap::new()),
@@ -347,16 +352,13 @@ impl Registry {
         let layer = if all.is_empty() { None } else { Some(self.layer(env, &all, progress).await?) };
         let with_egress = !egress.is_empty();
         // Packages or not: a set is a directory put on the path, so the pool serves all.
-        let taken = if env.name == self.environments.default_name() {
-            self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop()
-        } else {
-            None
-        };
+        // Never with egress: a pooled container has no network to put the proxy on (and one
+        // popped here would be left running).
+        let taken = if env.name == self.environments.default_name() && !with_egress { self.pool_pop() } else { None };
         let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
         let session = match taken {
             _ if with_egress => self.start_with_egress(env, image, naming, egress).await?,
             Some(prepared) => {
-                self.pool_wake.notify_one();
                 Session::adopt(docker, self.blueprint(env, None), image, owner, naming, Vec::new(), prepared)
             }
             None => Session::start(docker, self.blueprint(env, None), image, owner, naming, Vec::new()).await?,

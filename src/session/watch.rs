@@ -10,6 +10,10 @@
 //! session. When the code used more than a small share of a CPU between two samples with no
 //! call in between, something of an earlier run is still running: every process of the
 //! code's uid is killed, a fresh interpreter started, and the next run says so.
+//!
+//! Idle sessions cost the engine nothing: once the code has stayed quiet for `QUIET_FOR`
+//! past its lease (about eight samples), the watchdog ends. The next run's lease starts it
+//! again, and a hibernation or a close removes the container (docs/threat-model.md, gaps).
 
 use std::time::Duration;
 
@@ -18,13 +22,30 @@ use tokio::time::Instant;
 use super::{Inner, Session};
 use crate::docker::container;
 
-/// First pause between two samples once the lease has passed; it doubles up to [`LONGEST`].
-const FIRST: Duration = Duration::from_secs(1);
-const LONGEST: Duration = Duration::from_secs(30);
+use timing::{FIRST, LONGEST, QUIET_FOR};
 /// CPU a session may use between calls once its lease has passed: this share of one CPU...
 const IDLE_SHARE: f64 = 0.2;
 /// ... plus this much per sample, for the agent's own bookkeeping.
 const IDLE_SLACK: Duration = Duration::from_millis(100);
+
+#[cfg(not(test))]
+mod timing {
+    use std::time::Duration;
+    /// First pause between two samples once the lease has passed; it doubles up to [`LONGEST`].
+    pub(super) const FIRST: Duration = Duration::from_secs(1);
+    pub(super) const LONGEST: Duration = Duration::from_secs(30);
+    /// Quiet this long past the lease (no call, no CPU over the share), the watchdog ends.
+    pub(super) const QUIET_FOR: Duration = Duration::from_secs(120);
+}
+
+/// The same steps, a hundred times shorter, so owner tests see a watchdog end in real time.
+#[cfg(test)]
+mod timing {
+    use std::time::Duration;
+    pub(super) const FIRST: Duration = Duration::from_millis(10);
+    pub(super) const LONGEST: Duration = Duration::from_millis(300);
+    pub(super) const QUIET_FOR: Duration = Duration::from_millis(1200);
+}
 
 /// The container's CPU time at a moment when no call held the session.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +86,18 @@ impl Session {
         quiet.then_some(Sample { cpu: Duration::from_nanos(cpu), at, used })
     }
 
+    /// Ends the watchdog of an idle session whose code stayed quiet past `lease`, unless a
+    /// call or another lease came meanwhile; true when it did. The lease is kept: the next run's lease starts a new one.
+    async fn stop_watching(&self, used: std::time::Instant, lease: Instant) -> bool {
+        let mut inner = self.inner.lock().await;
+        if self.last_used_at() != Some(used) || inner.lease != Some(lease) {
+            return false;
+        }
+        tracing::debug!(session = %self.name, "code quiet past its lease: the watchdog stops sampling");
+        inner.watched = false;
+        true
+    }
+
     /// Kills what still runs past the lease, unless a call came meanwhile; true when it did.
     async fn stop_leftovers(&self, used: std::time::Instant, share: f64) -> bool {
         let mut inner = self.inner.lock().await;
@@ -94,6 +127,8 @@ impl Session {
 async fn watch(me: std::sync::Weak<Session>, lease_changed: std::sync::Arc<tokio::sync::Notify>) {
     let mut last: Option<Sample> = None;
     let mut pause = FIRST;
+    // Since when samples found the code quiet, with no call in between.
+    let mut quiet_since: Option<Instant> = None;
     loop {
         let Some(session) = me.upgrade() else { return };
         let lease = {
@@ -108,7 +143,7 @@ async fn watch(me: std::sync::Weak<Session>, lease_changed: std::sync::Arc<tokio
         };
         if lease > Instant::now() {
             drop(session);
-            (last, pause) = (None, FIRST);
+            (last, pause, quiet_since) = (None, FIRST, None);
             tokio::select! {
                 () = tokio::time::sleep_until(lease) => {}
                 () = lease_changed.notified() => {}
@@ -127,19 +162,24 @@ async fn watch(me: std::sync::Weak<Session>, lease_changed: std::sync::Arc<tokio
                 if session.stop_leftovers(now.used, share).await {
                     return;
                 }
-                (last, pause) = (None, FIRST);
+                (last, pause, quiet_since) = (None, FIRST, None);
                 continue;
+            }
+            let since = *quiet_since.get_or_insert(before.at);
+            if now.at.saturating_duration_since(since) >= QUIET_FOR && session.stop_watching(now.used, lease).await {
+                return;
             }
         }
         if last.is_some_and(|l| sample.is_some_and(|s| s.used != l.used)) {
-            pause = FIRST; // a call came: start again from a short pause
+            // A call came: start again from a short pause.
+            (pause, quiet_since) = (FIRST, None);
         }
         last = sample;
         drop(session);
         tokio::select! {
             () = tokio::time::sleep(pause) => pause = (pause * 2).min(LONGEST),
             // A new run: its own lease, from the start.
-            () = lease_changed.notified() => (last, pause) = (None, FIRST),
+            () = lease_changed.notified() => (last, pause, quiet_since) = (None, FIRST, None),
         }
     }
 }

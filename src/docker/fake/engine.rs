@@ -134,8 +134,16 @@ impl Engine for FakeEngine {
             Err(no_such("container", name))
         })
     }
-    fn stats(&self, _: &str, _: Option<q::StatsOptions>) -> Items<'static, ContainerStatsResponse> {
-        futures::stream::empty().boxed()
+    /// Counted; a running container's CPU time reads 0 (code that uses none).
+    fn stats(&self, name: &str, _: Option<q::StatsOptions>) -> Items<'static, ContainerStatsResponse> {
+        let mut w = self.world();
+        w.stats_calls += 1;
+        if !w.containers.get(name).is_some_and(|c| c.running) {
+            return futures::stream::empty().boxed();
+        }
+        let usage = bollard::models::ContainerCpuUsage { total_usage: Some(0), ..Default::default() };
+        let cpu = bollard::models::ContainerCpuStats { cpu_usage: Some(usage), ..Default::default() };
+        futures::stream::iter([Ok(ContainerStatsResponse { cpu_stats: Some(cpu), ..Default::default() })]).boxed()
     }
     fn upload_to_container<'a>(
         &'a self,

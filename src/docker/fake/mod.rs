@@ -66,6 +66,8 @@ pub(crate) struct World {
     pub(crate) volumes: BTreeMap<String, Vol>,
     pub(crate) networks: BTreeMap<String, Net>,
     pub(crate) images: BTreeSet<String>,
+    /// Calls of the stats API (the CPU watchdog's samples).
+    pub(crate) stats_calls: usize,
     execs: HashMap<String, Exec>,
     serial: u64,
 }

@@ -1,5 +1,5 @@
-//! The registry over time: idle sessions reaped or hibernated, the warm pool kept full,
-//! leftovers of dead servers swept, and the stop that ends or leaves every session.
+//! The registry over time: idle sessions reaped or hibernated, leftovers of dead servers
+//! swept, and the stop that ends or leaves every session (the warm pool: `pool.rs`).
 
 use super::*;
 
@@ -95,95 +95,6 @@ impl Registry {
             self.keeper.recheck(self.docker.clone(), sweeper, after);
         }
         Ok(())
-    }
-
-    /// Keeps the warm pool full until `shutdown` fires, making one container at a time so
-    /// refills never crowd out running sessions; then removes what is left in the pool.
-    pub async fn pool_keeper(self: Arc<Self>, shutdown: CancellationToken) {
-        let size = self.cfg.pool_size;
-        let mut serial = 0u64;
-        let mut preloaded = false;
-        // Doubles after each failure (a missing image is a whole bootstrap each try), back to
-        // the start after a success.
-        let mut backoff = Duration::from_secs(10);
-        while size > 0 && !shutdown.is_cancelled() {
-            let missing = size.saturating_sub(self.pool.lock().unwrap_or_else(|e| e.into_inner()).len());
-            if missing == 0 && !preloaded {
-                // Once the pool is full: the layer store's listing, so that the first new
-                // session asking for a cached set waits for nothing but its pooled container.
-                preloaded = true;
-                if let (Ok(env), owner) = (self.environments.get(None), &self.instance.owner)
-                    && let Ok(image) = self.image(&env, &|_| {}).await
-                {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        () = packages::preload(&self.docker, &image, owner) => {}
-                    }
-                }
-                continue;
-            }
-            if missing == 0 {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = self.pool_wake.notified() => continue,
-                }
-            }
-            serial += 1;
-            let label = format!("pool-{serial}");
-            // Waiting for the image may be cut short by a stop; making the container may not: a
-            // container dropped half-made is one nobody would remove.
-            let env = match self.environments.get(None) {
-                Ok(env) => env,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot fill the warm pool");
-                    break;
-                }
-            };
-            let image = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                image = self.image(&env, &|_| {}) => image,
-            };
-            let made = match image {
-                Ok(image) => crate::session::Prepared::make(
-                    &self.docker,
-                    &self.blueprint(&env, None),
-                    &image,
-                    &self.instance.owner,
-                    &label,
-                    "",
-                )
-                .await
-                .map_err(Error::from),
-                Err(e) => Err(e),
-            };
-            if shutdown.is_cancelled() {
-                if let Ok(p) = made {
-                    p.destroy(&self.docker).await;
-                }
-                break;
-            }
-            match made {
-                Ok(p) => {
-                    self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                    backoff = Duration::from_secs(10);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot fill the warm pool; retrying in {} s", backoff.as_secs());
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(600));
-                }
-            }
-        }
-        self.drain_pool().await;
-    }
-
-    pub(super) async fn drain_pool(&self) {
-        let left: Vec<crate::session::Prepared> =
-            std::mem::take(&mut *self.pool.lock().unwrap_or_else(|e| e.into_inner()));
-        futures::future::join_all(left.into_iter().map(|p| p.destroy(&self.docker))).await;
     }
 
     /// Closes every session, then removes anything of ours still labelled (belt and braces).
@@ -286,17 +197,5 @@ impl Registry {
             ended.clear();
         }
         ended.insert((principal.to_owned(), name.to_owned()), (why, Instant::now()));
-    }
-
-    /// Takes a container from the warm pool (waking its keeper to refill it), for a wake.
-    pub(super) fn pool_take(&self) -> crate::session::snapshot::PoolTake {
-        let (pool, wake) = (self.pool.clone(), self.pool_wake.clone());
-        Arc::new(move || {
-            let taken = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            if taken.is_some() {
-                wake.notify_one();
-            }
-            taken
-        })
     }
 }

@@ -289,3 +289,72 @@ async fn the_warm_pool_hands_out_a_ready_container_and_a_stop_leaves_nothing_of_
     assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
     assert!(b.reg.ledger.running().is_empty());
 }
+
+#[tokio::test]
+async fn a_burst_of_new_sessions_grows_the_pool_to_its_max_and_a_stop_leaves_nothing() {
+    let b = Bench::new(&["--pool-size", "1", "--pool-max", "4"]);
+    let stop = CancellationToken::new();
+    let keeper = tokio::spawn(b.reg.clone().pool_keeper(stop.clone()));
+    let reg = b.reg.clone();
+    let holds = |n: usize| {
+        let reg = reg.clone();
+        async move {
+            loop {
+                if reg.pool_len() == n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), holds(1)).await.expect("the pool filled to its floor");
+    // Six new sessions at once: more than --pool-max asked for within one interval.
+    let names: Vec<String> = (0..6).map(|i| format!("burst{i}")).collect();
+    let opened = futures::future::join_all(names.iter().map(|n| b.open("alice", n))).await;
+    let mut ids: Vec<String> = opened.into_iter().map(|o| o.expect("opened").0.container_id()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 6, "each session has a container of its own");
+    tokio::time::timeout(Duration::from_secs(10), holds(4)).await.expect("the pool grew to --pool-max");
+    stop.cancel();
+    keeper.await.expect("the keeper stopped");
+    assert_eq!(b.reg.pool_len(), 0, "a stopped keeper leaves no pooled container");
+    b.reg.shutdown(false).await;
+    assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
+}
+
+#[tokio::test]
+async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
+    let b = Bench::new(&[]);
+    let (s, _) = b.open("alice", "idle").await.expect("opened");
+    // A run with a 1 s limit: its lease passes 1 s after it started. Under test the
+    // watchdog's steps are a hundred times shorter (`watch.rs`): quiet for 1.2 s, it ends.
+    let short = |code: &str| {
+        let spec = RunSpec { code: code.into(), ..RunSpec::default() };
+        let s = s.clone();
+        async move { s.run(spec, Duration::from_secs(1), &CancellationToken::new(), &|_, _| {}).await.expect("a run") }
+    };
+    assert_eq!(short("1").await.result.as_deref(), Some("1"));
+    let calls = || b.fake.world().stats_calls;
+    let before = calls();
+    // Past the lease and the quiet window (bounded wait): the watchdog sampled, then stopped.
+    let stopped = async {
+        let mut last = calls();
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let now = calls();
+            if now > before && now == last {
+                return now;
+            }
+            last = now;
+        }
+    };
+    let sampled = tokio::time::timeout(Duration::from_secs(30), stopped).await.expect("the watchdog stopped");
+    // Its longest pause is 0.3 s: ten of them with no call is a watchdog that ended.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(calls(), sampled, "an idle, quiet session costs the engine nothing");
+    // The next run's lease is watched again.
+    short("2").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(calls() > sampled, "a new lease starts a new watchdog");
+}
