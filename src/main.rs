@@ -196,11 +196,11 @@ fn main() -> std::process::ExitCode {
         }
     };
     // `pyberth run` shares stderr with the program it runs: only errors of our own there (its
-    // notices come as [pyberth] lines).
+    // notices come as [pyberth] lines), and code mode's audit (one line per bridged tool call).
     // `pyberth bench` is an MCP client too: rmcp would log every notification it receives (a
     // 1 MiB progress message whole) over the figures.
     let default_level = match cli.command {
-        Command::Run(_) => "error",
+        Command::Run(_) => "error,pyberth::bridge=info,pyberth::bridge::upstream=warn",
         Command::Bench { .. } => "info,rmcp=warn",
         // Its stdout is the server's channel; only real trouble goes to stderr.
         Command::EgressProxy => "warn",
