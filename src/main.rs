@@ -234,7 +234,7 @@ fn main() -> std::process::ExitCode {
     let code = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => std::process::ExitCode::from(pyberth::runner::run(args).await),
-            command => match run(command).await {
+            command => match run(command, cli.config).await {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -249,7 +249,8 @@ fn main() -> std::process::ExitCode {
     code
 }
 
-async fn run(command: Command) -> anyhow::Result<()> {
+/// `config_path`: the config file read, if any (`pyberth bench` passes it to its servers).
+async fn run(command: Command, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     match command {
         Command::Serve { cfg, http } => serve(cfg, http).await,
         Command::EgressProxy => Ok(pyberth::egress::proxy::run().await?),
@@ -263,7 +264,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Image { action: ImageAction::Build { cfg, force, all, environment } } => {
             image_build(cfg, force, all, environment.as_deref()).await
         }
-        Command::Bench { cfg, args } => bench::run(cfg, args).await,
+        Command::Bench { cfg, args } => bench::run(cfg, args, config_path).await,
         Command::Envs { cfg } => {
             let out = envs::listing(&cfg)?;
             #[allow(clippy::print_stdout)] // the listing is the command's output
