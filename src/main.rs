@@ -197,11 +197,11 @@ fn main() -> std::process::ExitCode {
         }
     };
     // `pyberth run` shares stderr with the program it runs: only errors of our own there (its
-    // notices come as [pyberth] lines).
+    // notices come as [pyberth] lines), and code mode's audit (one line per bridged tool call).
     // `pyberth bench` is an MCP client too: rmcp would log every notification it receives (a
     // 1 MiB progress message whole) over the figures.
     let default_level = match cli.command {
-        Command::Run(_) => "error",
+        Command::Run(_) => "error,pyberth::bridge=info,pyberth::bridge::upstream=warn",
         Command::Bench { .. } => "info,rmcp=warn",
         // Its stdout is the server's channel; only real trouble goes to stderr.
         Command::EgressProxy => "warn",
@@ -235,7 +235,7 @@ fn main() -> std::process::ExitCode {
     let code = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => std::process::ExitCode::from(pyberth::runner::run(args).await),
-            command => match run(command).await {
+            command => match run(command, cli.config).await {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -250,7 +250,8 @@ fn main() -> std::process::ExitCode {
     code
 }
 
-async fn run(command: Command) -> anyhow::Result<()> {
+/// `config_path`: the config file read, if any (`pyberth bench` passes it to its servers).
+async fn run(command: Command, config_path: Option<std::path::PathBuf>) -> anyhow::Result<()> {
     match command {
         Command::Serve { cfg, http } => serve(cfg, http).await,
         Command::EgressProxy => Ok(pyberth::egress::proxy::run().await?),
@@ -264,7 +265,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Image { action: ImageAction::Build { cfg, force, all, environment } } => {
             image_build(cfg, force, all, environment.as_deref()).await
         }
-        Command::Bench { cfg, args } => bench::run(cfg, args).await,
+        Command::Bench { cfg, args } => bench::run(cfg, args, config_path).await,
         Command::Envs { cfg } => {
             let out = envs::listing(&cfg)?;
             #[allow(clippy::print_stdout)] // the listing is the command's output

@@ -23,6 +23,7 @@ mod floors;
 mod install;
 mod rows;
 mod table;
+mod upstream;
 
 use drive::{Server, bench_store, fresh_samples, raw_warm};
 use table::Table;
@@ -60,6 +61,16 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=burst::MOST),
           conflicts_with_all = ["durable_only", "installer_only", "quick"])]
     pub burst: Option<u16>,
+    /// Code mode: time SERVER.TOOL (an upstream of the config file) called from Python in a
+    /// session beside a direct MCP call to it, in the same run (with --quick too).
+    #[arg(long, value_name = "SERVER.TOOL", conflicts_with_all = ["durable_only", "installer_only"])]
+    pub upstream_bench: Option<String>,
+    /// The tool's arguments, a JSON object.
+    #[arg(long, value_name = "JSON", default_value = "{}", requires = "upstream_bench")]
+    pub upstream_bench_args: String,
+    /// The environment whose sessions make the bridged calls; it must allow the tool.
+    #[arg(long, value_name = "NAME", default_value = "default", requires = "upstream_bench")]
+    pub upstream_bench_environment: String,
 }
 
 /// How much of each is measured: the arguments, or `--quick`'s smaller set.
@@ -112,8 +123,13 @@ impl Plan {
     }
 }
 
-/// Runs the benchmark and prints its figures as they come.
-pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Result<()> {
+/// Runs the benchmark and prints its figures as they come. `config_file`: the one the
+/// command read, for the servers it starts.
+pub(crate) async fn run(
+    mut cfg: SandboxConfig,
+    args: BenchArgs,
+    config_file: Option<std::path::PathBuf>,
+) -> anyhow::Result<()> {
     let host = pyberth::app::Host::open(&cfg).await?;
     // Settles the runtime (`auto` included) and says whether gVisor is there, as serve does.
     let engine = host.check(&mut cfg, pyberth::app::Voice::Loud).await?;
@@ -147,8 +163,16 @@ pub(crate) async fn run(mut cfg: SandboxConfig, args: BenchArgs) -> anyhow::Resu
         table.finish();
         r
     } else {
-        let mut table = Table::new(plan.steps(cfg.pool_size > 0));
+        let bridged = args.upstream_bench.as_deref();
+        let mut table = Table::new(plan.steps(cfg.pool_size > 0) + usize::from(bridged.is_some()));
         let r = whole(&docker, &cfg, &img, &instance, &plan, &mut table).await;
+        let r = match r {
+            Ok(()) if bridged.is_some() => {
+                table.step("code mode: a bridged call beside a direct one");
+                upstream::rows(&cfg, config_file.as_deref(), &instance, &args, plan.runs, &mut table).await
+            }
+            r => r,
+        };
         let r = match (r, &engine.gvisor) {
             // Both runtimes side by side, on what a runtime changes, when the engine has gVisor.
             (Ok(()), Some(g)) if plan.everything => {

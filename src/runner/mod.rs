@@ -27,6 +27,7 @@ use crate::protocol::Stream;
 use crate::session::registry::{Error as RegistryError, Registry};
 use crate::session::{RunOutcome, RunSpec, RunStatus, Session};
 
+mod bridged;
 mod neutralize;
 use crate::output::one_line;
 use neutralize::Neutralizer;
@@ -117,6 +118,8 @@ struct JsonResult {
     /// What the run made but was not copied back, and why.
     output_held_back: Option<Vec<HeldBackJson>>,
     notices: Vec<String>,
+    /// Code-mode tool calls, made and refused.
+    tool_calls: crate::bridge::CallCounts,
 }
 
 #[derive(Debug, Serialize)]
@@ -335,6 +338,12 @@ async fn in_session(
         }
         Target::Command(cmd) => (None, cmd),
     };
+    // Code mode: a script runs in the interpreter that holds the agent channel (`bridged.rs`).
+    let bridge = registry.grant(&session);
+    let (file, code) = match file {
+        Some(rel) if bridge.is_some() => (None, bridged::in_process(&rel, &args.args)),
+        file => (file, String::new()),
+    };
     let ct = CancellationToken::new();
     let interrupted = ct.clone();
     let watcher = tokio::spawn(async move {
@@ -349,13 +358,8 @@ async fn in_session(
         }
     };
     let started = SystemTime::now();
-    let spec = RunSpec {
-        args: if file.is_some() { args.args.clone() } else { Vec::new() },
-        file,
-        cmd,
-        env,
-        ..Default::default()
-    };
+    let spec =
+        RunSpec { args: if file.is_some() { args.args.clone() } else { Vec::new() }, code, file, cmd, env, bridge };
     let timeout = Duration::from_secs_f64(args.timeout);
     let ran = session.run(spec, timeout, &ct, &observer).await;
     watcher.abort();
@@ -466,13 +470,20 @@ fn report(args: &RunArgs, outcome: &RunOutcome, code: u8, copied: Option<&Moved>
         match outcome.status {
             RunStatus::Timeout => eprintln!("[pyberth] timeout: stopped after {} s", args.timeout),
             RunStatus::Oom => {}
-            // The program's own failure speaks for itself; anything else is explained.
+            // The program's own failure speaks for itself (a script run in the interpreter
+            // printed its traceback or exit message); anything else is explained.
             RunStatus::Error => {
-                if let Some(e) = outcome.error.as_ref().filter(|e| e.kind != "ExitStatus") {
+                if let Some(e) =
+                    outcome.error.as_ref().filter(|e| !matches!(e.kind.as_str(), "ExitStatus" | "SystemExit"))
+                {
                     eprintln!("[pyberth] {}: {}", one_line(&e.kind), one_line(&e.message));
                 }
             }
             _ => {}
+        }
+        let calls = outcome.tool_calls;
+        if calls.made + calls.refused > 0 {
+            eprintln!("[pyberth] tool calls: {} made, {} refused", calls.made, calls.refused);
         }
         // Always the last line, and one the program cannot forge: its own lines that start with
         // `[pyberth]` were defused (unless --raw-output).
@@ -535,6 +546,7 @@ fn print_json(o: &RunOutcome, code: u8, copied: Option<&Moved>) {
         output_held_back: copied
             .map(|m| m.held_back.iter().map(|(p, w)| HeldBackJson { path: rel(p), why: w.why() }).collect()),
         notices: o.notices.clone(),
+        tool_calls: o.tool_calls,
     };
     #[allow(clippy::print_stdout)] // --json: the result is the command's output
     {

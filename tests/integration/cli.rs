@@ -9,10 +9,22 @@ use crate::common::{assert_cleaned_up, instance_name, state_dir};
 
 /// Runs `pyberth run ARGS` in `cwd` (stdin from `input`), returning its output and instance.
 async fn pyberth_run(tag: &str, cwd: &Path, args: &[&str], input: Option<&str>) -> (Output, String) {
+    pyberth_run_with(tag, cwd, args, input, &[]).await
+}
+
+/// [`pyberth_run`] with environment variables of its own (e.g. `PYBERTH_CONFIG`).
+pub(crate) async fn pyberth_run_with(
+    tag: &str,
+    cwd: &Path,
+    args: &[&str],
+    input: Option<&str>,
+    envs: &[(&str, &str)],
+) -> (Output, String) {
     let instance = instance_name(tag);
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"));
     cmd.arg("run")
         .args(args)
+        .envs(envs.iter().copied())
         .current_dir(cwd)
         .env("PYBERTH_INSTANCE", &instance)
         .env("PYBERTH_STATE_DIR", state_dir())

@@ -421,3 +421,54 @@ async fn a_principals_own_list_narrows_its_sessions_and_nothing_a_session_sends_
     drop((alice, bob));
     s.stop().await;
 }
+
+/// `pyberth run` of a script in code mode: the same configuration file, the same allow-list,
+/// enforced by the same server code; the program's own exit status.
+#[tokio::test(flavor = "multi_thread")]
+async fn pyberth_run_scripts_call_the_same_upstreams_under_the_same_allow_list() {
+    use crate::cli::{pyberth_run_with, scratch, streams};
+    let f = Fixture::new("run", ENVIRONMENTS);
+    let dir = scratch("codemode-run");
+    std::fs::write(
+        dir.join("zones.py"),
+        "import sys, tools\nr = tools.time.get_current_time(timezone=sys.argv[1])\n\
+         print('zone', r['timezone'], sorted(r), sys.argv[2:], __name__)\n\
+         try:\n    tools.call('time.convert_time', source_timezone='UTC', time='12:00', target_timezone='Asia/Tokyo')\n\
+         except tools.ToolError as e:\n    print('caught:', e)\n",
+    )
+    .expect("script");
+    std::fs::write(
+        dir.join("off.py"),
+        "import tools\nprint('before')\ntools.call('git.git_log', repo_path='/x')\nprint('after')\n",
+    )
+    .expect("script");
+    let envs = [("PYBERTH_CONFIG", f.config.as_str()), ("CODEMODE_TEST_SECRET", SECRET)];
+    let timeonly = ["--environment", "timeonly"];
+
+    let args = [&timeonly[..], &["zones.py", "--", "Europe/Paris", "x y"]].concat();
+    let (o, _) = pyberth_run_with("cm-run", &dir, &args, None, &envs).await;
+    let (out, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(0), "stdout: {out}\nstderr: {err}");
+    assert!(
+        out.contains("zone Europe/Paris ['datetime', 'day_of_week', 'is_dst', 'timezone'] ['x y'] __main__"),
+        "{out}"
+    );
+    assert!(out.contains("caught: time.convert_time is not on this session's allow-list"), "{out}");
+    // The audit, one line per call, and our own count in the closing lines.
+    let audit: Vec<&str> = err.lines().filter(|l| l.contains("bridged tool call")).collect();
+    assert_eq!(audit.len(), 2, "{err}");
+    assert!(audit.iter().any(|l| l.contains("get_current_time") && l.contains("ok") && l.contains("cli")), "{err}");
+    assert!(audit.iter().any(|l| l.contains("convert_time") && l.contains("refused")), "{err}");
+    assert!(err.contains("[pyberth] tool calls: 1 made, 1 refused"), "{err}");
+    assert!(!out.contains(SECRET) && !err.contains(SECRET));
+
+    // A tool off the list, not caught: the script's traceback names the refusal, exit 1.
+    let (o, _) = pyberth_run_with("cm-off", &dir, &[&timeonly[..], &["off.py"]].concat(), None, &envs).await;
+    let (out, err) = streams(&o);
+    assert_eq!(o.status.code(), Some(1), "stdout: {out}\nstderr: {err}");
+    assert_eq!(out, "before\n");
+    assert!(err.contains("ToolError: git.git_log is not on this session's allow-list"), "{err}");
+    assert!(err.contains("off.py\", line 3"), "the traceback starts at the script: {err}");
+    assert!(!err.contains("runpy"), "none of the wrapper's frames: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
