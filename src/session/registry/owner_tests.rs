@@ -341,7 +341,8 @@ async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
     let stopped = async {
         let mut last = calls();
         loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            // Longer than the watchdog's longest pause (0.3 s): a step with no call is an end.
+            tokio::time::sleep(Duration::from_millis(500)).await;
             let now = calls();
             if now > before && now == last {
                 return now;
@@ -350,11 +351,12 @@ async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
         }
     };
     let sampled = tokio::time::timeout(Duration::from_secs(30), stopped).await.expect("the watchdog stopped");
-    // Its longest pause is 0.3 s: ten of them with no call is a watchdog that ended.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Its longest pause is 0.3 s: five of them with no call is a watchdog that ended.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(calls(), sampled, "an idle, quiet session costs the engine nothing");
     // The next run's lease is watched again.
     short("2").await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Its lease passes 1 s after it started; the first sample follows within 10 ms.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(calls() > sampled, "a new lease starts a new watchdog");
 }
