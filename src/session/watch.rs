@@ -38,13 +38,13 @@ mod timing {
     pub(super) const QUIET_FOR: Duration = Duration::from_secs(120);
 }
 
-/// The same steps, a hundred times shorter, so owner tests see a watchdog end in real time.
+/// The same steps, some hundred times shorter, so owner tests see a watchdog end in real time.
 #[cfg(test)]
 mod timing {
     use std::time::Duration;
     pub(super) const FIRST: Duration = Duration::from_millis(10);
-    pub(super) const LONGEST: Duration = Duration::from_millis(300);
-    pub(super) const QUIET_FOR: Duration = Duration::from_millis(1200);
+    pub(super) const LONGEST: Duration = Duration::from_millis(100);
+    pub(super) const QUIET_FOR: Duration = Duration::from_millis(500);
 }
 
 /// The container's CPU time at a moment when no call held the session.

@@ -327,12 +327,12 @@ async fn a_burst_of_new_sessions_grows_the_pool_to_its_max_and_a_stop_leaves_not
 async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
     let b = Bench::new(&[]);
     let (s, _) = b.open("alice", "idle").await.expect("opened");
-    // A run with a 1 s limit: its lease passes 1 s after it started. Under test the
-    // watchdog's steps are a hundred times shorter (`watch.rs`): quiet for 1.2 s, it ends.
+    // A run with a 200 ms limit: its lease passes 200 ms after it started. Under test the
+    // watchdog's steps are far shorter (`watch.rs`): quiet for 0.5 s, it ends.
     let short = |code: &str| {
         let spec = RunSpec { code: code.into(), ..RunSpec::default() };
         let s = s.clone();
-        async move { s.run(spec, Duration::from_secs(1), &CancellationToken::new(), &|_, _| {}).await.expect("a run") }
+        async move { s.run(spec, Duration::from_millis(200), &CancellationToken::new(), &|_, _| {}).await.expect("a run") }
     };
     assert_eq!(short("1").await.result.as_deref(), Some("1"));
     let calls = || b.fake.world().stats_calls;
@@ -341,8 +341,8 @@ async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
     let stopped = async {
         let mut last = calls();
         loop {
-            // Longer than the watchdog's longest pause (0.3 s): a step with no call is an end.
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            // Longer than the watchdog's longest pause (0.1 s): a step with no call is an end.
+            tokio::time::sleep(Duration::from_millis(250)).await;
             let now = calls();
             if now > before && now == last {
                 return now;
@@ -351,12 +351,12 @@ async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
         }
     };
     let sampled = tokio::time::timeout(Duration::from_secs(30), stopped).await.expect("the watchdog stopped");
-    // Its longest pause is 0.3 s: five of them with no call is a watchdog that ended.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Its longest pause is 0.1 s: six of them with no call is a watchdog that ended.
+    tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(calls(), sampled, "an idle, quiet session costs the engine nothing");
     // The next run's lease is watched again.
     short("2").await;
-    // Its lease passes 1 s after it started; the first sample follows within 10 ms.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Its lease passes 200 ms after it started; the first sample follows within 10 ms.
+    tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(calls() > sampled, "a new lease starts a new watchdog");
 }
