@@ -64,18 +64,26 @@ impl Blueprint {
         let mut spec = self.spec.clone();
         spec.mounts.insert(0, store);
         let made = container::create(docker, &spec, image, owner, label, principal).await?;
-        // Never a sandbox that could outlive this server for good (docs/design.md D12).
-        if let Err(e) = docker::tether::hold(docker, &made.id, spec.orphan_after).await {
+        if let Err(e) = self.tether_and_egress(docker, &made.id, &spec).await {
             container::destroy(docker, &made).await;
             return Err(e);
         }
-        if let Some(egress) = &self.egress
-            && let Err(e) = egress.after_start(docker, &made.id).await
-        {
-            container::destroy(docker, &made).await;
-            return Err(e.into());
-        }
         Ok(made)
+    }
+
+    /// A started container tethered to this server, never able to outlive it for good
+    /// (docs/design.md D12), then egress finished (its CA bundle in place before any code).
+    async fn tether_and_egress(
+        &self,
+        docker: &dyn Engine,
+        id: &str,
+        spec: &container::Spec,
+    ) -> Result<(), docker::Error> {
+        docker::tether::hold(docker, id, spec.orphan_after).await?;
+        if let Some(egress) = &self.egress {
+            egress.after_start(docker, id).await?;
+        }
+        Ok(())
     }
 
     /// A new container on the volumes a session kept when its container went with no server
@@ -100,11 +108,7 @@ impl Blueprint {
         let finish = async {
             // Before the tether, which empties the copy (the copy is back by then).
             docker::exec::run_as_code(docker, &made.id, uid, docker::tether::COPY_BACK).await?;
-            docker::tether::hold(docker, &made.id, spec.orphan_after).await?;
-            if let Some(egress) = &self.egress {
-                egress.after_start(docker, &made.id).await?;
-            }
-            Ok::<(), docker::Error>(())
+            self.tether_and_egress(docker, &made.id, &spec).await
         };
         if let Err(e) = finish.await {
             container::remove_container(docker, &made.id).await;
