@@ -110,7 +110,7 @@ pub(super) struct JobList {
 
 /// A finished job's result as a run's: with its `egress` totals when its session has egress.
 /// A stream its text cuts is read whole from the job's record, by offsets.
-fn render_job(job: &Job, o: &crate::session::RunOutcome, budget: usize) -> CallToolResult {
+pub(super) fn render_job(job: &Job, o: &crate::session::RunOutcome, budget: usize) -> CallToolResult {
     let whole = |name: &str, c: &crate::output::Capture| {
         Some(format!(
             "job_status job={:?} {name}_offset=0 and on (the job keeps its first {} bytes)",
@@ -145,7 +145,7 @@ pub(super) fn page(bytes: Vec<u8>, offset: usize, keep: usize) -> (String, usize
 impl SandboxServer {
     /// The text budget of a job's session (its environment's), or the server's once the
     /// session is gone.
-    fn budget_of(&self, job: &Job) -> usize {
+    pub(super) fn budget_of(&self, job: &Job) -> usize {
         self.registry.find(&job.principal, &job.session).map_or(self.cfg.text_budget, |s| s.settings().text_budget)
     }
 
@@ -183,6 +183,8 @@ impl SandboxServer {
             }
         };
         if !finished {
+            // A client that declared the tasks extension gets a task for it instead (tasks.rs).
+            super::tasks::TaskSlot::hand(ctx, job, &notices);
             return Ok(running_job(job, notices, self.budget_of(job)));
         }
         match job.result().as_deref() {

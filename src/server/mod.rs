@@ -7,6 +7,7 @@
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
 //! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
 //! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
+//! - `tasks.rs`: MCP Tasks (`tasks/get`, `tasks/cancel`) over jobs, for clients that declare them;
 //! - `types.rs` the tools' arguments and results, `render.rs` the results' text (`budget.rs`
 //!   its size in characters), `error.rs` the
 //!   one way a tool fails, `live.rs` output while a call works, `fit.rs` the message budget.
@@ -44,6 +45,7 @@ mod render;
 mod run;
 mod sessions;
 mod snapshots;
+mod tasks;
 mod transfer;
 mod types;
 
@@ -132,12 +134,18 @@ impl ServerHandler for SandboxServer {
     async fn call_tool(
         &self,
         request: rmcp::model::CallToolRequestParams,
-        context: RequestContext<RoleServer>,
+        mut context: RequestContext<RoleServer>,
     ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
         // Every failure of the tool is logged inside this span (error.rs).
         let span = tracing::info_span!("tool", name = %request.name);
+        let tasks = tasks::TaskSlot::offer(&mut context);
         let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
-        Ok(match self.tool_router.call(tcc).instrument(span).await? {
+        let response = self.tool_router.call(tcc).instrument(span).await?;
+        // A run that went to the background is a task for a client that declared them.
+        if let Some(task) = tasks.and_then(|t| t.take()) {
+            return Ok(rmcp::model::CallToolResponse::Task(task));
+        }
+        Ok(match response {
             rmcp::model::CallToolResponse::Complete(r) => {
                 rmcp::model::CallToolResponse::Complete(fit::fit(r, fit::BUDGET))
             }
@@ -145,10 +153,28 @@ impl ServerHandler for SandboxServer {
         })
     }
 
+    async fn get_task(
+        &self,
+        request: rmcp::model::GetTaskParams,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::GetTaskResult, ErrorData> {
+        self.task_get(request, &ctx)
+    }
+
+    async fn cancel_task(
+        &self,
+        request: rmcp::model::CancelTaskParams,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        self.task_cancel(&request, &ctx);
+        Ok(())
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new({
             #[allow(deprecated)] // logging: still how pre-2026 clients ask for live output as log messages
-            let caps = ServerCapabilities::builder().enable_tools().enable_resources().enable_logging().build();
+            let caps =
+                ServerCapabilities::builder().enable_tools().enable_resources().enable_logging().enable_tasks().build();
             caps
         })
         .with_server_info(Implementation::new("pyberth", env!("CARGO_PKG_VERSION")))

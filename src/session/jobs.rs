@@ -23,7 +23,7 @@ use crate::durable::ledger::Ledger;
 mod kept;
 
 /// Finished jobs kept at most this long.
-const KEEP_FINISHED: Duration = Duration::from_secs(3600);
+pub(crate) const KEEP_FINISHED: Duration = Duration::from_secs(3600);
 /// Finished jobs kept at most this many per principal.
 const MAX_FINISHED: usize = 200;
 /// Bytes of images (base64) kept in finished jobs per principal. Each run's images are

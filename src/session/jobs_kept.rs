@@ -149,6 +149,13 @@ pub(super) fn bound_records(newest_first: &[&Job]) {
     }
 }
 
+impl Job {
+    /// How long ago it finished, once it has (a task's last update, `server/tasks.rs`).
+    pub fn finished_ago(&self) -> Option<Duration> {
+        self.finished.lock().ok().and_then(|f| f.as_ref().map(|(t, _)| t.elapsed()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -46,7 +46,7 @@ impl Drop for StateDir {
 
 pub(crate) struct Server {
     child: Child,
-    port: u16,
+    pub(crate) port: u16,
     pub(crate) instance: String,
     log: Arc<Mutex<String>>,
 }

@@ -52,6 +52,8 @@ mod orphan;
 mod ended;
 // Background jobs across restarts: one that woke its session, one finished before the stop.
 mod adopt_jobs;
+// MCP Tasks over jobs: a declared client's task, polled, cancelled, read across a restart.
+mod tasks;
 // Adoption under attack: an impostor keeper answers the next server's reattach.
 mod adopt_forged;
 // Controlled egress: the filtering proxy, its allow-lists, and what a session cannot reach.
