@@ -172,6 +172,11 @@ async fn a_2025_client_that_declared_tasks_at_initialize_gets_one() {
     let id = start_task(&client, json!({ "code": "print('hi')\n'done'", "background": true })).await;
     let v = until(&client, &id, "completed", |v| v["status"] == "completed").await;
     assert_eq!(v["result"]["structuredContent"]["stdout"], "hi\n", "{v}");
+    // A run that fails is a completed task whose result is the tool error the call would give.
+    let id = start_task(&client, json!({ "code": "import time\ntime.sleep(0.5)\n1 / 0", "background": true })).await;
+    let v = until(&client, &id, "completed", |v| v["status"] == "completed").await;
+    assert_eq!(v["result"]["isError"], true, "{v}");
+    assert_eq!(v["result"]["structuredContent"]["error"]["type"], "ZeroDivisionError", "{v}");
     let _ = client.cancel().await;
     let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
     assert_cleaned_up(&instance).await;
