@@ -26,7 +26,7 @@ use crate::session::jobs::{Finished, Job, KEEP_FINISHED};
 /// How often a client should poll `tasks/get` (a hint; output arrives continuously).
 const POLL_INTERVAL_MS: u64 = 1000;
 
-/// The `_meta` key of a task's job facts (reverse-DNS-free prefix: ours alone).
+/// The `_meta` key of a task's job facts (a prefix of our own, as `_meta` keys allow).
 const JOB_META: &str = "pyberth/job";
 
 /// Put in a `tools/call`'s extensions when its request declared the extension: a run that
