@@ -7,6 +7,7 @@
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
 //! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
 //! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
+//! - `modern.rs`: what MCP 2026-07-28 adds: `session` as `Mcp-Param-Session`, cache hints;
 //! - `types.rs` the tools' arguments and results, `render.rs` the results' text (`budget.rs`
 //!   its size in characters), `error.rs` the
 //!   one way a tool fails, `live.rs` output while a call works, `fit.rs` the message budget.

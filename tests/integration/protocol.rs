@@ -44,10 +44,15 @@ impl Gen {
 pub(crate) async fn http_client(s: &HttpServer, token: &str, generation: Gen) -> Client {
     let config = StreamableHttpClientTransportConfig::with_uri(s.url("/mcp")).auth_header(token);
     let transport = StreamableHttpClientTransport::from_config(config);
-    Recorder::default()
+    let client = Recorder::default()
         .serve_with_lifecycle(transport, generation.lifecycle())
         .await
-        .unwrap_or_else(|e| panic!("{generation:?} client over HTTP: {e}"))
+        .unwrap_or_else(|e| panic!("{generation:?} client over HTTP: {e}"));
+    // As clients do before calling: rmcp's HTTP transport learns from the list which
+    // arguments travel as `Mcp-Param-*` headers, and the server refuses a call without them.
+    let tools = client.list_all_tools().await.expect("tools/list");
+    assert!(tools.iter().any(|t| t.name == "run_python"), "{tools:?}");
+    client
 }
 
 /// The server environment that allows the egress upstream to sessions of environment `net`.
