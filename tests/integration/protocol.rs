@@ -184,6 +184,28 @@ async fn capped(c: &Client, label: &str) {
     assert!(text(&r).contains("close_session"), "{label}: {}", text(&r));
 }
 
+/// Live output as each generation asks for it: progress for the token rmcp's client puts on
+/// every request; log messages for the older client after `logging/setLevel`, and never for a
+/// 2026-07-28 request that carries no level (rmcp's client sends none).
+async fn notifications(s: &Server, generation: Gen) {
+    #[allow(deprecated)] // logging/setLevel: how a 2025-11-25 client asks for log messages
+    if generation == Gen::Legacy {
+        let level = rmcp::model::SetLevelRequestParams::new(rmcp::model::LoggingLevel::Info);
+        s.client().set_level(level).await.expect("logging/setLevel");
+    }
+    s.take_heard();
+    s.ok("st", "print('live-line', flush=True)").await;
+    // rmcp's client handles notifications in tasks of their own: give them a moment to land.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let heard = s.take_heard();
+    let of = |kind: &str| heard.iter().filter(|h| h.kind == kind && h.text.contains("live-line")).count();
+    assert!(of("progress") >= 1, "{generation:?}: no progress: {heard:?}");
+    match generation {
+        Gen::Legacy => assert!(of("log") >= 1, "after setLevel info: {heard:?}"),
+        Gen::Modern => assert_eq!(heard.iter().filter(|h| h.kind == "log").count(), 0, "{heard:?}"),
+    }
+}
+
 /// One stdio server per generation, the suite on each, then the cap.
 async fn over_stdio(generation: Gen) {
     let tag = instance_name(&format!("proto-{generation:?}").to_lowercase());
@@ -192,6 +214,7 @@ async fn over_stdio(generation: Gen) {
     let s = Server::start_with_lifecycle(&tag, &borrowed(&env), generation.lifecycle()).await;
     let label = format!("stdio-{generation:?}").to_lowercase();
     core_suite(s.client(), &label).await;
+    notifications(&s, generation).await;
     let (r, _) = call(s.client(), "run_python", json!({ "session": "fifth", "code": "1" })).await;
     ok(&r, &label);
     capped(s.client(), &label).await;

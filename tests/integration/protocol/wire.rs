@@ -176,6 +176,13 @@ async fn reads_are_private_and_uncached_and_logs_go_only_to_a_request_that_asked
     let gone = "pyberth://sessions/h/files/none.txt";
     let (_, msgs) = post(&s, &request(7, "resources/read", json!({ "uri": gone }), json!({})), &[]).await;
     assert_eq!(response(&msgs)["error"]["code"], -32602, "{msgs:?}");
+    // A 2025-11-25 client gets no hints: they are not in its revision.
+    let legacy = super::http_client(&s, ALICE, super::Gen::Legacy).await;
+    let tools = legacy.list_tools(None).await.expect("tools/list");
+    assert_eq!((tools.ttl_ms, tools.cache_scope), (None, None));
+    let read = legacy.read_resource(rmcp::model::ReadResourceRequestParams::new(uri)).await.expect("read");
+    assert_eq!((read.ttl_ms, read.cache_scope), (None, None));
+    let _ = legacy.cancel().await;
     s.stop().await;
 }
 
