@@ -138,6 +138,16 @@ async fn session_is_an_mcp_param_header_and_a_mismatch_is_refused_before_any_too
     let sessions = response(&msgs)["result"]["structuredContent"]["sessions"].clone();
     let names: Vec<&str> = sessions.as_array().into_iter().flatten().filter_map(|s| s["session"].as_str()).collect();
     assert_eq!(names, ["routed"], "{sessions}");
+
+    // Every tool answers a 2026-07-28 call with a tool result (an error for missing
+    // arguments is one), never a protocol error.
+    for (i, t) in tools.iter().enumerate() {
+        let name = t["name"].as_str().expect("tool name");
+        let body = request(100 + i as u64, "tools/call", json!({ "name": name, "arguments": {} }), json!({}));
+        let (status, msgs) = post(&s, &body, &[]).await;
+        assert_eq!(status, 200, "{name}: {msgs:?}");
+        assert!(response(&msgs)["result"]["content"].is_array(), "{name}: {msgs:?}");
+    }
     s.stop().await;
 }
 
