@@ -99,10 +99,11 @@ async def main():
         r, sc = await call(c, "run_python", {"session": "st", "code": "print('live-line', flush=True)"})
         check(not r.is_error, f"{r}")
         for _ in range(50):
-            if heard:
+            if "live-line" in "".join(str(p.data) for p in heard):
                 break
             await asyncio.sleep(0.1)
-        check(any("live-line" in str(p.data) for p in heard), f"no log message with level info: {heard}")
+        said = "".join(p.data.get("text", "") for p in sorted(heard, key=lambda p: p.data.get("seq", 0)))
+        check("live-line" in said, f"no log message with level info: {heard}")
     print("SDK-SUITE-OK", version, flush=True)
 
 

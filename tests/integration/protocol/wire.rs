@@ -107,6 +107,7 @@ async fn session_is_an_mcp_param_header_and_a_mismatch_is_refused_before_any_too
     // Cache hints on the tool list: the same for every caller, and long-lived.
     assert_eq!(list["cacheScope"], "public", "{list}");
     assert_eq!(list["ttlMs"], 3_600_000, "{list}");
+    assert_eq!(list["resultType"], "complete", "{list}");
 
     // Header and body agree: the call runs in that session.
     let (status, msgs) =
@@ -168,7 +169,9 @@ async fn reads_are_private_and_uncached_and_logs_go_only_to_a_request_that_asked
     // A level of info asks for output as log messages.
     let (_, msgs) = post(&s, &run(3, "h", code, json!({ "io.modelcontextprotocol/logLevel": "info" })), &hdr).await;
     let logs: Vec<&Value> = msgs.iter().filter(|m| m["method"] == "notifications/message").collect();
-    assert!(logs.iter().any(|m| m["params"]["data"]["text"] == "live-line\n"), "{msgs:?}");
+    // Output may come in several chunks (the text, then its newline): their texts in order.
+    let said: String = logs.iter().filter_map(|m| m["params"]["data"]["text"].as_str()).collect();
+    assert_eq!(said, "live-line\n", "{msgs:?}");
     // A level above info (what output is sent at) asks for none of it.
     let (_, msgs) = post(&s, &run(4, "h", code, json!({ "io.modelcontextprotocol/logLevel": "error" })), &hdr).await;
     assert_eq!(count(&msgs, "notifications/message"), 0, "{msgs:?}");
@@ -182,6 +185,7 @@ async fn reads_are_private_and_uncached_and_logs_go_only_to_a_request_that_asked
     let read = &response(&msgs)["result"];
     assert_eq!(read["contents"][0]["text"], "cached?", "{read}");
     assert_eq!((read["cacheScope"].as_str(), read["ttlMs"].as_u64()), (Some("private"), Some(0)), "{read}");
+    assert_eq!(read["resultType"], "complete", "{read}");
     // A missing file is the 2026 not-found code.
     let gone = "pyberth://sessions/h/files/none.txt";
     let (_, msgs) = post(&s, &request(7, "resources/read", json!({ "uri": gone }), json!({})), &[]).await;
