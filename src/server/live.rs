@@ -90,8 +90,11 @@ pub(super) struct Notifier<'a> {
 
 impl<'a> Notifier<'a> {
     /// Output chunks go out as `info` messages, so only a level of info or debug asks for them.
+    /// A 2026-07-28 request is answered by its own `_meta` level alone: without one it gets
+    /// no log message (the spec's MUST), whatever a `logging/setLevel` on the line said.
     fn new(ctx: &'a RequestContext<RoleServer>, session_level: Option<LoggingLevel>) -> Self {
-        let log = matches!(ctx.meta.log_level().or(session_level), Some(LoggingLevel::Debug | LoggingLevel::Info));
+        let level = if super::modern::is_modern(ctx) { ctx.meta.log_level() } else { session_level };
+        let log = matches!(level, Some(LoggingLevel::Debug | LoggingLevel::Info));
         Self { ctx, token: ctx.meta.get_progress_token(), log, n: 0 }
     }
 

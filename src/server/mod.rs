@@ -8,6 +8,7 @@
 //! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
 //! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
 //! - `tasks.rs`: MCP Tasks (`tasks/get`, `tasks/cancel`) over jobs, for clients that declare them;
+//! - `modern.rs`: what MCP 2026-07-28 adds: `session` as `Mcp-Param-Session`, cache hints;
 //! - `types.rs` the tools' arguments and results, `render.rs` the results' text (`budget.rs`
 //!   its size in characters), `error.rs` the
 //!   one way a tool fails, `live.rs` output while a call works, `fit.rs` the message budget.
@@ -41,6 +42,7 @@ pub(crate) mod fit;
 mod habits;
 mod jobs;
 mod live;
+mod modern;
 mod render;
 mod run;
 mod sessions;
@@ -83,6 +85,7 @@ impl SandboxServer {
                 tool_router.remove_route(&name);
             }
         }
+        modern::mark_session_headers(&mut tool_router);
         Self { registry, cfg, log_level: Arc::default(), tool_router }
     }
 }
@@ -170,6 +173,17 @@ impl ServerHandler for SandboxServer {
         Ok(())
     }
 
+    /// The tool table, with cache hints: the same list for every caller (`--tools` aside).
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::ListToolsResult, ErrorData> {
+        let mut result = rmcp::model::ListToolsResult::with_all_items(self.tool_router.list_all());
+        (result.ttl_ms, result.cache_scope) = modern::static_list_hints(&ctx);
+        Ok(result)
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new({
             #[allow(deprecated)] // logging: still how pre-2026 clients ask for live output as log messages
@@ -197,11 +211,13 @@ impl ServerHandler for SandboxServer {
     async fn list_resource_templates(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _ctx: RequestContext<RoleServer>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
         let template = ResourceTemplate::new("pyberth://sessions/{session}/files/{+path}", "workspace-file")
             .with_description("A file in a session's workspace (/workspace); text or binary, at most 8 MiB per read.");
-        Ok(ListResourceTemplatesResult::with_all_items(vec![template]))
+        let mut result = ListResourceTemplatesResult::with_all_items(vec![template]);
+        (result.ttl_ms, result.cache_scope) = modern::static_list_hints(&ctx);
+        Ok(result)
     }
 
     async fn read_resource(
@@ -240,7 +256,9 @@ impl ServerHandler for SandboxServer {
             Err(e) => ResourceContents::blob(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()), uri)
                 .with_mime_type("application/octet-stream"),
         };
-        Ok(ReadResourceResult::new(vec![contents]).into())
+        let mut result = ReadResourceResult::new(vec![contents]);
+        (result.ttl_ms, result.cache_scope) = modern::private_read_hints(&ctx);
+        Ok(result.into())
     }
 }
 

@@ -13,7 +13,7 @@ use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptionsBuilder, ListVolumesOptionsBuilder};
 use rmcp::model::{CallToolRequestParams, CallToolResult, LoggingMessageNotificationParam, ProgressNotificationParam};
 use rmcp::service::{NotificationContext, RunningService};
-use rmcp::{ClientHandler, RoleClient, ServiceExt};
+use rmcp::{ClientHandler, ClientLifecycleMode, ClientServiceExt as _, RoleClient};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
@@ -150,7 +150,17 @@ impl Server {
         Self::spawn(&instance_name(tag), env, true).await
     }
 
+    /// Starts a server whose client opens with `lifecycle`: `Discover` speaks MCP 2026-07-28
+    /// (no initialize, per-request `_meta`), `Initialize` the 2025-11-25 handshake.
+    pub async fn start_with_lifecycle(tag: &str, env: &[(&str, &str)], lifecycle: ClientLifecycleMode) -> Server {
+        Self::spawn_with(&instance_name(tag), env, false, lifecycle).await
+    }
+
     async fn spawn(instance: &str, env: &[(&str, &str)], minimal: bool) -> Server {
+        Self::spawn_with(instance, env, minimal, ClientLifecycleMode::Initialize).await
+    }
+
+    async fn spawn_with(instance: &str, env: &[(&str, &str)], minimal: bool, lifecycle: ClientLifecycleMode) -> Server {
         let state_dir = state_dir();
         let (log, stderr) = ServerLog::create(instance);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pyberth"));
@@ -181,7 +191,7 @@ impl Server {
         let stdin = child.stdin.take().expect("stdin");
         let recorder = Recorder::default();
         let heard = recorder.heard.clone();
-        let client = recorder.serve((stdout, stdin)).await.expect("MCP initialise");
+        let client = recorder.serve_with_lifecycle((stdout, stdin), lifecycle).await.expect("MCP initialise");
         Server { client: Some(client), heard, child, instance: instance.to_owned(), log }
     }
 
@@ -357,6 +367,8 @@ pub struct Raw {
     lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
     /// Progress notifications read so far.
     pub progress: usize,
+    /// Log notifications (`notifications/message`) read so far.
+    pub logs: usize,
 }
 
 impl Raw {
@@ -377,7 +389,7 @@ impl Raw {
         let mut child = with_test_runtime(&mut cmd).spawn().expect("spawn pyberth");
         let stdin = child.stdin.take().expect("stdin");
         let lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
-        Raw { child, log, stdin, lines, progress: 0 }
+        Raw { child, log, stdin, lines, progress: 0, logs: 0 }
     }
 
     /// Sends one line as it is (with its newline).
@@ -416,6 +428,9 @@ impl Raw {
                 .unwrap_or_else(|e| panic!("not JSON from the server: {e}: {}", excerpt(&line)));
             if v["method"] == "notifications/progress" {
                 self.progress += 1;
+            }
+            if v["method"] == "notifications/message" {
+                self.logs += 1;
             }
             if v["id"] == id {
                 return v;

@@ -75,3 +75,5 @@ mod model_habits;
 mod model_text; // Issue 28 items 4-7: notebook habits, wording, caches, the tool profile.
 // Per-caller snapshot caps (issue 26): count and bytes, hibernated sessions included.
 mod snapshot_caps;
+// Both MCP generations (2026-07-28 and 2025-11-25) over stdio and HTTP, and the 2026 wire rules.
+mod protocol;
