@@ -25,6 +25,8 @@ impl Registry {
                 ttl.as_secs()
             );
             self.ended(&s.principal, &s.name, why);
+            let e = crate::audit::Event::new("session_expired", &s.principal).session(&s.name);
+            self.audit(e.field("idle_s", s.idle().as_secs()).field("state", state));
             s.close().await;
             self.egress.detach(&s.principal, &s.name).await;
         }
@@ -120,6 +122,7 @@ impl Registry {
             packages::settle().await;
             self.egress.drop_idle_installers().await;
             self.say_left(left).await;
+            self.save_quotas();
             return;
         }
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
@@ -136,6 +139,7 @@ impl Registry {
             tracing::warn!(error = %e, "final sweep failed");
         }
         self.egress.shutdown().await;
+        self.save_quotas();
         // Last: until everything else of ours is gone, others see this instance alive.
         let mut owners = self.instance.adopted_owners();
         owners.push(self.instance.owner.clone());
