@@ -126,6 +126,10 @@ impl Registry {
             return;
         }
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
+        for s in &all {
+            let e = crate::audit::Event::new("session_closed", &s.principal).session(&s.name);
+            self.audit(e.field("reason", "server_stopped"));
+        }
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         self.record_layers();
         // Installer volumes still being emptied: theirs before the sweep's.
