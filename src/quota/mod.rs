@@ -316,6 +316,17 @@ mod tests {
     }
 
     #[test]
+    fn egress_past_its_daily_quota_refuses_the_next_run() {
+        let q = quotas("[principals.alice]\negress_mb_per_day = 1\n");
+        q.egress("alice", 1 << 19);
+        q.check_run("alice").expect("half a MiB of one");
+        q.egress("alice", 1 << 19);
+        let e = q.check_run("alice").expect_err("a MiB of one");
+        assert!(e.contains("egress_mb_per_day") && e.contains("1.0 MiB of egress of 1"), "{e}");
+        assert_eq!(q.used("alice").egress_bytes, 1 << 20);
+    }
+
+    #[test]
     fn a_new_utc_day_starts_from_zero() {
         let q = quotas("[principals.alice]\nrun_seconds_per_day = 1\n");
         q.ran("alice", "c1", Duration::from_secs(5));

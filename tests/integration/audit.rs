@@ -245,3 +245,33 @@ async fn stdout_as_the_audit_log_is_refused_over_stdio() {
     assert!(err.contains("--audit-log -") && err.contains("MCP channel") && err.contains("--http"), "{err}");
     assert!(out.stdout.is_empty(), "nothing on the MCP channel");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_session_that_expires_is_recorded() {
+    let dir = log_dir("expired");
+    let log = dir.join("audit.log");
+    let env = [
+        ("PYBERTH_IDLE_TTL", "2"),
+        ("PYBERTH_HIBERNATE_AFTER_S", "0"),
+        ("PYBERTH_AUDIT_LOG", log.to_str().expect("utf-8")),
+    ];
+    let s = Server::start("audit-expired", &env).await;
+    s.ok("idle", "x = 1").await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let expired = loop {
+        // The writer writes within a quarter second of an event.
+        let (_, lines) = records(&dir);
+        if let Some(v) = of(&lines, "session_expired").first() {
+            break (*v).clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no session_expired record");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_common(&expired);
+    assert_eq!(expired["session"], "idle");
+    assert_eq!(expired["principal"], "local");
+    assert!(expired["idle_s"].as_u64() >= Some(2), "{expired}");
+    s.stop().await;
+    let (raw, lines) = records(&dir);
+    assert!(!of(&lines, "session_closed").iter().any(|v| v["session"] == "idle"), "expired, not closed: {raw}");
+}
