@@ -9,8 +9,11 @@ use serde_json::json;
 use crate::common::text;
 use crate::http::{ALICE, BOB, HttpServer, call};
 
-const CONFIG: &str = "[principals.alice]\nrun_seconds_per_day = 2\n\
+const CONFIG: &str = "[principals.alice]\nrun_seconds_per_day = 2\nsnapshot_mb = 1\n\
                       [principals.bob]\nsessions = 1\ncpu_seconds_per_day = 1\n";
+
+/// 2 MiB in the workspace (over alice's snapshot_mb), then past her run-seconds mid-run.
+const BIG_THEN_SLEEP: &str = "import os, time\nopen('big', 'wb').write(os.urandom(2 << 20))\ntime.sleep(2.5)\n'done'";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_principal_over_its_quota_is_refused_while_another_runs_on_and_a_restart_keeps_the_count() {
@@ -28,8 +31,7 @@ async fn a_principal_over_its_quota_is_refused_while_another_runs_on_and_a_resta
     let (alice, bob) = (s.client(ALICE).await, s.client(BOB).await);
 
     // A run that crosses the quota mid-run finishes; the next is refused.
-    let (r, sc) =
-        call(&alice, "run_python", json!({ "session": "a", "code": "import time; time.sleep(2.5); 'done'" })).await;
+    let (r, sc) = call(&alice, "run_python", json!({ "session": "a", "code": BIG_THEN_SLEEP })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
     assert_eq!(sc["status"], "ok", "{sc}");
     let (r, _) = call(&alice, "run_python", json!({ "session": "a", "code": "1" })).await;
@@ -38,6 +40,11 @@ async fn a_principal_over_its_quota_is_refused_while_another_runs_on_and_a_resta
     assert!(e.contains("quota exceeded: run_seconds_per_day"), "which quota: {e}");
     assert!(e.contains("run-seconds of 2"), "the use and the limit: {e}");
     assert!(e.contains("UTC day boundary"), "when it renews: {e}");
+
+    // A snapshot past snapshot_mb is refused, saying so (a snapshot is not a run).
+    let r = call(&alice, "snapshot_session", json!({ "session": "a", "name": "big" })).await.0;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    assert!(text(&r).contains("quota exceeded: snapshot_mb"), "{}", text(&r));
 
     // Bob runs on, within his own quotas.
     let (r, _) = call(&bob, "run_python", json!({ "session": "b", "code": "2 + 2" })).await;
