@@ -88,6 +88,8 @@ pub struct Runtime {
     pub registry: Arc<Registry>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
+    /// The audit log's writer, stopped last (the stop's own events go there too).
+    audit: Option<crate::audit::Writer>,
 }
 
 impl Runtime {
@@ -101,13 +103,23 @@ impl Runtime {
             tracing::info!(instance = %instance.owner.instance, runtime = %engine.runtime, "pyberth starting");
         }
         let cfg = Arc::new(cfg);
+        let (writer, audit) = match audit_sink(&cfg) {
+            Some(sink) => {
+                let (w, a) = crate::audit::Writer::start(&sink).map_err(Error::Settings)?;
+                (Some(w), a)
+            }
+            None => (None, crate::audit::Audit::off()),
+        };
+        audit.emit(config_loaded(&cfg));
         let registry = Arc::new(
-            Registry::new(host.docker, cfg.clone(), instance, engine.sandboxing.clone()).map_err(Error::Settings)?,
+            Registry::new(host.docker, cfg.clone(), instance, engine.sandboxing.clone())
+                .map_err(Error::Settings)?
+                .with_audit(audit),
         );
         if let Err(e) = registry.sweep_leftovers().await {
             tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
         }
-        Ok(Self { cfg, engine, registry, shutdown: CancellationToken::new(), tasks: TaskTracker::new() })
+        Ok(Self { cfg, engine, registry, shutdown: CancellationToken::new(), tasks: TaskTracker::new(), audit: writer })
     }
 
     /// A token cancelled when the runtime stops (and that a front may cancel to stop it).
@@ -120,6 +132,7 @@ impl Runtime {
     pub fn background(&self) {
         self.tasks.spawn(self.registry.clone().reaper(self.shutdown.clone()));
         self.tasks.spawn(self.registry.clone().pool_keeper(self.shutdown.clone()));
+        self.tasks.spawn(self.registry.clone().quota_keeper(self.shutdown.clone()));
         let warm = self.registry.clone();
         let stop = self.shutdown.clone();
         self.tasks.spawn(async move {
@@ -153,5 +166,32 @@ impl Runtime {
         // (or gone) before the registry removes what it holds, or it outlives the server.
         self.tasks.wait().await;
         self.registry.shutdown(leave).await;
+        if let Some(w) = self.audit {
+            w.finish().await;
+        }
     }
+}
+
+/// Where `--audit-log` sends records, if anywhere (`-`: stdout).
+fn audit_sink(cfg: &SandboxConfig) -> Option<crate::audit::Sink> {
+    let path = cfg.audit_log.as_ref()?;
+    Some(if path.as_os_str() == "-" {
+        crate::audit::Sink::Stdout
+    } else {
+        crate::audit::Sink::File {
+            path: path.clone(),
+            max_bytes: cfg.audit_log_mb.saturating_mul(1 << 20),
+            keep: cfg.audit_log_keep,
+        }
+    })
+}
+
+/// The record of the settings a server started with: their hash (secrets are in upstream
+/// settings and the environment: none of them is written), and how many principals have quotas.
+fn config_loaded(cfg: &SandboxConfig) -> crate::audit::Event {
+    let sha = crate::audit::sha256_hex(&serde_json::to_vec(cfg).unwrap_or_default());
+    crate::audit::Event::new("config_loaded", "server")
+        .field("config_sha256", sha)
+        .field("principals", cfg.principals.len())
+        .field("version", env!("CARGO_PKG_VERSION"))
 }

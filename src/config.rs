@@ -345,6 +345,19 @@ pub struct SandboxConfig {
     #[serde(default)]
     pub egress_dns: Vec<String>,
 
+    /// Audit log (docs/observability.md): a file that JSON lines are appended to, rotated by
+    /// size, or `-` for standard output (HTTP mode only: over stdio, stdout is the MCP channel).
+    #[arg(long, env = "PYBERTH_AUDIT_LOG", value_name = "PATH")]
+    pub audit_log: Option<PathBuf>,
+
+    /// Size past which the audit log file is rotated (PATH becomes PATH.1...), MiB.
+    #[arg(long, env = "PYBERTH_AUDIT_LOG_MB", default_value_t = 64)]
+    pub audit_log_mb: u64,
+
+    /// Rotated audit log files kept (PATH.1 ... PATH.N); older ones are removed.
+    #[arg(long, env = "PYBERTH_AUDIT_LOG_KEEP", default_value_t = 5)]
+    pub audit_log_keep: usize,
+
     /// Name of this server instance in container labels (default: random). For tests.
     #[arg(long, env = "PYBERTH_INSTANCE", hide = true)]
     pub instance: Option<String>,
@@ -413,6 +426,7 @@ impl SandboxConfig {
         check(self.idle_ttl_s >= 1, "--idle-ttl-s", "must be at least 1")?;
         check(self.leftover_grace_s >= 1, "--leftover-grace-s", "must be at least 1")?;
         check(self.max_sessions >= 1, "--max-sessions", "must be at least 1")?;
+        check(self.audit_log_mb >= 1, "--audit-log-mb", "must be at least 1")?;
         check(self.max_sessions_total >= 1, "--max-sessions-total", "must be at least 1")?;
         check(
             self.output_cap >= 1024 && self.output_cap <= 4 << 20,

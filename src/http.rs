@@ -314,6 +314,7 @@ impl Listening {
             config,
         );
         let (auth_tokens, allowed) = (self.tokens.clone(), self.allowed.clone());
+        let audit = registry.audit_log();
         Router::new()
             .nest_service("/mcp", mcp)
             // Innermost: needs the principal the token layer found.
@@ -321,7 +322,7 @@ impl Listening {
                 sessions::bind(owners.clone(), manager.clone(), max_body, req, next)
             }))
             .layer(middleware::from_fn(move |req: Request, next: Next| {
-                tokens::authenticate(auth_tokens.clone(), req, next)
+                tokens::authenticate(auth_tokens.clone(), audit.clone(), req, next)
             }))
             // Outermost: a request from elsewhere is refused before its token is looked at.
             .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))

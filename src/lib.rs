@@ -37,6 +37,8 @@
 
 /// The runtime every command starts from: engine, instance, owners, background tasks, stop.
 pub mod app;
+/// The audit log: one JSON line per event a security reviewer cares about (issue 32).
+pub mod audit;
 /// Code mode: Python in a session calls the operator's upstream MCP tools (issue 30).
 pub mod bridge;
 /// Checks on caller input, before any Docker call, shared by the MCP tools and `pyberth run`.
@@ -68,6 +70,8 @@ pub(crate) mod output;
 pub mod packages;
 /// The server↔agent wire format: newline-delimited JSON, reassembled from Docker frames.
 pub(crate) mod protocol;
+/// Quotas per principal: CPU, run time and egress per UTC day, snapshot bytes, sessions (issue 32).
+pub mod quota;
 /// `pyberth run`: a script or command in a fresh sandbox for CI, exit code passed through.
 pub mod runner;
 /// What a session's containers are made from: settings, engine facts, mounts, egress.

@@ -136,6 +136,9 @@ const SERVER_ONLY: &[(&str, &str)] = &[
     ("snapshot_mb_per_caller", "it is a server setting"),
     ("adopt_grace_s", "it is a server setting"),
     ("keep_sessions", "it is a server setting"),
+    ("audit_log", "it is a server setting"),
+    ("audit_log_mb", "it is a server setting"),
+    ("audit_log_keep", "it is a server setting"),
 ];
 
 /// Parses the command line, then fills in from the config file what flags and environment
@@ -398,6 +401,12 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
         cfg.keep_sessions = true;
     }
     let leave = cfg.keep_sessions && cfg.adopt_grace_s > 0;
+    if http.http.is_none() && cfg.audit_log.as_ref().is_some_and(|p| p.as_os_str() == "-") {
+        anyhow::bail!(
+            "--audit-log - writes the audit log to standard output, which is the MCP channel over stdio: give a file \
+             path (--audit-log /var/log/pyberth/audit.log), or serve over HTTP (--http)"
+        );
+    }
     // Tokens, limits and the address before anything starts: a refused start says why last.
     let listening = match http.http {
         Some(addr) => Some(pyberth::http::Listening::bind(&http, addr).await?),

@@ -25,6 +25,8 @@ pub struct Blueprint {
     pub egress: Option<Arc<Attachment>>,
     /// Its environment's read-only host folders, as the operator named them.
     pub mounts: Vec<MountSpec>,
+    /// Where its runs are audited and charged (off unless the registry sets it).
+    pub oversight: crate::audit::Oversight,
 }
 
 impl Blueprint {
@@ -47,7 +49,7 @@ impl Blueprint {
             network: egress.as_ref().map(|a| a.join()),
             orphan_after: cfg.orphan_after(),
         };
-        Self { cfg, spec, egress, mounts: mounts.to_vec() }
+        Self { cfg, spec, egress, mounts: mounts.to_vec(), oversight: crate::audit::Oversight::default() }
     }
 
     /// Makes and starts a container with `store` (the layer store's read-only mount) as well:

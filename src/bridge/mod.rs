@@ -52,8 +52,9 @@ impl Bridge {
         let known = |s: &str| cfg.upstreams.contains_key(s);
         let mut principals = HashMap::new();
         for (who, p) in &cfg.principals {
-            let list = p
-                .tools
+            // An entry with quotas only narrows nothing.
+            let Some(tools) = &p.tools else { continue };
+            let list = tools
                 .iter()
                 .map(|t| policy::Pattern::parse(t, &known))
                 .collect::<Result<Vec<_>, _>>()

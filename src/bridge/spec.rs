@@ -40,14 +40,26 @@ pub struct UpstreamSpec {
     pub max_result_kb: Option<u64>,
 }
 
-/// A principal's own code-mode list (`[principals.NAME]`): it narrows the environment's.
+/// A principal's own settings (`[principals.NAME]`; `[principals."*"]` for every principal
+/// without its own entry): its code-mode list, which narrows the environment's, and its quotas.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PrincipalSpec {
     /// Upstream tools this principal's sessions may call, as an environment's `tools`; a call
-    /// must be on both lists.
+    /// must be on both lists. Absent: the environment's list alone.
     #[serde(default)]
-    pub tools: Vec<String>,
+    pub tools: Option<Vec<String>>,
+    /// Quota (issue 32): CPU-seconds its sessions' containers may use per UTC day.
+    pub cpu_seconds_per_day: Option<u64>,
+    /// Quota: seconds of runs (wall time, jobs included) per UTC day.
+    pub run_seconds_per_day: Option<u64>,
+    /// Quota: MiB of snapshots kept (hibernated sessions included), beside
+    /// `--snapshot-mb-per-caller`.
+    pub snapshot_mb: Option<u64>,
+    /// Quota: MiB moved through the egress proxy (both ways) per UTC day.
+    pub egress_mb_per_day: Option<u64>,
+    /// Quota: sessions open at once, beside `--max-sessions`.
+    pub sessions: Option<usize>,
 }
 
 /// How an upstream is reached, resolved.

@@ -33,6 +33,11 @@ pub struct Totals {
 const MAX_DENIED: usize = 50;
 
 impl Totals {
+    /// Requests refused ever (of which `denied` lists the last few).
+    pub fn refused_total(&self) -> u64 {
+        self.denied_total
+    }
+
     pub(super) fn add(&mut self, r: &Record) {
         if r.allowed {
             let host = format!("{}:{}", r.host, r.port);
@@ -77,7 +82,8 @@ impl Totals {
                 let new = usize::try_from(self.denied_total.saturating_sub(before.denied_total)).unwrap_or(usize::MAX);
                 self.denied[self.denied.len().saturating_sub(new)..].to_vec()
             },
-            denied_total: 0,
+            // The run's own refusals, all of them (the list keeps the last few).
+            denied_total: self.denied_total.saturating_sub(before.denied_total),
             log: Default::default(),
         }
     }

@@ -104,7 +104,14 @@ fn parse_tokens_file(path: &Path) -> Result<Vec<Entry>, Error> {
 }
 
 /// Checks the bearer token and records the caller's principal for the layers and tools after.
-pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Next) -> Response {
+/// Each outcome is audited (the principal, or `unknown`; never the token), coalesced per
+/// principal and minute: a client that retries a bad token thousands of times makes two lines.
+pub(super) async fn authenticate(
+    tokens: Arc<Tokens>,
+    audit: crate::audit::Audit,
+    mut req: Request,
+    next: Next,
+) -> Response {
     if tokens.is_empty() {
         // Loopback only (checked at start): the local user, as over stdio.
         req.extensions_mut().insert(Principal(Arc::from(DEFAULT_PRINCIPAL)));
@@ -118,11 +125,14 @@ pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Ne
         .map(str::trim);
     match presented.and_then(|t| tokens.principal(t.as_bytes())) {
         Some(principal) => {
+            audit.emit(crate::audit::Event::new("token", &principal).outcome("accepted").coalesced());
             req.extensions_mut().insert(Principal(principal));
             authenticated(next.run(req).await)
         }
         None => {
             let why = if presented.is_some() { "the token is not valid" } else { "a bearer token is required" };
+            let missing = if presented.is_some() { "refused" } else { "missing" };
+            audit.emit(crate::audit::Event::new("token", "unknown").outcome(missing).coalesced());
             let body = serde_json::json!({ "error": format!("{why}: send Authorization: Bearer <token>") });
             let mut resp = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
             // The reason in the challenge too (RFC 6750): MCP client libraries surface the

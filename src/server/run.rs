@@ -116,14 +116,18 @@ impl SandboxServer {
         // An adopted session whose egress could not be taken over says so in every run.
         notices.extend(self.registry.egress_notice(&who, &session.name));
         let timeout = check_timeout(timeout_s, session.settings())?;
+        self.registry.quota_check(&who)?;
         let slot = self.registry.run_permit(&who)?;
         if let Some(wait) = wait {
             // A job's egress is counted like a run's: from its start to its end.
-            let tally = self
-                .registry
-                .egress_meter(&who, &session.name)
-                .await
-                .map(|meter| Box::pin(async move { meter.used().await }) as crate::session::jobs::EgressTally);
+            let (registry, owner, name) = (self.registry.clone(), who.clone(), session.name.clone());
+            let tally = self.registry.egress_meter(&who, &session.name).await.map(|meter| {
+                Box::pin(async move {
+                    let used = meter.used().await;
+                    registry.charge_egress(&owner, &name, used.as_ref());
+                    used
+                }) as crate::session::jobs::EgressTally
+            });
             let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot, tally);
             return self.await_job(&job, wait, ctx, notices).await;
         }
@@ -138,6 +142,7 @@ impl SandboxServer {
             Some(meter) => meter.used().await,
             None => None,
         };
+        self.registry.charge_egress(&who, &session.name, egress.as_ref());
         if let Some(e) = &egress {
             outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));
         }
@@ -174,8 +179,29 @@ impl SandboxServer {
             self.notifier(ctx),
             &mut rx,
             self.registry.open(&who, name, environment, packages, allow_hosts, &progress),
-        );
-        Ok(opened.await?)
+        )
+        .await;
+        if !packages.is_empty() {
+            self.audit_install(&who, name, packages, &opened);
+        }
+        Ok(opened?)
+    }
+
+    /// The audit record of an install: the requirements asked for and what came of them.
+    fn audit_install(
+        &self,
+        who: &str,
+        name: &str,
+        packages: &[String],
+        opened: &Result<Opened, crate::session::registry::Error>,
+    ) {
+        let e = crate::audit::Event::new("install", who).session(name).field("packages", packages.to_vec());
+        self.registry.audit(match opened {
+            Ok(o) => e
+                .field("added", o.installed.added.clone())
+                .field("cached", o.installed.layer.as_ref().is_some_and(|l| l.cached)),
+            Err(_) => e.outcome("error"),
+        });
     }
 }
 

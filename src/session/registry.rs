@@ -29,6 +29,7 @@ mod error;
 mod front;
 mod layers;
 mod lifetime;
+mod oversight;
 #[cfg(test)]
 mod owner_tests;
 mod pool;
@@ -84,6 +85,9 @@ pub struct Registry {
     ledger: crate::durable::ledger::Ledger,
     /// The operator's upstream MCP servers, for code mode (issue 30).
     pub bridge: Arc<crate::bridge::Bridge>,
+    /// The audit log and the quotas per principal (issue 32; `oversight.rs`).
+    oversight: crate::audit::Oversight,
+    quotas: Arc<crate::quota::Quotas>,
 }
 
 /// An environment's image, found or built once, and the latest line of its build.
@@ -141,6 +145,8 @@ impl Registry {
         let ledger = crate::durable::ledger::Ledger::of(&cfg);
         let demand = Arc::new(Mutex::new(pool::Demand::new(cfg.pool_size, cfg.pool_max, Instant::now())));
         let snapshots = crate::durable::catalogue::Catalogue::new(ledger.clone(), instance.owner.instance.clone());
+        let quotas = Arc::new(crate::quota::Quotas::load(&cfg, Some(cfg.state_dir())));
+        let oversight = crate::audit::Oversight { quotas: Some(quotas.clone()), ..Default::default() };
         Ok(Self {
             docker,
             cfg,
@@ -163,6 +169,8 @@ impl Registry {
             sandboxing,
             ledger,
             bridge,
+            oversight,
+            quotas,
         })
     }
 
@@ -179,7 +187,9 @@ impl Registry {
         env: &Environment,
         egress: Option<Arc<crate::egress::Attachment>>,
     ) -> Arc<Blueprint> {
-        Arc::new(Blueprint::new(env.cfg.clone(), &self.sandboxing, &env.mounts, egress))
+        let mut blueprint = Blueprint::new(env.cfg.clone(), &self.sandboxing, &env.mounts, egress);
+        blueprint.oversight = self.oversight.clone();
+        Arc::new(blueprint)
     }
 
     /// The session `name` of `principal`, created if new, holding `packages`: the one way a
@@ -285,6 +295,7 @@ impl Registry {
             .cloned();
         if created {
             self.record_layers();
+            self.audit_created(principal, name, &env.name, result.as_ref().err());
         }
         match result {
             Ok(s) => Ok((s, created)),
@@ -329,6 +340,7 @@ impl Registry {
         if slots.len() >= self.cfg.max_sessions_total {
             return Err(Error::ServerFull);
         }
+        self.session_quota(key, slots.keys().filter(|(p, _)| *p == key.0).count())?;
         let slot: Slot = Arc::default();
         slots.insert(key.clone(), slot.clone());
         Ok(slot)
@@ -430,25 +442,13 @@ impl Registry {
             }
         };
         self.ended(principal, name, "was closed by close_session".into());
+        self.audit(
+            crate::audit::Event::new("session_closed", principal).session(name).field("reason", "close_session"),
+        );
         session.close().await;
         self.egress.detach(principal, name).await;
         self.record_layers();
         Ok(())
-    }
-
-    /// A run slot for `principal`, held for the run's life; a clear error when all are taken.
-    pub fn run_permit(&self, principal: &str) -> Result<tokio::sync::OwnedSemaphorePermit, String> {
-        let max = self.cfg.max_runs_per_caller;
-        let sem = {
-            let mut runs = self.runs.lock().map_err(|_| "run slots unavailable".to_owned())?;
-            shared(&mut runs, principal.to_owned(), || tokio::sync::Semaphore::new(max))
-        };
-        sem.try_acquire_owned().map_err(|_| {
-            format!(
-                "you have {max} runs going (the limit per caller): wait for one to finish, or cancel a job \
-                 (list_jobs shows them)"
-            )
-        })
     }
 }
 

@@ -72,6 +72,23 @@ pub struct RunSpec {
     pub bridge: Option<std::sync::Arc<crate::bridge::Grant>>,
 }
 
+impl RunSpec {
+    /// What kind of run it is and the sha256 of what it runs (the code, the script and its
+    /// arguments, or the command): the audit log's record of it, never the text itself.
+    fn audit_hash(&self) -> (&'static str, String) {
+        let sha = crate::audit::sha256_hex;
+        if let Some(file) = &self.file {
+            let mut all = vec![file.as_str()];
+            all.extend(self.args.iter().map(String::as_str));
+            ("file", sha(all.join("\0").as_bytes()))
+        } else if !self.cmd.is_empty() {
+            ("cmd", sha(self.cmd.join("\0").as_bytes()))
+        } else {
+            ("code", sha(self.code.as_bytes()))
+        }
+    }
+}
+
 /// Most times one run reattaches after its stream dropped.
 const MAX_REATTACH: usize = 3;
 
@@ -215,8 +232,41 @@ impl Session {
         self.run_with(spec, timeout, ct, observer, &|_| {}).await
     }
 
-    /// [`Session::run`], telling `on_id` the run's request id before it is sent.
+    /// [`Session::run`], telling `on_id` the run's request id before it is sent. Audited
+    /// (its start and end, with a hash of what it ran) and charged to its principal's quotas.
     pub(super) async fn run_with(
+        &self,
+        spec: RunSpec,
+        timeout: Duration,
+        ct: &CancellationToken,
+        observer: &Observer<'_>,
+        on_id: &OnId<'_>,
+    ) -> Result<RunOutcome, Error> {
+        let watch = &self.blueprint.oversight;
+        let (kind, sha) = spec.audit_hash();
+        let event = |name| {
+            crate::audit::Event::new(name, &self.principal)
+                .session(&self.name)
+                .field("kind", kind)
+                .field("code_sha256", sha.clone())
+        };
+        watch.audit.emit(event("run_started"));
+        let started = Instant::now();
+        let result = self.run_body(spec, timeout, ct, observer, on_id).await;
+        let wall = started.elapsed();
+        let outcome = match &result {
+            Ok(o) => o.status.to_string(),
+            Err(_) => "error".to_owned(),
+        };
+        let ms = u64::try_from(wall.as_millis()).unwrap_or(u64::MAX);
+        watch.audit.emit(event("run_ended").outcome(outcome).field("duration_ms", ms));
+        if let Some(q) = &watch.quotas {
+            q.ran(&self.principal, &self.container_id(), wall);
+        }
+        result
+    }
+
+    async fn run_body(
         &self,
         spec: RunSpec,
         timeout: Duration,

@@ -60,6 +60,10 @@ mod adopt_forged;
 mod egress;
 // Egress under attack from its own sessions: refusal floods.
 mod egress_abuse;
+// The audit log: one line per event, bounded under a flood, never a secret (issue 32).
+mod audit;
+// Quotas per principal: refused past one while another runs on, kept across restarts.
+mod quotas;
 // Live DNS rebinding: a resolver of the test's own against the proxy's checks.
 mod egress_dns;
 // Code mode: Python calls the operator's upstream MCP tools (issue 30).

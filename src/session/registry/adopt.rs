@@ -84,6 +84,8 @@ impl Registry {
             if let Some(env) = taken.takeover {
                 with_egress.push((taken.session.clone(), env));
             }
+            let s = &taken.session;
+            self.audit(crate::audit::Event::new("session_adopted", &s.principal).session(&s.name));
             adopted += 1;
         }
         // Hibernated sessions and snapshots have no running container to find.

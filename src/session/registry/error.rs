@@ -37,6 +37,9 @@ pub enum Error {
          Use another session name for {asked:?}, or close_session {session:?} first (its variables and files go)"
     )]
     OtherEnvironment { session: String, has: String, asked: String },
+    /// A quota of the caller is used up (the text says which, and how it frees).
+    #[error("{0}")]
+    Quota(String),
     /// The session's network could not be had, or a caller asked to widen its allow-list.
     #[error("{0}")]
     Egress(String),

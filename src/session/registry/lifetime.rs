@@ -25,6 +25,8 @@ impl Registry {
                 ttl.as_secs()
             );
             self.ended(&s.principal, &s.name, why);
+            let e = crate::audit::Event::new("session_expired", &s.principal).session(&s.name);
+            self.audit(e.field("idle_s", s.idle().as_secs()).field("state", state));
             s.close().await;
             self.egress.detach(&s.principal, &s.name).await;
         }
@@ -120,9 +122,14 @@ impl Registry {
             packages::settle().await;
             self.egress.drop_idle_installers().await;
             self.say_left(left).await;
+            self.save_quotas();
             return;
         }
         let all: Vec<Arc<Session>> = self.slots().drain().filter_map(|(_, slot)| slot.get().cloned()).collect();
+        for s in &all {
+            let e = crate::audit::Event::new("session_closed", &s.principal).session(&s.name);
+            self.audit(e.field("reason", "server_stopped"));
+        }
         futures::future::join_all(all.iter().map(|s| s.close())).await;
         self.record_layers();
         // Installer volumes still being emptied: theirs before the sweep's.
@@ -136,6 +143,7 @@ impl Registry {
             tracing::warn!(error = %e, "final sweep failed");
         }
         self.egress.shutdown().await;
+        self.save_quotas();
         // Last: until everything else of ours is gone, others see this instance alive.
         let mut owners = self.instance.adopted_owners();
         owners.push(self.instance.owner.clone());

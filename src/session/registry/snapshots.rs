@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use super::Registry;
+use crate::audit::Event;
 use crate::docker::snapshot::{Bounds, remove};
 use crate::durable::catalogue::Entry;
 use crate::session::Session;
@@ -60,6 +61,16 @@ impl Registry {
     /// replaced), then prunes the cache to its bound, least recently used first. Past the
     /// caller's caps the snapshot is refused, and nothing kept is removed for it.
     pub(crate) async fn save_snapshot(&self, who: &str, session: &str, name: &str) -> Result<Arc<Entry>, String> {
+        let r = self.save_snapshot_within_caps(who, session, name).await;
+        let e = Event::new("snapshot", who).session(session).field("snapshot", name);
+        self.audit(match &r {
+            Ok(entry) => e.field("bytes", entry.saved.summary.bytes()),
+            Err(_) => e.outcome("refused_or_failed"),
+        });
+        r
+    }
+
+    async fn save_snapshot_within_caps(&self, who: &str, session: &str, name: &str) -> Result<Arc<Entry>, String> {
         let s = self.get(who, session).map_err(|e| e.to_string())?;
         // Held until the snapshot is catalogued: the checks below see every earlier one.
         let _turn = self.snapshots.turn(who).await;
@@ -92,6 +103,10 @@ impl Registry {
                 max_bytes >> 20
             ));
         }
+        if let Err(e) = self.snapshot_quota(who, bytes, saved.summary.bytes()) {
+            remove(&self.docker, &saved.store).await;
+            return Err(e);
+        }
         if let Some(old) = self.snapshots.insert(who, name, session, saved) {
             remove(&self.docker, &old.saved.store).await;
         }
@@ -116,7 +131,12 @@ impl Registry {
                 max_bytes >> 20
             ));
         }
-        let bounds = Bounds { bytes: self.cache_bytes().min(max_bytes - bytes), entries: MAX_ENTRIES };
+        let quota = self.quotas.limits(&s.principal).and_then(|l| l.snapshot_bytes).unwrap_or(u64::MAX);
+        if bytes >= quota {
+            return Err(format!("its caller keeps {} MiB of snapshots, its snapshot_mb quota", bytes >> 20));
+        }
+        let room = (max_bytes - bytes).min(quota - bytes);
+        let bounds = Bounds { bytes: self.cache_bytes().min(room), entries: MAX_ENTRIES };
         let id = format!("h{}", self.snapshots.next_id());
         s.hibernate(&id, bounds).await
     }
@@ -129,7 +149,10 @@ impl Registry {
         name: &str,
     ) -> Result<(Arc<Entry>, Restored), String> {
         let entry = self.snapshots.get(who, snapshot).ok_or_else(|| no_snapshot(snapshot))?;
-        let (_, r) = self.restore_into(who, name, &entry.saved).await?;
+        let r = self.restore_into(who, name, &entry.saved).await;
+        let e = Event::new("restore", who).session(name).field("snapshot", snapshot);
+        self.audit(if r.is_ok() { e } else { e.outcome("error") });
+        let (_, r) = r?;
         Ok((entry, r))
     }
 
@@ -143,6 +166,8 @@ impl Registry {
         let saved = self.take_snapshot(&session).await?;
         let restored = self.restore_into(who, name, &saved).await;
         remove(&self.docker, &saved.store).await;
+        let e = Event::new("fork", who).session(name).field("from", from).field("bytes", saved.summary.bytes());
+        self.audit(if restored.is_ok() { e } else { e.outcome("error") });
         let (_, r) = restored?;
         Ok((saved, r))
     }
@@ -150,6 +175,7 @@ impl Registry {
     /// Deletes snapshot `name` of `who`, its store with it.
     pub(crate) async fn delete_snapshot(&self, who: &str, name: &str) -> Result<Arc<Entry>, String> {
         let entry = self.snapshots.remove(who, name).ok_or_else(|| no_snapshot(name))?;
+        self.audit(Event::new("snapshot_deleted", who).field("snapshot", name));
         remove(&self.docker, &entry.saved.store).await;
         Ok(entry)
     }
