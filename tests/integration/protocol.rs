@@ -12,7 +12,7 @@ use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig
 use rmcp::{ClientLifecycleMode, ClientServiceExt as _, RoleClient};
 use serde_json::{Value, json};
 
-use crate::common::{Recorder, Server, instance_name, text};
+use crate::common::{Heard, Recorder, Server, instance_name, text};
 use crate::egress::{SECRET, Upstream, config_file, fetch};
 use crate::http::{ALICE, BOB, HttpServer, call};
 
@@ -195,15 +195,26 @@ async fn notifications(s: &Server, generation: Gen) {
     }
     s.take_heard();
     s.ok("st", "print('live-line', flush=True)").await;
-    // rmcp's client handles notifications in tasks of their own: give them a moment to land.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let heard = s.take_heard();
     // Chunks in the server's order (they may arrive out of it), joined.
-    let said = |kind: &str| {
+    let said = |heard: &[Heard], kind: &str| {
         let mut of: Vec<_> = heard.iter().filter(|h| h.kind == kind).collect();
         of.sort_by(|a, b| a.seq.total_cmp(&b.seq));
         of.iter().map(|h| h.text.as_str()).collect::<String>()
     };
+    // rmcp's client handles notifications in tasks of their own: give them time to land (a
+    // loaded machine takes seconds), then a moment more for any that should not come.
+    let mut heard = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let wanted = |h: &[Heard]| {
+        said(h, "progress").contains("live-line") && (generation == Gen::Modern || said(h, "log").contains("live-line"))
+    };
+    while !wanted(&heard) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        heard.extend(s.take_heard());
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    heard.extend(s.take_heard());
+    let said = |kind: &str| said(&heard, kind);
     assert!(said("progress").contains("live-line"), "{generation:?}: no progress: {heard:?}");
     match generation {
         Gen::Legacy => assert!(said("log").contains("live-line"), "after setLevel info: {heard:?}"),

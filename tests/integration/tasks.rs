@@ -68,7 +68,11 @@ async fn http(port: u16, token: &str, mode: ClientLifecycleMode) -> Client {
     let config =
         StreamableHttpClientTransportConfig::with_uri(format!("http://127.0.0.1:{port}/mcp")).auth_header(token);
     let transport = StreamableHttpClientTransport::from_config(config);
-    TaskClient.serve_with_lifecycle(transport, mode).await.expect("MCP client starts over HTTP")
+    let client = TaskClient.serve_with_lifecycle(transport, mode).await.expect("MCP client starts over HTTP");
+    // As clients do before calling: the list tells rmcp's HTTP transport which arguments
+    // travel as `Mcp-Param-*` headers (docs/protocol.md); a 2026 call without them is refused.
+    client.list_all_tools().await.expect("tools/list");
+    client
 }
 
 /// One `tools/call` round, as the client received it.
