@@ -51,17 +51,16 @@ fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default()
 }
 
-/// The test's authorization server: metadata and JWKS over HTTPS, with a count of JWKS reads.
-struct AuthServer {
-    issuer: String,
-    jwks: Arc<Mutex<Value>>,
-    jwks_reads: Arc<AtomicUsize>,
-    ca_file: std::path::PathBuf,
+/// A site on loopback over HTTPS, with a certificate for 127.0.0.1 from a CA of its own (in
+/// `ca_file`, to give a server as its CA bundle). Stops when dropped.
+pub(crate) struct TlsSite {
+    pub(crate) port: u16,
+    pub(crate) ca_file: std::path::PathBuf,
     stop: tokio_util::sync::CancellationToken,
 }
 
-impl AuthServer {
-    async fn start(tag: &str) -> Self {
+impl TlsSite {
+    pub(crate) async fn serve(tag: &str, app: axum::Router) -> TlsSite {
         use rcgen::{BasicConstraints, CertificateParams, IsCa, SanType};
         let ca_key = rcgen::KeyPair::generate().expect("CA key");
         let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
@@ -71,7 +70,7 @@ impl AuthServer {
         let mut leaf = CertificateParams::new(Vec::<String>::new()).expect("leaf params");
         leaf.subject_alt_names = vec![SanType::IpAddress(std::net::Ipv4Addr::LOCALHOST.into())];
         let leaf_cert = leaf.signed_by(&leaf_key, &ca_cert, &ca_key).expect("leaf");
-        let ca_file = std::env::temp_dir().join(format!("pyberth-oauth-ca-{tag}-{}.pem", std::process::id()));
+        let ca_file = std::env::temp_dir().join(format!("pyberth-test-ca-{tag}-{}.pem", std::process::id()));
         std::fs::write(&ca_file, ca_cert.pem()).expect("write CA");
 
         pyberth::https::install_provider();
@@ -82,24 +81,7 @@ impl AuthServer {
             .expect("server TLS");
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let issuer = format!("https://127.0.0.1:{}", listener.local_addr().expect("addr").port());
-        let jwks = Arc::new(Mutex::new(json!({ "keys": [] })));
-        let jwks_reads = Arc::new(AtomicUsize::new(0));
-        let meta = json!({ "issuer": issuer, "jwks_uri": format!("{issuer}/jwks") });
-        let (doc, reads) = (jwks.clone(), jwks_reads.clone());
-        let app = axum::Router::new()
-            .route(
-                "/.well-known/oauth-authorization-server",
-                axum::routing::get(move || async move { axum::Json(meta) }),
-            )
-            .route(
-                "/jwks",
-                axum::routing::get(move || {
-                    reads.fetch_add(1, Ordering::SeqCst);
-                    let body = doc.lock().expect("jwks").clone();
-                    async move { axum::Json(body) }
-                }),
-            );
+        let port = listener.local_addr().expect("addr").port();
         let stop = tokio_util::sync::CancellationToken::new();
         let stopped = stop.clone();
         // Owned by the test: it ends when `stop` fires (on drop).
@@ -119,7 +101,52 @@ impl AuthServer {
                 });
             }
         });
-        AuthServer { issuer, jwks, jwks_reads, ca_file, stop }
+        TlsSite { port, ca_file, stop }
+    }
+}
+
+impl Drop for TlsSite {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        let _ = std::fs::remove_file(&self.ca_file);
+    }
+}
+
+/// The test's authorization server: metadata and JWKS over HTTPS, with a count of JWKS reads.
+struct AuthServer {
+    issuer: String,
+    jwks: Arc<Mutex<Value>>,
+    jwks_reads: Arc<AtomicUsize>,
+    site: TlsSite,
+}
+
+impl AuthServer {
+    async fn start(tag: &str) -> Self {
+        // The port is known only once bound: the metadata reads the issuer from a cell.
+        let issuer_cell: Arc<Mutex<String>> = Arc::default();
+        let jwks = Arc::new(Mutex::new(json!({ "keys": [] })));
+        let jwks_reads = Arc::new(AtomicUsize::new(0));
+        let (doc, reads, iss) = (jwks.clone(), jwks_reads.clone(), issuer_cell.clone());
+        let app = axum::Router::new()
+            .route(
+                "/.well-known/oauth-authorization-server",
+                axum::routing::get(move || {
+                    let issuer = iss.lock().expect("issuer").clone();
+                    async move { axum::Json(json!({ "issuer": issuer, "jwks_uri": format!("{issuer}/jwks") })) }
+                }),
+            )
+            .route(
+                "/jwks",
+                axum::routing::get(move || {
+                    reads.fetch_add(1, Ordering::SeqCst);
+                    let body = doc.lock().expect("jwks").clone();
+                    async move { axum::Json(body) }
+                }),
+            );
+        let site = TlsSite::serve(tag, app).await;
+        let issuer = format!("https://127.0.0.1:{}", site.port);
+        *issuer_cell.lock().expect("issuer") = issuer.clone();
+        AuthServer { issuer, jwks, jwks_reads, site }
     }
 
     fn publish(&self, keys: &[&SigningKey]) {
@@ -134,13 +161,6 @@ impl AuthServer {
     fn claims(&self, sub: &str) -> Value {
         json!({ "iss": self.issuer, "aud": RESOURCE, "sub": sub, "scope": format!("openid {SCOPE}"),
                 "iat": now(), "exp": now() + 600 })
-    }
-}
-
-impl Drop for AuthServer {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        let _ = std::fs::remove_file(&self.ca_file);
     }
 }
 
@@ -162,7 +182,7 @@ async fn attempt(s: &HttpServer, token: Option<&str>) -> (u16, String) {
 }
 
 async fn start(tag: &str, auth: &AuthServer) -> HttpServer {
-    let ca = auth.ca_file.to_string_lossy().into_owned();
+    let ca = auth.site.ca_file.to_string_lossy().into_owned();
     let env = [
         ("PYBERTH_OAUTH_ISSUER", auth.issuer.as_str()),
         ("PYBERTH_OAUTH_RESOURCE", RESOURCE),
