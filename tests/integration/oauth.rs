@@ -231,7 +231,13 @@ async fn oauth_tokens_are_checked_and_their_subjects_are_principals() {
     let (_, sc) = call(&carol, "run_python", json!({ "session": "work", "code": "secret" })).await;
     assert_eq!(sc["result"], "'c'", "{sc}");
 
-    // Each bad token refused with the reason in the challenge.
+    bad_tokens_are_refused_with_the_reason(&s, &auth, &k1).await;
+    let _ = (carol.cancel().await, dave.cancel().await, alice.cancel().await);
+    s.stop().await;
+}
+
+/// Each bad token refused with the reason in the challenge, its status and its error code.
+async fn bad_tokens_are_refused_with_the_reason(s: &HttpServer, auth: &AuthServer, k1: &SigningKey) {
     let other = SigningKey::new("k1"); // same kid, another key: a forged signature
     let mut cases: Vec<(&str, String, u16, &str)> = Vec::new();
     let with = |change: &dyn Fn(&mut Value)| {
@@ -275,15 +281,13 @@ async fn oauth_tokens_are_checked_and_their_subjects_are_principals() {
     cases.push(("HS256 with the public key", hs, 401, "algorithm is not accepted"));
     cases.push(("garbage", "not.a.jwt".into(), 401, "invalid_token"));
     for (what, token, want_status, want) in &cases {
-        let (status, challenge) = attempt(&s, Some(token)).await;
+        let (status, challenge) = attempt(s, Some(token)).await;
         assert_eq!(status, *want_status, "{what}: {challenge}");
         assert!(challenge.contains(want), "{what}: {challenge}");
         assert!(challenge.contains(&format!("resource_metadata=\"{PRM}\"")), "{what}: {challenge}");
         let error = if *want_status == 403 { "error=\"insufficient_scope\"" } else { "error=\"invalid_token\"" };
         assert!(challenge.contains(error), "{what}: {challenge}");
     }
-    let _ = (carol.cancel().await, dave.cancel().await, alice.cancel().await);
-    s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
