@@ -285,6 +285,45 @@ mod tests {
     }
 
     #[test]
+    fn settings_are_checked_before_start() {
+        let args = |f: &dyn Fn(&mut HttpArgs)| {
+            let mut a = HttpArgs {
+                oauth_issuer: Some("https://as.example.com".into()),
+                oauth_resource: Some("https://sb.example.com/mcp".into()),
+                oauth_principal_claim: "sub".into(),
+                oauth_algs: vec!["ES256".into()],
+                oauth_jwks_refetch_s: 60,
+                oauth_jwks_ttl_s: 600,
+                ..HttpArgs::default()
+            };
+            f(&mut a);
+            a
+        };
+        let err = |a: HttpArgs| OAuth::from_args(&a, None).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(OAuth::from_args(&HttpArgs::default(), None).is_ok_and(|o| o.is_none()), "off without an issuer");
+        for (change, want) in [
+            (&(|a: &mut HttpArgs| a.oauth_resource = None) as &dyn Fn(&mut HttpArgs), "oauth_resource is needed"),
+            (&|a: &mut HttpArgs| a.oauth_issuer = Some("http://as.example.com".into()), "must be an https"),
+            (&|a: &mut HttpArgs| a.oauth_jwks_url = Some("http://as.example.com/jwks".into()), "oauth_jwks_url"),
+            (&|a: &mut HttpArgs| a.oauth_algs = vec!["HS256".into()], "symmetric"),
+            (&|a: &mut HttpArgs| a.oauth_principal_claim = "a b".into(), "oauth_principal_claim"),
+            (&|a: &mut HttpArgs| a.oauth_scope = Some("a\"b".into()), "oauth_scope"),
+            (&|a: &mut HttpArgs| a.oauth_jwks_refetch_s = 0, "oauth-jwks-refetch-s"),
+            (&|a: &mut HttpArgs| a.oauth_issuer = None, "need oauth_issuer"),
+        ] {
+            let e = err(args(change));
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        let ok = OAuth::from_args(&args(&|_| {}), None).ok().flatten().expect("valid settings");
+        assert_eq!(ok.metadata_path().as_deref(), Some("/.well-known/oauth-protected-resource/mcp"));
+        let c = ok.challenge(Some(&Refusal::Scope));
+        assert!(
+            c.contains("error=\"insufficient_scope\"") && c.contains("resource_metadata=\"https://sb.example.com/"),
+            "{c}"
+        );
+    }
+
+    #[test]
     fn header_text_cannot_break_out_of_its_quotes() {
         assert_eq!(quoted("a\"b\\c\nd"), "a'b'c'd");
     }
