@@ -636,7 +636,7 @@ const DEBIAN_SUITES: [&str; 10] =
 
 /// Where distributions keep the system's CA bundle: Debian and Ubuntu, Fedora and RHEL,
 /// openSUSE, Alpine and macOS.
-const SYSTEM_CA_BUNDLES: [&str; 4] = [
+pub(crate) const SYSTEM_CA_BUNDLES: [&str; 4] = [
     "/etc/ssl/certs/ca-certificates.crt",
     "/etc/pki/tls/certs/ca-bundle.crt",
     "/etc/ssl/ca-bundle.pem",

@@ -31,6 +31,7 @@ use crate::session::registry::Registry;
 mod admission;
 mod conn;
 mod hosts;
+mod oauth;
 mod sessions;
 mod tokens;
 
@@ -96,6 +97,62 @@ pub struct HttpArgs {
     #[arg(long, env = "PYBERTH_IDLE_TIMEOUT", default_value_t = 60)]
     #[serde(default = "default_idle_timeout_s")]
     pub idle_timeout_s: u64,
+
+    /// OAuth 2.1: the authorization server whose JWT access tokens are accepted, beside any
+    /// static tokens (its issuer URL, the `iss` of its tokens). Off when unset.
+    #[arg(long, env = "PYBERTH_OAUTH_ISSUER", value_name = "URL")]
+    pub oauth_issuer: Option<String>,
+
+    /// OAuth: this server's URL as clients reach it (e.g. https://sandbox.example.com/mcp): the
+    /// audience tokens must name (RFC 8707) and the base of its metadata URL.
+    #[arg(long, env = "PYBERTH_OAUTH_RESOURCE", value_name = "URL")]
+    pub oauth_resource: Option<String>,
+
+    /// OAuth: the issuer's JWKS URL; default: found in the issuer's metadata.
+    #[arg(long, env = "PYBERTH_OAUTH_JWKS_URL", value_name = "URL")]
+    pub oauth_jwks_url: Option<String>,
+
+    /// OAuth: scopes a token must carry, space-separated (none required when unset).
+    #[arg(long, env = "PYBERTH_OAUTH_SCOPE")]
+    pub oauth_scope: Option<String>,
+
+    /// OAuth: the claim that names the principal.
+    #[arg(long, env = "PYBERTH_OAUTH_PRINCIPAL_CLAIM", default_value = "sub")]
+    #[serde(default = "default_oauth_principal_claim")]
+    pub oauth_principal_claim: String,
+
+    /// OAuth: signing algorithms accepted (asymmetric only). Comma-separated.
+    #[arg(long, env = "PYBERTH_OAUTH_ALGS", value_delimiter = ',', default_values_t = default_oauth_algs())]
+    #[serde(default = "default_oauth_algs")]
+    pub oauth_algs: Vec<String>,
+
+    /// OAuth: least seconds between two fetches of the issuer's keys, however many tokens
+    /// name an unknown key.
+    #[arg(long, env = "PYBERTH_OAUTH_JWKS_REFETCH_S", default_value_t = 60)]
+    #[serde(default = "default_oauth_jwks_refetch_s")]
+    pub oauth_jwks_refetch_s: u64,
+
+    /// OAuth: seconds the issuer's keys are used before they are fetched again (so a removed
+    /// key stops working).
+    #[arg(long, env = "PYBERTH_OAUTH_JWKS_TTL_S", default_value_t = 600)]
+    #[serde(default = "default_oauth_jwks_ttl_s")]
+    pub oauth_jwks_ttl_s: u64,
+}
+
+fn default_oauth_principal_claim() -> String {
+    "sub".into()
+}
+
+fn default_oauth_algs() -> Vec<String> {
+    vec!["RS256".into(), "ES256".into()]
+}
+
+fn default_oauth_jwks_refetch_s() -> u64 {
+    60
+}
+
+fn default_oauth_jwks_ttl_s() -> u64 {
+    600
 }
 
 fn default_max_request_mb() -> usize {
@@ -184,6 +241,9 @@ pub enum Error {
         /// What it must be.
         rule: &'static str,
     },
+    /// An `oauth_*` setting is refused.
+    #[error("OAuth: {0}")]
+    OAuth(String),
     /// The address cannot be listened on.
     #[error("cannot listen on {addr}")]
     Listen {
@@ -217,6 +277,7 @@ async fn root() -> &'static str {
 pub struct Listening {
     args: HttpArgs,
     tokens: Arc<Tokens>,
+    oauth: Option<Arc<oauth::OAuth>>,
     allowed: Arc<hosts::AllowedHosts>,
     listener: tokio::net::TcpListener,
     bound: SocketAddr,
@@ -231,9 +292,11 @@ impl std::fmt::Debug for Listening {
 
 impl Listening {
     /// Checks `args` and binds `addr`; warns once when a loopback address has no tokens.
-    pub async fn bind(args: &HttpArgs, addr: SocketAddr) -> Result<Self, Error> {
+    /// `ca_bundle` is what the OAuth key fetches trust (the system's when `None`).
+    pub async fn bind(args: &HttpArgs, addr: SocketAddr, ca_bundle: Option<&std::path::Path>) -> Result<Self, Error> {
         let tokens = Arc::new(Tokens::load(args)?);
-        if tokens.is_empty() && !addr.ip().is_loopback() {
+        let oauth = oauth::OAuth::from_args(args, ca_bundle)?.map(Arc::new);
+        if tokens.is_empty() && oauth.is_none() && !addr.ip().is_loopback() {
             return Err(Error::OpenWithoutTokens(addr));
         }
         for (flag, value) in [
@@ -250,13 +313,13 @@ impl Listening {
         let allowed = Arc::new(hosts::AllowedHosts::new(&args.allowed_hosts)?);
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
         let bound = listener.local_addr().unwrap_or(addr);
-        if tokens.is_empty() {
+        if tokens.is_empty() && oauth.is_none() {
             tracing::warn!(
                 "no tokens: every local user and process can run code through http://{bound}/mcp; \
                  set PYBERTH_TOKEN or --tokens-file to require one"
             );
         }
-        Ok(Self { args: args.clone(), tokens, allowed, listener, bound })
+        Ok(Self { args: args.clone(), tokens, oauth, allowed, listener, bound })
     }
 
     /// Serves until `shutdown` fires; the caller then shuts the registry down.
@@ -282,6 +345,7 @@ impl Listening {
         tracing::info!(
             address = %self.bound,
             principals = self.tokens.len(),
+            oauth = self.oauth.is_some(),
             max_connections,
             per_client = limits.per_client,
             header_timeout_s = args.header_timeout_s,
@@ -313,20 +377,42 @@ impl Listening {
             manager.clone(),
             config,
         );
-        let (auth_tokens, allowed) = (self.tokens.clone(), self.allowed.clone());
+        let auth = Arc::new(tokens::Auth { tokens: self.tokens.clone(), oauth: self.oauth.clone() });
+        let allowed = self.allowed.clone();
         let audit = registry.audit_log();
-        Router::new()
+        let router = Router::new()
             .nest_service("/mcp", mcp)
             // Innermost: needs the principal the token layer found.
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 sessions::bind(owners.clone(), manager.clone(), max_body, req, next)
             }))
             .layer(middleware::from_fn(move |req: Request, next: Next| {
-                tokens::authenticate(auth_tokens.clone(), audit.clone(), req, next)
+                tokens::authenticate(auth.clone(), audit.clone(), req, next)
             }))
             // Outermost: a request from elsewhere is refused before its token is looked at.
             .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
             .route("/healthz", axum::routing::get(move || healthz(registry.clone())))
-            .route("/", axum::routing::get(root))
+            .route("/", axum::routing::get(root));
+        self.with_metadata(router)
+    }
+
+    /// The Protected Resource Metadata (RFC 9728), when OAuth is on: at the well-known path
+    /// and at it followed by the resource's path, without a token (clients read it to learn
+    /// where to get one).
+    fn with_metadata(&self, router: Router) -> Router {
+        let Some(oauth) = &self.oauth else { return router };
+        let doc = oauth.metadata();
+        let serve = move || {
+            let doc = doc.clone();
+            async move {
+                // Public data, read by browser-based clients from other origins too.
+                ([(axum::http::header::ACCESS_CONTROL_ALLOW_ORIGIN, "*")], axum::Json(doc))
+            }
+        };
+        let mut router = router.route(oauth::PRM_PATH, axum::routing::get(serve.clone()));
+        if let Some(path) = oauth.metadata_path() {
+            router = router.route(&path, axum::routing::get(serve));
+        }
+        router
     }
 }

@@ -61,6 +61,8 @@ pub mod environment;
 pub mod gc;
 /// The HTTP service: streamable MCP behind bearer tokens, one principal per token.
 pub mod http;
+/// The outbound HTTPS client: rustls on ring, the operator's CA bundle.
+pub mod https;
 /// Liveness of server instances, so leftovers of dead ones can be swept at start.
 pub mod instance;
 /// Capped capture of a run's output streams, exact bytes kept.

@@ -192,6 +192,8 @@ fn parse() -> anyhow::Result<Cli> {
 }
 
 fn main() -> std::process::ExitCode {
+    // Every HTTPS client of the process on ring (see pyberth::https).
+    pyberth::https::install_provider();
     let cli = match parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -409,7 +411,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     }
     // Tokens, limits and the address before anything starts: a refused start says why last.
     let listening = match http.http {
-        Some(addr) => Some(pyberth::http::Listening::bind(&http, addr).await?),
+        Some(addr) => Some(pyberth::http::Listening::bind(&http, addr, cfg.ca_bundle().as_deref()).await?),
         None => None,
     };
     let runtime = Runtime::start(cfg, Voice::Loud).await?;

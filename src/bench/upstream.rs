@@ -33,7 +33,13 @@ pub(super) async fn rows(
     let var = |k: &str| std::env::var(k).ok();
     let file = |p: &str| std::fs::read_to_string(p).map_err(|e| e.to_string());
     let spec = pyberth::bridge::spec::resolve(server, spec, &var, &file).map_err(anyhow::Error::msg)?;
-    let link = pyberth::bridge::upstream::Link::new(spec);
+    let client = match spec.transport {
+        pyberth::bridge::spec::Transport::Http { .. } => {
+            Some(pyberth::bridge::upstream::http_client(cfg.ca_bundle().as_deref()).map_err(anyhow::Error::msg)?)
+        }
+        pyberth::bridge::spec::Transport::Stdio { .. } => None,
+    };
+    let link = pyberth::bridge::upstream::Link::new(spec, client);
     let n = runs.clamp(5, MAX_CALLS);
     let mut direct = Vec::with_capacity(n);
     for i in 0..=n {

@@ -61,7 +61,9 @@ impl Bridge {
                 .map_err(|e| format!("principals.{who}.tools: {e}"))?;
             principals.insert(who.clone(), list);
         }
-        Ok(Self { upstreams: Upstreams::new(all), principals })
+        let over_http = all.iter().any(|u| matches!(u.transport, spec::Transport::Http { .. }));
+        let client = if over_http { Some(upstream::http_client(cfg.ca_bundle().as_deref())?) } else { None };
+        Ok(Self { upstreams: Upstreams::new(all, client), principals })
     }
 
     /// `policy` as `principal` may use it: narrowed by the principal's own list, if any.

@@ -177,16 +177,9 @@ pub fn resolve(
             Transport::Stdio { command: command.clone(), args: spec.args.clone(), env }
         }
         (None, Some(url)) => {
-            // No TLS client is built in yet: an https URL would fail at its first call, so it
-            // is refused now, with the way round.
-            if url.starts_with("https://") {
-                return Err(format!(
-                    "{at}.url: https upstreams are not supported yet: run the upstream over stdio (command), \
-                     or reach it through a local TLS-terminating proxy at an http:// URL"
-                ));
-            }
-            if !url.starts_with("http://") {
-                return Err(format!("{at}.url: an http:// URL"));
+            // https is verified against the server's CA bundle (`ca_bundle`, else the system's).
+            if !url.starts_with("http://") && !url.starts_with("https://") {
+                return Err(format!("{at}.url: an http:// or https:// URL"));
             }
             if !spec.args.is_empty() || !spec.env.is_empty() {
                 return Err(format!("{at}: args and env are only for an upstream with a command"));
@@ -261,7 +254,7 @@ mod tests {
             ("a-b", "command = \"x\"", "a name is"),
             ("x", "", "either"),
             ("x", "command = \"x\"\nurl = \"http://h\"", "either"),
-            ("x", "url = \"https://h/mcp\"", "https upstreams are not supported yet"),
+            ("x", "url = \"ftp://h/mcp\"", "an http:// or https:// URL"),
             ("x", "url = \"ftp://h\"", "upstreams.x.url"),
             ("x", "command = \"x\"\ntimeout_s = 0", "timeout_s"),
             ("x", "command = \"x\"\nmax_result_kb = 999999", "max_result_kb"),

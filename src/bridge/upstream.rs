@@ -58,12 +58,24 @@ struct Live {
     oversized: Arc<AtomicBool>,
 }
 
+/// The client for streamable-HTTP upstreams: https verified against `ca_bundle` (the system's
+/// CAs when `None`), and no redirects: the operator's headers (credentials) go to the URL
+/// configured and nowhere a redirect names.
+pub fn http_client(ca_bundle: Option<&std::path::Path>) -> Result<reqwest::Client, String> {
+    crate::https::builder(ca_bundle)?
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| format!("the HTTPS client for upstreams: {e}"))
+}
+
 /// One upstream and its connection, if started.
 pub struct Link {
     /// Its settings.
     pub spec: Upstream,
     live: tokio::sync::Mutex<Option<Live>>,
     failed: std::sync::Mutex<Option<(Instant, String)>>,
+    /// The HTTP(S) client of a streamable-HTTP upstream.
+    client: Option<reqwest::Client>,
 }
 
 impl std::fmt::Debug for Link {
@@ -76,9 +88,9 @@ impl std::fmt::Debug for Link {
 pub type Failure = String;
 
 impl Link {
-    /// A link not started yet.
-    pub fn new(spec: Upstream) -> Self {
-        Self { spec, live: tokio::sync::Mutex::new(None), failed: std::sync::Mutex::new(None) }
+    /// A link not started yet; `client` reaches a streamable-HTTP upstream (see [`http_client`]).
+    pub fn new(spec: Upstream, client: Option<reqwest::Client>) -> Self {
+        Self { spec, live: tokio::sync::Mutex::new(None), failed: std::sync::Mutex::new(None), client }
     }
 
     /// The peer to call and the tool list, starting the upstream if it is not running.
@@ -161,7 +173,10 @@ impl Link {
                         .map_err(|_| format!("upstream {name}: header {k} has a value no header may have"))?;
                     config.custom_headers.insert(k, v);
                 }
-                let transport = StreamableHttpClientTransport::from_config(config);
+                let Some(client) = self.client.clone() else {
+                    return Err(format!("upstream {name}: no HTTP client"));
+                };
+                let transport = StreamableHttpClientTransport::with_client(client, config);
                 let service =
                     ().serve(transport).await.map_err(|e| format!("upstream {name}: MCP handshake failed: {e}"))?;
                 (service, None)
@@ -357,9 +372,10 @@ pub struct Upstreams {
 }
 
 impl Upstreams {
-    /// Links to `upstreams`, none started.
-    pub fn new(upstreams: Vec<Upstream>) -> Self {
-        Self { map: upstreams.into_iter().map(|u| (u.name.clone(), Arc::new(Link::new(u)))).collect() }
+    /// Links to `upstreams`, none started; `client` reaches those over HTTP(S).
+    pub fn new(upstreams: Vec<Upstream>, client: Option<reqwest::Client>) -> Self {
+        let link = |u: Upstream| (u.name.clone(), Arc::new(Link::new(u, client.clone())));
+        Self { map: upstreams.into_iter().map(link).collect() }
     }
 
     /// The named upstream.

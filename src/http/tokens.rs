@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use subtle::ConstantTimeEq as _;
 
 use super::admission::Authenticated;
+use super::oauth::{OAuth, Refusal};
 use super::{Error, HttpArgs, TokenProblem};
 use crate::server::Principal;
 
@@ -84,10 +85,7 @@ fn parse_tokens_file(path: &Path) -> Result<Vec<Entry>, Error> {
             return Err(at(TokenProblem::NoColon));
         };
         let principal = principal.trim();
-        if principal.is_empty()
-            || principal.len() > 64
-            || !principal.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        {
+        if !principal_name_ok(principal) {
             return Err(at(TokenProblem::Principal));
         }
         let token = token.trim();
@@ -103,16 +101,24 @@ fn parse_tokens_file(path: &Path) -> Result<Vec<Entry>, Error> {
     Ok(out)
 }
 
+/// What a request may authenticate with: static tokens, and JWTs of an OAuth issuer.
+#[derive(Debug)]
+pub(super) struct Auth {
+    pub(super) tokens: Arc<Tokens>,
+    pub(super) oauth: Option<Arc<OAuth>>,
+}
+
 /// Checks the bearer token and records the caller's principal for the layers and tools after.
-/// Each outcome is audited (the principal, or `unknown`; never the token), coalesced per
-/// principal and minute: a client that retries a bad token thousands of times makes two lines.
+/// A static token is looked up first; any other is tried as an OAuth access token. Each
+/// outcome is audited (the principal, or `unknown`; never the token), coalesced per principal
+/// and minute: a client that retries a bad token thousands of times makes two lines.
 pub(super) async fn authenticate(
-    tokens: Arc<Tokens>,
+    auth: Arc<Auth>,
     audit: crate::audit::Audit,
     mut req: Request,
     next: Next,
 ) -> Response {
-    if tokens.is_empty() {
+    if auth.tokens.is_empty() && auth.oauth.is_none() {
         // Loopback only (checked at start): the local user, as over stdio.
         req.extensions_mut().insert(Principal(Arc::from(DEFAULT_PRINCIPAL)));
         return authenticated(next.run(req).await);
@@ -122,30 +128,78 @@ pub(super) async fn authenticate(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
-    match presented.and_then(|t| tokens.principal(t.as_bytes())) {
-        Some(principal) => {
+        .map(|t| t.trim().to_owned());
+    let found = match &presented {
+        None => Err(None),
+        Some(t) => match (auth.tokens.principal(t.as_bytes()), &auth.oauth) {
+            (Some(p), _) => Ok(p),
+            (None, Some(oauth)) => oauth.verify(t).await.map_err(Some),
+            (None, None) => Err(Some(Refusal::Invalid(String::new()))),
+        },
+    };
+    match found {
+        Ok(principal) => {
             audit.emit(crate::audit::Event::new("token", &principal).outcome("accepted").coalesced());
             req.extensions_mut().insert(Principal(principal));
             authenticated(next.run(req).await)
         }
-        None => {
-            let why = if presented.is_some() { "the token is not valid" } else { "a bearer token is required" };
-            let missing = if presented.is_some() { "refused" } else { "missing" };
-            audit.emit(crate::audit::Event::new("token", "unknown").outcome(missing).coalesced());
-            let body = serde_json::json!({ "error": format!("{why}: send Authorization: Bearer <token>") });
-            let mut resp = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
-            // The reason in the challenge too (RFC 6750): MCP client libraries surface the
-            // header (rmcp's AuthRequired carries it), not the body.
-            let challenge = if presented.is_some() {
-                "Bearer error=\"invalid_token\", error_description=\"the token is not valid: send Authorization: Bearer <token>\""
-            } else {
-                "Bearer error_description=\"a bearer token is required: send Authorization: Bearer <token>\""
-            };
-            resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
-            resp
+        Err(refusal) => {
+            let outcome = if presented.is_some() { "refused" } else { "missing" };
+            audit.emit(crate::audit::Event::new("token", "unknown").outcome(outcome).coalesced());
+            match &auth.oauth {
+                Some(oauth) => oauth_refusal(oauth, refusal),
+                None => static_refusal(presented.is_some()),
+            }
         }
     }
+}
+
+/// A refusal when only static tokens are configured.
+fn static_refusal(presented: bool) -> Response {
+    let why = if presented { "the token is not valid" } else { "a bearer token is required" };
+    let body = serde_json::json!({ "error": format!("{why}: send Authorization: Bearer <token>") });
+    let mut resp = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
+    // The reason in the challenge too (RFC 6750): MCP client libraries surface the
+    // header (rmcp's AuthRequired carries it), not the body.
+    let challenge = if presented {
+        "Bearer error=\"invalid_token\", error_description=\"the token is not valid: send Authorization: Bearer <token>\""
+    } else {
+        "Bearer error_description=\"a bearer token is required: send Authorization: Bearer <token>\""
+    };
+    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+    resp
+}
+
+/// A refusal when OAuth is on: 401 (no token, or an invalid one) or 403 (a scope missing),
+/// with the challenge pointing at the Protected Resource Metadata.
+fn oauth_refusal(oauth: &OAuth, refusal: Option<Refusal>) -> Response {
+    let (status, text) = match &refusal {
+        None => (
+            StatusCode::UNAUTHORIZED,
+            format!(
+                "a bearer token is required: get one from the authorization server named at {}",
+                oauth.metadata_url()
+            ),
+        ),
+        Some(Refusal::Invalid(why)) if why.is_empty() => (StatusCode::UNAUTHORIZED, "the token is not valid".into()),
+        Some(Refusal::Invalid(why)) => (StatusCode::UNAUTHORIZED, why.clone()),
+        Some(Refusal::Scope) => (StatusCode::FORBIDDEN, "the token lacks a scope this server requires".into()),
+    };
+    tracing::debug!(status = status.as_u16(), "bearer token refused: {text}");
+    let mut resp = (status, axum::Json(serde_json::json!({ "error": text }))).into_response();
+    let refusal = match refusal {
+        Some(Refusal::Invalid(why)) if why.is_empty() => Some(Refusal::Invalid("the token is not valid".into())),
+        r => r,
+    };
+    if let Ok(v) = HeaderValue::from_str(&oauth.challenge(refusal.as_ref())) {
+        resp.headers_mut().insert(header::WWW_AUTHENTICATE, v);
+    }
+    resp
+}
+
+/// The rule for principal names, from the tokens file and from OAuth claims alike.
+pub(super) fn principal_name_ok(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
 /// Tells admission the connection carried a valid token (it is then never displaced).

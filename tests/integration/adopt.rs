@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use rmcp::RoleClient;
 use rmcp::ServiceExt as _;
 use rmcp::service::RunningService;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
@@ -93,7 +92,7 @@ impl Server {
         let server = Server { child, port, instance, log };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(r) = reqwest::get(format!("http://127.0.0.1:{port}/healthz")).await
+            if let Ok(r) = crate::common::web().get(format!("http://127.0.0.1:{port}/healthz")).send().await
                 && r.status().is_success()
             {
                 return server;
@@ -106,7 +105,7 @@ impl Server {
     pub(crate) async fn client(&self) -> RunningService<RoleClient, Recorder> {
         let uri = format!("http://127.0.0.1:{}/mcp", self.port);
         let config = StreamableHttpClientTransportConfig::with_uri(uri).auth_header(ALICE);
-        Recorder::default().serve(StreamableHttpClientTransport::from_config(config)).await.expect("MCP initialise")
+        Recorder::default().serve(crate::common::http_transport(config)).await.expect("MCP initialise")
     }
 
     /// Sends `signal` and waits for the exit.

@@ -105,7 +105,7 @@ async fn impostor_answers_the_reattach(tag: &str, pid: Option<u32>, python: &str
     assert!(second.log().contains("victim"), "the server logged the session");
     assert!(!second.log().contains(FORGED_LOG_LINE), "the impostor wrote no line of the server's log");
     // The server stays up, and the session goes on with a fresh interpreter.
-    let health = reqwest::get(format!("http://127.0.0.1:{}/healthz", second.port())).await;
+    let health = crate::common::web().get(format!("http://127.0.0.1:{}/healthz", second.port())).send().await;
     assert!(health.is_ok_and(|h| h.status().is_success()), "the server stays up");
     let mut last = String::new();
     for _ in 0..3 {

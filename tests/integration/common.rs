@@ -447,3 +447,18 @@ pub fn excerpt(s: &str) -> String {
     let head: String = s.chars().take(300).collect();
     format!("{head}… ({} bytes in all)", s.len())
 }
+
+/// An HTTP client for the tests. reqwest is built with rustls and no provider of its own (as
+/// the server is), so the process's provider is installed first.
+pub fn web() -> reqwest::Client {
+    pyberth::https::install_provider();
+    reqwest::Client::new()
+}
+
+/// rmcp's streamable-HTTP client transport (its reqwest client needs the provider too).
+pub fn http_transport(
+    config: rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig,
+) -> rmcp::transport::StreamableHttpClientTransport<reqwest::Client> {
+    pyberth::https::install_provider();
+    rmcp::transport::StreamableHttpClientTransport::from_config(config)
+}

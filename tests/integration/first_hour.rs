@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use rmcp::ServiceExt as _;
 use rmcp::model::CallToolRequestParams;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use tokio::io::AsyncWriteExt as _;
 use tokio::process::Command;
@@ -141,18 +140,16 @@ async fn a_tokenless_loopback_server_warns_once_points_the_way_and_stops_without
     let child = cmd.spawn().expect("spawn pyberth serve");
     let base = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !reqwest::get(format!("{base}/healthz")).await.is_ok_and(|r| r.status().is_success()) {
+    while !crate::common::web().get(format!("{base}/healthz")).send().await.is_ok_and(|r| r.status().is_success()) {
         assert!(Instant::now() < deadline, "the server did not become healthy");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let root = reqwest::get(format!("{base}/")).await.expect("GET /");
+    let root = crate::common::web().get(format!("{base}/")).send().await.expect("GET /");
     assert_eq!(root.status().as_u16(), 200);
     let body = root.text().await.expect("body");
     assert!(body.contains("/mcp") && body.contains("/healthz"), "{body}");
 
-    let transport = StreamableHttpClientTransport::from_config(StreamableHttpClientTransportConfig::with_uri(format!(
-        "{base}/mcp"
-    )));
+    let transport = crate::common::http_transport(StreamableHttpClientTransportConfig::with_uri(format!("{base}/mcp")));
     let client = Recorder::default().serve(transport).await.expect("MCP initialise over HTTP");
     let args = serde_json::json!({"code": "print(6 * 7)"}).as_object().cloned().unwrap_or_default();
     let r = client.call_tool(CallToolRequestParams::new("run_python").with_arguments(args)).await.expect("run_python");

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use rmcp::model::{CallToolRequestParams, CallToolResult};
 use rmcp::service::RunningService;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{RoleClient, ServiceExt as _};
 use serde_json::{Value, json};
@@ -95,7 +94,7 @@ impl HttpServer {
         let server = HttpServer { child, port, instance, log, _dir: TempDir(dir) };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(r) = reqwest::get(server.url("/healthz")).await
+            if let Ok(r) = crate::common::web().get(server.url("/healthz")).send().await
                 && r.status().is_success()
             {
                 return server;
@@ -116,7 +115,7 @@ impl HttpServer {
 
     pub(crate) async fn client(&self, token: &str) -> RunningService<RoleClient, Recorder> {
         let config = StreamableHttpClientTransportConfig::with_uri(self.url("/mcp")).auth_header(token);
-        let transport = StreamableHttpClientTransport::from_config(config);
+        let transport = crate::common::http_transport(config);
         Recorder::default().serve(transport).await.expect("MCP initialise over HTTP")
     }
 
@@ -147,7 +146,7 @@ pub(crate) async fn call(
 #[tokio::test(flavor = "multi_thread")]
 async fn tokens_are_required_and_healthz_reports() {
     let s = HttpServer::start("http-auth").await;
-    let http = reqwest::Client::new();
+    let http = crate::common::web();
     let body = r#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#;
     let none = http.post(s.url("/mcp")).body(body).send().await.expect("post");
     assert_eq!(none.status().as_u16(), 401);

@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use rmcp::ServiceExt as _;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -37,7 +36,7 @@ async fn post_with(
     body: &Value,
     headers: &[(&str, &str)],
 ) -> reqwest::Response {
-    let mut req = reqwest::Client::new()
+    let mut req = crate::common::web()
         .post(s.url("/mcp"))
         .bearer_auth(token)
         .header("accept", ACCEPT)
@@ -89,7 +88,7 @@ async fn initialize(s: &HttpServer, token: &str) -> String {
 }
 
 fn delete(s: &HttpServer, token: &str, sid: &str) -> reqwest::RequestBuilder {
-    reqwest::Client::new()
+    crate::common::web()
         .delete(s.url("/mcp"))
         .bearer_auth(token)
         .header("mcp-session-id", sid)
@@ -97,7 +96,7 @@ fn delete(s: &HttpServer, token: &str, sid: &str) -> reqwest::RequestBuilder {
 }
 
 fn get(s: &HttpServer, token: &str, sid: &str) -> reqwest::RequestBuilder {
-    reqwest::Client::new()
+    crate::common::web()
         .get(s.url("/mcp"))
         .bearer_auth(token)
         .header("accept", "text/event-stream")
@@ -185,7 +184,7 @@ async fn mcp_sessions_per_principal_are_capped() {
     assert!(!body.to_lowercase().contains("bob"), "{body}");
     // A real client shows the reason.
     let config = StreamableHttpClientTransportConfig::with_uri(s.url("/mcp")).auth_header(ALICE);
-    let refused = Recorder::default().serve(StreamableHttpClientTransport::from_config(config)).await;
+    let refused = Recorder::default().serve(crate::common::http_transport(config)).await;
     let why = format!("{:#}", refused.err().expect("the client is refused"));
     assert!(why.contains("MCP sessions"), "{why}");
 
@@ -323,7 +322,8 @@ async fn slow_clients_cannot_starve_the_server() {
     }
 
     // Meanwhile the server answers everyone else.
-    let health = tokio::time::timeout(Duration::from_secs(10), reqwest::get(s.url("/healthz"))).await;
+    let health =
+        tokio::time::timeout(Duration::from_secs(10), crate::common::web().get(s.url("/healthz")).send()).await;
     let health = health.map(|r| r.map(|r| r.status().as_u16()));
     assert!(matches!(health, Ok(Ok(200))), "/healthz under attack: {health:?}");
     let alice = tokio::time::timeout(Duration::from_secs(20), s.client(ALICE)).await.expect("MCP initialize in time");
@@ -355,7 +355,8 @@ async fn slow_clients_cannot_starve_the_server() {
     assert!(closed_within(&mut stalled, Duration::from_secs(12)).await, "a stalled body held its connection");
     assert!(since.elapsed() >= Duration::from_secs(3), "closed before the idle timeout: {:?}", since.elapsed());
 
-    let health = tokio::time::timeout(Duration::from_secs(10), reqwest::get(s.url("/healthz"))).await;
+    let health =
+        tokio::time::timeout(Duration::from_secs(10), crate::common::web().get(s.url("/healthz")).send()).await;
     assert!(matches!(health, Ok(Ok(ref r)) if r.status().is_success()), "/healthz after the attack");
     s.stop().await;
 }
@@ -394,7 +395,7 @@ async fn a_wrong_token_is_explained_in_the_error_a_client_surfaces() {
     let s = HttpServer::start("http-badtoken").await;
     let config =
         StreamableHttpClientTransportConfig::with_uri(s.url("/mcp")).auth_header("wrong-token-0123456789abcdef");
-    let transport = StreamableHttpClientTransport::from_config(config);
+    let transport = crate::common::http_transport(config);
     let refused = Recorder::default().serve(transport).await;
     let e = refused.err().map(|e| format!("{e:#} {e:?}")).unwrap_or_default();
     assert!(e.contains("the token is not valid"), "the reason reaches the client's error: {e}");
