@@ -61,6 +61,8 @@ pub mod gc;
 pub mod http;
 /// Liveness of server instances, so leftovers of dead ones can be swept at start.
 pub mod instance;
+/// Prometheus metrics: the series, their bounded labels, and the `--metrics-addr` listener.
+pub mod metrics;
 /// Capped capture of a run's output streams, exact bytes kept.
 pub(crate) mod output;
 /// Dependency layers as a service: the set's key, the installer (uv or pip, sdist opt-ins),

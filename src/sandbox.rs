@@ -25,6 +25,8 @@ pub struct Blueprint {
     pub egress: Option<Arc<Attachment>>,
     /// Its environment's read-only host folders, as the operator named them.
     pub mounts: Vec<MountSpec>,
+    /// The server's metrics, which its sessions' runs and wakes add to.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Blueprint {
@@ -47,7 +49,13 @@ impl Blueprint {
             network: egress.as_ref().map(|a| a.join()),
             orphan_after: cfg.orphan_after(),
         };
-        Self { cfg, spec, egress, mounts: mounts.to_vec() }
+        Self { cfg, spec, egress, mounts: mounts.to_vec(), metrics: Arc::default() }
+    }
+
+    /// The same, its sessions counted in `metrics` (the registry's).
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Makes and starts a container with `store` (the layer store's read-only mount) as well:

@@ -38,6 +38,8 @@ pub struct Bridge {
     upstreams: Upstreams,
     /// Principals' own lists, which narrow their environments'.
     principals: HashMap<String, Vec<policy::Pattern>>,
+    /// The server's metrics: bridged calls are counted there.
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Bridge {
@@ -60,7 +62,13 @@ impl Bridge {
                 .map_err(|e| format!("principals.{who}.tools: {e}"))?;
             principals.insert(who.clone(), list);
         }
-        Ok(Self { upstreams: Upstreams::new(all), principals })
+        Ok(Self { upstreams: Upstreams::new(all), principals, metrics: Arc::default() })
+    }
+
+    /// The same, its calls counted in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// `policy` as `principal` may use it: narrowed by the principal's own list, if any.

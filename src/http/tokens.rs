@@ -133,6 +133,7 @@ pub(super) async fn authenticate(tokens: Arc<Tokens>, mut req: Request, next: Ne
                 "Bearer error_description=\"a bearer token is required: send Authorization: Bearer <token>\""
             };
             resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+            resp.extensions_mut().insert(super::Refused("token"));
             resp
         }
     }

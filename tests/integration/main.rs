@@ -25,6 +25,7 @@ mod http;
 mod http_abuse; // The HTTP service under attack: foreign MCP sessions, caps, Host/Origin, slow clients.
 mod http_fair; // Fair admission: a few client addresses cannot take every connection.
 mod http_tenants; // Two principals racing for their caps: sessions and jobs created at once.
+mod metrics; // Prometheus: a real one scrapes a core suite; labels stay bounded.
 // Environments: Python versions, operator environments, mounts.
 mod environments;
 // The CI runner, `pyberth run`.
