@@ -231,3 +231,22 @@ async fn prometheus_scrapes_the_series_of_a_core_suite() {
     s.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stdio_server_serves_metrics_on_its_metrics_addr() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let s = crate::common::Server::start("metrics-stdio", &[("PYBERTH_METRICS_ADDR", addr.as_str())]).await;
+    s.ok("counted", "print(1)").await;
+    let body = reqwest::get(format!("http://{addr}/metrics")).await.expect("scrape").text().await.expect("body");
+    let line = |l: &str| body.lines().any(|t| t == l);
+    // Without --metrics-principal, no principal label.
+    assert!(line(r#"pyberth_runs_total{status="ok",environment="default"} 1"#), "{body}");
+    assert!(line(r#"pyberth_sessions{state="running",environment="default"} 1"#), "{body}");
+    assert!(body.ends_with("# EOF\n") && !body.contains("counted"), "{body}");
+    // Only /metrics is there: no MCP, no other path, on the tokenless listener.
+    let other = reqwest::get(format!("http://{addr}/mcp")).await.expect("get");
+    assert_eq!(other.status().as_u16(), 404);
+    let instance = s.instance.clone();
+    s.stop().await;
+    crate::common::assert_cleaned_up(&instance).await;
+}
