@@ -31,6 +31,7 @@ use crate::session::registry::Registry;
 mod admission;
 mod conn;
 mod hosts;
+pub mod scrape;
 mod sessions;
 mod tokens;
 
@@ -339,7 +340,7 @@ impl Listening {
         Router::new()
             .nest_service("/mcp", mcp)
             // Behind the tokens, as /mcp: any principal's token reads the server's numbers.
-            .route("/metrics", axum::routing::get(move || crate::metrics::serve::scrape(scraped.clone())))
+            .route("/metrics", axum::routing::get(move || scrape::scrape(scraped.clone())))
             // Innermost: needs the principal the token layer found.
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 sessions::bind(owners.clone(), manager.clone(), max_body, req, next)

@@ -61,7 +61,7 @@ pub mod gc;
 pub mod http;
 /// Liveness of server instances, so leftovers of dead ones can be swept at start.
 pub mod instance;
-/// Prometheus metrics: the series, their bounded labels, and the `--metrics-addr` listener.
+/// Prometheus metrics: the series and their bounded labels (`/metrics` is served by [`http`]).
 pub mod metrics;
 /// Capped capture of a run's output streams, exact bytes kept.
 pub(crate) mod output;

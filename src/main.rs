@@ -405,7 +405,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     };
     let metrics = match http.metrics_addr {
         Some(addr) => Some(
-            pyberth::metrics::serve::Listening::bind(addr)
+            pyberth::http::scrape::Listening::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen on {addr} (--metrics-addr)"))?,
         ),

@@ -18,7 +18,6 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Metric, Registry, Unit};
 
 mod labels;
-pub mod serve;
 
 pub(crate) use labels::Bounds;
 use labels::Who;

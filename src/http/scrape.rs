@@ -1,5 +1,6 @@
-//! `--metrics-addr`: `/metrics` on a listener of its own, for stdio servers and for operators
-//! who keep scrapes off the MCP port. No token: it is meant for loopback or a private network
+//! `/metrics`: the scrape handler (also mounted on the MCP port, behind the tokens), and
+//! `--metrics-addr`, a listener of its own, for stdio servers and for operators who keep
+//! scrapes off the MCP port. No token: it is meant for loopback or a private network
 //! (a warning says so otherwise); the numbers carry no code, output, session names or hosts.
 
 use std::net::SocketAddr;
@@ -53,5 +54,5 @@ impl Listening {
 pub async fn scrape(registry: Arc<Registry>) -> Response {
     // Encoding walks every series under locks the owners take too: off the async workers.
     let text = tokio::task::spawn_blocking(move || registry.metrics_text()).await.unwrap_or_default();
-    ([(header::CONTENT_TYPE, super::CONTENT_TYPE)], text).into_response()
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
