@@ -322,6 +322,12 @@ pub struct SandboxConfig {
     /// signal stops the server, for the next server to adopt.
     #[arg(long, env = "PYBERTH_KEEP_SESSIONS")]
     pub keep_sessions: bool,
+
+    /// Label the metrics of runs and new sessions with the caller's principal (off: one
+    /// series for all callers). Principals come from the tokens file; past 100 they share
+    /// the label "other" (docs/observability.md).
+    #[arg(long, env = "PYBERTH_METRICS_PRINCIPAL")]
+    pub metrics_principal: bool,
     /// Connections one session with egress may have open at once through the proxy.
     #[arg(long, env = "PYBERTH_EGRESS_MAX_CONNS", default_value_t = 32)]
     pub egress_max_conns: usize,

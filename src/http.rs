@@ -32,10 +32,24 @@ mod admission;
 mod conn;
 mod hosts;
 mod oauth;
+pub mod scrape;
 mod sessions;
 mod tokens;
 
 pub use tokens::{DEFAULT_PRINCIPAL, Tokens};
+
+/// Marks a response a layer refused before MCP, with why: counted by the outermost layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Refused(pub(crate) &'static str);
+
+/// Counts the refusals the layers inside marked.
+async fn count_refusals(metrics: Arc<crate::metrics::Metrics>, req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    if let Some(Refused(why)) = resp.extensions().get::<Refused>() {
+        metrics.http_refusal(why);
+    }
+    resp
+}
 
 /// Longest wait between keep-alive events on an SSE stream.
 const SSE_KEEP_ALIVE: Duration = Duration::from_secs(15);
@@ -137,6 +151,12 @@ pub struct HttpArgs {
     #[arg(long, env = "PYBERTH_OAUTH_JWKS_TTL_S", default_value_t = 600)]
     #[serde(default = "default_oauth_jwks_ttl_s")]
     pub oauth_jwks_ttl_s: u64,
+
+    /// Also serve `/metrics` (Prometheus) on this address, without a token: for stdio servers,
+    /// or to keep scrapes off the MCP port. Over HTTP `/metrics` is on the MCP port as well,
+    /// behind the bearer tokens (docs/observability.md).
+    #[arg(long, env = "PYBERTH_METRICS_ADDR", value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 fn default_oauth_principal_claim() -> String {
@@ -268,7 +288,8 @@ async fn healthz(registry: Arc<Registry>) -> Response {
 /// needed: it says nothing a reader of the README would not know).
 async fn root() -> &'static str {
     "pyberth: MCP over streamable HTTP is served at /mcp (send Authorization: Bearer <token>); \
-     /healthz says whether the Docker engine answers and the sandbox image is there.\n"
+     /healthz says whether the Docker engine answers and the sandbox image is there; /metrics has \
+     the Prometheus numbers (with the same token).\n"
 }
 
 /// What is settled before the server starts anything: tokens read, limits checked, the address
@@ -341,6 +362,7 @@ impl Listening {
             header_timeout: Duration::from_secs(args.header_timeout_s),
             idle_timeout: Duration::from_secs(args.idle_timeout_s),
         };
+        let metrics = registry.metrics();
         let app = self.router(registry, cfg, &shutdown);
         tracing::info!(
             address = %self.bound,
@@ -352,7 +374,7 @@ impl Listening {
             idle_timeout_s = args.idle_timeout_s,
             "serving MCP over HTTP at /mcp"
         );
-        conn::serve(self.listener, app, limits, shutdown).await;
+        conn::serve(self.listener, app, limits, metrics, shutdown).await;
     }
 
     /// `/mcp` behind its checks, `/healthz` and `/` beside them.
@@ -380,8 +402,11 @@ impl Listening {
         let auth = Arc::new(tokens::Auth { tokens: self.tokens.clone(), oauth: self.oauth.clone() });
         let allowed = self.allowed.clone();
         let audit = registry.audit_log();
+        let (scraped, metrics) = (registry.clone(), registry.metrics());
         let router = Router::new()
             .nest_service("/mcp", mcp)
+            // Behind the tokens, as /mcp: any principal's token reads the server's numbers.
+            .route("/metrics", axum::routing::get(move || scrape::scrape(scraped.clone())))
             // Innermost: needs the principal the token layer found.
             .layer(middleware::from_fn(move |req: Request, next: Next| {
                 sessions::bind(owners.clone(), manager.clone(), max_body, req, next)
@@ -391,6 +416,7 @@ impl Listening {
             }))
             // Outermost: a request from elsewhere is refused before its token is looked at.
             .layer(middleware::from_fn(move |req: Request, next: Next| hosts::check(allowed.clone(), req, next)))
+            .layer(middleware::from_fn(move |req: Request, next: Next| count_refusals(metrics.clone(), req, next)))
             .route("/healthz", axum::routing::get(move || healthz(registry.clone())))
             .route("/", axum::routing::get(root));
         self.with_metadata(router)

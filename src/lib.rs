@@ -65,6 +65,8 @@ pub mod http;
 pub mod https;
 /// Liveness of server instances, so leftovers of dead ones can be swept at start.
 pub mod instance;
+/// Prometheus metrics: the series and their bounded labels (`/metrics` is served by [`http`]).
+pub mod metrics;
 /// Capped capture of a run's output streams, exact bytes kept.
 pub(crate) mod output;
 /// Dependency layers as a service: the set's key, the installer (uv or pip, sdist opt-ins),

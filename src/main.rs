@@ -414,9 +414,20 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
         Some(addr) => Some(pyberth::http::Listening::bind(&http, addr, cfg.ca_bundle().as_deref()).await?),
         None => None,
     };
+    let metrics = match http.metrics_addr {
+        Some(addr) => Some(
+            pyberth::http::scrape::Listening::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (--metrics-addr)"))?,
+        ),
+        None => None,
+    };
     let runtime = Runtime::start(cfg, Voice::Loud).await?;
     runtime.background();
     let (registry, cfg) = (runtime.registry.clone(), runtime.cfg.clone());
+    if let Some(metrics) = metrics {
+        runtime.spawn(metrics.serve(registry.clone(), runtime.shutdown_token()));
+    }
     let served = match listening {
         Some(listening) => {
             let stop = runtime.shutdown_token();

@@ -27,6 +27,8 @@ pub struct Blueprint {
     pub mounts: Vec<MountSpec>,
     /// Where its runs are audited and charged (off unless the registry sets it).
     pub oversight: crate::audit::Oversight,
+    /// The server's metrics, which its sessions' runs and wakes add to.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Blueprint {
@@ -49,7 +51,20 @@ impl Blueprint {
             network: egress.as_ref().map(|a| a.join()),
             orphan_after: cfg.orphan_after(),
         };
-        Self { cfg, spec, egress, mounts: mounts.to_vec(), oversight: crate::audit::Oversight::default() }
+        Self {
+            cfg,
+            spec,
+            egress,
+            mounts: mounts.to_vec(),
+            oversight: crate::audit::Oversight::default(),
+            metrics: Arc::default(),
+        }
+    }
+
+    /// The same, its sessions counted in `metrics` (the registry's).
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Makes and starts a container with `store` (the layer store's read-only mount) as well:

@@ -114,7 +114,18 @@ impl<'a> RunCalls<'a> {
         CallCounts { made: self.made, refused: self.refused }
     }
 
-    fn audit(&self, server: &str, tool: &str, hash: &str, outcome: &str, ms: u128, bytes: usize) {
+    /// Counts a call in the server's metrics (every one: the log shows only the first refusals).
+    fn count(&self, server: &str, outcome: &'static str, ms: u128) {
+        if let Some(g) = self.grant {
+            let took = std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX));
+            g.bridge.metrics.bridged_call(server, outcome, took);
+        }
+    }
+
+    fn audit(&self, server: &str, tool: &str, hash: &str, outcome: &'static str, ms: u128, bytes: usize) {
+        if outcome != "refused" {
+            self.count(server, outcome, ms);
+        }
         let (principal, session) = self.grant.map_or(("?", "?"), |g| (g.principal.as_str(), g.session.as_str()));
         tracing::info!(
             target: "pyberth::bridge",
@@ -132,6 +143,7 @@ impl<'a> RunCalls<'a> {
 
     fn refuse(&mut self, call: u64, server: &str, tool: &str, hash: &str, why: String) -> Reply {
         self.refused += 1;
+        self.count(server, "refused", 0);
         if self.refused <= LOGGED_REFUSALS {
             self.audit(server, tool, hash, "refused", 0, 0);
         }

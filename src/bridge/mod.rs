@@ -38,6 +38,8 @@ pub struct Bridge {
     upstreams: Upstreams,
     /// Principals' own lists, which narrow their environments'.
     principals: HashMap<String, Vec<policy::Pattern>>,
+    /// The server's metrics: bridged calls are counted there.
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Bridge {
@@ -63,7 +65,13 @@ impl Bridge {
         }
         let over_http = all.iter().any(|u| matches!(u.transport, spec::Transport::Http { .. }));
         let client = if over_http { Some(upstream::http_client(cfg.ca_bundle().as_deref())?) } else { None };
-        Ok(Self { upstreams: Upstreams::new(all, client), principals })
+        Ok(Self { upstreams: Upstreams::new(all, client), principals, metrics: Arc::default() })
+    }
+
+    /// The same, its calls counted in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// `policy` as `principal` may use it: narrowed by the principal's own list, if any.

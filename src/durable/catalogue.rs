@@ -163,6 +163,11 @@ impl Catalogue {
         gone
     }
 
+    /// Snapshots kept.
+    pub(crate) fn count(&self) -> usize {
+        self.map().len()
+    }
+
     /// Bytes of every snapshot.
     pub(crate) fn total(&self) -> u64 {
         self.map().values().map(|e| e.saved.summary.bytes()).sum()

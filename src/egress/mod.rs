@@ -114,6 +114,8 @@ pub struct Manager {
     /// Installer networks no install is using, with the proxy they lead to and when they
     /// were freed: the next install takes one instead of making its own.
     idle_installers: Mutex<Vec<(InstallerNet, String, std::time::Instant)>>,
+    /// The server's metrics: the proxy's connection records are counted there.
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -177,6 +179,7 @@ impl Manager {
             exe: None,
             seccomp: None,
             idle_installers: Mutex::new(Vec::new()),
+            metrics: Arc::default(),
         }
     }
 
@@ -184,6 +187,12 @@ impl Manager {
     /// that embeds the library, such as a test.
     pub fn with_executable(mut self, exe: std::path::PathBuf) -> Self {
         self.exe = Some(exe);
+        self
+    }
+
+    /// The proxy's connection records counted in `metrics` too.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
         self
     }
 

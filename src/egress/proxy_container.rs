@@ -207,7 +207,7 @@ impl Manager {
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
         let totals = self.totals.clone();
         let (applied_tx, applied) = tokio::sync::watch::channel(0u64);
-        let reader = tokio::spawn(read_reports(attached.output, totals, ready_tx, applied_tx));
+        let reader = tokio::spawn(read_reports(attached.output, (totals, self.metrics.clone()), ready_tx, applied_tx));
         let ready = tokio::time::timeout(Duration::from_secs(30), ready_rx).await;
         let fail = |why: String| {
             reader.abort();
@@ -371,7 +371,7 @@ impl Manager {
 /// it stops; says once whether it became ready.
 async fn read_reports(
     mut output: std::pin::Pin<Box<dyn futures::Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>,
-    totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
+    (totals, metrics): (Arc<Mutex<HashMap<IpAddr, Totals>>>, Arc<crate::metrics::Metrics>),
     ready_tx: tokio::sync::oneshot::Sender<Result<(), String>>,
     applied_tx: tokio::sync::watch::Sender<u64>,
 ) {
@@ -389,7 +389,10 @@ async fn read_reports(
                                 let _ = r.send(Ok(()));
                             }
                         }
-                        Ok(Report::Conn(r)) => account::account(&totals, &r),
+                        Ok(Report::Conn(r)) => {
+                            metrics.egress(r.allowed, r.cut, r.up, r.down);
+                            account::account(&totals, &r);
+                        }
                         Ok(Report::Applied { seq }) => {
                             applied_tx.send_if_modified(|a| {
                                 let newer = seq > *a;

@@ -80,7 +80,13 @@ impl Sometimes {
 
 /// Accepts and serves connections until `shutdown` fires, then gives open ones a few seconds
 /// to finish.
-pub(super) async fn serve(listener: TcpListener, app: Router, limits: Limits, shutdown: CancellationToken) {
+pub(super) async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    metrics: Arc<crate::metrics::Metrics>,
+    shutdown: CancellationToken,
+) {
     let admission = Admission::new(limits);
     let tasks = TaskTracker::new();
     let (mut refusals, mut failures) = (Sometimes::default(), Sometimes::default());
@@ -103,6 +109,7 @@ pub(super) async fn serve(listener: TcpListener, app: Router, limits: Limits, sh
         let place = match admission.admit(peer.ip()) {
             Ok(place) => place,
             Err(flag) => {
+                metrics.http_connection(false);
                 if refusals.now() {
                     tracing::warn!(client = %peer.ip(), "refusing connections past {flag}");
                 }
@@ -110,10 +117,32 @@ pub(super) async fn serve(listener: TcpListener, app: Router, limits: Limits, sh
                 continue;
             }
         };
-        tasks.spawn(connection(stream, peer, app.clone(), limits, shutdown.clone(), place));
+        metrics.http_connection(true);
+        let open = OpenGuard::new(metrics.http_open());
+        let (app, stop) = (app.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            connection(stream, peer, app, limits, stop, place).await;
+            drop(open);
+        });
     }
     tasks.close();
     tasks.wait().await;
+}
+
+/// One open connection on the gauge, for as long as it is held.
+struct OpenGuard(prometheus_client::metrics::gauge::Gauge);
+
+impl OpenGuard {
+    fn new(gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Serves one connection within its timeouts.

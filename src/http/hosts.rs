@@ -123,7 +123,9 @@ impl AllowedHosts {
 
 fn refuse(status: StatusCode, message: String) -> Response {
     tracing::debug!(%status, "{message}");
-    (status, axum::Json(serde_json::json!({ "error": message }))).into_response()
+    let mut resp = (status, axum::Json(serde_json::json!({ "error": message }))).into_response();
+    resp.extensions_mut().insert(super::Refused("host"));
+    resp
 }
 
 /// Refuses a request whose `Host` is not an allowed host, or whose `Origin` is present and not

@@ -177,6 +177,7 @@ impl SessionManager for Bound {
 fn unknown_session() -> Response {
     let mut resp = Response::new(Body::from("Not Found: Session not found"));
     *resp.status_mut() = StatusCode::NOT_FOUND;
+    resp.extensions_mut().insert(super::Refused("session"));
     resp
 }
 
@@ -201,7 +202,9 @@ fn too_many(id: Option<serde_json::Value>, cap: usize) -> Response {
         "id": id.unwrap_or(serde_json::Value::Null),
         "error": { "code": -32000, "message": message },
     });
-    (StatusCode::OK, axum::Json(body)).into_response()
+    let mut resp = (StatusCode::OK, axum::Json(body)).into_response();
+    resp.extensions_mut().insert(super::Refused("mcp_sessions"));
+    resp
 }
 
 /// The layer: requests with a session id reach rmcp only from the principal that opened the
@@ -240,7 +243,9 @@ pub(super) async fn bind(
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, max_body).await else {
         let message = format!("the request body is over {} MiB (--max-request-mb), or was cut", max_body >> 20);
-        return (StatusCode::PAYLOAD_TOO_LARGE, message).into_response();
+        let mut resp = (StatusCode::PAYLOAD_TOO_LARGE, message).into_response();
+        resp.extensions_mut().insert(super::Refused("too_large"));
+        return resp;
     };
     let probe = serde_json::from_slice::<Probe>(&bytes).ok();
     let req = Request::from_parts(parts, Body::from(bytes));

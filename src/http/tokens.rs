@@ -146,10 +146,12 @@ pub(super) async fn authenticate(
         Err(refusal) => {
             let outcome = if presented.is_some() { "refused" } else { "missing" };
             audit.emit(crate::audit::Event::new("token", "unknown").outcome(outcome).coalesced());
-            match &auth.oauth {
+            let mut resp = match &auth.oauth {
                 Some(oauth) => oauth_refusal(oauth, refusal),
                 None => static_refusal(presented.is_some()),
-            }
+            };
+            resp.extensions_mut().insert(super::Refused("token"));
+            resp
         }
     }
 }

@@ -29,6 +29,7 @@ mod error;
 mod front;
 mod layers;
 mod lifetime;
+mod make;
 mod oversight;
 #[cfg(test)]
 mod owner_tests;
@@ -88,6 +89,8 @@ pub struct Registry {
     /// The audit log and the quotas per principal (issue 32; `oversight.rs`).
     oversight: crate::audit::Oversight,
     quotas: Arc<crate::quota::Quotas>,
+    /// The server's metrics: what it owns adds to them, `/metrics` reads them (issue 32).
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// An environment's image, found or built once, and the latest line of its build.
@@ -138,10 +141,17 @@ impl Registry {
     ) -> Result<Self, String> {
         let index = IndexSettings::from_config(&cfg).map_err(|e| format!("cannot read the CA bundle: {e}"))?;
         let environments = Environments::from_config(&cfg)?;
-        let bridge = Arc::new(crate::bridge::Bridge::from_config(&cfg)?);
+        let bounds = crate::metrics::Bounds::new(
+            environments.all().map(|e| e.name.clone()),
+            cfg.upstreams.keys().cloned(),
+            cfg.metrics_principal,
+        );
+        let metrics = Arc::new(crate::metrics::Metrics::new(bounds));
+        let bridge = Arc::new(crate::bridge::Bridge::from_config(&cfg)?.with_metrics(metrics.clone()));
         let egress =
             crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone())
-                .with_sandboxing(&sandboxing);
+                .with_sandboxing(&sandboxing)
+                .with_metrics(metrics.clone());
         let ledger = crate::durable::ledger::Ledger::of(&cfg);
         let demand = Arc::new(Mutex::new(pool::Demand::new(cfg.pool_size, cfg.pool_max, Instant::now())));
         let snapshots = crate::durable::catalogue::Catalogue::new(ledger.clone(), instance.owner.instance.clone());
@@ -171,6 +181,7 @@ impl Registry {
             bridge,
             oversight,
             quotas,
+            metrics,
         })
     }
 
@@ -187,7 +198,8 @@ impl Registry {
         env: &Environment,
         egress: Option<Arc<crate::egress::Attachment>>,
     ) -> Arc<Blueprint> {
-        let mut blueprint = Blueprint::new(env.cfg.clone(), &self.sandboxing, &env.mounts, egress);
+        let mut blueprint =
+            Blueprint::new(env.cfg.clone(), &self.sandboxing, &env.mounts, egress).with_metrics(self.metrics.clone());
         blueprint.oversight = self.oversight.clone();
         Arc::new(blueprint)
     }
@@ -344,75 +356,6 @@ impl Registry {
         let slot: Slot = Arc::default();
         slots.insert(key.clone(), slot.clone());
         Ok(slot)
-    }
-
-    /// Makes a new session: its image, its layer, a pooled container or a new one (on its own
-    /// network when it has egress), the layer attached.
-    async fn make(
-        &self,
-        env: &Environment,
-        naming: super::Naming,
-        packages: &[String],
-        egress: Vec<crate::egress::policy::Rule>,
-        progress: Progress<'_>,
-    ) -> Result<Arc<Session>, Error> {
-        let (principal, name) = (naming.principal.clone(), naming.name.clone());
-        let mut all: Vec<String> = env.packages.iter().chain(packages).cloned().collect();
-        all.sort();
-        all.dedup();
-        let image = self.image(env, progress).await?;
-        let layer = if all.is_empty() { None } else { Some(self.layer(env, &all, progress).await?) };
-        let with_egress = !egress.is_empty();
-        // Packages or not: a set is a directory put on the path, so the pool serves all.
-        // Never with egress: a pooled container has no network to put the proxy on (and one
-        // popped here would be left running).
-        let taken = if env.name == self.environments.default_name() && !with_egress { self.pool_pop() } else { None };
-        let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
-        let session = match taken {
-            _ if with_egress => self.start_with_egress(env, image, naming, egress).await?,
-            Some(prepared) => {
-                Session::adopt(docker, self.blueprint(env, None), image, owner, naming, Vec::new(), prepared)
-            }
-            None => Session::start(docker, self.blueprint(env, None), image, owner, naming, Vec::new()).await?,
-        };
-        if let Some(layer) = layer
-            && let Err(e) = session.add_layer(&layer, &all).await
-        {
-            session.close().await;
-            if with_egress {
-                self.egress.detach(&principal, &name).await;
-            }
-            return Err(Error::from(e));
-        }
-        if !with_egress {
-            // A hibernated session wakes into a pooled container of its image (one with egress
-            // needs its network: it wakes into a container of its own).
-            let _ = session.pool.set(self.pool_take());
-        }
-        Ok(session)
-    }
-
-    /// A new session on a network of its own whose only other member is the egress proxy.
-    async fn start_with_egress(
-        &self,
-        env: &Environment,
-        image: String,
-        naming: super::Naming,
-        rules: Vec<crate::egress::policy::Rule>,
-    ) -> Result<Arc<Session>, Error> {
-        let (principal, name) = (naming.principal.clone(), naming.name.clone());
-        let headers = env.egress_headers.0.clone();
-        let attachment = self.egress.attach(&principal, &name, &image, rules, headers).await.map_err(Error::Egress)?;
-        let blueprint = self.blueprint(env, Some(Arc::new(attachment)));
-        let owner = self.instance.owner.clone();
-        // Never from the pool: a pooled container has no network to put the proxy on.
-        match Session::start(self.docker.clone(), blueprint, image, owner, naming, Vec::new()).await {
-            Ok(s) => Ok(s),
-            Err(e) => {
-                self.egress.detach(&principal, &name).await;
-                Err(e.into())
-            }
-        }
     }
 
     /// Sessions of one principal, sorted by name.

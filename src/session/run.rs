@@ -282,7 +282,11 @@ impl Session {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
-        let ensured = self.ensure_agent(&mut inner).await?;
+        let ensured = self.ensure_agent(&mut inner).await.inspect_err(|e| {
+            if matches!(e, Error::Docker(_)) {
+                self.blueprint.metrics.engine_error(crate::metrics::EngineOp::Run);
+            }
+        })?;
         // What happened since the last call comes first.
         let mut notices = std::mem::take(&mut inner.pending);
         let mut state_lost_before = std::mem::take(&mut inner.pending_lost);
@@ -334,6 +338,7 @@ impl Session {
         }
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
+        self.blueprint.metrics.run_ended(outcome.status, &self.environment, &self.principal, outcome.duration);
         notices.append(&mut outcome.notices);
         outcome.notices = notices;
         self.lost.note(&outcome);
@@ -384,6 +389,7 @@ impl Session {
         };
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
+        self.blueprint.metrics.run_ended(outcome.status, &self.environment, &self.principal, outcome.duration);
         notices.append(&mut outcome.notices);
         outcome.notices = notices;
         self.lost.note(&outcome);

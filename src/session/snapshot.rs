@@ -554,6 +554,9 @@ impl Session {
                     Ok(p) => p,
                     Err(e) => {
                         inner.sleeping = Some(saved);
+                        if matches!(e, Error::Docker(_)) {
+                            self.blueprint.metrics.engine_error(crate::metrics::EngineOp::Wake);
+                        }
                         return Err(e);
                     }
                 }
@@ -599,6 +602,7 @@ impl Session {
         // Its new container is the one a next server must adopt (issue 26: without this
         // record a woken session was swept at the next restart).
         self.write_through();
+        self.blueprint.metrics.session_created(crate::metrics::Source::Wake, &self.principal, started.elapsed());
         Ok(())
     }
 

@@ -137,7 +137,11 @@ const ENVIRONMENTS: &str = "[environments.default]\ntools = [\"time:*\", \"git:*
 #[tokio::test(flavor = "multi_thread")]
 async fn python_calls_time_and_git_and_the_allow_list_holds_against_forged_calls() {
     let f = Fixture::new("allow", ENVIRONMENTS);
-    let s = f.server("codemode-allow").await;
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port");
+    let metrics = metrics.to_string();
+    let env =
+        [("PYBERTH_CONFIG", f.config.as_str()), ("CODEMODE_TEST_SECRET", SECRET), ("PYBERTH_METRICS_ADDR", &metrics)];
+    let s = Server::start("codemode-allow", &env).await;
 
     // The model's view: what it may call, and how.
     let listed = s.call("list_bridged_tools", json!({})).await;
@@ -220,6 +224,15 @@ async fn python_calls_time_and_git_and_the_allow_list_holds_against_forged_calls
     }
     assert!(out.contains("forged: \"time\" is not server.tool"), "{out}");
     assert_eq!(sc["tool_calls"], json!({ "made": 0, "refused": 5 }), "none went upstream");
+
+    // Counted in the metrics by configured upstream; names the sandbox made up are "other".
+    let body = reqwest::get(format!("http://{metrics}/metrics")).await.expect("scrape").text().await.expect("body");
+    let line = |l: &str| body.lines().any(|t| t == l);
+    assert!(line(r#"pyberth_bridged_calls_total{upstream="time",outcome="ok"} 11"#), "{body}");
+    assert!(line(r#"pyberth_bridged_calls_total{upstream="git",outcome="ok"} 3"#), "{body}");
+    assert!(line(r#"pyberth_bridged_calls_total{upstream="git",outcome="refused"} 3"#), "{body}");
+    assert!(line(r#"pyberth_bridged_calls_total{upstream="other",outcome="refused"} 2"#), "{body}");
+    assert!(line("pyberth_bridged_call_duration_seconds_count 20"), "{body}");
 
     let log = s.stop().await;
     assert!(log.contains("bridged tool call") && log.contains("upstream=\"time\""), "audited");

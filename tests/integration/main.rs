@@ -25,8 +25,9 @@ mod http;
 mod http_abuse; // The HTTP service under attack: foreign MCP sessions, caps, Host/Origin, slow clients.
 mod http_fair; // Fair admission: a few client addresses cannot take every connection.
 mod http_tenants; // Two principals racing for their caps: sessions and jobs created at once.
+mod metrics;
 mod oauth; // OAuth 2.1 resource server: JWTs against a JWKS the test serves, rotation, kid floods.
-mod tls_upstream; // Code mode over https: a TLS upstream trusted through the CA bundle, a stranger refused.
+mod tls_upstream; // Code mode over https: a TLS upstream trusted through the CA bundle, a stranger refused. // Prometheus: a real one scrapes a core suite; labels stay bounded.
 // Environments: Python versions, operator environments, mounts.
 mod environments;
 // The CI runner, `pyberth run`.

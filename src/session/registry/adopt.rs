@@ -75,7 +75,9 @@ impl Registry {
         let mut with_egress = Vec::new();
         for record in records {
             let late_one = late.contains(&record.about.instance);
+            let asked = std::time::Instant::now();
             let Some(taken) = self.adopt_record(record, &of_adopted, &host).await else { continue };
+            self.metrics.session_created(crate::metrics::Source::Adopt, &taken.session.principal, asked.elapsed());
             kept_ids.extend(taken.container);
             kept_volumes.extend(taken.volumes);
             if late_one && taken.running {

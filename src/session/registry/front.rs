@@ -80,6 +80,29 @@ impl Registry {
         crate::environment::description_as_built(&self.docker, env).await
     }
 
+    /// The server's metrics, for the fronts that count what they refuse.
+    pub fn metrics(&self) -> Arc<crate::metrics::Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The text a `/metrics` scrape gets: the gauges set from what the registry holds now,
+    /// then every series.
+    pub fn metrics_text(&self) -> String {
+        let mut now = crate::metrics::State::default();
+        let sessions: Vec<Arc<Session>> = self.slots().values().filter_map(|slot| slot.get().cloned()).collect();
+        for s in sessions {
+            let state = if s.is_asleep() { "hibernated" } else { "running" };
+            *now.sessions.entry((state, s.environment.clone())).or_default() += 1;
+        }
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        now.pool = gauge(self.pool_len());
+        now.pool_target = gauge(self.pool_target());
+        now.snapshots = gauge(self.snapshots.count());
+        now.snapshot_bytes = i64::try_from(self.snapshots.total()).unwrap_or(i64::MAX);
+        self.metrics.set_state(&now);
+        self.metrics.encode()
+    }
+
     /// The engine's health, for `/healthz`.
     pub async fn health(&self) -> Health {
         let engine = tokio::time::timeout(Duration::from_secs(5), self.docker.ping()).await.is_ok_and(|r| r.is_ok());

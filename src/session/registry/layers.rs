@@ -18,6 +18,7 @@ impl Registry {
             shared(&mut installs, requirements.to_vec(), Default::default)
         };
         let _guard = lock.lock().await;
+        let asked = std::time::Instant::now();
         let layer = packages::ensure(
             &self.docker,
             &self.blueprint(env, None),
@@ -28,7 +29,13 @@ impl Registry {
             &self.egress,
             progress,
         )
-        .await?;
+        .await;
+        self.metrics.install(layer.as_ref().ok().map(|l| l.cached), asked.elapsed());
+        // A package pip cannot find is the caller's; the engine failing is the operator's.
+        if let Err(packages::Error::Docker(_)) = &layer {
+            self.metrics.engine_error(crate::metrics::EngineOp::Install);
+        }
+        let layer = layer?;
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.
         let (ledger, key) = (self.ledger.clone(), layer.key.clone());

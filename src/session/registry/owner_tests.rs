@@ -360,3 +360,24 @@ async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(calls() > sampled, "a new lease starts a new watchdog");
 }
+
+#[tokio::test]
+async fn the_owners_count_sessions_and_runs_and_a_scrape_names_no_session() {
+    let b = Bench::new(&["--metrics-principal"]);
+    let (s, _) = b.open("alice", "secret-name").await.expect("a session");
+    assert_eq!(run(&s, "x = 1").await.status, crate::output::RunStatus::Ok);
+    assert_eq!(run(&s, "1 / 0").await.status, crate::output::RunStatus::Error);
+    let text = b.reg.metrics_text();
+    let line = |l: &str| text.lines().any(|t| t == l);
+    assert!(line(r#"pyberth_runs_total{status="ok",environment="default",principal="alice"} 1"#), "{text}");
+    assert!(line(r#"pyberth_runs_total{status="error",environment="default",principal="alice"} 1"#), "{text}");
+    assert!(line(r#"pyberth_sessions{state="running",environment="default"} 1"#), "{text}");
+    // The pool keeper is not running: the ask missed and the container was made for it.
+    assert!(line(r#"pyberth_sessions_created_total{source="cold",principal="alice"} 1"#), "{text}");
+    assert!(line(r#"pyberth_pool_takes_total{result="miss"} 1"#), "{text}");
+    assert!(line("pyberth_run_duration_seconds_count{status=\"ok\"} 1"), "{text}");
+    assert!(!text.contains("secret-name") && !text.contains("1 / 0"), "{text}");
+    b.reg.close("alice", "secret-name").await.expect("closed");
+    let text = b.reg.metrics_text();
+    assert!(!text.contains("pyberth_sessions{"), "a closed session leaves the gauge: {text}");
+}

@@ -81,6 +81,11 @@ impl Registry {
         self.demand.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The containers the pool aims for now.
+    pub(super) fn pool_target(&self) -> usize {
+        self.demand().target(Instant::now())
+    }
+
     pub(super) fn pool_len(&self) -> usize {
         self.pool.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
@@ -217,10 +222,12 @@ impl Registry {
     /// Takes a container from the warm pool (waking its keeper to refill it), for a wake.
     pub(super) fn pool_take(&self) -> crate::session::snapshot::PoolTake {
         let (pool, wake, demand) = (self.pool.clone(), self.pool_wake.clone(), self.demand.clone());
+        let metrics = self.metrics.clone();
         Arc::new(move || {
             demand.lock().unwrap_or_else(|e| e.into_inner()).note(Instant::now());
             let taken = pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
             wake.notify_one();
+            metrics.pool_take(taken.is_some());
             taken
         })
     }

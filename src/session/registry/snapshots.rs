@@ -49,7 +49,7 @@ impl Registry {
         let (count, bytes) = self.snapshots.use_of(who, except);
         let mine: Vec<Arc<Session>> =
             self.slots().iter().filter(|(k, _)| k.0 == who).filter_map(|(_, slot)| slot.get().cloned()).collect();
-        mine.iter().filter_map(asleep_bytes).fold((count, bytes), |(n, b), more| (n + 1, b + more))
+        mine.iter().filter_map(|s| asleep_bytes(s)).fold((count, bytes), |(n, b), more| (n + 1, b + more))
     }
 
     /// The caller's caps: most snapshots, most bytes.
@@ -107,6 +107,7 @@ impl Registry {
             remove(&self.docker, &saved.store).await;
             return Err(e);
         }
+        self.metrics.snapshot_taken("save", saved.summary.bytes());
         if let Some(old) = self.snapshots.insert(who, name, session, saved) {
             remove(&self.docker, &old.saved.store).await;
         }
@@ -138,7 +139,11 @@ impl Registry {
         let room = (max_bytes - bytes).min(quota - bytes);
         let bounds = Bounds { bytes: self.cache_bytes().min(room), entries: MAX_ENTRIES };
         let id = format!("h{}", self.snapshots.next_id());
-        s.hibernate(&id, bounds).await
+        let slept = s.hibernate(&id, bounds).await?;
+        if let Some(bytes) = asleep_bytes(s).filter(|_| slept) {
+            self.metrics.snapshot_taken("hibernate", bytes);
+        }
+        Ok(slept)
     }
 
     /// Makes session `name` of `who` from its snapshot `snapshot`.
@@ -164,6 +169,7 @@ impl Registry {
         }
         let session = self.get(who, from).map_err(|e| e.to_string())?;
         let saved = self.take_snapshot(&session).await?;
+        self.metrics.snapshot_taken("fork", saved.summary.bytes());
         let restored = self.restore_into(who, name, &saved).await;
         remove(&self.docker, &saved.store).await;
         let e = Event::new("fork", who).session(name).field("from", from).field("bytes", saved.summary.bytes());
@@ -216,7 +222,7 @@ impl Registry {
 }
 
 /// Bytes of a session's hibernation snapshot, if it sleeps.
-fn asleep_bytes(s: &Arc<Session>) -> Option<u64> {
+fn asleep_bytes(s: &Session) -> Option<u64> {
     s.asleep.lock().ok().and_then(|a| a.as_ref().map(|saved| saved.summary.bytes()))
 }
 
