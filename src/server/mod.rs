@@ -6,6 +6,7 @@
 //! - `files.rs`, `transfer.rs`, `jobs.rs`, `envs.rs`: the workspace, archives, jobs, environments;
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
 //! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
+//! - `traced.rs`: each request in spans (the logs' trace ids; OTLP export when on);
 //! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
 //! - `types.rs` the tools' arguments and results, `render.rs` the results' text (`budget.rs`
 //!   its size in characters), `error.rs` the
@@ -44,6 +45,7 @@ mod render;
 mod run;
 mod sessions;
 mod snapshots;
+mod traced;
 mod transfer;
 mod types;
 
@@ -134,10 +136,15 @@ impl ServerHandler for SandboxServer {
         request: rmcp::model::CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
-        // Every failure of the tool is logged inside this span (error.rs).
-        let span = tracing::info_span!("tool", name = %request.name);
-        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
-        Ok(match self.tool_router.call(tcc).instrument(span).await? {
+        let name = request.name.clone();
+        let failed = |r: &rmcp::model::CallToolResponse| matches!(r, rmcp::model::CallToolResponse::Complete(r) if r.is_error == Some(true));
+        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context.clone());
+        let call = || {
+            // Every failure of the tool is logged inside this span (error.rs).
+            let span = tracing::info_span!("tool", name = %name);
+            self.tool_router.call(tcc).instrument(span)
+        };
+        Ok(match traced::serve("tools/call", Some(&name), &context, failed, call).await? {
             rmcp::model::CallToolResponse::Complete(r) => {
                 rmcp::model::CallToolResponse::Complete(fit::fit(r, fit::BUDGET))
             }
@@ -162,20 +169,27 @@ impl ServerHandler for SandboxServer {
     async fn set_level(
         &self,
         request: rmcp::model::SetLevelRequestParams,
-        _ctx: RequestContext<RoleServer>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        live::set_level(&self.log_level, request.level);
-        Ok(())
+        traced::serve(
+            "logging/setLevel",
+            None,
+            &ctx,
+            |_| false,
+            || async {
+                live::set_level(&self.log_level, request.level);
+                Ok(())
+            },
+        )
+        .await
     }
 
     async fn list_resource_templates(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _ctx: RequestContext<RoleServer>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
-        let template = ResourceTemplate::new("pyberth://sessions/{session}/files/{+path}", "workspace-file")
-            .with_description("A file in a session's workspace (/workspace); text or binary, at most 8 MiB per read.");
-        Ok(ListResourceTemplatesResult::with_all_items(vec![template]))
+        traced::serve("resources/templates/list", None, &ctx, |_| false, || async { Ok(Self::templates()) }).await
     }
 
     async fn read_resource(
@@ -183,7 +197,25 @@ impl ServerHandler for SandboxServer {
         request: ReadResourceRequestParams,
         ctx: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
-        let who = principal_of(&ctx);
+        traced::serve("resources/read", None, &ctx, |_| false, || self.read_workspace_file(request, &ctx)).await
+    }
+}
+
+impl SandboxServer {
+    /// The one resource template: workspace files.
+    fn templates() -> ListResourceTemplatesResult {
+        let template = ResourceTemplate::new("pyberth://sessions/{session}/files/{+path}", "workspace-file")
+            .with_description("A file in a session's workspace (/workspace); text or binary, at most 8 MiB per read.");
+        ListResourceTemplatesResult::with_all_items(vec![template])
+    }
+
+    /// `resources/read` of a workspace file.
+    async fn read_workspace_file(
+        &self,
+        request: ReadResourceRequestParams,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        let who = principal_of(ctx);
         let uri = request.uri;
         let not_found = |why: String| ErrorData::resource_not_found(why, None);
         let Some((name, path)) = checks::parse_resource_uri(&uri) else {
