@@ -225,3 +225,51 @@ async fn the_logs_of_a_call_carry_its_trace_context_and_nothing_forged() {
     assert!(!lines.is_empty(), "no log line of the call carries its trace context");
     assert!(!log.contains("FORGED-LOG-LINE"), "a forged traceparent reached the log");
 }
+
+/// Over HTTP: the `traceparent` header is the parent when `_meta` has none; when both come and
+/// differ, `_meta`'s is the parent and the header's a link; the spans still queued at SIGTERM
+/// reach the collector.
+#[tokio::test(flavor = "multi_thread")]
+async fn over_http_the_header_is_the_fallback_parent_and_a_link_beside_meta() {
+    use crate::http::{ALICE, HttpServer};
+    use rmcp::ServiceExt as _;
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+
+    let (collector, url, receiver) = Collector::start().await;
+    let server = HttpServer::start_with("otel-http", &[("PYBERTH_OTLP_ENDPOINT", url.as_str())], None).await;
+    let (header, meta) = (Caller::new(4), Caller::new(5));
+    let headers = HashMap::from([(
+        axum::http::HeaderName::from_static("traceparent"),
+        axum::http::HeaderValue::from_str(&header.traceparent()).expect("header value"),
+    )]);
+    let config =
+        StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")).auth_header(ALICE).custom_headers(headers);
+    let client = crate::common::Recorder::default()
+        .serve(StreamableHttpClientTransport::from_config(config))
+        .await
+        .expect("MCP initialise over HTTP");
+    let args = json!({"session": "h"}).as_object().expect("object").clone();
+    let r = client.call_tool(CallToolRequestParams::new("list_files").with_arguments(args.clone())).await;
+    r.expect("no protocol error");
+    let mut params = CallToolRequestParams::new("list_variables").with_arguments(args);
+    let mut m = RequestMetaObject::new();
+    m.set_traceparent(meta.traceparent());
+    params.set_meta(m);
+    client.call_tool(params).await.expect("no protocol error");
+    drop(client);
+    server.stop().await;
+    let spans = collector.spans();
+    receiver.abort();
+    let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+
+    let listed = spans.iter().find(|s| s.name == "tools/call list_files").unwrap_or_else(|| panic!("{names:?}"));
+    assert_eq!(hex(&listed.trace_id), header.trace, "the header's trace, without _meta");
+    assert_eq!(hex(&listed.parent_span_id), header.span);
+    assert_eq!(attrs(listed).get("network.transport").map(String::as_str), Some("tcp"));
+    let vars = spans.iter().find(|s| s.name == "tools/call list_variables").unwrap_or_else(|| panic!("{names:?}"));
+    assert_eq!(hex(&vars.trace_id), meta.trace, "_meta's trace wins");
+    assert_eq!(hex(&vars.parent_span_id), meta.span);
+    let links: Vec<(String, String)> = vars.links.iter().map(|l| (hex(&l.trace_id), hex(&l.span_id))).collect();
+    assert_eq!(links, vec![(header.trace.clone(), header.span.clone())], "the header's context is a link");
+}
