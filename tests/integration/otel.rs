@@ -273,3 +273,23 @@ async fn over_http_the_header_is_the_fallback_parent_and_a_link_beside_meta() {
     let links: Vec<(String, String)> = vars.links.iter().map(|l| (hex(&l.trace_id), hex(&l.span_id))).collect();
     assert_eq!(links, vec![(header.trace.clone(), header.span.clone())], "the header's context is a link");
 }
+
+/// A collector that is down costs spans, never calls: each run succeeds, the loss is counted
+/// and logged once (not once per batch or span), and the server stops on time.
+#[tokio::test]
+async fn a_collector_that_is_down_costs_spans_not_calls() {
+    // A port that was just free: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let url = format!("http://127.0.0.1:{port}");
+    let server = Server::start("otel-down", &[("PYBERTH_OTLP_ENDPOINT", url.as_str())]).await;
+    let caller = Caller::new(6);
+    for i in 0..5 {
+        let code = format!("print({i})");
+        let r = call_traced(&server, "run_python", json!({"session": "d", "code": code}), &caller.traceparent()).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    }
+    let log = server.stop().await;
+    let failures = log.lines().filter(|l| l.contains("OTLP export failed")).count();
+    assert_eq!(failures, 1, "one report of the loss, whatever the number of batches");
+    assert!(log.contains("dropped_spans="), "the loss is counted");
+}
