@@ -91,6 +91,12 @@ pub struct SandboxConfig {
     #[arg(long, env = "DOCKER_HOST")]
     pub docker_host: Option<String>,
 
+    /// OTLP/HTTP endpoint to export traces to (opt-in; `serve` only), e.g.
+    /// http://127.0.0.1:4318 (`/v1/traces` is added to a URL without a path). Plain http: a
+    /// local collector or agent forwards them on.
+    #[arg(long, env = "PYBERTH_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
     /// Sandbox image to run instead of the one built from images/python (must contain the agent).
     #[arg(long, env = "PYBERTH_IMAGE")]
     pub image: Option<String>,
@@ -387,6 +393,9 @@ impl SandboxConfig {
         self.validate_limits()?;
         self.validate_egress()?;
         self.validate_packages()?;
+        if let Some(endpoint) = &self.otlp_endpoint {
+            crate::telemetry::traces_url(endpoint).map_err(|why| Invalid { key: "--otlp-endpoint", why })?;
+        }
         if let Some(instance) = &self.instance {
             check(
                 !instance.is_empty()

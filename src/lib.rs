@@ -88,6 +88,8 @@ pub(crate) mod session;
 pub(crate) mod state_dir;
 /// The hostile-tar rules shared by uploads, layers and snapshots: pure, no I/O.
 pub(crate) mod tarcheck;
+/// Log lines and, opt-in, OpenTelemetry traces over OTLP/HTTP; W3C trace context.
+pub mod telemetry;
 
 /// Every tool result is cut to fit one MCP message a client accepts (public for the
 /// integration tier's stress test of it).

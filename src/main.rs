@@ -224,17 +224,23 @@ fn main() -> std::process::ExitCode {
     {
         filter = filter.add_directive(quiet);
     }
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour only for a person at a terminal: logs in files and CI stay plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(filter)
-        .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
-            tracing::error!(error = %e, "cannot start the async runtime");
+            eprintln!("pyberth: cannot start the async runtime: {e}");
             return std::process::ExitCode::FAILURE;
+        }
+    };
+    // Traces are a server's (opt-in); the exporter POSTs on the runtime.
+    let otlp = match &cli.command {
+        Command::Serve { cfg, .. } => cfg.otlp_endpoint.as_deref(),
+        _ => None,
+    };
+    let telemetry = match pyberth::telemetry::Telemetry::install(filter, otlp, runtime.handle()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("pyberth: {e}");
+            return std::process::ExitCode::from(2);
         }
     };
     let code = runtime.block_on(async {
@@ -249,6 +255,8 @@ fn main() -> std::process::ExitCode {
             },
         }
     });
+    // The last spans go out while the runtime still runs (the exporter POSTs on it).
+    telemetry.shutdown();
     // rmcp reads stdin on a blocking thread that only returns on input; waiting for it
     // would keep a server that was told to stop alive. Cleanup is done by now.
     runtime.shutdown_timeout(std::time::Duration::from_millis(200));

@@ -6,6 +6,7 @@
 //! - `files.rs`, `transfer.rs`, `jobs.rs`, `envs.rs`: the workspace, archives, jobs, environments;
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
 //! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
+//! - `traced.rs`: each request in spans (the logs' trace ids; OTLP export when on);
 //! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
 //! - `tasks.rs`: MCP Tasks (`tasks/get`, `tasks/cancel`) over jobs, for clients that declare them;
 //! - `modern.rs`: what MCP 2026-07-28 adds: `session` as `Mcp-Param-Session`, cache hints;
@@ -48,6 +49,7 @@ mod run;
 mod sessions;
 mod snapshots;
 mod tasks;
+mod traced;
 mod transfer;
 mod types;
 
@@ -139,11 +141,16 @@ impl ServerHandler for SandboxServer {
         request: rmcp::model::CallToolRequestParams,
         mut context: RequestContext<RoleServer>,
     ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
-        // Every failure of the tool is logged inside this span (error.rs).
-        let span = tracing::info_span!("tool", name = %request.name);
+        let name = request.name.clone();
+        let failed = |r: &rmcp::model::CallToolResponse| matches!(r, rmcp::model::CallToolResponse::Complete(r) if r.is_error == Some(true));
         let tasks = tasks::TaskSlot::offer(&mut context);
-        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
-        let response = self.tool_router.call(tcc).instrument(span).await?;
+        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context.clone());
+        let call = || {
+            // Every failure of the tool is logged inside this span (error.rs).
+            let span = tracing::info_span!("tool", name = %name);
+            self.tool_router.call(tcc).instrument(span)
+        };
+        let response = traced::serve("tools/call", Some(&name), &context, failed, call).await?;
         // A run that went to the background is a task for a client that declared them.
         if let Some(task) = tasks.and_then(|t| t.take()) {
             return Ok(rmcp::model::CallToolResponse::Task(task));
@@ -202,10 +209,19 @@ impl ServerHandler for SandboxServer {
     async fn set_level(
         &self,
         request: rmcp::model::SetLevelRequestParams,
-        _ctx: RequestContext<RoleServer>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
-        live::set_level(&self.log_level, request.level);
-        Ok(())
+        traced::serve(
+            "logging/setLevel",
+            None,
+            &ctx,
+            |_| false,
+            || async {
+                live::set_level(&self.log_level, request.level);
+                Ok(())
+            },
+        )
+        .await
     }
 
     async fn list_resource_templates(
@@ -213,11 +229,12 @@ impl ServerHandler for SandboxServer {
         _request: Option<PaginatedRequestParams>,
         ctx: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
-        let template = ResourceTemplate::new("pyberth://sessions/{session}/files/{+path}", "workspace-file")
-            .with_description("A file in a session's workspace (/workspace); text or binary, at most 8 MiB per read.");
-        let mut result = ListResourceTemplatesResult::with_all_items(vec![template]);
-        (result.ttl_ms, result.cache_scope) = modern::static_list_hints(&ctx);
-        Ok(result)
+        let hinted = || async {
+            let mut result = Self::templates();
+            (result.ttl_ms, result.cache_scope) = modern::static_list_hints(&ctx);
+            Ok(result)
+        };
+        traced::serve("resources/templates/list", None, &ctx, |_| false, hinted).await
     }
 
     async fn read_resource(
@@ -225,7 +242,25 @@ impl ServerHandler for SandboxServer {
         request: ReadResourceRequestParams,
         ctx: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
-        let who = principal_of(&ctx);
+        traced::serve("resources/read", None, &ctx, |_| false, || self.read_workspace_file(request, &ctx)).await
+    }
+}
+
+impl SandboxServer {
+    /// The one resource template: workspace files.
+    fn templates() -> ListResourceTemplatesResult {
+        let template = ResourceTemplate::new("pyberth://sessions/{session}/files/{+path}", "workspace-file")
+            .with_description("A file in a session's workspace (/workspace); text or binary, at most 8 MiB per read.");
+        ListResourceTemplatesResult::with_all_items(vec![template])
+    }
+
+    /// `resources/read` of a workspace file.
+    async fn read_workspace_file(
+        &self,
+        request: ReadResourceRequestParams,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        let who = principal_of(ctx);
         let uri = request.uri;
         let not_found = |why: String| ErrorData::resource_not_found(why, None);
         let Some((name, path)) = checks::parse_resource_uri(&uri) else {

@@ -22,6 +22,8 @@ use crate::deps;
 use crate::protocol::Request;
 use crate::session::registry::Opened;
 use crate::session::{RunSpec, Session};
+use crate::telemetry;
+use tracing::Instrument as _;
 
 /// For each stream whose text the budget cuts: the whole of it (up to the output cap and its
 /// last quarter-cap) written to `.pyberth-output/<stream>.txt` in the workspace, replacing the
@@ -134,9 +136,13 @@ impl SandboxServer {
         let notifier = self.notifier(ctx);
         let mut live = live_channel(notifier.wants_output());
         let meter = self.registry.egress_meter(&who, &session.name).await;
-        let mut outcome = relay(notifier, &mut live.rx, session.run(spec, timeout, &ctx.ct, &live.observer))
-            .await
-            .context("the run could not complete")?;
+        let mut outcome = relay(
+            notifier,
+            &mut live.rx,
+            session.run(spec, timeout, &ctx.ct, &live.observer).instrument(telemetry::step_span("run")),
+        )
+        .await
+        .context("the run could not complete")?;
         outcome.notices.splice(0..0, notices);
         let egress = match meter {
             Some(meter) => meter.used().await,
@@ -178,7 +184,9 @@ impl SandboxServer {
         let opened = relay(
             self.notifier(ctx),
             &mut rx,
-            self.registry.open(&who, name, environment, packages, allow_hosts, &progress),
+            self.registry
+                .open(&who, name, environment, packages, allow_hosts, &progress)
+                .instrument(telemetry::step_span("session open")),
         )
         .await;
         if !packages.is_empty() {

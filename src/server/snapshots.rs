@@ -21,6 +21,8 @@ use crate::durable::catalogue::Entry;
 use crate::output::{count, one_line};
 use crate::protocol::Lost;
 use crate::session::snapshot::Grade;
+use crate::telemetry;
+use tracing::Instrument as _;
 /// Names shown in a result's text; the structured content has them all.
 const SHOWN: usize = 50;
 
@@ -203,7 +205,11 @@ impl SandboxServer {
             Some(n) => session_name(Some(n)).map_err(|e| e.replace("session name", "snapshot name"))?,
             None => self.registry.default_snapshot_name(&session_name_),
         };
-        let entry = self.registry.save_snapshot(&who, &session_name_, &snap).await?;
+        let entry = self
+            .registry
+            .save_snapshot(&who, &session_name_, &snap)
+            .instrument(telemetry::step_span("snapshot save"))
+            .await?;
         let out = describe(&entry, true);
         let mut text = format!(
             "snapshot {:?} of session {:?} ({}): {} ({} bytes), {} bytes of interpreter state, {} saved, in {} ms\n",
@@ -265,7 +271,11 @@ impl SandboxServer {
     #[tool(annotations(title = "Restore session"), output_schema = schema_for_output::<RestoreOutput>())]
     async fn restore_session(&self, Parameters(args): Parameters<RestoreArgs>, Caller(who): Caller) -> ToolResult {
         let name = session_name(Some(&args.session))?;
-        let (entry, r) = self.registry.restore_snapshot(&who, &args.snapshot, &name).await?;
+        let (entry, r) = self
+            .registry
+            .restore_snapshot(&who, &args.snapshot, &name)
+            .instrument(telemetry::step_span("snapshot restore"))
+            .await?;
         let out = RestoreOutput {
             session: name,
             from: entry.name.clone(),
@@ -289,7 +299,8 @@ impl SandboxServer {
     async fn fork_session(&self, Parameters(args): Parameters<ForkArgs>, Caller(who): Caller) -> ToolResult {
         let from = session_name(args.session.as_deref())?;
         let name = session_name(Some(&args.new_session))?;
-        let (saved, r) = self.registry.fork_session(&who, &from, &name).await?;
+        let (saved, r) =
+            self.registry.fork_session(&who, &from, &name).instrument(telemetry::step_span("session fork")).await?;
         let out = RestoreOutput {
             session: name,
             from,

@@ -80,6 +80,8 @@ mod fit_stress;
 // What a text-only client reads: failed run_file reasons, finished jobs as runs.
 mod model_habits;
 mod model_text; // Issue 28 items 4-7: notebook habits, wording, caches, the tool profile.
+// Traces over OTLP/HTTP to a receiver of the test's, and trace context in the logs (issues 31, 32).
+mod otel;
 // Per-caller snapshot caps (issue 26): count and bytes, hibernated sessions included.
 mod snapshot_caps;
 // Both MCP generations (2026-07-28 and 2025-11-25) over stdio and HTTP, and the 2026 wire rules.

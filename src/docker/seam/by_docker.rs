@@ -17,7 +17,10 @@ use bollard::query_parameters as q;
 use bytes::Bytes;
 use futures::StreamExt;
 
+use tracing::Instrument as _;
+
 use super::{Body, Engine, Fut, Items};
+use crate::telemetry::engine_span;
 
 /// Docker, by delegation to bollard.
 impl Engine for Docker {
@@ -29,7 +32,7 @@ impl Engine for Docker {
         options: Option<q::CreateContainerOptions>,
         config: ContainerCreateBody,
     ) -> Fut<'_, ContainerCreateResponse> {
-        Box::pin(Docker::create_container(self, options, config))
+        Box::pin(Docker::create_container(self, options, config).instrument(engine_span("docker create_container")))
     }
     fn start_container<'a>(&'a self, name: &'a str, options: Option<q::StartContainerOptions>) -> Fut<'a, ()> {
         Box::pin(Docker::start_container(self, name, options))
@@ -82,10 +85,10 @@ impl Engine for Docker {
         Docker::download_from_container(self, name, options).boxed()
     }
     fn create_exec<'a>(&'a self, container: &'a str, config: ExecConfig) -> Fut<'a, CreateExecResults> {
-        Box::pin(Docker::create_exec(self, container, config))
+        Box::pin(Docker::create_exec(self, container, config).instrument(engine_span("docker create_exec")))
     }
     fn start_exec<'a>(&'a self, exec_id: &'a str, config: Option<StartExecOptions>) -> Fut<'a, StartExecResults> {
-        Box::pin(Docker::start_exec(self, exec_id, config))
+        Box::pin(Docker::start_exec(self, exec_id, config).instrument(engine_span("docker start_exec")))
     }
     fn inspect_exec<'a>(&'a self, exec_id: &'a str) -> Fut<'a, ExecInspectResponse> {
         Box::pin(Docker::inspect_exec(self, exec_id))

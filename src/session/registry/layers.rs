@@ -76,6 +76,7 @@ impl Registry {
     }
 
     /// Adds requirements to a running session (a no-op for those it has).
+    #[tracing::instrument(target = "pyberth::otel", name = "step", skip_all, fields(otel.name = "install", otel.kind = "internal"))]
     pub async fn install(
         &self,
         session: &Session,
