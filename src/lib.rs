@@ -61,6 +61,8 @@ pub mod gc;
 pub mod http;
 /// Liveness of server instances, so leftovers of dead ones can be swept at start.
 pub mod instance;
+/// The Kubernetes engine (issue 33): pod specs, the cluster client, the manifests.
+pub mod k8s;
 /// Capped capture of a run's output streams, exact bytes kept.
 pub(crate) mod output;
 /// Dependency layers as a service: the set's key, the installer (uv or pip, sdist opt-ins),
