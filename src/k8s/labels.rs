@@ -49,6 +49,12 @@ pub fn split(labels: &BTreeMap<String, String>) -> (BTreeMap<String, String>, BT
     (out, notes)
 }
 
+/// A label selector matching all of `pairs`, each value made valid as [`value`] makes it: a
+/// caller-chosen value (`a,pyberth.managed`) can neither add a term nor widen the selector.
+pub fn selector(pairs: &[(&str, &str)]) -> String {
+    pairs.iter().map(|(k, v)| format!("{k}={}", value(v))).collect::<Vec<_>>().join(",")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +76,19 @@ mod tests {
         }
         assert_ne!(value("alice@example.com"), value("bob@example.com"));
         assert_eq!(value("alice@example.com"), value("alice@example.com"));
+    }
+
+    #[test]
+    fn a_hostile_value_adds_no_term_to_a_selector() {
+        assert_eq!(
+            selector(&[("pyberth.session", "s1"), ("pyberth.managed", "true")]),
+            "pyberth.session=s1,pyberth.managed=true"
+        );
+        for hostile in ["s1,pyberth.managed", "s1 in (a,b)", "s1!=x", "x=y"] {
+            let s = selector(&[("pyberth.session", hostile)]);
+            assert_eq!(s.matches(',').count() + s.matches('=').count(), 1, "one term, one `=`: {s}");
+            assert!(s.starts_with("pyberth.session=h-"), "{s}");
+        }
     }
 
     #[test]
