@@ -77,6 +77,9 @@ pub enum Error {
     /// The kubeconfig or the in-cluster environment could not be read.
     #[error("cannot find the Kubernetes cluster: {0}")]
     Config(String),
+    /// A file could not be moved in or out of a pod.
+    #[error("{0}")]
+    Transfer(String),
     /// Anything else the API or the transport said.
     #[error("Kubernetes API, while trying to {doing}: {source}")]
     Api {
@@ -302,6 +305,29 @@ impl Cluster {
         let end = tokio::time::timeout(Duration::from_secs(60), &mut exec.end).await.unwrap_or(ExecEnd::Lost);
         drain.abort();
         Ok(end)
+    }
+
+    /// A tar of `path` (relative to `dir`) in pod `name`, from `tar -c` on the exec's stdout,
+    /// at most `cap` bytes: a bigger one is refused, not cut.
+    pub async fn download_tar(&self, name: &str, dir: &str, path: &str, cap: usize) -> Result<Vec<u8>, Error> {
+        use tokio::io::AsyncReadExt;
+        let mut exec = self.exec(name, &["tar", "-c", "-C", dir, "-f", "-", "--", path], false).await?;
+        let err = std::mem::replace(&mut exec.stderr, Box::pin(tokio::io::empty()));
+        let drain = tokio::spawn(drain_both(Box::pin(tokio::io::empty()), err));
+        let mut tar = Vec::new();
+        let limit = u64::try_from(cap).unwrap_or(u64::MAX).saturating_add(1);
+        let read = (&mut exec.stdout).take(limit).read_to_end(&mut tar).await;
+        drain.abort();
+        let too_big = || Error::Transfer(format!("{path} is bigger than {cap} bytes as a tar"));
+        match read {
+            Ok(_) if tar.len() > cap => Err(too_big()),
+            Ok(_) => match tokio::time::timeout(Duration::from_secs(60), &mut exec.end).await {
+                Ok(ExecEnd::Exited(0)) => Ok(tar),
+                Ok(end) => Err(Error::Transfer(format!("cannot read {path} from pod {name}: {end:?}"))),
+                Err(_) => Err(Error::Transfer(format!("reading {path} from pod {name} did not end within 60 s"))),
+            },
+            Err(e) => Err(Error::Transfer(format!("cannot read {path} from pod {name}: {e}"))),
+        }
     }
 
     /// Pods of ours matching `selector` (`key=value,...`).

@@ -150,6 +150,16 @@ async fn a_session_lives_over_the_simulated_api_server() {
     assert_eq!(end, ExecEnd::Exited(0));
     let (out, _) = agent.run(3, "print(open('/workspace/hello.txt').read())").await;
     assert_eq!(out.trim(), "from the wire");
+    // And back: a tar of it from the exec's stdout; a cap below its size refuses it.
+    let tar = cluster.download_tar(&name, "/workspace", "hello.txt", 1 << 20).await.expect("download");
+    let mut archive = tar::Archive::new(tar.as_slice());
+    let mut entry = archive.entries().expect("entries").next().expect("one entry").expect("entry");
+    assert_eq!(entry.path().expect("path").to_string_lossy(), "hello.txt");
+    let mut body = String::new();
+    std::io::Read::read_to_string(&mut entry, &mut body).expect("read");
+    assert_eq!(body, "from the wire");
+    let e = cluster.download_tar(&name, "/workspace", "hello.txt", 100).await.expect_err("over the cap");
+    assert!(e.to_string().contains("bigger than 100 bytes"), "{e}");
 
     // The exec websocket cut mid-run: the interpreter lives on in the keeper; a new relay
     // reaches the same state, and the cut run's effect is there.
