@@ -65,6 +65,8 @@ pub mod http;
 pub mod https;
 /// Liveness of server instances, so leftovers of dead ones can be swept at start.
 pub mod instance;
+/// The Kubernetes engine (issue 33): pod specs, the cluster client, the manifests.
+pub mod k8s;
 /// Prometheus metrics: the series and their bounded labels (`/metrics` is served by [`http`]).
 pub mod metrics;
 /// Capped capture of a run's output streams, exact bytes kept.

@@ -27,7 +27,7 @@ pub type Input = Pin<Box<dyn AsyncWrite + Send>>;
 /// and the script's directory off the path, `-u` unbuffers, `-B` keeps `__pycache__` out of
 /// the workspace; the keeper needs no `site` (`-S`). Its socket lives in a 0700 directory of
 /// the code's uid on the container's own /tmp tmpfs.
-const AGENT_CMD: [&str; 13] = [
+pub(crate) const AGENT_CMD: [&str; 13] = [
     "python3",
     "-I",
     "-S",

@@ -1,0 +1,227 @@
+//! Every document of `deploy/kubernetes/` parses into its type, says nothing the type does not
+//! know (a typo would be dropped silently by the API server's own decoder), and keeps the
+//! hardening the sandbox pods need.
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, PodSpec, PodTemplateSpec, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::FILES;
+
+/// agent-sandbox `SandboxTemplate` (extensions.agents.x-k8s.io/v1beta1), the fields we use.
+#[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct SandboxTemplateSpec {
+    pod_template: PodTemplateSpec,
+    network_policy_management: String,
+    network_policy: SandboxNetworkPolicy,
+}
+
+#[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct SandboxNetworkPolicy {
+    ingress: Vec<Value>,
+    egress: Vec<Value>,
+}
+
+/// agent-sandbox `SandboxWarmPool`, the fields we use.
+#[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct SandboxWarmPoolSpec {
+    replicas: u32,
+    sandbox_template_ref: Named,
+}
+
+#[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct Named {
+    name: String,
+}
+
+/// A custom resource: our spec struct under the usual envelope.
+#[derive(Debug, Deserialize, serde::Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Custom<S> {
+    api_version: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: S,
+}
+
+fn docs() -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for (file, text) in FILES {
+        let docs: Vec<Value> = serde_saphyr::from_multiple(text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        for d in docs {
+            let kind = d["kind"].as_str().unwrap_or_else(|| panic!("{file}: a document without kind")).to_owned();
+            out.push((format!("{file}/{kind}"), d));
+        }
+    }
+    out
+}
+
+/// Parses `doc` as `T` and checks that serializing it back gives the document: nothing unknown
+/// (a misspelt field) was dropped on the way.
+fn typed<T: DeserializeOwned + serde::Serialize>(at: &str, doc: &Value) -> T {
+    let t: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| panic!("{at}: {e}"));
+    let back = serde_json::to_value(&t).unwrap_or_else(|e| panic!("{at}: {e}"));
+    assert_eq!(&back, doc, "{at}: a field the type does not know, or a wrong shape");
+    t
+}
+
+fn check_sandbox_pod(at: &str, spec: &PodSpec) {
+    assert_eq!(spec.automount_service_account_token, Some(false), "{at}");
+    assert_eq!(spec.enable_service_links, Some(false), "{at}");
+    assert_eq!(spec.restart_policy.as_deref(), Some("Never"), "{at}");
+    let ps = spec.security_context.as_ref().unwrap_or_else(|| panic!("{at}: pod securityContext"));
+    assert_eq!(ps.run_as_non_root, Some(true), "{at}");
+    assert!(ps.run_as_user.is_some_and(|u| u >= 1000), "{at}: a non-root uid from our range");
+    assert_eq!(ps.seccomp_profile.as_ref().map(|p| p.type_.as_str()), Some("RuntimeDefault"), "{at}");
+    for c in &spec.containers {
+        let cs = c.security_context.as_ref().unwrap_or_else(|| panic!("{at}: container securityContext"));
+        assert_eq!(cs.allow_privilege_escalation, Some(false), "{at}");
+        assert_eq!(cs.read_only_root_filesystem, Some(true), "{at}");
+        assert_eq!(cs.capabilities.as_ref().and_then(|c| c.drop.clone()), Some(vec!["ALL".to_owned()]), "{at}");
+        let r = c.resources.as_ref().unwrap_or_else(|| panic!("{at}: resources"));
+        let limits = r.limits.as_ref().unwrap_or_else(|| panic!("{at}: limits"));
+        for k in ["cpu", "memory", "ephemeral-storage"] {
+            assert!(limits.contains_key(k), "{at}: limit {k}");
+        }
+    }
+    for v in spec.volumes.iter().flatten() {
+        let d = v.empty_dir.as_ref().unwrap_or_else(|| panic!("{at}: volume {} is an emptyDir", v.name));
+        assert_eq!(d.medium.as_deref(), Some("Memory"), "{at}: {}", v.name);
+        assert!(d.size_limit.is_some(), "{at}: {} has a size limit", v.name);
+    }
+}
+
+#[test]
+fn every_document_parses_into_its_type_with_nothing_unknown() {
+    let docs = docs();
+    assert!(docs.len() >= 10, "{} documents", docs.len());
+    for (at, d) in &docs {
+        match d["kind"].as_str().unwrap_or_default() {
+            "Namespace" => drop(typed::<Namespace>(at, d)),
+            "ServiceAccount" => drop(typed::<ServiceAccount>(at, d)),
+            "Role" => drop(typed::<Role>(at, d)),
+            "RoleBinding" => drop(typed::<RoleBinding>(at, d)),
+            "Deployment" => drop(typed::<Deployment>(at, d)),
+            "Service" => drop(typed::<Service>(at, d)),
+            "NetworkPolicy" => drop(typed::<NetworkPolicy>(at, d)),
+            "SandboxTemplate" => drop(typed::<Custom<SandboxTemplateSpec>>(at, d)),
+            "SandboxWarmPool" => drop(typed::<Custom<SandboxWarmPoolSpec>>(at, d)),
+            other => panic!("{at}: no test knows kind {other}"),
+        }
+    }
+}
+
+#[test]
+fn everything_lives_in_the_pyberth_namespace() {
+    for (at, d) in docs() {
+        let ns = if d["kind"] == "Namespace" { &d["metadata"]["name"] } else { &d["metadata"]["namespace"] };
+        assert_eq!(ns.as_str(), Some("pyberth"), "{at}");
+    }
+}
+
+#[test]
+fn the_role_grants_only_what_we_use() {
+    let (at, d) = docs().into_iter().find(|(_, d)| d["kind"] == "Role").expect("a Role");
+    let role: Role = typed(&at, &d);
+    let mut granted = Vec::new();
+    for rule in role.rules.expect("rules") {
+        for r in rule.resources.expect("resources") {
+            for v in &rule.verbs {
+                assert_ne!(v, "*", "{at}: no wildcard verb");
+                granted.push(format!("{r}:{v}"));
+            }
+            assert_ne!(r, "*", "{at}: no wildcard resource");
+            assert!(
+                !["secrets", "configmaps", "serviceaccounts", "roles", "rolebindings"].contains(&r.as_str()),
+                "{r}"
+            );
+        }
+    }
+    for must in ["pods:create", "pods:delete", "pods:watch", "pods/exec:create", "sandboxclaims:create"] {
+        assert!(granted.iter().any(|g| g == must), "{must} missing from {granted:?}");
+    }
+    assert!(!granted.iter().any(|g| g.starts_with("pods:update") || g.starts_with("pods:patch")), "{granted:?}");
+}
+
+#[test]
+fn sandboxes_are_denied_all_traffic_but_the_proxy() {
+    let docs = docs();
+    let policies: Vec<NetworkPolicy> =
+        docs.iter().filter(|(_, d)| d["kind"] == "NetworkPolicy").map(|(at, d)| typed(at, d)).collect();
+    let deny = policies
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some("sandbox-default-deny"))
+        .and_then(|p| p.spec.clone())
+        .expect("the default deny");
+    assert_eq!(
+        deny.pod_selector.clone().and_then(|s| s.match_labels).unwrap_or_default()["pyberth.io/sandbox"],
+        "true"
+    );
+    assert_eq!(deny.policy_types, Some(vec!["Ingress".to_owned(), "Egress".to_owned()]));
+    assert!(deny.ingress.is_none() && deny.egress.is_none(), "no rule: deny all");
+    let proxy = policies
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some("sandbox-egress-to-proxy"))
+        .and_then(|p| p.spec.clone())
+        .expect("the proxy rule");
+    assert!(proxy.ingress.is_none(), "no ingress to sandboxes");
+    let rules = proxy.egress.expect("egress rules");
+    assert_eq!(rules.len(), 1);
+    let to = rules[0].to.clone().expect("a peer");
+    assert_eq!(to.len(), 1);
+    assert!(to[0].ip_block.is_none() && to[0].namespace_selector.is_none(), "only pods of this namespace");
+    let ports = rules[0].ports.clone().expect("ports");
+    assert_eq!(ports.len(), 1, "the proxy port only: no DNS");
+}
+
+#[test]
+fn the_sandbox_template_is_as_hardened_as_our_pods() {
+    let (at, d) = docs().into_iter().find(|(_, d)| d["kind"] == "SandboxTemplate").expect("a template");
+    let t: Custom<SandboxTemplateSpec> = typed(&at, &d);
+    assert_eq!(t.api_version, "extensions.agents.x-k8s.io/v1beta1");
+    assert!(t.spec.network_policy.egress.is_empty(), "{at}: egress: [] (the Managed default is the internet)");
+    assert!(t.spec.network_policy.ingress.is_empty(), "{at}");
+    check_sandbox_pod(&at, t.spec.pod_template.spec.as_ref().expect("pod spec"));
+    let (at, d) = docs().into_iter().find(|(_, d)| d["kind"] == "SandboxWarmPool").expect("a pool");
+    let p: Custom<SandboxWarmPoolSpec> = typed(&at, &d);
+    assert_eq!(p.spec.sandbox_template_ref.name, t.metadata.name.expect("template name"));
+}
+
+#[test]
+fn our_generated_pod_passes_the_same_checks() {
+    use crate::docker::container::{Sandboxing, Spec};
+    let spec = Spec {
+        memory_mb: 1024,
+        cpus: 1.0,
+        pids: 256,
+        tmp_mb: 64,
+        workspace_mb: Some(512),
+        uid_range: crate::docker::identity::UidRange::default(),
+        sandboxing: Sandboxing::default(),
+        mounts: Vec::new(),
+        network: None,
+        orphan_after: std::time::Duration::from_secs(60),
+    };
+    let settings = crate::k8s::pod::PodSettings { ephemeral_mb: 1024, ..Default::default() };
+    let p = crate::k8s::pod::pod(&spec, &settings, "img", "n", 10_000, &Default::default()).expect("a pod");
+    check_sandbox_pod("pod.rs", p.spec.as_ref().expect("spec"));
+}
+
+#[test]
+fn the_check_catches_a_weakened_pod() {
+    let (at, mut d) = docs().into_iter().find(|(_, d)| d["kind"] == "SandboxTemplate").expect("a template");
+    d["spec"]["podTemplate"]["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] =
+        Value::Bool(true);
+    let t: Custom<SandboxTemplateSpec> = typed(&at, &d);
+    let weakened =
+        std::panic::catch_unwind(|| check_sandbox_pod(&at, t.spec.pod_template.spec.as_ref().expect("spec")));
+    assert!(weakened.is_err(), "a pod that may escalate privileges must fail the check");
+}

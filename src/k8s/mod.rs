@@ -1,0 +1,18 @@
+//! The Kubernetes engine (issue 33, first landing: plain Pods).
+//!
+//! - `pod`: the hardened pod spec of a session, mapped from the settings our Docker containers
+//!   get (docs/kubernetes.md, the table of /work/shared research §2.4).
+//! - `labels`: our labels in the syntax Kubernetes accepts.
+//! - `cluster`: the kube-rs client side: create, wait Running, exec (the agent relay over the
+//!   pods/exec websocket), list by label, delete; API refusals turned into clear errors.
+//! - `manifests`: the checked-in `deploy/kubernetes/` files, parsed and checked by the tests.
+//!
+//! Not yet: the owners' `Engine` trait over this (docs/kubernetes.md says what is missing).
+
+pub mod cluster;
+pub mod labels;
+pub mod manifests;
+pub mod pod;
+
+/// The container name inside every session pod (agent-sandbox's convention too).
+pub const CONTAINER: &str = "sandbox";

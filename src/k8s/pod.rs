@@ -1,0 +1,204 @@
+//! The pod of one session: what `container::host_config` gives a Docker container, in
+//! Kubernetes terms (docs/kubernetes.md has the table; what has no pod field says so there).
+//!
+//! One difference shapes the rest: `pods/exec` cannot pick a user (kubernetes#30656), so the
+//! whole pod runs as the code's uid, PID 1 included. PID 1 is `sleep infinity` with no signal
+//! handlers, which the kernel shields from signals sent inside its own pid namespace, so code
+//! still cannot stop it (pid_namespaces(7)).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EmptyDirVolumeSource, EnvVar, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
+    SeccompProfile, SecurityContext, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use crate::docker::container::Spec;
+use crate::docker::{CACHE_ENV, ENV, WORKSPACE};
+
+use super::CONTAINER;
+
+/// Label that says whether a sandbox pod may reach the egress proxy: the NetworkPolicies of
+/// `deploy/kubernetes/` select on it (`proxy`), everything else is denied all traffic.
+pub const LABEL_EGRESS: &str = "pyberth.io/egress";
+/// Label on every session pod: the default-deny NetworkPolicy selects on it.
+pub const LABEL_SANDBOX: &str = "pyberth.io/sandbox";
+
+/// The seccomp profile of sandbox pods.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Seccomp {
+    /// The container runtime's default profile.
+    #[default]
+    RuntimeDefault,
+    /// A profile file already on every node, relative to the kubelet's seccomp directory.
+    Localhost(String),
+}
+
+/// What a pod needs beyond our container settings: cluster facts from the configuration.
+#[derive(Debug, Clone, Default)]
+pub struct PodSettings {
+    /// `runtimeClassName` (e.g. `gvisor`); `None`: the cluster's default runtime.
+    pub runtime_class: Option<String>,
+    /// The seccomp profile.
+    pub seccomp: Seccomp,
+    /// Bound on the pod's disk (image layers' writable part, logs): `ephemeral-storage`, MiB.
+    pub ephemeral_mb: u64,
+}
+
+/// Why a spec has no pod.
+#[derive(Debug, thiserror::Error)]
+pub enum PodError {
+    /// Host bind mounts (the layer store, read-only host folders) have no pod equivalent yet.
+    #[error(
+        "the Kubernetes engine cannot mount host folders (the layer store, `mounts`) yet: remove them from this environment"
+    )]
+    HostMounts,
+}
+
+fn mib(mb: u64) -> Quantity {
+    Quantity(format!("{mb}Mi"))
+}
+
+/// CPUs as millicores, the unit the API server keeps.
+fn cpu(cpus: f64) -> Quantity {
+    // Validated to a small positive number of CPUs by the configuration.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let milli = (cpus * 1000.0).round().max(1.0) as u64;
+    Quantity(format!("{milli}m"))
+}
+
+/// A memory-backed emptyDir: a hard size bound (it counts against the pod's memory limit),
+/// unlike a disk emptyDir, whose limit the kubelet only monitors and evicts on.
+fn memory_dir(name: &str, mb: u64) -> Volume {
+    Volume {
+        name: name.to_owned(),
+        empty_dir: Some(EmptyDirVolumeSource { medium: Some("Memory".into()), size_limit: Some(mib(mb)) }),
+        ..Default::default()
+    }
+}
+
+fn mount(name: &str, path: &str) -> VolumeMount {
+    VolumeMount { name: name.to_owned(), mount_path: path.to_owned(), ..Default::default() }
+}
+
+/// The environment of the sandbox container: our fixed one, the cache variables, the keeper's
+/// orphan grace, and what the owner of egress adds when the session has egress.
+fn env(spec: &Spec) -> Vec<EnvVar> {
+    let orphan = format!("{}={}", crate::docker::tether::ORPHAN_ENV, spec.orphan_after.as_secs());
+    let extra = spec.network.iter().flat_map(|n| n.env.iter().cloned());
+    ENV.iter()
+        .chain(&CACHE_ENV)
+        .map(|s| (*s).to_owned())
+        .chain([orphan])
+        .chain(extra)
+        .filter_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            Some(EnvVar { name: k.to_owned(), value: Some(v.to_owned()), value_from: None })
+        })
+        .collect()
+}
+
+fn security(uid: u32, seccomp: &Seccomp) -> (PodSecurityContext, SecurityContext) {
+    let id = i64::from(uid);
+    let profile = match seccomp {
+        Seccomp::RuntimeDefault => SeccompProfile { type_: "RuntimeDefault".into(), localhost_profile: None },
+        Seccomp::Localhost(p) => SeccompProfile { type_: "Localhost".into(), localhost_profile: Some(p.clone()) },
+    };
+    let pod = PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(id),
+        run_as_group: Some(id),
+        fs_group: Some(id),
+        seccomp_profile: Some(profile.clone()),
+        ..Default::default()
+    };
+    let container = SecurityContext {
+        allow_privilege_escalation: Some(false),
+        privileged: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        run_as_user: Some(id),
+        run_as_group: Some(id),
+        capabilities: Some(Capabilities { add: None, drop: Some(vec!["ALL".into()]) }),
+        seccomp_profile: Some(profile),
+        ..Default::default()
+    };
+    (pod, container)
+}
+
+/// The session pod `name` of image `image`, running as `uid`, carrying `labels` (made valid,
+/// with the originals of hashed values as annotations).
+pub fn pod(
+    spec: &Spec,
+    settings: &PodSettings,
+    image: &str,
+    name: &str,
+    uid: u32,
+    labels: &BTreeMap<String, String>,
+) -> Result<Pod, PodError> {
+    if !spec.mounts.is_empty() {
+        return Err(PodError::HostMounts);
+    }
+    let (mut labels, annotations) = super::labels::split(labels);
+    labels.insert(LABEL_SANDBOX.into(), "true".into());
+    labels.insert(LABEL_EGRESS.into(), if spec.network.is_some() { "proxy" } else { "none" }.into());
+    // Guaranteed QoS: requests equal limits, so the node never overcommits a sandbox.
+    let limits = BTreeMap::from([
+        ("cpu".to_owned(), cpu(spec.cpus)),
+        ("memory".to_owned(), mib(spec.memory_mb)),
+        ("ephemeral-storage".to_owned(), mib(settings.ephemeral_mb.max(1))),
+    ]);
+    let (pod_security, container_security) = security(uid, &settings.seccomp);
+    // Without a size bound of its own the workspace is still bounded by the memory limit.
+    let workspace_mb = spec.workspace_mb.unwrap_or(spec.memory_mb);
+    let container = Container {
+        name: CONTAINER.into(),
+        image: Some(image.to_owned()),
+        // Never pulled from a registry at session start: the image is the operator's, on the nodes.
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["sleep".into(), "infinity".into()]),
+        working_dir: Some(WORKSPACE.into()),
+        env: Some(env(spec)),
+        resources: Some(ResourceRequirements { limits: Some(limits.clone()), requests: Some(limits), claims: None }),
+        security_context: Some(container_security),
+        volume_mounts: Some(vec![mount("workspace", WORKSPACE), mount("tmp", "/tmp"), mount("shm", "/dev/shm")]),
+        stdin: Some(false),
+        tty: Some(false),
+        ..Default::default()
+    };
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: Some(labels),
+            annotations: (!annotations.is_empty()).then_some(annotations),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![container],
+            restart_policy: Some("Never".into()),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            host_network: Some(false),
+            host_pid: Some(false),
+            host_ipc: Some(false),
+            share_process_namespace: Some(false),
+            runtime_class_name: settings.runtime_class.clone(),
+            security_context: Some(pod_security),
+            volumes: Some(vec![
+                memory_dir("workspace", workspace_mb),
+                memory_dir("tmp", spec.tmp_mb),
+                memory_dir("shm", 64),
+            ]),
+            // A deleted sandbox goes at once: nothing in it needs a graceful stop.
+            termination_grace_period_seconds: Some(0),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+#[cfg(test)]
+#[path = "pod_tests.rs"]
+mod tests;

@@ -1,0 +1,121 @@
+//! The simulated node: a pod becomes a container of the local Docker engine, with the pod's
+//! own security context, limits and memory-backed emptyDirs, so that what pyberth asks of a
+//! pod is what the agent inside gets.
+
+use std::collections::HashMap;
+
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::query_parameters::{CreateContainerOptionsBuilder, RemoveContainerOptionsBuilder};
+use k8s_openapi::api::core::v1::Pod;
+
+/// Label on every container the simulator starts, with the simulator's own id: its cleanup
+/// (and nobody else's) removes them.
+pub(crate) const LABEL_SIM: &str = "pyberth-test.k8s-sim";
+
+/// "512Mi", "64Mi", "1Gi" as bytes; what our pod spec and manifests write.
+pub(crate) fn bytes(q: &str) -> Option<i64> {
+    let (n, unit) = q.split_at(q.find(|c: char| !c.is_ascii_digit()).unwrap_or(q.len()));
+    let n: i64 = n.parse().ok()?;
+    Some(match unit {
+        "" => n,
+        "Ki" => n << 10,
+        "Mi" => n << 20,
+        "Gi" => n << 30,
+        _ => return None,
+    })
+}
+
+/// "1500m" or "2" as nano-CPUs.
+pub(crate) fn nano_cpus(q: &str) -> Option<i64> {
+    match q.strip_suffix('m') {
+        Some(milli) => milli.parse::<i64>().ok().map(|m| m * 1_000_000),
+        None => q.parse::<i64>().ok().map(|c| c * 1_000_000_000),
+    }
+}
+
+/// The container of `pod`: its first container's image, command, uid, environment and
+/// security context; each memory emptyDir a tmpfs of its size limit; no network (the
+/// default-deny NetworkPolicy of a sandbox pod without egress).
+pub(crate) fn container(pod: &Pod, sim: &str) -> Result<ContainerCreateBody, String> {
+    let spec = pod.spec.as_ref().ok_or("a pod without spec")?;
+    let c = spec.containers.first().ok_or("a pod without containers")?;
+    let psc = spec.security_context.clone().unwrap_or_default();
+    let sc = c.security_context.clone().unwrap_or_default();
+    let uid = sc.run_as_user.or(psc.run_as_user).ok_or("the simulated node runs no pod as root")?;
+    let gid = sc.run_as_group.or(psc.run_as_group).unwrap_or(uid);
+    let limits = c.resources.as_ref().and_then(|r| r.limits.clone()).unwrap_or_default();
+    let mut tmpfs = HashMap::new();
+    for m in c.volume_mounts.iter().flatten() {
+        let v = spec.volumes.iter().flatten().find(|v| v.name == m.name).ok_or("a mount of no volume")?;
+        let dir = v.empty_dir.as_ref().ok_or("the simulated node has emptyDir volumes only")?;
+        let size = dir.size_limit.as_ref().and_then(|q| bytes(&q.0)).ok_or("an emptyDir without a size")?;
+        // Kubernetes makes emptyDirs world-writable, group fsGroup; the tmpfs mode says the same.
+        tmpfs.insert(m.mount_path.clone(), format!("rw,nosuid,nodev,size={size},mode=1777"));
+    }
+    let mut security_opt = Vec::new();
+    if sc.allow_privilege_escalation == Some(false) {
+        security_opt.push("no-new-privileges:true".to_owned());
+    }
+    let drop = sc.capabilities.and_then(|c| c.drop).unwrap_or_default();
+    let env = c.env.iter().flatten().map(|e| format!("{}={}", e.name, e.value.clone().unwrap_or_default())).collect();
+    let memory = limits.get("memory").and_then(|q| bytes(&q.0));
+    Ok(ContainerCreateBody {
+        image: c.image.clone(),
+        cmd: c.command.clone(),
+        user: Some(format!("{uid}:{gid}")),
+        working_dir: c.working_dir.clone(),
+        env: Some(env),
+        labels: Some(HashMap::from([(LABEL_SIM.to_owned(), sim.to_owned())])),
+        network_disabled: Some(true),
+        host_config: Some(HostConfig {
+            network_mode: Some("none".into()),
+            readonly_rootfs: sc.read_only_root_filesystem,
+            cap_drop: Some(drop),
+            security_opt: Some(security_opt),
+            memory,
+            memory_swap: memory,
+            nano_cpus: limits.get("cpu").and_then(|q| nano_cpus(&q.0)),
+            tmpfs: Some(tmpfs),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+}
+
+/// Starts the container of `pod` under `name`; returns its id.
+pub(crate) async fn start(docker: &Docker, pod: &Pod, name: &str, sim: &str) -> Result<String, String> {
+    let body = container(pod, sim)?;
+    let opts = CreateContainerOptionsBuilder::default().name(name).build();
+    let id = docker.create_container(Some(opts), body).await.map_err(|e| e.to_string())?.id;
+    docker.start_container(&id, None).await.map_err(|e| e.to_string())?;
+    Ok(id)
+}
+
+/// Removes a container, killing it; gone already is fine.
+pub(crate) async fn remove(docker: &Docker, id: &str) {
+    let opts = RemoveContainerOptionsBuilder::default().force(true).v(true).build();
+    let _ = docker.remove_container(id, Some(opts)).await;
+}
+
+/// Removes every container simulator `sim` started.
+pub(crate) async fn remove_all(docker: &Docker, sim: &str) {
+    let filter = format!("{LABEL_SIM}={sim}");
+    let filters = HashMap::from([("label", vec![filter.as_str()])]);
+    let opts = bollard::query_parameters::ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+    for c in docker.list_containers(Some(opts)).await.unwrap_or_default() {
+        if let Some(id) = c.id {
+            remove(docker, &id).await;
+        }
+    }
+}
+
+#[test]
+fn quantities_as_the_pod_spec_writes_them() {
+    assert_eq!(bytes("64Mi"), Some(64 << 20));
+    assert_eq!(bytes("1Gi"), Some(1 << 30));
+    assert_eq!(bytes("12"), Some(12));
+    assert_eq!(bytes("1.5Gi"), None);
+    assert_eq!(nano_cpus("1500m"), Some(1_500_000_000));
+    assert_eq!(nano_cpus("2"), Some(2_000_000_000));
+}
