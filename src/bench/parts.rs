@@ -32,17 +32,19 @@ struct Proc {
 
 /// Which part a process is, by its command line and parent. Two layouts are told apart: the
 /// keeper as its own interpreter (`keeper.py keep`, the agent a process of its own that forks
-/// its forwarder) and the keeper folded into the agent (`agent.py keep`, whose forked child
-/// is the interpreter).
+/// its forwarder) and the keeper folded into the agent (whose forked child is the
+/// interpreter).
 fn part_of(p: &Proc, procs: &[Proc]) -> &'static str {
-    // A keeper.py command line names agent.py too: it is the command the keeper runs.
-    let agent = |cmd: &str| cmd.contains("agent.py") && !cmd.contains("keeper.py");
+    // A keeper.py command line names agent.py too: it is the command the keeper runs. The
+    // folded keeper loads the agent as a module (`-c ... agent.main(['keep', ...])`).
+    let kept = |cmd: &str| cmd.contains("agent.py keep") || cmd.contains("agent.main(");
+    let agent = |cmd: &str| (cmd.contains("agent.py") || kept(cmd)) && !cmd.contains("keeper.py");
     let parent_is_agent = procs.iter().any(|q| q.pid == p.ppid && agent(&q.cmd));
     if p.cmd.contains("relay.pl") || p.cmd.contains("keeper.py attach") {
         PARTS[0]
     } else if p.cmd.contains("keeper.py keep") {
         PARTS[1]
-    } else if p.cmd.contains("agent.py keep") {
+    } else if kept(&p.cmd) {
         if parent_is_agent { PARTS[3] } else { PARTS[2] }
     } else if agent(&p.cmd) {
         if parent_is_agent { PARTS[4] } else { PARTS[3] }
