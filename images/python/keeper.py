@@ -433,8 +433,8 @@ def start_keeper(sock_path, argv):
                 # session holds one interpreter and its fork (agent.py, `keep`). Imported,
                 # not run as a script, so the code the image compiled is loaded (the hash
                 # of the source checked): compiling 1500 lines at start leaves ~3 MiB.
-                boot = BOOT % (os.path.dirname(argv[-1]), str(ready_w), sock_path)
-                os.execvp(argv[0], argv[:-1] + ["-c", boot])
+                boot = BOOT % os.path.dirname(argv[-1])
+                os.execvp(argv[0], argv[:-1] + ["-c", boot, "keep", str(ready_w), sock_path])
             me = os.path.abspath(__file__)
             os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", me, "keep", str(ready_w), sock_path, "--"] + argv)
         finally:
@@ -454,7 +454,7 @@ def start_keeper(sock_path, argv):
 BOOT = (
     "import sys; sys.path[:] = [%r] + [p for p in sys.path if p]; import agent; del sys.path[0]; "
     "del sys.modules['agent']; "
-    "agent.main(['keep', %r, %r])"
+    "agent.main(sys.argv[1:])"
 )
 
 

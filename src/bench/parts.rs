@@ -36,7 +36,7 @@ struct Proc {
 /// interpreter).
 fn part_of(p: &Proc, procs: &[Proc]) -> &'static str {
     // A keeper.py command line names agent.py too: it is the command the keeper runs. The
-    // folded keeper loads the agent as a module (`-c ... agent.main(['keep', ...])`).
+    // folded keeper loads the agent as a module (`-c ... agent.main(sys.argv[1:]) keep ...`).
     let kept = |cmd: &str| cmd.contains("agent.py keep") || cmd.contains("agent.main(");
     let agent = |cmd: &str| (cmd.contains("agent.py") || kept(cmd)) && !cmd.contains("keeper.py");
     let parent_is_agent = procs.iter().any(|q| q.pid == p.ppid && agent(&q.cmd));

@@ -271,7 +271,7 @@ async fn the_keeper_is_the_interpreters_parent_and_killing_it_costs_only_the_sta
     let procs = layout["procs"].as_object().expect("processes");
     let parent = &procs[&layout["parent"].to_string()];
     let keeper = parent["cmd"].as_str().unwrap_or_default();
-    assert!(keeper.contains("agent.main(['keep'"), "the keeper is the parent: {layout}");
+    assert!(keeper.contains("agent.main(sys.argv[1:]) keep "), "the keeper is the parent: {layout}");
     let pythons: Vec<&Value> =
         procs.values().filter(|p| !p["cmd"].as_str().unwrap_or_default().contains("keeper.py attach")).collect();
     assert_eq!(pythons.len(), 2, "one keeper and one interpreter, no third Python: {layout}");
