@@ -3,9 +3,11 @@
 Started by the server as one long-lived `docker exec` per session. It reads requests as
 newline-delimited JSON on its stdin and writes events as newline-delimited JSON on its stdout.
 User code never touches those two streams: the agent keeps a private copy of fd 0, points
-fd 0 at /dev/null and fds 1 and 2 at pipes. A forwarder process (see `forwarder`) owns the
-real stdout and sends whatever arrives on the pipes, so output of child processes is
-captured too, and output written just before the interpreter dies is not lost.
+fd 0 at /dev/null and fds 1 and 2 at pipes. A forwarder process (see `Forwarder`) owns the
+event stream and sends whatever arrives on the pipes, so output of child processes is
+captured too, and output written just before the interpreter dies is not lost. In the
+sandbox that process is the keeper (`keep`): it forked the interpreter and serves the
+event stream to relays on a Unix socket (keeper.py, docs/design.md D12).
 
 Standard library only: the same file runs on every base image.
 Why this file passes 500 lines: the image copies it whole as the one agent, and code mode's
@@ -262,78 +264,198 @@ def write_all(fd, data):
         view = view[n:]
 
 
-def forwarder(events_fd, msg_r, streams):
-    """Body of the forwarder process, forked before anything else runs.
+class Forwarder:
+    """Makes the event stream of the agent's own messages and the code's stdout and stderr.
 
-    It reads the user's stdout and stderr pipes and the agent's own messages, and is the only
-    writer of the event stream. Because it is a separate process, output the code wrote just
-    before killing the interpreter (os._exit, a fatal signal, the OOM killer) still reaches
-    the server: when the agent's message pipe closes, the forwarder drains the output pipes
-    and only then exits, which ends the exec's stream.
+    Output is tagged with the id of the run that was current when it arrived, and everything
+    the code wrote before a message was sent goes out before that message. It lives in a
+    process of its own (the agent's fork, or the keeper that forked the agent: `keep`), so
+    output the code wrote just before killing the interpreter (os._exit, a fatal signal, the
+    OOM killer) still reaches the server: when the agent's message pipe closes, the output
+    pipes are drained and only then does the stream end.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for fd in list(streams) + [msg_r]:
-        os.set_blocking(fd, False)
-    run_id = None
-    pending = b""
 
-    def forward(fd):
+    def __init__(self, msg_r, streams):
+        self.msg_r = msg_r
+        self.streams = streams
+        for fd in list(streams) + [msg_r]:
+            os.set_blocking(fd, False)
+        self.run_id = None
+        self.pending = b""
+
+    def forward(self, fd):
+        """An event line of what the code's pipe FD holds now: None when nothing is there,
+        b"" when it ended."""
         try:
             data = os.read(fd, CHUNK)
         except BlockingIOError:
-            return False
+            return None
         if not data:
-            return False
-        event = {"ev": "out", "id": run_id, "s": streams[fd]}
+            return b""
+        event = {"ev": "out", "id": self.run_id, "s": self.streams[fd]}
         try:
             event["t"] = data.decode("utf-8")
         except UnicodeDecodeError:
             # Invalid UTF-8, or a character split by the chunk boundary: the bytes travel as
             # base64 and the server reassembles the stream byte for byte.
             event["b"] = base64.b64encode(data).decode("ascii")
-        write_all(events_fd, (json.dumps(event, separators=(",", ":")) + "\n").encode("utf-8"))
-        return True
+        return (json.dumps(event, separators=(",", ":")) + "\n").encode("utf-8")
 
-    def drain():
+    def drain(self):
+        """Event lines of what the code's pipes hold now."""
+        lines = []
         # Bounded, so a background process that never stops printing cannot stall us.
         for _ in range(64):
-            if not any([forward(fd) for fd in streams]):
-                return
+            got = [line for line in [self.forward(fd) for fd in self.streams] if line]
+            if not got:
+                break
+            lines += got
+        return lines
 
+    def messages(self):
+        """Event lines for what the message pipe holds now; None once the agent is gone."""
+        try:
+            chunk = os.read(self.msg_r, 1 << 20)
+        except BlockingIOError:
+            return []
+        if chunk == b"":
+            return None
+        self.pending += chunk
+        lines = []
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            if line.startswith(b'{"ev":"file","id":'):
+                kind = "file"  # a piece of an archive, up to megabytes: not parsed again
+            else:
+                try:
+                    kind = json.loads(line).get("ev")
+                except ValueError:
+                    continue
+            if kind == "begin":
+                self.run_id = json.loads(line).get("id")
+                continue
+            if kind != "ack":
+                # Everything the code wrote before this message was sent goes out first.
+                # Not before an ack: the begin right behind it may not have been read yet,
+                # and the run's first output would go out without its id.
+                lines += self.drain()
+            lines.append(line + b"\n")
+            if kind == "done":
+                self.run_id = None
+        return lines
+
+
+def forwarder(events_fd, msg_r, streams):
+    """Body of the forwarder process the agent forks when it runs without a keeper of its
+    own making (the protocol tests; `keep` below is the sandbox's): the event stream's only
+    writer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fw = Forwarder(msg_r, streams)
     while True:
         readable, _, _ = select.select([msg_r] + list(streams), [], [])
         if msg_r in readable:
-            try:
-                chunk = os.read(msg_r, 1 << 20)
-            except BlockingIOError:
-                chunk = None
-            if chunk == b"":
-                drain()
+            lines = fw.messages()
+            if lines is None:
+                write_all(events_fd, b"".join(fw.drain()))
                 os._exit(0)
-            pending += chunk or b""
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                if line.startswith(b'{"ev":"file","id":'):
-                    kind = "file"  # a piece of an archive, up to megabytes: not parsed again
-                else:
-                    try:
-                        kind = json.loads(line).get("ev")
-                    except ValueError:
-                        continue
-                if kind == "begin":
-                    run_id = json.loads(line).get("id")
-                    continue
-                if kind != "ack":
-                    # Everything the code wrote before this message was sent goes out first.
-                    # Not before an ack: the begin right behind it may not have been read yet,
-                    # and the run's first output would go out without its id.
-                    drain()
-                write_all(events_fd, line + b"\n")
-                if kind == "done":
-                    run_id = None
+            write_all(events_fd, b"".join(lines))
         for fd in streams:
             if fd in readable:
-                forward(fd)
+                write_all(events_fd, fw.forward(fd) or b"")
+
+
+class KeptSource:
+    """What the keeper serves (keeper.py `serve`): the event stream the forwarder makes
+    (kind `1`) and the agent's own diagnostics (kind `2`)."""
+
+    def __init__(self, fw, diag_r):
+        self.fw = fw
+        self.diag_r = diag_r
+        os.set_blocking(diag_r, False)
+        self.open = [fw.msg_r, diag_r] + list(fw.streams)
+
+    def fds(self):
+        # A copy: the keeper iterates it while reads close pipes.
+        return list(self.open)
+
+    def read(self, fd):
+        if fd not in self.open:
+            # Ended meanwhile: the agent's end drained it already.
+            return ()
+        if fd == self.diag_r:
+            try:
+                data = os.read(fd, CHUNK)
+            except BlockingIOError:
+                return ()
+            if not data:
+                self.open.remove(fd)
+            return ((b"2", data),) if data else ()
+        if fd == self.fw.msg_r:
+            lines = self.fw.messages()
+            if lines is None:
+                # The agent is gone: the code's last output, then the end (pipes a child of
+                # the code still holds are not waited for).
+                lines = self.fw.drain()
+                self.open = []
+            return [(b"1", line) for line in lines]
+        line = self.fw.forward(fd)
+        if line == b"":
+            self.open.remove(fd)
+        return ((b"1", line),) if line else ()
+
+    def done(self):
+        return not self.open
+
+
+def load_keeper():
+    """keeper.py, beside this file, as a module of its own (not importable by the code)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(AGENT_FILE), "keeper.py")
+    spec = importlib.util.spec_from_file_location("pyberth_keeper", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def keep(ready, sock_path):
+    """The agent as its own keeper (docs/design.md D12): this process listens on SOCK_PATH,
+    forks the interpreter, and serves relays the event stream its forwarder makes. So a
+    session idles as one interpreter and its fork, which share what was loaded before it.
+    Returns only in the forked interpreter: the pipes its Agent writes."""
+    keeper = load_keeper()
+    listener = keeper.listen(sock_path)
+    in_r, in_w = os.pipe()
+    diag_r, diag_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    msg_r, msg_w = os.pipe()
+    # Objects that exist now are never scanned by the collector again, so neither process
+    # writes to their pages and they stay shared after the fork.
+    gc.freeze()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            listener.close()
+            os.dup2(in_r, 0)
+            os.dup2(diag_w, 2)
+            for fd in (in_r, in_w, diag_r, diag_w, out_r, err_r, msg_r, ready):
+                os.close(fd)
+            # The code sees the command line of an agent, not the keeper's.
+            sys.argv[:] = [AGENT_FILE]
+        except BaseException:
+            os._exit(127)
+        return out_w, err_w, msg_w
+    try:
+        for fd in (in_r, diag_w, out_w, err_w, msg_w):
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.write(ready, b"1")
+        os.close(ready)
+        streams = {out_r: "stdout", err_r: "stderr"}
+        keeper.serve(sock_path, listener, KeptSource(Forwarder(msg_r, streams), diag_r), pid, in_w)
+    finally:
+        os._exit(1)
 
 
 def format_exception(exc, compiling=False):
@@ -545,27 +667,34 @@ def make_tools_module(bridge):
     return module
 
 
+def fork_forwarder():
+    """Forks the forwarder (before any thread exists); returns the write ends of the code's
+    stdout and stderr and of the message pipe. The child keeps the real stdout (the event
+    stream); the agent keeps only the write end of the message pipe."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    msg_r, msg_w = os.pipe()
+    # Objects that exist now are never scanned by the collector again, so neither process
+    # writes to their pages and they stay shared after the fork.
+    gc.freeze()
+    if os.fork() == 0:
+        try:
+            gc.disable()
+            for fd in (0, out_w, err_w, msg_w):
+                os.close(fd)
+            forwarder(1, msg_r, {out_r: "stdout", err_r: "stderr"})
+        finally:
+            os._exit(1)
+    for fd in (msg_r, out_r, err_r):
+        os.close(fd)
+    return out_w, err_w, msg_w
+
+
 class Agent:
-    def __init__(self):
-        self.out_r, self.out_w = os.pipe()
-        self.err_r, self.err_w = os.pipe()
-        msg_r, msg_w = os.pipe()
-        # Fork before any thread exists. The child keeps the real stdout (the event stream);
-        # the agent keeps only the write end of the message pipe.
-        # Objects that exist now are never scanned by the collector again, so neither process
-        # writes to their pages and they stay shared after the fork.
-        gc.freeze()
-        if os.fork() == 0:
-            try:
-                gc.disable()
-                for fd in (0, self.out_w, self.err_w, msg_w):
-                    os.close(fd)
-                forwarder(1, msg_r, {self.out_r: "stdout", self.err_r: "stderr"})
-            finally:
-                os._exit(1)
-        os.close(msg_r)
-        os.close(self.out_r)
-        os.close(self.err_r)
+    def __init__(self, pipes=None):
+        """PIPES: the code's stdout and stderr and the message pipe, write ends, when a
+        keeper reads them (`keep`); without, the agent forks a forwarder of its own."""
+        self.out_w, self.err_w, msg_w = pipes or fork_forwarder()
         # Private, non-inheritable copies (os.dup sets O_CLOEXEC) of the request stream and
         # of stderr for the agent's own diagnostics.
         self.cmd_fd = os.dup(0)
@@ -1483,5 +1612,12 @@ class Durable:
         return {"restored": sorted(set(str(n) for n in restored))[:MAX_LOST], "lost": lost}
 
 
+def main(args):
+    """`keep READY SOCKET`: started by keeper.py attach, to serve that socket (keeper.py BOOT);
+    no arguments: an agent on this process's stdin and stdout."""
+    kept = keep(int(args[1]), args[2]) if len(args) == 3 and args[0] == "keep" else None
+    Agent(kept).serve()
+
+
 if __name__ == "__main__":
-    Agent().serve()
+    main(sys.argv[1:])

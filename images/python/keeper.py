@@ -2,8 +2,9 @@
 
 `keeper.py attach DIR -- CMD...` is what the server execs. It connects to the keeper's Unix
 socket in DIR; when no keeper answers, it first starts one, fully detached (double fork,
-setsid, stdio on /dev/null, then exec'd as `keeper.py keep`, a command line of its own),
-which runs CMD (the agent) on pipes and listens on that socket.
+setsid, stdio on /dev/null). When CMD is our agent.py, the agent is its own keeper: it loads,
+listens on that socket and forks the interpreter, and its forwarder serves the relays with
+this file's `serve` (agent.py `keep`). Any other CMD is run on pipes by `keeper.py keep`.
 The attach process then becomes a thin relay (it execs relay.pl, in perl, on the socket's fd;
 relay() here when it cannot): its stdin goes to the agent's stdin, and the agent's stdout and
 stderr come back framed over the socket and split again onto its own stdout and stderr, so
@@ -136,8 +137,33 @@ def private_dir(path):
         raise SystemExit("keeper: %s is not a private directory of this uid" % path)
 
 
-def keeper(sock_path, argv, ready):
-    """Body of the detached keeper: runs the agent and serves one relay at a time."""
+class PipeSource:
+    """The agent as a program of its own: its stdout and stderr, as they come."""
+
+    def __init__(self, out_r, err_r):
+        self.reading = {out_r: b"1", err_r: b"2"}
+        for fd in self.reading:
+            os.set_blocking(fd, False)
+
+    def fds(self):
+        return list(self.reading)
+
+    def read(self, fd):
+        """(kind, bytes) pairs of what FD holds now."""
+        data = read_some(fd)
+        if data is None:
+            return ()
+        kind = self.reading[fd]
+        if not data:
+            del self.reading[fd]
+            return ()
+        return ((kind, data),)
+
+    def done(self):
+        return not self.reading
+
+
+def listen(sock_path):
     try:
         os.unlink(sock_path)
     except FileNotFoundError:
@@ -146,7 +172,12 @@ def keeper(sock_path, argv, ready):
     listener.bind(sock_path)
     listener.listen(4)
     listener.setblocking(False)
+    return listener
 
+
+def keeper(sock_path, argv, ready):
+    """Body of the detached keeper of any agent command: runs it on pipes, serves relays."""
+    listener = listen(sock_path)
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -166,11 +197,15 @@ def keeper(sock_path, argv, ready):
             os._exit(127)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
-    for fd in (in_w, out_r, err_r):
-        os.set_blocking(fd, False)
     os.write(ready, b"1")
     os.close(ready)
+    serve(sock_path, listener, PipeSource(out_r, err_r), pid, in_w)
 
+
+def serve(sock_path, listener, source, pid, in_w):
+    """Serves one relay at a time for the agent PID: what SOURCE reads of it (kind `1`, its
+    event stream; `2`, its diagnostics) goes to the relay, the relay's stdin to IN_W."""
+    os.set_blocking(in_w, False)
     relay = None
     incoming = Frames()
     # Frames for the current relay, each [kind, frame, bytes of it sent]; kind `h` is the hello.
@@ -184,7 +219,6 @@ def keeper(sock_path, argv, ready):
     head = bytearray()  # stdout before the hello line ended
     mid_line = False  # the last stdout byte a relay took was not a line end
     skip_line = False  # drop stdout up to the next line end (a new relay after a half line)
-    reading = {out_r: True, err_r: True}
     alone_for = orphan_after()
     alone_since = time.monotonic()  # when the last relay left (or the keeper started)
     orphaned = False  # the save and the end were sent
@@ -232,7 +266,7 @@ def keeper(sock_path, argv, ready):
             # Nobody will read it: the next server restores the saved state instead.
             out_buf.clear()
             err_buf.clear()
-        agent_done = not reading[out_r] and not reading[err_r] and not out_buf and not err_buf
+        agent_done = source.done() and not out_buf and not err_buf
         if agent_done and (relay is None or not queue):
             status = None
             for _ in range(40):
@@ -276,9 +310,8 @@ def keeper(sock_path, argv, ready):
         rlist = [listener]
         wlist = []
         held = len(out_buf) + len(err_buf) + queued
-        for fd, on in reading.items():
-            if on and held < LIMIT:
-                rlist.append(fd)
+        if held < LIMIT:
+            rlist += source.fds()
         if relay is not None:
             if len(to_agent) < LIMIT:
                 rlist.append(relay)
@@ -316,32 +349,27 @@ def keeper(sock_path, argv, ready):
                 if mid_line:
                     mid_line = False
                     skip_to_line_end()
-        for fd, kind in ((out_r, b"1"), (err_r, b"2")):
+        for fd in source.fds():
             if fd not in readable:
                 continue
-            data = read_some(fd)
-            if data is None:
-                continue
-            if not data:
-                reading[fd] = False
-                continue
-            if kind == b"2":
-                err_buf += data
-                continue
-            if hello is None:
-                head += data
-                i = head.find(b"\n")
-                if i < 0 and len(head) < LIMIT:
+            for kind, data in source.read(fd):
+                if kind == b"2":
+                    err_buf += data
                     continue
-                hello = bytes(head[: i + 1]) if i >= 0 else bytes(head)
-                out_buf += head[len(hello):]
-                head.clear()
-                if relay is not None:
-                    enqueue(b"h", hello)
-                continue
-            out_buf += data
-            if skip_line:
-                skip_to_line_end()
+                if hello is None:
+                    head += data
+                    i = head.find(b"\n")
+                    if i < 0 and len(head) < LIMIT:
+                        continue
+                    hello = bytes(head[: i + 1]) if i >= 0 else bytes(head)
+                    out_buf += head[len(hello):]
+                    head.clear()
+                    if relay is not None:
+                        enqueue(b"h", hello)
+                    continue
+                out_buf += data
+                if skip_line:
+                    skip_to_line_end()
         if relay is not None and relay in readable:
             try:
                 data = relay.recv(CHUNK)
@@ -400,6 +428,13 @@ def start_keeper(sock_path, argv):
             os.closerange(ready_w + 1, 65536)
             # A command line of its own, so `ps` (and anyone killing relays) tells it apart.
             os.set_inheritable(ready_w, True)
+            if os.path.basename(argv[-1]) == "agent.py":
+                # Our agent keeps itself: its forwarder process serves the relays, so a
+                # session holds one interpreter and its fork (agent.py, `keep`). Imported,
+                # not run as a script, so the code the image compiled is loaded (the hash
+                # of the source checked): compiling 1500 lines at start leaves ~3 MiB.
+                boot = BOOT % os.path.dirname(argv[-1])
+                os.execvp(argv[0], argv[:-1] + ["-c", boot, "keep", str(ready_w), sock_path])
             me = os.path.abspath(__file__)
             os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", me, "keep", str(ready_w), sock_path, "--"] + argv)
         finally:
@@ -411,6 +446,16 @@ def start_keeper(sock_path, argv):
     os.close(ready_r)
     if not ok:
         raise SystemExit("keeper: the keeper did not start")
+
+
+# How start_keeper runs the agent as its own keeper: from its directory, as a module `agent`
+# that then leaves sys.path and sys.modules (the code's own agent.py stays importable). No
+# '' (the workspace) on the path while the agent loads: Pythons before 3.11 put it there for -c.
+BOOT = (
+    "import sys; sys.path[:] = [%r] + [p for p in sys.path if p]; import agent; del sys.path[0]; "
+    "del sys.modules['agent']; "
+    "agent.main(sys.argv[1:])"
+)
 
 
 def connect(sock_path):

@@ -203,10 +203,7 @@ pub(super) async fn fresh_samples(
 
 /// Containers of one server instance and the memory they hold (page cache not counted).
 pub(super) async fn containers_memory(docker: &dyn Engine, instance: &str) -> anyhow::Result<(usize, u64)> {
-    let label = format!("{LABEL_INSTANCE}={instance}");
-    let filters = HashMap::from([("label", vec![label.as_str()])]);
-    let opts = ListContainersOptionsBuilder::default().filters(&filters).build();
-    let ids: Vec<String> = docker.list_containers(Some(opts)).await?.into_iter().filter_map(|c| c.id).collect();
+    let ids = containers_of(docker, instance).await?;
     let usages: Vec<Option<u64>> = futures::stream::iter(ids.iter())
         .map(|id| async move {
             let opts = StatsOptionsBuilder::default().stream(false).one_shot(true).build();
@@ -221,4 +218,12 @@ pub(super) async fn containers_memory(docker: &dyn Engine, instance: &str) -> an
         .await;
     let known: Vec<u64> = usages.into_iter().flatten().collect();
     Ok((known.len(), known.iter().sum()))
+}
+
+/// The running containers of a server instance.
+pub(super) async fn containers_of(docker: &dyn Engine, instance: &str) -> anyhow::Result<Vec<String>> {
+    let label = format!("{LABEL_INSTANCE}={instance}");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let opts = ListContainersOptionsBuilder::default().filters(&filters).build();
+    Ok(docker.list_containers(Some(opts)).await?.into_iter().filter_map(|c| c.id).collect())
 }

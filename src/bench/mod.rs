@@ -21,6 +21,7 @@ mod drive;
 mod durable;
 mod floors;
 mod install;
+mod parts;
 mod rows;
 mod table;
 mod upstream;
@@ -302,7 +303,9 @@ async fn with_first_server(
         install::installer_rows(cfg, docker, img, table).await?;
     }
     table.step("sessions at once, idle memory");
-    rows::concurrency_and_memory(docker, server, instance, plan, table).await
+    // The breakdown reads the host's /proc: only when the engine runs here.
+    let local = cfg.docker_host.as_deref().is_none_or(|h| h.is_empty() || h.starts_with("unix://"));
+    rows::concurrency_and_memory(docker, server, instance, plan, local, table).await
 }
 
 /// The bench's layer store; pooled containers mounting it may still be going: retried.

@@ -11,7 +11,7 @@ use serde_json::json;
 use pyberth::config::SandboxConfig;
 
 use super::Plan;
-use super::drive::{Server, containers_memory, mib};
+use super::drive::{Server, containers_memory, containers_of, mib};
 use super::table::Table;
 
 /// A cold install, then the same set from the cache.
@@ -87,6 +87,7 @@ pub(super) async fn concurrency_and_memory(
     server: &Server,
     instance: &str,
     plan: &Plan,
+    local: bool,
     table: &mut Table,
 ) -> anyhow::Result<()> {
     let (rss_before, _) = server.memory_kb();
@@ -139,6 +140,10 @@ pub(super) async fn concurrency_and_memory(
             mib(total),
             format!("server {} + container {}", mib(server_kb), mib(container_kb)),
         );
+        // Where a container's share goes, part by part (a few containers suffice: idle
+        // sessions are alike).
+        let ids = containers_of(docker, instance).await?;
+        super::parts::memory_parts(docker, &ids, local, 8, table).await;
     }
     Ok(())
 }

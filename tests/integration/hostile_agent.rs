@@ -240,3 +240,49 @@ async fn a_forged_keeper_is_dropped_and_the_session_recovers() {
     assert_eq!(s.ok("k", "print('after')").await["stdout"], "after\n");
     s.stop().await;
 }
+
+/// The session's processes as the code sees them: each Python process's command line and
+/// parent, the code's own pid and its `sys.argv`.
+const LAYOUT: &str = r#"import json, os, sys
+procs = {}
+for p in os.listdir('/proc'):
+    if not p.isdigit():
+        continue
+    try:
+        cmd = open('/proc/%s/cmdline' % p, 'rb').read().decode().split('\0')
+        ppid = int(open('/proc/%s/stat' % p).read().rsplit(')', 1)[1].split()[1])
+    except (OSError, ValueError):
+        continue
+    if cmd[0].startswith('python') or '/python' in cmd[0]:
+        procs[int(p)] = {'cmd': ' '.join(c for c in cmd if c), 'ppid': ppid}
+print(json.dumps({'me': os.getpid(), 'parent': os.getppid(), 'argv': sys.argv, 'procs': procs}))"#;
+
+/// Issue 29: the keeper is the agent's own forwarder, the interpreter its fork: one Python
+/// process beside the interpreter, the code sees an agent's command line, and code that kills
+/// its keeper (its parent now) costs only its own interpreter; the session goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_keeper_is_the_interpreters_parent_and_killing_it_costs_only_the_state() {
+    let s = Server::start("keeper-parent", &[]).await;
+    s.ok("k", "x = 42").await;
+    let sc = within("the layout", s.run("k", LAYOUT)).await.1;
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    let layout: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {sc}"));
+    assert_eq!(layout["argv"], json!(["/opt/pyberth/agent.py"]), "the code sees the agent's argv: {layout}");
+    let procs = layout["procs"].as_object().expect("processes");
+    let parent = &procs[&layout["parent"].to_string()];
+    let keeper = parent["cmd"].as_str().unwrap_or_default();
+    assert!(keeper.contains("agent.main(sys.argv[1:]) keep "), "the keeper is the parent: {layout}");
+    let pythons: Vec<&Value> =
+        procs.values().filter(|p| !p["cmd"].as_str().unwrap_or_default().contains("keeper.py attach")).collect();
+    assert_eq!(pythons.len(), 2, "one keeper and one interpreter, no third Python: {layout}");
+    assert!(!out.contains("keeper.py keep"), "no keeper interpreter of its own: {layout}");
+
+    // The attack: the code kills its keeper, output printed first.
+    let kill = "import os, time\nprint('last words', flush=True)\nos.kill(os.getppid(), 9)\ntime.sleep(3)";
+    let (r, sc) = within("the keeper's killing", s.run_with(json!({ "session": "k", "code": kill }))).await;
+    assert_eq!(r.is_error, Some(true), "the run did not survive its keeper: {sc}");
+    let sc = within("the call after", s.run("k", "print('after')\n'x' in globals()")).await.1;
+    assert_eq!(sc["stdout"], "after\n", "{sc}");
+    assert_eq!(sc["result"], "False", "a new interpreter answers: {sc}");
+    s.stop().await;
+}

@@ -8,10 +8,10 @@ use bollard::exec::{CreateExecResults, StartExecOptions, StartExecResults};
 use bollard::models::{
     ContainerConfig, ContainerCreateBody, ContainerCreateResponse, ContainerInspectResponse, ContainerState,
     ContainerStateStatusEnum, ContainerStatsResponse, ContainerSummary, ContainerSummaryStateEnum,
-    ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse, ImageDeleteResponseItem,
-    ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest, NetworkCreateRequest,
-    NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume, VolumeCreateRequest,
-    VolumeListResponse,
+    ContainerTopResponse, ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse,
+    ImageDeleteResponseItem, ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest,
+    NetworkCreateRequest, NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume,
+    VolumeCreateRequest, VolumeListResponse,
 };
 use bollard::query_parameters as q;
 use bytes::Bytes;
@@ -144,6 +144,9 @@ impl Engine for FakeEngine {
         let usage = bollard::models::ContainerCpuUsage { total_usage: Some(0), ..Default::default() };
         let cpu = bollard::models::ContainerCpuStats { cpu_usage: Some(usage), ..Default::default() };
         futures::stream::iter([Ok(ContainerStatsResponse { cpu_stats: Some(cpu), ..Default::default() })]).boxed()
+    }
+    fn top_processes<'a>(&'a self, _: &'a str, _: Option<q::TopOptions>) -> Fut<'a, ContainerTopResponse> {
+        ready(Err(status(500, "the fake engine has no processes to list".into())))
     }
     fn upload_to_container<'a>(
         &'a self,

@@ -8,10 +8,10 @@ use bollard::container::AttachContainerResults;
 use bollard::exec::{CreateExecResults, StartExecOptions, StartExecResults};
 use bollard::models::{
     ContainerCreateBody, ContainerCreateResponse, ContainerInspectResponse, ContainerStatsResponse, ContainerSummary,
-    ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse, ImageDeleteResponseItem,
-    ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest, NetworkCreateRequest,
-    NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume, VolumeCreateRequest,
-    VolumeListResponse,
+    ContainerTopResponse, ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse,
+    ImageDeleteResponseItem, ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest,
+    NetworkCreateRequest, NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume,
+    VolumeCreateRequest, VolumeListResponse,
 };
 use bollard::query_parameters as q;
 use bytes::Bytes;
@@ -63,6 +63,9 @@ impl Engine for Docker {
     }
     fn stats(&self, name: &str, options: Option<q::StatsOptions>) -> Items<'static, ContainerStatsResponse> {
         Docker::stats(self, name, options).boxed()
+    }
+    fn top_processes<'a>(&'a self, name: &'a str, options: Option<q::TopOptions>) -> Fut<'a, ContainerTopResponse> {
+        Box::pin(Docker::top_processes(self, name, options))
     }
     fn upload_to_container<'a>(
         &'a self,

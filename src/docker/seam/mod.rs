@@ -23,10 +23,10 @@ use bollard::errors::Error;
 use bollard::exec::{CreateExecResults, StartExecOptions, StartExecResults};
 use bollard::models::{
     ContainerCreateBody, ContainerCreateResponse, ContainerInspectResponse, ContainerStatsResponse, ContainerSummary,
-    ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse, ImageDeleteResponseItem,
-    ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest, NetworkCreateRequest,
-    NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume, VolumeCreateRequest,
-    VolumeListResponse,
+    ContainerTopResponse, ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse,
+    ImageDeleteResponseItem, ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest,
+    NetworkCreateRequest, NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume,
+    VolumeCreateRequest, VolumeListResponse,
 };
 use bollard::query_parameters as q;
 use bytes::Bytes;
@@ -117,6 +117,9 @@ pub trait Engine: Send + Sync + std::fmt::Debug {
     ) -> Fut<'a, AttachContainerResults>;
     /// A container's resource use.
     fn stats(&self, name: &str, options: Option<q::StatsOptions>) -> Items<'static, ContainerStatsResponse>;
+    /// A container's processes, as `ps` on the engine's host lists them (the bench's memory
+    /// breakdown).
+    fn top_processes<'a>(&'a self, name: &'a str, options: Option<q::TopOptions>) -> Fut<'a, ContainerTopResponse>;
     /// Unpacks a tar into a container's filesystem.
     fn upload_to_container<'a>(
         &'a self,
@@ -242,6 +245,9 @@ impl<T: Engine + ?Sized> Engine for Arc<T> {
     }
     fn stats(&self, name: &str, options: Option<q::StatsOptions>) -> Items<'static, ContainerStatsResponse> {
         (**self).stats(name, options)
+    }
+    fn top_processes<'a>(&'a self, name: &'a str, options: Option<q::TopOptions>) -> Fut<'a, ContainerTopResponse> {
+        (**self).top_processes(name, options)
     }
     fn upload_to_container<'a>(
         &'a self,
