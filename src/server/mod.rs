@@ -292,7 +292,7 @@ impl SandboxServer {
                 .with_mime_type("application/octet-stream"),
         };
         let mut result = ReadResourceResult::new(vec![contents]);
-        (result.ttl_ms, result.cache_scope) = modern::private_read_hints(&ctx);
+        (result.ttl_ms, result.cache_scope) = modern::private_read_hints(ctx);
         Ok(result.into())
     }
 }
