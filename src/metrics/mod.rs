@@ -18,9 +18,11 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Metric, Registry, Unit};
 
 mod labels;
+mod quota;
 
 pub(crate) use labels::Bounds;
 use labels::Who;
+pub(crate) use quota::QuotaRow;
 
 /// The content type of the OpenMetrics text prometheus-client writes (Prometheus reads it).
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -104,6 +106,8 @@ type One = [(&'static str, &'static str); 1];
 #[derive(Debug)]
 pub struct Metrics {
     registry: Mutex<Registry>,
+    /// Registered after the rest (`family`), set at each scrape.
+    quotas: std::sync::OnceLock<quota::QuotaGauges>,
     bounds: Bounds,
     sessions: Family<StateLabels, Gauge>,
     sessions_created: Family<(One, Who), Counter>,
@@ -207,6 +211,7 @@ impl Metrics {
             http_refusals: family(&mut r, "http_refusals", "HTTP requests refused before MCP, by reason", None),
             engine_errors: family(&mut r, "engine_errors", "Owner operations the engine failed, by operation", None),
             registry: Mutex::new(Registry::default()),
+            quotas: std::sync::OnceLock::new(),
             bounds,
         };
         *m.registry.lock().unwrap_or_else(|e| e.into_inner()) = r;
@@ -340,6 +345,7 @@ impl Metrics {
         self.pool_target.set(now.pool_target);
         self.snapshots.set(now.snapshots);
         self.snapshot_bytes.set(now.snapshot_bytes);
+        self.quotas.get_or_init(|| quota::QuotaGauges::new(self)).set(&now.quotas);
     }
 }
 
@@ -356,6 +362,8 @@ pub(crate) struct State {
     pub(crate) snapshots: i64,
     /// Their bytes.
     pub(crate) snapshot_bytes: i64,
+    /// Quota use of the principals the configuration names.
+    pub(crate) quotas: Vec<QuotaRow>,
 }
 
 fn status_word(s: crate::output::RunStatus) -> &'static str {

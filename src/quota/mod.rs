@@ -130,6 +130,11 @@ impl Quotas {
         self.limits.get(principal).or_else(|| self.limits.get(ANY)).copied()
     }
 
+    /// Whether the configuration names `principal` itself (not through the `"*"` default).
+    pub fn is_named(&self, principal: &str) -> bool {
+        principal != ANY && self.limits.contains_key(principal)
+    }
+
     /// What `principal` used today.
     pub fn used(&self, principal: &str) -> Used {
         self.with_book(|b| b.used.get(principal).copied().unwrap_or_default())

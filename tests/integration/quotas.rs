@@ -68,6 +68,20 @@ async fn a_principal_over_its_quota_is_refused_while_another_runs_on_and_a_resta
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     assert!(refused.contains("quota exceeded: cpu_seconds_per_day"), "{refused}");
+
+    // Metrics show use against quota for the principals the configuration names.
+    let scraped = crate::common::web().get(s.url("/metrics")).bearer_auth(ALICE).send().await.expect("scrape");
+    let scraped = scraped.text().await.expect("body");
+    let gauge = |name: &str, who: &str, quota: &str| -> f64 {
+        let head = format!("pyberth_{name}{{principal=\"{who}\",quota=\"{quota}\"}} ");
+        let line = scraped.lines().find_map(|l| l.strip_prefix(&head));
+        line.and_then(|v| v.trim().parse().ok()).unwrap_or_else(|| panic!("no {head}in:\n{scraped}"))
+    };
+    assert_eq!(gauge("quota_limit", "alice", "run_seconds"), 2.0);
+    assert!(gauge("quota_used", "alice", "run_seconds") >= 2.0, "alice's run crossed her quota");
+    assert_eq!(gauge("quota_limit", "bob", "sessions"), 1.0);
+    assert_eq!(gauge("quota_used", "bob", "sessions"), 1.0, "bob has one session open");
+    assert!(gauge("quota_used", "bob", "cpu_seconds") >= 1.0, "bob's spin was charged");
     drop((alice, bob));
     s.stop().await;
 

@@ -99,8 +99,30 @@ impl Registry {
         now.pool_target = gauge(self.pool_target());
         now.snapshots = gauge(self.snapshots.count());
         now.snapshot_bytes = i64::try_from(self.snapshots.total()).unwrap_or(i64::MAX);
+        now.quotas = self.quota_rows();
         self.metrics.set_state(&now);
         self.metrics.encode()
+    }
+
+    /// Quota use against quota of each principal the configuration names (issue 32).
+    fn quota_rows(&self) -> Vec<crate::metrics::QuotaRow> {
+        let mut rows = Vec::new();
+        let open = |who: &str| self.slots().values().filter_map(|s| s.get()).filter(|s| *s.principal == *who).count();
+        for u in self.quotas.usage().into_iter().filter(|u| self.quotas.is_named(&u.principal)) {
+            let (_, kept) = self.snapshots.use_of(&u.principal, "");
+            let l = u.limits;
+            let f = |n: Option<u64>| n.map(|n| n as f64);
+            for (quota, used, limit) in [
+                ("cpu_seconds", u.used.cpu_ms as f64 / 1000.0, f(l.cpu_seconds_per_day)),
+                ("run_seconds", u.used.run_ms as f64 / 1000.0, f(l.run_seconds_per_day)),
+                ("egress_bytes", u.used.egress_bytes as f64, f(l.egress_bytes_per_day)),
+                ("snapshot_bytes", kept as f64, f(l.snapshot_bytes)),
+                ("sessions", open(&u.principal) as f64, l.sessions.map(|n| n as f64)),
+            ] {
+                rows.push(crate::metrics::QuotaRow { principal: u.principal.clone(), quota, used, limit });
+            }
+        }
+        rows
     }
 
     /// The engine's health, for `/healthz`.
