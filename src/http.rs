@@ -395,7 +395,7 @@ impl Listening {
         let owners = Arc::new(sessions::Owners::new(args.max_mcp_sessions_per_caller));
         let manager = Arc::new(sessions::Bound::new(owners.clone()));
         let mcp = StreamableHttpService::new(
-            move || Ok(SandboxServer::new(factory_registry.clone(), factory_cfg.clone())),
+            move || Ok(SandboxServer::new(factory_registry.clone(), factory_cfg.clone()).traced()),
             manager.clone(),
             config,
         );

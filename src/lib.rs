@@ -96,7 +96,7 @@ pub mod telemetry;
 /// Every tool result is cut to fit one MCP message a client accepts (public for the
 /// integration tier's stress test of it).
 pub use server::fit::{BUDGET as RESULT_BUDGET, fit as fit_result};
-pub use server::{CORE_TOOLS, SandboxServer};
+pub use server::{CORE_TOOLS, SandboxServer, Traced};
 pub use session::registry::{Error as RegistryError, Registry};
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -380,7 +380,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
 
 /// Serves the one client on stdin/stdout until it leaves or a signal comes.
 async fn serve_stdio(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> anyhow::Result<()> {
-    let server = SandboxServer::new(registry, cfg);
+    let server = SandboxServer::new(registry, cfg).traced();
     let running = match server.serve(rmcp::transport::stdio()).await {
         Ok(r) => r,
         // Input ended before any client spoke: nothing went wrong, there was just no one.

@@ -23,7 +23,7 @@ pub(crate) mod utility;
 
 use bollard::Docker;
 
-pub use seam::{Body, Engine, EngineRef, IntoEngine, body_full, body_try_stream};
+pub use seam::{Body, Counted, Engine, EngineRef, IntoEngine, body_full, body_try_stream};
 
 /// Label on everything pyberth creates.
 pub const LABEL_MANAGED: &str = "pyberth.managed";

@@ -54,33 +54,6 @@ impl Source {
     }
 }
 
-/// What the engine was asked for when it failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EngineOp {
-    /// Finding or building an image.
-    Image,
-    /// Starting a session's container.
-    Start,
-    /// A run (the container or exec under it).
-    Run,
-    /// Installing packages.
-    Install,
-    /// Waking a hibernated session.
-    Wake,
-}
-
-impl EngineOp {
-    fn word(self) -> &'static str {
-        match self {
-            Self::Image => "image",
-            Self::Start => "start",
-            Self::Run => "run",
-            Self::Install => "install",
-            Self::Wake => "wake",
-        }
-    }
-}
-
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     state: &'static str,
@@ -209,7 +182,7 @@ impl Metrics {
             ),
             http_open: family(&mut r, "http_open_connections", "HTTP connections open now", None),
             http_refusals: family(&mut r, "http_refusals", "HTTP requests refused before MCP, by reason", None),
-            engine_errors: family(&mut r, "engine_errors", "Owner operations the engine failed, by operation", None),
+            engine_errors: family(&mut r, "engine_errors", "Engine calls that failed, by operation", None),
             registry: Mutex::new(Registry::default()),
             quotas: std::sync::OnceLock::new(),
             bounds,
@@ -329,9 +302,9 @@ impl Metrics {
         self.http_refusals.get_or_create(&[("reason", reason)]).inc();
     }
 
-    /// The engine failed an owner's operation.
-    pub fn engine_error(&self, op: EngineOp) {
-        self.engine_errors.get_or_create(&[("op", op.word())]).inc();
+    /// The engine failed a call: `op` is the [`crate::docker::Engine`] method's name.
+    pub fn engine_error(&self, op: &'static str) {
+        self.engine_errors.get_or_create(&[("op", op)]).inc();
     }
 
     /// The scrape-time gauges, from the registry's state.

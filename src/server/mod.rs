@@ -6,7 +6,8 @@
 //! - `files.rs`, `transfer.rs`, `jobs.rs`, `envs.rs`: the workspace, archives, jobs, environments;
 //! - `snapshots.rs`: snapshots, restore, fork (issue 18);
 //! - `habits.rs`: notebook lines (`%pip install`, `!cmd`) and what offline runs are told;
-//! - `traced.rs`: each request in spans (the logs' trace ids; OTLP export when on);
+//! - `traced.rs`: each request in spans (the logs' trace ids; OTLP export when on), `every.rs`
+//!   the server as the transports serve it, so that every request gets them;
 //! - `bridged.rs`: `list_bridged_tools`, the upstream tools code may call (code mode, issue 30);
 //! - `tasks.rs`: MCP Tasks (`tasks/get`, `tasks/cancel`) over jobs, for clients that declare them;
 //! - `modern.rs`: what MCP 2026-07-28 adds: `session` as `Mcp-Param-Session`, cache hints;
@@ -38,6 +39,7 @@ mod bridged;
 mod budget;
 mod envs;
 mod error;
+mod every;
 mod files;
 pub(crate) mod fit;
 mod habits;
@@ -53,6 +55,7 @@ mod traced;
 mod transfer;
 mod types;
 
+pub use every::Traced;
 pub(crate) use types::*;
 
 /// The MCP server.

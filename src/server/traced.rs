@@ -22,8 +22,8 @@ use crate::telemetry::{self, TraceParent};
 /// tool result with `isError: true` (`error.type = tool_error`).
 ///
 /// rmcp's HTTP service takes a `ServerHandler`, whose requests have no common hook: the
-/// handlers that do work call this (tools, resources, logging); initialize, discover and
-/// ping, answered by rmcp itself, are not traced.
+/// handlers that do work call this (tools, resources, logging), and `every.rs` calls it for
+/// every other request.
 pub(super) async fn serve<T, F>(
     method: &str,
     tool: Option<&str>,

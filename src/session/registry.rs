@@ -147,6 +147,8 @@ impl Registry {
             cfg.metrics_principal,
         );
         let metrics = Arc::new(crate::metrics::Metrics::new(bounds));
+        // Every engine call of every owner, its failures counted: wrapped once, here.
+        let docker = crate::docker::Counted::wrap(docker, metrics.clone());
         let bridge = Arc::new(crate::bridge::Bridge::from_config(&cfg)?.with_metrics(metrics.clone()));
         let egress =
             crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone())

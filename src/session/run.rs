@@ -282,11 +282,7 @@ impl Session {
         let mut inner = self.inner.lock().await;
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
-        let ensured = self.ensure_agent(&mut inner).await.inspect_err(|e| {
-            if matches!(e, Error::Docker(_)) {
-                self.blueprint.metrics.engine_error(crate::metrics::EngineOp::Run);
-            }
-        })?;
+        let ensured = self.ensure_agent(&mut inner).await?;
         // What happened since the last call comes first.
         let mut notices = std::mem::take(&mut inner.pending);
         let mut state_lost_before = std::mem::take(&mut inner.pending_lost);

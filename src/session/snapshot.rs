@@ -554,9 +554,6 @@ impl Session {
                     Ok(p) => p,
                     Err(e) => {
                         inner.sleeping = Some(saved);
-                        if matches!(e, Error::Docker(_)) {
-                            self.blueprint.metrics.engine_error(crate::metrics::EngineOp::Wake);
-                        }
                         return Err(e);
                     }
                 }

@@ -12,7 +12,10 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use prost::Message as _;
-use rmcp::model::{CallToolRequestParams, ReadResourceRequestParams, RequestMetaObject, RequestParamsMeta as _};
+use rmcp::ClientLifecycleMode;
+use rmcp::model::{
+    CallToolRequestParams, ProtocolVersion, ReadResourceRequestParams, RequestMetaObject, RequestParamsMeta as _,
+};
 use serde_json::{Value, json};
 
 use crate::common::{Server, text};
@@ -205,6 +208,42 @@ async fn spans_follow_the_mcp_conventions_and_carry_no_code_or_output() {
     assert!(!raw.windows(6).any(|w| w == b"ZZ-not"), "a bad traceparent is never exported");
     // The log lines of the call carry the trace the client sent.
     assert!(log.contains(&format!("trace_id={}", ok.trace)), "the log joins the client's trace");
+}
+
+/// Every request gets its SERVER span, not only the handlers pyberth wrote: the opening
+/// request (`initialize` from a 2025 client, `server/discover` from a 2026 one) and
+/// `tools/list`, answered by rmcp's own code; and still one span, not two, per tool call.
+#[tokio::test]
+async fn every_request_gets_one_server_span_in_both_generations() {
+    let modern = ClientLifecycleMode::Discover { preferred_versions: vec![ProtocolVersion::V_2026_07_28] };
+    for (lifecycle, opening) in [(ClientLifecycleMode::Initialize, "initialize"), (modern, "server/discover")] {
+        let (collector, url, receiver) = Collector::start().await;
+        let env = [("PYBERTH_OTLP_ENDPOINT", url.as_str())];
+        let server = Server::start_with_lifecycle("otel-every", &env, lifecycle).await;
+        let tools = server.client().list_all_tools().await.expect("tools/list");
+        assert!(tools.iter().any(|t| t.name == "run_python"));
+        let r = server
+            .client()
+            .call_tool(CallToolRequestParams::new("list_sessions").with_arguments(serde_json::Map::new()));
+        let r = r.await.expect("a tool result");
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+        server.stop().await;
+        let spans = collector.spans();
+        receiver.abort();
+        let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+        for method in [opening, "tools/list"] {
+            let found: Vec<&Span> = spans.iter().filter(|s| s.name == method).collect();
+            assert_eq!(found.len(), 1, "one {method} span: {names:?}");
+            assert_eq!(found[0].kind, SpanKind::Server as i32, "{method}");
+            let a = attrs(found[0]);
+            assert_eq!(a.get("mcp.method.name").map(String::as_str), Some(method), "{a:?}");
+            assert_eq!(a.get("network.transport").map(String::as_str), Some("pipe"));
+            assert_eq!(a.get("error.type"), None, "{method} answered: {a:?}");
+        }
+        let calls = spans.iter().filter(|s| attrs(s).get("mcp.method.name").map(String::as_str) == Some("tools/call"));
+        let calls: Vec<&str> = calls.map(|s| s.name.as_str()).collect();
+        assert_eq!(calls, ["tools/call list_sessions"], "one span per tool call, with its tool's name");
+    }
 }
 
 /// Without export, a valid traceparent still reaches the call's log lines (trace and the

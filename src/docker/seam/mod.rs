@@ -6,12 +6,15 @@
 //! of the lib tests (`docker::fake`) sits behind the same trait. Owners hold an [`EngineRef`];
 //! helpers take `&dyn Engine` (a `&bollard::Docker` coerces).
 //!
-//! The delegation to Docker is `by_docker.rs`.
+//! The delegation to Docker is `by_docker.rs`; `counted.rs` counts any engine's failed calls.
 //!
 //! Errors stay bollard's: the owners already read its 404s and 409s, and a fake engine says
 //! "no such container" the way Docker does.
 
 mod by_docker;
+mod counted;
+
+pub use counted::Counted;
 
 use std::collections::HashMap;
 use std::sync::Arc;

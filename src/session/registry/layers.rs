@@ -31,10 +31,6 @@ impl Registry {
         )
         .await;
         self.metrics.install(layer.as_ref().ok().map(|l| l.cached), asked.elapsed());
-        // A package pip cannot find is the caller's; the engine failing is the operator's.
-        if let Err(packages::Error::Docker(_)) = &layer {
-            self.metrics.engine_error(crate::metrics::EngineOp::Install);
-        }
         let layer = layer?;
         let state_dir = self.cfg.state_dir();
         // A file read, write and rename: off the runtime's workers.

@@ -2,7 +2,7 @@
 //! new one on a network of its own when it has egress; counted in the metrics by source.
 
 use super::*;
-use crate::metrics::{EngineOp, Source};
+use crate::metrics::Source;
 
 impl Registry {
     /// Makes a new session: its image, its layer, a pooled container or a new one (on its own
@@ -20,7 +20,7 @@ impl Registry {
         let mut all: Vec<String> = env.packages.iter().chain(packages).cloned().collect();
         all.sort();
         all.dedup();
-        let image = self.image(env, progress).await.inspect_err(|_| self.metrics.engine_error(EngineOp::Image))?;
+        let image = self.image(env, progress).await?;
         let layer = if all.is_empty() { None } else { Some(self.layer(env, &all, progress).await?) };
         let with_egress = !egress.is_empty();
         // Packages or not: a set is a directory put on the path, so the pool serves all.
@@ -43,12 +43,7 @@ impl Registry {
             None => Session::start(docker, self.blueprint(env, None), image, owner, naming, Vec::new())
                 .await
                 .map_err(Error::from),
-        }
-        .inspect_err(|e| {
-            if matches!(e, Error::Session(SessionError::Docker(_))) {
-                self.metrics.engine_error(EngineOp::Start);
-            }
-        })?;
+        }?;
         if let Some(layer) = layer
             && let Err(e) = session.add_layer(&layer, &all).await
         {
