@@ -365,6 +365,7 @@ impl Session {
             outcome.state_lost = true;
             notices.push(format!("the run did not survive the server's restart: {n}"));
             outcome.notices = notices;
+            self.audit_resumed(id, &outcome);
             return Ok(outcome);
         }
         let run_started = std::time::SystemTime::now();
@@ -386,11 +387,25 @@ impl Session {
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
         self.blueprint.metrics.run_ended(outcome.status, &self.environment, &self.principal, outcome.duration);
+        self.audit_resumed(id, &outcome);
         notices.append(&mut outcome.notices);
         outcome.notices = notices;
         self.lost.note(&outcome);
         self.touch();
         Ok(outcome)
+    }
+
+    /// The end of a run an earlier server started (and audited the start of): audited, and its
+    /// time under this server charged to the principal's quotas.
+    fn audit_resumed(&self, id: u64, outcome: &RunOutcome) {
+        let watch = &self.blueprint.oversight;
+        let ms = u64::try_from(outcome.duration.as_millis()).unwrap_or(u64::MAX);
+        let event = crate::audit::Event::new("run_ended", &self.principal).session(&self.name);
+        let event = event.field("kind", "resumed").field("run", id).field("duration_ms", ms);
+        watch.audit.emit(event.outcome(outcome.status.to_string()));
+        if let Some(q) = &watch.quotas {
+            q.ran(&self.principal, &self.container_id(), outcome.duration);
+        }
     }
 
     /// After a run's stream ended without its `done`: a new relay, if it reaches the same

@@ -201,7 +201,7 @@ async fn over_http_the_audit_log_names_principals_never_tokens_and_coalesces_ref
     let alice = s.client(ALICE).await;
     let (r, _) = call(&alice, "run_python", json!({ "session": "s", "code": "1 + 1" })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
-    let http = reqwest::Client::new();
+    let http = crate::common::web();
     let bad = format!("{BOB}-but-not-quite");
     for i in 0..300 {
         let mut req = http.post(s.url("/mcp")).body("{}");

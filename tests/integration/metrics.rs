@@ -71,7 +71,7 @@ impl Prometheus {
             .expect("start prometheus");
         let p = Prometheus { child, port, dir };
         let deadline = Instant::now() + Duration::from_secs(60);
-        while !reqwest::get(p.url("/-/ready")).await.is_ok_and(|r| r.status().is_success()) {
+        while !crate::common::web().get(p.url("/-/ready")).send().await.is_ok_and(|r| r.status().is_success()) {
             assert!(Instant::now() < deadline, "Prometheus did not become ready");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -85,7 +85,7 @@ impl Prometheus {
     /// The result vector of an instant query.
     async fn query(&self, q: &str) -> Vec<Value> {
         let url = reqwest::Url::parse_with_params(&self.url("/api/v1/query"), &[("query", q)]).expect("url");
-        let body: Value = reqwest::get(url).await.expect("query").json().await.expect("json");
+        let body: Value = crate::common::web().get(url).send().await.expect("query").json().await.expect("json");
         assert_eq!(body["status"], "success", "{q}: {body}");
         body["data"]["result"].as_array().cloned().unwrap_or_default()
     }
@@ -132,7 +132,7 @@ async fn prometheus_scrapes_the_series_of_a_core_suite() {
     let s = HttpServer::start_with("metrics", &env, None).await;
 
     // The MCP port's /metrics wants a token (any principal's); the side door does not.
-    let http = reqwest::Client::new();
+    let http = crate::common::web();
     let none = http.get(s.url("/metrics")).send().await.expect("get");
     assert_eq!(none.status().as_u16(), 401, "/metrics without a token");
     let bob = http.get(s.url("/metrics")).bearer_auth(BOB).send().await.expect("get");
@@ -237,14 +237,21 @@ async fn a_stdio_server_serves_metrics_on_its_metrics_addr() {
     let addr = format!("127.0.0.1:{}", free_port());
     let s = crate::common::Server::start("metrics-stdio", &[("PYBERTH_METRICS_ADDR", addr.as_str())]).await;
     s.ok("counted", "print(1)").await;
-    let body = reqwest::get(format!("http://{addr}/metrics")).await.expect("scrape").text().await.expect("body");
+    let body = crate::common::web()
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .expect("scrape")
+        .text()
+        .await
+        .expect("body");
     let line = |l: &str| body.lines().any(|t| t == l);
     // Without --metrics-principal, no principal label.
     assert!(line(r#"pyberth_runs_total{status="ok",environment="default"} 1"#), "{body}");
     assert!(line(r#"pyberth_sessions{state="running",environment="default"} 1"#), "{body}");
     assert!(body.ends_with("# EOF\n") && !body.contains("counted"), "{body}");
     // Only /metrics is there: no MCP, no other path, on the tokenless listener.
-    let other = reqwest::get(format!("http://{addr}/mcp")).await.expect("get");
+    let other = crate::common::web().get(format!("http://{addr}/mcp")).send().await.expect("get");
     assert_eq!(other.status().as_u16(), 404);
     let instance = s.instance.clone();
     s.stop().await;

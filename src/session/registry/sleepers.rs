@@ -99,9 +99,11 @@ impl Registry {
             let session = Session::revive(self.docker.clone(), self.blueprint(&env, egress), owner, record.about, how);
             let slot: super::Slot = Arc::default();
             let _ = slot.set(session);
+            let who = key.0.clone();
             self.slots().insert(key, slot);
             sessions += 1;
             tracing::info!(session = %name, "hibernated session adopted from a stopped server");
+            self.audit(crate::audit::Event::new("session_adopted", &who).session(&name).field("state", "hibernated"));
         }
         for record in self.ledger.snapshots() {
             if !names.contains(&record.instance) {

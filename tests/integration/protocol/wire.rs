@@ -34,7 +34,7 @@ fn request(id: u64, method: &str, mut params: Value, extra_meta: Value) -> Value
 /// (one JSON body, or each `data:` of an SSE stream, notifications first).
 async fn post(s: &HttpServer, body: &Value, extra: &[(&str, &str)]) -> (u16, Vec<Value>) {
     let method = body["method"].as_str().unwrap_or_default();
-    let mut req = reqwest::Client::new()
+    let mut req = crate::common::web()
         .post(s.url("/mcp"))
         .bearer_auth(ALICE)
         .header("Accept", "application/json, text/event-stream")
