@@ -7,10 +7,13 @@
 //! - `calls.rs`: a run's calls ([`RunCalls`]): the allow-list on every call, argument and result
 //!   caps, the run's call budget (count and time), the per-call timeout, calls in flight per
 //!   session, and an audit line per call. Dropping a [`RunCalls`] (the run ended, was
-//!   interrupted or timed out) drops its calls in flight, which cancels them upstream.
+//!   interrupted or timed out) drops its calls in flight, which cancels them upstream. One
+//!   [`RunCalls`] serves a run across reattaches (its budget holds, its calls in flight go on);
+//! - `recent.rs`: the latest replies sent ([`Recent`]), sent again after a reattach.
 
 mod calls;
 pub mod policy;
+mod recent;
 pub mod spec;
 pub mod upstream;
 
@@ -19,6 +22,7 @@ use std::sync::Arc;
 
 pub use calls::{CallCounts, Reply, RunCalls};
 use policy::{Policy, Refusal};
+pub use recent::Recent;
 use upstream::Upstreams;
 
 /// Largest arguments of one call accepted, bytes of JSON.

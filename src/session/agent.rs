@@ -236,7 +236,12 @@ impl Agent {
     }
 
     pub(super) async fn send(&mut self, req: &Request<'_>) -> std::io::Result<()> {
-        self.input.write_all(&req.to_line()).await?;
+        self.send_line(&req.to_line()).await
+    }
+
+    /// Sends a request already made a line ([`Request::to_line`]).
+    pub(super) async fn send_line(&mut self, line: &[u8]) -> std::io::Result<()> {
+        self.input.write_all(line).await?;
         self.input.flush().await
     }
 

@@ -31,7 +31,7 @@ use tokio_util::io::ReaderStream;
 use tokio_util::sync::CancellationToken;
 
 use super::agent::{ACK_TIMEOUT, Agent, Greeting, Taken, file_answer};
-use super::run::{Ending, Stop, drive};
+use super::run::{Ending, Gathered, Stop, drive};
 use super::{Error, FileReply, RunOutcome, RunSpec, RunStatus};
 use crate::output::Capture;
 use crate::protocol::{self, DoneStatus, Event, PROTOCOL_VERSION, Request};
@@ -146,14 +146,14 @@ async fn run_code(
     ct: &CancellationToken,
     observer: &super::run::Observer<'_>,
 ) -> (Ending, RunOutcome) {
-    let mut outcome = empty_outcome();
+    let mut run = Gathered::new(empty_outcome(), None);
     let id = agent.next_id();
     let spec = RunSpec { code: code.to_owned(), ..Default::default() };
-    let stop = Stop { timeout, grace: GRACE, ct, sandbox: None, bridge: None };
-    let ending = tokio::time::timeout(STEP + timeout, drive(agent, id, &spec, stop, &mut outcome, observer, "test"))
+    let stop = Stop { timeout, grace: GRACE, ct, sandbox: None };
+    let ending = tokio::time::timeout(STEP + timeout, drive(agent, id, &spec, stop, &mut run, observer, "test"))
         .await
         .expect("the run neither ended nor was stopped");
-    (ending, outcome)
+    (ending, run.finish())
 }
 
 /// Runs `code` to its end, with no time limit that matters.

@@ -113,8 +113,32 @@ pub(super) struct Stop<'a> {
     /// The sandbox whose death ends the run, when the engine can tell (`None` in tests
     /// without Docker).
     pub(super) sandbox: Option<&'a Sandbox>,
-    /// What the run's code may call upstream (code mode).
-    pub(super) bridge: Option<&'a crate::bridge::Grant>,
+}
+
+/// What a run gathers across the streams it is read from: its outcome, and its code-mode
+/// calls. One [`RunCalls`](crate::bridge::RunCalls) for the whole run, so a reattach keeps
+/// its budget (code that kills its own relay does not get a new one) and its calls in flight
+/// (answered on the new stream).
+pub(super) struct Gathered<'g> {
+    pub(super) outcome: RunOutcome,
+    calls: crate::bridge::RunCalls<'g>,
+    /// The latest replies sent, sent again on each new stream: the old relay may have lost them.
+    sent: crate::bridge::Recent,
+}
+
+impl<'g> Gathered<'g> {
+    /// A run's, its code under `grant` (`None`: no upstream tools).
+    pub(super) fn new(outcome: RunOutcome, grant: Option<&'g crate::bridge::Grant>) -> Self {
+        Self { outcome, calls: crate::bridge::RunCalls::new(grant), sent: crate::bridge::Recent::default() }
+    }
+
+    /// The run's outcome with its calls' counts; its calls still in flight are dropped, which
+    /// cancels them upstream.
+    pub(super) fn finish(self) -> RunOutcome {
+        let Gathered { mut outcome, calls, .. } = self;
+        outcome.tool_calls = calls.counts();
+        outcome
+    }
 }
 
 /// How long a run goes before the engine is asked to tell of the sandbox's death. Short runs
@@ -291,14 +315,15 @@ impl Session {
             state_lost_before = true;
         }
         let started = Instant::now();
-        let mut outcome = RunOutcome { state_lost: state_lost_before, ..RunOutcome::new(self.cfg.output_cap) };
+        let outcome = RunOutcome { state_lost: state_lost_before, ..RunOutcome::new(self.cfg.output_cap) };
         let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
         env.extend(spec.env.clone());
         let spec = RunSpec { env, ..spec };
         let run_started = std::time::SystemTime::now();
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
         let grant = spec.bridge.clone();
-        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox), bridge: grant.as_deref() };
+        let mut run = Gathered::new(outcome, grant.as_deref());
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
         let mut sent = tokio::time::Instant::now();
         let run_id = std::sync::atomic::AtomicU64::new(0);
         let on_id = |id: u64| {
@@ -306,19 +331,20 @@ impl Session {
             on_id(id);
         };
         let on_id: &OnId<'_> = &on_id;
-        let mut ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name, on_id).await;
+        let mut ending = drive_agent(&mut inner, &spec, stop, &mut run, observer, &self.name, on_id).await;
         if matches!(ending, Ending::Stuck) {
             // The run never started: the previous run's code holds the interpreter. A fresh
             // one takes the run instead.
             tracing::warn!(session = %self.name, "code of an earlier run holds the interpreter; restarting it");
-            outcome.state_lost = true;
+            run.outcome.state_lost = true;
             notices.push(STUCK_NOTICE.into());
             notices.extend(self.recover(&mut inner).await);
             sent = tokio::time::Instant::now();
-            ending = drive_agent(&mut inner, &spec, stop, &mut outcome, observer, &self.name, on_id).await;
+            ending = drive_agent(&mut inner, &spec, stop, &mut run, observer, &self.name, on_id).await;
         }
         // The stream dropped mid-run, not the interpreter (docs/design.md D12): a new relay
-        // reaches the same one under its keeper, which held what it printed meanwhile.
+        // reaches the same one under its keeper, which held what it printed meanwhile. The
+        // run's calls carry over: their budget, those in flight, the latest replies.
         for _ in 0..MAX_REATTACH {
             let id = run_id.load(Ordering::Relaxed);
             if id == 0 || !matches!(ending, Ending::Died(None) | Ending::Broken(_)) {
@@ -328,10 +354,11 @@ impl Session {
             let left = (sent + timeout).saturating_duration_since(tokio::time::Instant::now());
             let stop = Stop { timeout: left, ..stop };
             ending = match inner.agent.as_mut() {
-                Some(agent) => follow(agent, id, stop, &mut outcome, observer, &self.name, Some(probe)).await,
+                Some(agent) => follow(agent, id, stop, &mut run, observer, &self.name, Some(probe)).await,
                 None => break,
             };
         }
+        let mut outcome = run.finish();
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
         self.blueprint.metrics.run_ended(outcome.status, &self.environment, &self.principal, outcome.duration);
@@ -370,20 +397,23 @@ impl Session {
         }
         let run_started = std::time::SystemTime::now();
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
-        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox), bridge: None };
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
         let sent = tokio::time::Instant::now();
+        // A job's run followed after a restart: its code-mode calls went with the old server.
+        let mut run = Gathered::new(outcome, None);
         // A probe queued behind the run: its ack, seen before the run's `done`, says the run
         // ended and its `done` was in flight in the stream that dropped.
         let ending = match inner.agent.as_mut() {
             Some(agent) => {
                 let probe = agent.next_id();
                 match agent.send(&Request::Packages { id: probe }).await {
-                    Ok(()) => follow(agent, id, stop, &mut outcome, observer, &self.name, Some(probe)).await,
+                    Ok(()) => follow(agent, id, stop, &mut run, observer, &self.name, Some(probe)).await,
                     Err(e) => Ending::Broken(e.to_string()),
                 }
             }
             None => Ending::Broken("no agent".into()),
         };
+        let mut outcome = run.finish();
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
         self.blueprint.metrics.run_ended(outcome.status, &self.environment, &self.principal, outcome.duration);
@@ -508,7 +538,7 @@ async fn drive_agent(
     inner: &mut Inner,
     spec: &RunSpec,
     stop: Stop<'_>,
-    outcome: &mut RunOutcome,
+    run: &mut Gathered<'_>,
     observer: &Observer<'_>,
     name: &str,
     on_id: &OnId<'_>,
@@ -517,13 +547,13 @@ async fn drive_agent(
         Some(agent) => {
             let id = agent.next_id();
             on_id(id);
-            drive(agent, id, spec, stop, outcome, observer, name).await
+            drive(agent, id, spec, stop, run, observer, name).await
         }
         None => Ending::Broken("no agent".into()),
     }
 }
 
-/// Sends the run `id` and reads its events into `outcome` until it ends one way or another.
+/// Sends the run `id` and reads its events into `run` until it ends one way or another.
 /// Events of other ids are ignored. `name` is the session's, for logs.
 ///
 /// The time limit starts once the agent's main loop has taken the run ([`Agent::taken`]):
@@ -534,7 +564,7 @@ pub(super) async fn drive(
     id: u64,
     spec: &RunSpec,
     stop: Stop<'_>,
-    outcome: &mut RunOutcome,
+    run: &mut Gathered<'_>,
     observer: &Observer<'_>,
     name: &str,
 ) -> Ending {
@@ -551,46 +581,34 @@ pub(super) async fn drive(
     }
     match agent.taken(id).await {
         Taken::Yes => {}
-        Taken::AfterInterrupt(_) => outcome.notices.push(INTERRUPTED_NOTICE.into()),
+        Taken::AfterInterrupt(_) => run.outcome.notices.push(INTERRUPTED_NOTICE.into()),
         Taken::No => return Ending::Stuck,
         Taken::Gone(None) => return Ending::Died(None),
         Taken::Gone(Some(why)) => return Ending::Broken(why),
     }
-    follow(agent, id, stop, outcome, observer, name, None).await
+    follow(agent, id, stop, run, observer, name, None).await
 }
 
-/// Reads the events of run `id`, already taken by the agent, into `outcome` until it ends;
-/// its code-mode calls are answered meanwhile, and those in flight cancelled at its end.
+/// Reads the events of run `id`, already taken by the agent, into `run` until it ends; its
+/// code-mode calls are answered meanwhile. On a new stream (a reattach), the latest replies
+/// go out again first: the old relay may have lost them, and the code would wait for good.
 async fn follow(
     agent: &mut Agent,
     id: u64,
     stop: Stop<'_>,
-    outcome: &mut RunOutcome,
+    run: &mut Gathered<'_>,
     observer: &Observer<'_>,
     name: &str,
     probe: Option<u64>,
 ) -> Ending {
-    let mut calls = crate::bridge::RunCalls::new(stop.bridge);
-    let ending = follow_events(agent, id, stop, outcome, observer, name, probe, &mut calls).await;
-    let counts = calls.counts();
-    outcome.tool_calls.made += counts.made;
-    outcome.tool_calls.refused += counts.refused;
-    ending
-}
-
-/// [`follow`]'s loop.
-#[allow(clippy::too_many_arguments)] // follow's, plus the run's calls
-async fn follow_events(
-    agent: &mut Agent,
-    id: u64,
-    stop: Stop<'_>,
-    outcome: &mut RunOutcome,
-    observer: &Observer<'_>,
-    name: &str,
-    probe: Option<u64>,
-    calls: &mut crate::bridge::RunCalls<'_>,
-) -> Ending {
-    let Stop { timeout, grace, ct, sandbox, .. } = stop;
+    for line in run.sent.lines() {
+        // A failed write is seen by the next read.
+        if agent.send_line(line).await.is_err() {
+            break;
+        }
+    }
+    let Gathered { outcome, calls, sent } = run;
+    let Stop { timeout, grace, ct, sandbox } = stop;
     let deadline = tokio::time::Instant::now() + timeout;
     let died = async {
         match sandbox {
@@ -623,7 +641,7 @@ async fn follow_events(
                 Ok(Some(Event::Ack { id: i })) if Some(i) == probe => return Ending::Vanished,
                 Ok(Some(Event::ToolCall { id: i, call, op, tool, args })) if i == id => {
                     if let Some(reply) = calls.begin(call, op.as_deref(), tool.as_deref(), args) {
-                        answer(agent, reply).await;
+                        answer(agent, sent, reply).await;
                     }
                 }
                 Ok(Some(other)) => tracing::debug!(session = %name, event = ?other, "event outside the run ignored"),
@@ -631,7 +649,7 @@ async fn follow_events(
                 Err(ReadError::Skippable(e)) => tracing::warn!(session = %name, error = %e, "unreadable agent line skipped"),
                 Err(ReadError::Fatal(e)) => return Ending::Broken(e),
             },
-            reply = calls.next() => answer(agent, reply).await,
+            reply = calls.next() => answer(agent, sent, reply).await,
             _ = tokio::time::sleep_until(deadline), if stopping.is_none() => {
                 calls.close();
                 stopping = Some((RunStatus::Timeout, tokio::time::Instant::now() + grace));
@@ -677,11 +695,14 @@ fn take_done(outcome: &mut RunOutcome, done: Event, stopping: Option<RunStatus>)
     };
 }
 
-/// Sends the agent the answer to a code-mode call. A failed write is seen by the next read.
-async fn answer(agent: &mut Agent, (call, reply): crate::bridge::Reply) {
-    let req = match &reply {
+/// Sends the agent the answer to a code-mode call, and keeps it among the latest sent. A
+/// failed write is seen by the next read (and the answer goes out again on the next stream).
+async fn answer(agent: &mut Agent, sent: &mut crate::bridge::Recent, (call, reply): crate::bridge::Reply) {
+    let line = match &reply {
         Ok(v) => Request::ToolResult { call, result: Some(v), error: None },
         Err(why) => Request::ToolResult { call, result: None, error: Some(why) },
-    };
-    let _ = agent.send(&req).await;
+    }
+    .to_line();
+    let _ = agent.send_line(&line).await;
+    sent.keep(line);
 }

@@ -12,6 +12,9 @@ use serde_json::{Value, json};
 
 use crate::common::{Server, state_dir, text};
 
+// Calls across a dropped exec stream (the code killing its own relay).
+mod reattach;
+
 /// A secret the hostile upstream gets in its environment from the server's: it must reach
 /// neither the sandbox nor a result.
 const SECRET: &str = "pyberth-codemode-secret-5f1c9a";

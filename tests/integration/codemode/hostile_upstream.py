@@ -34,6 +34,17 @@ async def hang() -> str:
     return "never"
 
 
+@server.tool(name="slow", description="Answers after `seconds`; notes its start and cancellation.", annotations=RO)
+async def slow(seconds: float) -> str:
+    mark("slow-started")
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        mark("slow-cancelled")
+        raise
+    return "slept %s" % seconds
+
+
 @server.tool(name="crash", description="Kills its own server.", annotations=RO)
 def crash() -> str:
     mark("crashed")
