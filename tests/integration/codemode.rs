@@ -19,39 +19,12 @@ mod reattach;
 /// neither the sandbox nor a result.
 const SECRET: &str = "pyberth-codemode-secret-5f1c9a";
 
-/// The venv with the published upstreams, made once and kept under target/ between runs
-/// (pip reaches the index through the host's proxy). Made under a temporary name and renamed,
-/// so a run that stops half-way leaves nothing that looks ready; a venv's python finds its
-/// packages from where it lies, so the rename is safe when it is run as `python -m`.
+/// The venv with the published upstreams (`common::venv_with`).
 fn venv() -> PathBuf {
     static VENV: OnceLock<PathBuf> = OnceLock::new();
-    VENV.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/codemode-venv");
-        let ready = |d: &Path| {
-            Command::new(d.join("bin/python"))
-                .args(["-c", "import mcp_server_time, mcp_server_git, mcp.server.mcpserver"])
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        if ready(&dir) {
-            return dir;
-        }
-        let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
-        let ok = Command::new("python3").arg("-m").arg("venv").arg(&tmp).status().is_ok_and(|s| s.success());
-        assert!(ok, "python3 -m venv failed");
-        let mut pip = Command::new(tmp.join("bin/python"));
-        pip.args(["-m", "pip", "install", "-q", "mcp-server-time", "mcp-server-git"]);
-        if Path::new("/etc/ssl/certs/ca-certificates.crt").exists() {
-            pip.args(["--cert", "/etc/ssl/certs/ca-certificates.crt"]);
-        }
-        assert!(pip.status().is_ok_and(|s| s.success()), "pip install mcp-server-time mcp-server-git failed");
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&tmp, &dir).expect("rename the venv into place");
-        assert!(ready(&dir), "the venv does not import the upstreams");
-        dir
-    })
-    .clone()
+    let probe = "import mcp_server_time, mcp_server_git, mcp.server.mcpserver";
+    VENV.get_or_init(|| crate::common::venv_with("codemode-venv", &["mcp-server-time", "mcp-server-git"], probe))
+        .clone()
 }
 
 /// A test's own directory: a git repository, the hostile upstream's marks, the config file.

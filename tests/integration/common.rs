@@ -462,3 +462,32 @@ pub fn http_transport(
     pyberth::https::install_provider();
     rmcp::transport::StreamableHttpClientTransport::from_config(config)
 }
+
+/// A venv under target/ with `packages` from the package index, made once and kept between
+/// runs (pip reaches the index through the host's proxy and its CA bundle). `probe` is Python
+/// that imports what the tests need: the venv is ready when it runs. Made under a temporary
+/// name and renamed, so a run that stops half-way leaves nothing that looks ready; a venv's
+/// python finds its packages from where it lies, so the rename is safe when run as `python -m`.
+pub fn venv_with(name: &str, packages: &[&str], probe: &str) -> std::path::PathBuf {
+    use std::path::Path;
+    use std::process::Command;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target").join(name);
+    let ready = |d: &Path| Command::new(d.join("bin/python")).args(["-c", probe]).status().is_ok_and(|s| s.success());
+    if ready(&dir) {
+        return dir;
+    }
+    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let ok = Command::new("python3").arg("-m").arg("venv").arg(&tmp).status().is_ok_and(|s| s.success());
+    assert!(ok, "python3 -m venv failed");
+    let mut pip = Command::new(tmp.join("bin/python"));
+    pip.args(["-m", "pip", "install", "-q"]).args(packages);
+    if Path::new("/etc/ssl/certs/ca-certificates.crt").exists() {
+        pip.args(["--cert", "/etc/ssl/certs/ca-certificates.crt"]);
+    }
+    assert!(pip.status().is_ok_and(|s| s.success()), "pip install {packages:?} failed");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&tmp, &dir).expect("rename the venv into place");
+    assert!(ready(&dir), "the venv {name} does not import what the tests need: {probe}");
+    dir
+}

@@ -3,7 +3,6 @@
 //! HTTP and over stdio.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use crate::common::{assert_cleaned_up, instance_name, state_dir, with_test_runtime};
@@ -12,37 +11,11 @@ use crate::http::{ALICE, HttpServer};
 /// The SDK release the suite is written against (the first to speak 2026-07-28 is 2.x).
 const SDK: &str = "mcp>=2.3,<3";
 
-/// A venv with the SDK, made once and kept under target/ between runs (pip reaches the index
-/// through the host's proxy); made under a temporary name and renamed, as codemode's is.
+/// A venv with the SDK (`common::venv_with`).
 fn venv() -> PathBuf {
     static VENV: OnceLock<PathBuf> = OnceLock::new();
-    VENV.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/protocol-venv");
-        let ready = |d: &Path| {
-            Command::new(d.join("bin/python"))
-                .args(["-c", "import mcp, httpx2; from mcp import Client"])
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        if ready(&dir) {
-            return dir;
-        }
-        let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
-        let ok = Command::new("python3").arg("-m").arg("venv").arg(&tmp).status().is_ok_and(|s| s.success());
-        assert!(ok, "python3 -m venv failed");
-        let mut pip = Command::new(tmp.join("bin/python"));
-        pip.args(["-m", "pip", "install", "-q", SDK]);
-        if Path::new("/etc/ssl/certs/ca-certificates.crt").exists() {
-            pip.args(["--cert", "/etc/ssl/certs/ca-certificates.crt"]);
-        }
-        assert!(pip.status().is_ok_and(|s| s.success()), "pip install {SDK} failed");
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&tmp, &dir).expect("rename the venv into place");
-        assert!(ready(&dir), "the venv does not import the SDK");
-        dir
-    })
-    .clone()
+    let probe = "import mcp, httpx2; from mcp import Client";
+    VENV.get_or_init(|| crate::common::venv_with("protocol-venv", &[SDK], probe)).clone()
 }
 
 fn script() -> PathBuf {
