@@ -11,7 +11,7 @@ use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
 use super::error::{ToolError, ToolResult};
-use super::render::{View, outcome_text, render_run, render_run_output, running_job, structured};
+use super::render::{View, outcome_text, page, render_run, render_run_output, running_job, structured};
 use super::{Caller, SandboxServer};
 use crate::checks::check_wait;
 use crate::protocol::Stream;
@@ -128,18 +128,6 @@ pub(super) fn render_job(job: &Job, o: &crate::session::RunOutcome, budget: usiz
 
 fn unknown(job: &str) -> ToolError {
     ToolError::new(format!("no job {job:?}: list_jobs shows yours (finished jobs are kept for an hour)"))
-}
-
-/// `bytes` past `offset` within `keep` characters' worth, cut at a character's start, and
-/// the offset after what is kept.
-pub(super) fn page(bytes: Vec<u8>, offset: usize, keep: usize) -> (String, usize, usize) {
-    let mut end = bytes.len().min(keep);
-    let mut back = 0;
-    while end > 0 && end < bytes.len() && back < 3 && (0x80..0xc0).contains(&bytes[end]) {
-        end -= 1;
-        back += 1;
-    }
-    (String::from_utf8_lossy(&bytes[..end]).into_owned(), offset + end, bytes.len() - end)
 }
 
 impl SandboxServer {

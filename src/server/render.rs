@@ -181,8 +181,8 @@ pub(super) fn structured<T: Serialize>(value: &T, text: String) -> CallToolResul
 /// (a page of it within the budget), and how to read on.
 pub(super) fn running_job(job: &Job, notices: Vec<String>, budget: usize) -> CallToolResult {
     let (stdout, stderr, _, _) = job.output_since(0, 0);
-    let (stdout, so, out_left) = super::jobs::page(stdout, 0, budget / 2);
-    let (stderr, se, err_left) = super::jobs::page(stderr, 0, budget / 4);
+    let (stdout, so, out_left) = page(stdout, 0, budget / 2);
+    let (stderr, se, err_left) = page(stderr, 0, budget / 4);
     let out = RunOutput {
         session: job.session.clone(),
         status: RunStatus::Running,
@@ -233,6 +233,18 @@ pub(super) fn running_job(job: &Job, notices: Vec<String>, budget: usize) -> Cal
         text.push_str(&format!("[notice] {}\n", budget::cut_text(n, budget / 10, "the notice").0));
     }
     structured(&out, text)
+}
+
+/// `bytes` past `offset` within `keep` characters' worth, cut at a character's start, and
+/// the offset after what is kept.
+pub(super) fn page(bytes: Vec<u8>, offset: usize, keep: usize) -> (String, usize, usize) {
+    let mut end = bytes.len().min(keep);
+    let mut back = 0;
+    while end > 0 && end < bytes.len() && back < 3 && (0x80..0xc0).contains(&bytes[end]) {
+        end -= 1;
+        back += 1;
+    }
+    (String::from_utf8_lossy(&bytes[..end]).into_owned(), offset + end, bytes.len() - end)
 }
 
 #[cfg(test)]
