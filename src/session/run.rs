@@ -282,12 +282,19 @@ impl Session {
             Ok(o) => o.status.to_string(),
             Err(_) => "error".to_owned(),
         };
+        self.run_ended(event("run_ended"), outcome, wall);
+        result
+    }
+
+    /// A run's end (`event`, with what the run was) into the audit log, and its wall time
+    /// charged to the principal's quotas.
+    fn run_ended(&self, event: crate::audit::Event, outcome: String, wall: Duration) {
+        let watch = &self.blueprint.oversight;
         let ms = u64::try_from(wall.as_millis()).unwrap_or(u64::MAX);
-        watch.audit.emit(event("run_ended").outcome(outcome).field("duration_ms", ms));
+        watch.audit.emit(event.outcome(outcome).field("duration_ms", ms));
         if let Some(q) = &watch.quotas {
             q.ran(&self.principal, &self.container_id(), wall);
         }
-        result
     }
 
     async fn run_body(
@@ -428,14 +435,8 @@ impl Session {
     /// The end of a run an earlier server started (and audited the start of): audited, and its
     /// time under this server charged to the principal's quotas.
     fn audit_resumed(&self, id: u64, outcome: &RunOutcome) {
-        let watch = &self.blueprint.oversight;
-        let ms = u64::try_from(outcome.duration.as_millis()).unwrap_or(u64::MAX);
         let event = crate::audit::Event::new("run_ended", &self.principal).session(&self.name);
-        let event = event.field("kind", "resumed").field("run", id).field("duration_ms", ms);
-        watch.audit.emit(event.outcome(outcome.status.to_string()));
-        if let Some(q) = &watch.quotas {
-            q.ran(&self.principal, &self.container_id(), outcome.duration);
-        }
+        self.run_ended(event.field("kind", "resumed").field("run", id), outcome.status.to_string(), outcome.duration);
     }
 
     /// After a run's stream ended without its `done`: a new relay, if it reaches the same

@@ -202,14 +202,7 @@ async fn python_calls_time_and_git_and_the_allow_list_holds_against_forged_calls
     assert_eq!(sc["tool_calls"], json!({ "made": 0, "refused": 5 }), "none went upstream");
 
     // Counted in the metrics by configured upstream; names the sandbox made up are "other".
-    let body = crate::common::web()
-        .get(format!("http://{metrics}/metrics"))
-        .send()
-        .await
-        .expect("scrape")
-        .text()
-        .await
-        .expect("body");
+    let body = crate::common::scrape(&format!("http://{metrics}/metrics"), None).await;
     let line = |l: &str| body.lines().any(|t| t == l);
     assert!(line(r#"pyberth_bridged_calls_total{upstream="time",outcome="ok"} 11"#), "{body}");
     assert!(line(r#"pyberth_bridged_calls_total{upstream="git",outcome="ok"} 3"#), "{body}");

@@ -491,3 +491,12 @@ pub fn venv_with(name: &str, packages: &[&str], probe: &str) -> std::path::PathB
     assert!(ready(&dir), "the venv {name} does not import what the tests need: {probe}");
     dir
 }
+
+/// The text of a `/metrics` scrape at `url` (with `token`, if any).
+pub async fn scrape(url: &str, token: Option<&str>) -> String {
+    let mut req = web().get(url);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    req.send().await.expect("scrape").text().await.expect("metrics text")
+}

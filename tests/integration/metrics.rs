@@ -237,14 +237,7 @@ async fn a_stdio_server_serves_metrics_on_its_metrics_addr() {
     let addr = format!("127.0.0.1:{}", free_port());
     let s = crate::common::Server::start("metrics-stdio", &[("PYBERTH_METRICS_ADDR", addr.as_str())]).await;
     s.ok("counted", "print(1)").await;
-    let body = crate::common::web()
-        .get(format!("http://{addr}/metrics"))
-        .send()
-        .await
-        .expect("scrape")
-        .text()
-        .await
-        .expect("body");
+    let body = crate::common::scrape(&format!("http://{addr}/metrics"), None).await;
     let line = |l: &str| body.lines().any(|t| t == l);
     // Without --metrics-principal, no principal label.
     assert!(line(r#"pyberth_runs_total{status="ok",environment="default"} 1"#), "{body}");

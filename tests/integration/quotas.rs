@@ -70,8 +70,7 @@ async fn a_principal_over_its_quota_is_refused_while_another_runs_on_and_a_resta
     assert!(refused.contains("quota exceeded: cpu_seconds_per_day"), "{refused}");
 
     // Metrics show use against quota for the principals the configuration names.
-    let scraped = crate::common::web().get(s.url("/metrics")).bearer_auth(ALICE).send().await.expect("scrape");
-    let scraped = scraped.text().await.expect("body");
+    let scraped = crate::common::scrape(&s.url("/metrics"), Some(ALICE)).await;
     let gauge = |name: &str, who: &str, quota: &str| -> f64 {
         let head = format!("pyberth_{name}{{principal=\"{who}\",quota=\"{quota}\"}} ");
         let line = scraped.lines().find_map(|l| l.strip_prefix(&head));
