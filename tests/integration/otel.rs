@@ -272,7 +272,6 @@ async fn the_logs_of_a_call_carry_its_trace_context_and_nothing_forged() {
 async fn over_http_the_header_is_the_fallback_parent_and_a_link_beside_meta() {
     use crate::http::{ALICE, HttpServer};
     use rmcp::ServiceExt as _;
-    use rmcp::transport::StreamableHttpClientTransport;
     use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 
     let (collector, url, receiver) = Collector::start().await;
@@ -285,7 +284,7 @@ async fn over_http_the_header_is_the_fallback_parent_and_a_link_beside_meta() {
     let config =
         StreamableHttpClientTransportConfig::with_uri(server.url("/mcp")).auth_header(ALICE).custom_headers(headers);
     let client = crate::common::Recorder::default()
-        .serve(StreamableHttpClientTransport::from_config(config))
+        .serve(crate::common::http_transport(config))
         .await
         .expect("MCP initialise over HTTP");
     let args = json!({"session": "h"}).as_object().expect("object").clone();

@@ -7,7 +7,6 @@
 
 use rmcp::model::{CallToolResult, ProtocolVersion, ReadResourceRequestParams, ResourceContents};
 use rmcp::service::RunningService;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{ClientLifecycleMode, ClientServiceExt as _, RoleClient};
 use serde_json::{Value, json};
@@ -43,7 +42,7 @@ impl Gen {
 /// A client of `generation` over HTTP with `token`.
 pub(crate) async fn http_client(s: &HttpServer, token: &str, generation: Gen) -> Client {
     let config = StreamableHttpClientTransportConfig::with_uri(s.url("/mcp")).auth_header(token);
-    let transport = StreamableHttpClientTransport::from_config(config);
+    let transport = crate::common::http_transport(config);
     let client = Recorder::default()
         .serve_with_lifecycle(transport, generation.lifecycle())
         .await

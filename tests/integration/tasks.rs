@@ -12,7 +12,6 @@ use rmcp::model::{
     Implementation, ProtocolVersion,
 };
 use rmcp::service::RunningService;
-use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::{ClientHandler, ClientLifecycleMode, ClientServiceExt as _, RoleClient};
 use serde_json::{Value, json};
@@ -67,7 +66,7 @@ async fn stdio(tag: &str, mode: ClientLifecycleMode) -> (tokio::process::Child, 
 async fn http(port: u16, token: &str, mode: ClientLifecycleMode) -> Client {
     let config =
         StreamableHttpClientTransportConfig::with_uri(format!("http://127.0.0.1:{port}/mcp")).auth_header(token);
-    let transport = StreamableHttpClientTransport::from_config(config);
+    let transport = crate::common::http_transport(config);
     let client = TaskClient.serve_with_lifecycle(transport, mode).await.expect("MCP client starts over HTTP");
     // As clients do before calling: the list tells rmcp's HTTP transport which arguments
     // travel as `Mcp-Param-*` headers (docs/protocol.md); a 2026 call without them is refused.
