@@ -218,8 +218,11 @@ async fn over_stdio_a_2026_request_without_a_level_gets_no_log_message_whatever_
     raw.response(4).await;
     assert!(raw.logs >= 1, "a 2026-07-28 request asking debug got no log message");
     let before = raw.logs;
+    // Output then a pause: the line goes out live, not only with the run's end (under load a
+    // short run's output can arrive with its `done`, and then no live message is due).
+    let slow = "import time\nprint('live-line', flush=True)\ntime.sleep(1)";
     let legacy = json!({ "jsonrpc": "2.0", "id": 5, "method": "tools/call",
-        "params": { "name": "run_python", "arguments": { "session": "s", "code": code } } });
+        "params": { "name": "run_python", "arguments": { "session": "s", "code": slow } } });
     raw.send(legacy).await;
     raw.response(5).await;
     assert!(raw.logs > before, "the initialized client's own level still gets its messages");
