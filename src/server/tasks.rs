@@ -200,27 +200,8 @@ impl SandboxServer {
     }
 }
 
-/// `t` as an RFC 3339 / ISO 8601 UTC timestamp with milliseconds.
-pub(super) fn iso8601(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs();
-    let (y, m, day) = civil_from_days(i64::try_from(secs / 86_400).unwrap_or(0));
-    let s = secs % 86_400;
-    format!("{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z", s / 3600, s % 3600 / 60, s % 60, d.subsec_millis())
-}
-
-/// The civil date of a day count since 1970-01-01 (Howard Hinnant's algorithm).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
+/// `t` as an RFC 3339 UTC timestamp with milliseconds: the audit log's clock, one for both.
+pub(super) use crate::audit::time::rfc3339 as iso8601;
 
 #[cfg(test)]
 mod tests {
