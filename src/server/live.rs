@@ -140,28 +140,43 @@ impl<'a> Notifier<'a> {
 /// Drives `work` while relaying its live lines to the client. Forwarding is its own future,
 /// polled beside `work` rather than inside a select arm: a send blocked on a slow client then
 /// holds up only the lines behind it (later ones are dropped by try_send), never the work, its
-/// reading of the agent or its deadline. Lines still queued when the work ends go out before
-/// the result for up to `DRAIN`; after that the rest are dropped (the result has all output).
+/// reading of the agent or its deadline. When the work ends, the line being sent and those
+/// still queued go out before the result for up to `DRAIN`; after that the rest are dropped
+/// (the result has all output). The line in flight is never cut at the work's end: a chunk
+/// sent as a log message must not lose its progress twin.
 pub(super) async fn relay<T>(mut notifier: Notifier<'_>, rx: &mut LiveRx, work: impl Future<Output = T>) -> T {
+    let stop = tokio::sync::Notify::new();
     let out = {
-        // Dropped when the work ends, which may cut one send short: rmcp still writes a
-        // notification it had queued, and one not yet queued is a live line lost, as above.
-        let forward = forward(&mut notifier, rx);
+        let forward = forward(&mut notifier, rx, &stop);
         tokio::pin!(work, forward);
-        tokio::select! {
-            out = &mut work => out,
+        let (out, forwarded) = tokio::select! {
+            out = &mut work => (out, false),
             // Every sender is gone: nothing more can come, only the work is left.
-            () = &mut forward => work.await,
+            () = &mut forward => (work.await, true),
+        };
+        if !forwarded {
+            // A stored permit: forward stops at its first empty queue, after the line in hand.
+            stop.notify_one();
+            let _ = tokio::time::timeout(DRAIN, &mut forward).await;
         }
+        out
     };
     rx.close();
-    let _ = tokio::time::timeout(DRAIN, forward(&mut notifier, rx)).await;
     out
 }
 
-/// Sends lines until the channel is closed and empty.
-async fn forward(notifier: &mut Notifier<'_>, rx: &mut LiveRx) {
-    while let Some(line) = rx.recv().await {
-        notifier.send(line).await;
+/// Sends lines until the channel is closed and empty, or `stop` is signalled and the queue
+/// is empty.
+async fn forward(notifier: &mut Notifier<'_>, rx: &mut LiveRx, stop: &tokio::sync::Notify) {
+    loop {
+        let line = tokio::select! {
+            biased;
+            line = rx.recv() => line,
+            () = stop.notified() => None,
+        };
+        match line {
+            Some(line) => notifier.send(line).await,
+            None => return,
+        }
     }
 }
