@@ -447,10 +447,11 @@ async fn run_net(client: &RunningService<RoleClient, Recorder>, code: &str, crea
 }
 
 /// A session with egress (narrowed with `allow_hosts`, then `set_network`) left running, then adopted: `tamper`
-/// edits its record before the restart. Returns the second run's result after the restart,
+/// edits its record before the restart; fetches after it give up after `wait_s`. Returns the
+/// second run's result after the restart,
 /// having closed the session and checked nothing is left of either server.
-async fn egress_across_a_restart(tag: &str, tamper: impl Fn(&mut Value)) -> (Value, String) {
-    use crate::egress::{Upstream, config_file, fetch, networks_of};
+async fn egress_across_a_restart(tag: &str, wait_s: u32, tamper: impl Fn(&mut Value)) -> (Value, String) {
+    use crate::egress::{Upstream, config_file, fetch, fetch_within, networks_of};
     let up = Upstream::start(&instance_name(tag)).await;
     let config = config_file(tag, &up);
     let env = [("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")), ("EGRESS_TEST_SECRET", crate::egress::SECRET)];
@@ -484,8 +485,8 @@ async fn egress_across_a_restart(tag: &str, tamper: impl Fn(&mut Value)) -> (Val
     let alice = second.client().await;
     let code = format!(
         "{}\n{}\nprint('kept', kept, 'new ca', {ca} != ca0)",
-        fetch("http://upstream.test:8000/after"),
-        fetch("http://a.wild.test:8000/")
+        fetch_within("http://upstream.test:8000/after", wait_s),
+        fetch_within("http://a.wild.test:8000/", wait_s)
     );
     let sc = run_net(&alice, &code, false).await;
     let log = second.log();
@@ -507,7 +508,7 @@ async fn an_adopted_session_keeps_its_egress_and_its_narrowed_list() {
     if crate::common::gvisor() {
         return; // no egress under gVisor: egress::egress_under_gvisor_is_a_clear_error
     }
-    let (sc, log) = egress_across_a_restart("adopt-egress", |_| {}).await;
+    let (sc, log) = egress_across_a_restart("adopt-egress", 20, |_| {}).await;
     let out = sc["stdout"].as_str().unwrap_or_default();
     assert!(out.starts_with("200 upstream ok /after"), "the allowed upstream is reached: {sc}");
     let sha = format!("{:x}", sha2::Sha256::digest(format!("key-{}", crate::egress::SECRET).as_bytes()));
@@ -525,7 +526,7 @@ async fn an_adopted_session_whose_egress_is_lost_says_so_and_reaches_nothing() {
         return;
     }
     let (sc, _) =
-        egress_across_a_restart("adopt-egress-lost", |r| r["egress"]["proxy_ip"] = json!("10.255.255.254")).await;
+        egress_across_a_restart("adopt-egress-lost", 4, |r| r["egress"]["proxy_ip"] = json!("10.255.255.254")).await;
     let out = sc["stdout"].as_str().unwrap_or_default();
     assert!(out.starts_with("ERR") && !out.contains("upstream ok"), "nothing is reached: {sc}");
     let notices = sc["notices"].to_string();
