@@ -336,6 +336,11 @@ impl Cluster {
         Ok(list.items)
     }
 
+    /// Pod `name`, or `None` when it does not exist.
+    pub async fn get_pod(&self, name: &str) -> Result<Option<Pod>, Error> {
+        self.pods.get_opt(name).await.map_err(self.error("get pods"))
+    }
+
     /// Deletes pod `name` at once; one already gone is fine.
     pub async fn delete_pod(&self, name: &str) -> Result<(), Error> {
         match self.pods.delete(name, &DeleteParams::default().grace_period(0)).await {

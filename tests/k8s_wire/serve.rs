@@ -1,0 +1,174 @@
+//! `pyberth serve` with `engine = "kubernetes"`: the real binary, over stdio, driven by the real
+//! rmcp client, its sessions pods of the simulated API server (each a container of the local
+//! Docker engine running our sandbox image). What it proves is the seam over our model of the
+//! API server, not a real cluster.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use rmcp::ServiceExt as _;
+use rmcp::model::{CallToolRequestParams, CallToolResult};
+use rmcp::service::RunningService;
+use serde_json::{Value, json};
+
+use super::apiserver::{Options, Sim};
+use super::docker;
+
+/// A server of the Kubernetes engine, its client, and the files it was started with.
+struct Served {
+    client: Option<RunningService<rmcp::RoleClient, ()>>,
+    child: tokio::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl Served {
+    async fn start(sim: &Sim, tag: &str) -> Served {
+        let dir = std::env::temp_dir().join(format!("pyberth-k8s-serve-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let kubeconfig = sim.kubeconfig(&dir);
+        let config = dir.join("k8s.toml");
+        // An environment with egress: a feature the Kubernetes engine does not have yet.
+        let text = format!(
+            "engine = \"kubernetes\"\nk8s_namespace = \"pyberth\"\nkubeconfig = {kubeconfig:?}\n\
+             pool_size = 0\n[environments.net]\negress = [\"example.com:443\"]\n"
+        );
+        std::fs::write(&config, text).expect("config");
+        let log = std::fs::File::create(dir.join("server.log")).expect("log");
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .env("PYBERTH_INSTANCE", format!("k8s{}-{tag}", std::process::id()))
+            .env("PYBERTH_STATE_DIR", dir.join("state"))
+            .env("RUST_LOG", "pyberth=debug,info")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn pyberth");
+        let stdout = child.stdout.take().expect("stdout");
+        let stdin = child.stdin.take().expect("stdin");
+        let client = ().serve((stdout, stdin)).await.expect("MCP initialise");
+        Served { client: Some(client), child, dir }
+    }
+
+    async fn call(&self, tool: &'static str, args: Value) -> CallToolResult {
+        let args = args.as_object().expect("object arguments").clone();
+        let client = self.client.as_ref().expect("connected");
+        let call = client.call_tool(CallToolRequestParams::new(tool).with_arguments(args));
+        match tokio::time::timeout(Duration::from_secs(120), call).await {
+            Ok(r) => r.unwrap_or_else(|e| panic!("{tool} failed at the protocol level: {e}")),
+            Err(_) => panic!("{tool} did not answer within 120 s; server log:\n{}", self.log()),
+        }
+    }
+
+    /// A call that must succeed: its structured content.
+    async fn ok(&self, tool: &'static str, args: Value) -> Value {
+        let r = self.call(tool, args).await;
+        assert_eq!(r.is_error, Some(false), "{tool}: {}\nserver log:\n{}", text(&r), self.log());
+        r.structured_content.unwrap_or(Value::Null)
+    }
+
+    fn log(&self) -> String {
+        let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// Closes stdin and waits for the server to stop (it removes its sessions' pods).
+    async fn stop(mut self) {
+        if let Some(c) = self.client.take() {
+            let _ = c.cancel().await;
+        }
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
+        assert!(status.is_ok(), "the server did not exit within 30 s of its stdin closing");
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        // The child is killed on drop (`kill_on_drop`); the simulator removes the pods'
+        // containers when it is dropped.
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn text(r: &CallToolResult) -> String {
+    r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n")
+}
+
+/// Containers the simulated node runs for `sim`'s pods.
+async fn node_containers(sim: &Sim) -> usize {
+    let filter = format!("{}={}", super::docker_pod::LABEL_SIM, sim.state.sim);
+    let filters = std::collections::HashMap::from([("label", vec![filter.as_str()])]);
+    let opts = bollard::query_parameters::ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
+    docker().list_containers(Some(opts)).await.expect("list").len()
+}
+
+fn pods(sim: &Sim) -> Vec<String> {
+    sim.state.pods.lock().expect("pods").keys().cloned().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_sessions_as_pods_of_the_cluster() {
+    let sim = Sim::start(Options::default(), docker()).await;
+    let s = Served::start(&sim, "life").await;
+
+    // State is kept between calls: the interpreter lives in the pod.
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "import os\nx = 41\nprint(os.getuid() > 0)" })).await;
+    assert_eq!(sc["stdout"], "True\n", "{sc}");
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x + 1)" })).await;
+    assert_eq!(sc["stdout"], "42\n", "{sc}");
+    let made = pods(&sim);
+    assert_eq!(made.len(), 1, "one pod for the session: {made:?}");
+    let pod = made[0].clone();
+    assert!(pod.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'), "{pod}");
+
+    // Files: written and read back through the agent in the pod, and seen by the code.
+    s.ok("write_file", json!({ "session": "k", "path": "notes/a.txt", "content": "over the wire\n" })).await;
+    let sc = s.ok("read_file", json!({ "session": "k", "path": "notes/a.txt" })).await;
+    assert_eq!(sc["content"], "over the wire\n", "{sc}");
+    let sc = s
+        .ok("run_python", json!({ "session": "k", "code": "print(open('notes/a.txt').read().upper(), end='')" }))
+        .await;
+    assert_eq!(sc["stdout"], "OVER THE WIRE\n", "{sc}");
+
+    // A background job, read with the job tools; it ran in the same interpreter.
+    let code = "import time\ntime.sleep(1)\ny = x * 2\nprint('job', y)";
+    let sc = s.ok("run_python", json!({ "session": "k", "code": code, "background": true })).await;
+    let job = sc["job"].as_str().unwrap_or_else(|| panic!("a job handle: {sc}")).to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let done = loop {
+        let sc = s.ok("job_status", json!({ "job": job, "wait_s": 5 })).await;
+        if sc["status"] != "running" {
+            break sc;
+        }
+        assert!(Instant::now() < deadline, "job {job} still running");
+    };
+    assert_eq!(done["status"], "ok", "{done}");
+    assert_eq!(done["stdout"], "job 82\n", "{done}");
+
+    // A feature the engine does not have yet is a tool error that says so, not a crash.
+    let r = s.call("run_python", json!({ "session": "n", "environment": "net", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    let said = text(&r);
+    assert!(said.contains("egress") && said.contains("not supported on Kubernetes yet"), "{said}");
+    assert!(!said.contains("Docker responded"), "the engine's own words, not Docker's: {said}");
+    // And the server still serves.
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
+    assert_eq!(sc["stdout"], "41\n", "{sc}");
+    assert_eq!(pods(&sim), vec![pod.clone()], "the refused session left no pod");
+
+    // Closing the session deletes its pod, and the node's container with it.
+    s.ok("close_session", json!({ "session": "k" })).await;
+    assert!(pods(&sim).is_empty(), "the pod is deleted: {:?}", pods(&sim));
+    assert_eq!(node_containers(&sim).await, 0, "the pod's container is gone");
+
+    // A session made after that, left open: the server's stop removes its pod.
+    s.ok("run_python", json!({ "session": "late", "code": "1" })).await;
+    assert_eq!(pods(&sim).len(), 1);
+    s.stop().await;
+    assert!(pods(&sim).is_empty(), "the server's stop deleted its pods: {:?}", pods(&sim));
+    sim.stop().await;
+}
