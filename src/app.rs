@@ -55,6 +55,12 @@ impl Host {
     /// sandboxes, says what is known to be wrong with it, and refuses under `--strict-engine`.
     pub async fn check(&self, cfg: &mut SandboxConfig, voice: Voice) -> Result<EngineFacts, Error> {
         if cfg.engine == EngineKind::Kubernetes {
+            if cfg.hibernate_after_s > 0 {
+                // A hibernation's snapshot needs a helper container: it would fail at every
+                // reaper tick, each time after streaming the workspace out.
+                tracing::info!("hibernation is off: not supported on Kubernetes yet");
+                cfg.hibernate_after_s = 0;
+            }
             return Ok(kubernetes_facts(cfg, voice));
         }
         let engine = docker::engine::check(&self.docker, &cfg.engine_ask(), voice == Voice::Loud)

@@ -30,7 +30,7 @@ impl Served {
         // An environment with egress: a feature the Kubernetes engine does not have yet.
         let text = format!(
             "engine = \"kubernetes\"\nk8s_namespace = \"pyberth\"\nkubeconfig = {kubeconfig:?}\n\
-             pool_size = 0\n[environments.net]\negress = [\"example.com:443\"]\n"
+             pool_size = 0\nhibernate_after_s = 1\n[environments.net]\negress = [\"example.com:443\"]\n"
         );
         std::fs::write(&config, text).expect("config");
         let log = std::fs::File::create(dir.join("server.log")).expect("log");
@@ -155,10 +155,26 @@ async fn serve_runs_sessions_as_pods_of_the_cluster() {
     let said = text(&r);
     assert!(said.contains("egress") && said.contains("not supported on Kubernetes yet"), "{said}");
     assert!(!said.contains("Docker responded"), "the engine's own words, not Docker's: {said}");
+    // A run over its time limit is interrupted (a sleep, and a loop that only a signal
+    // stops); the interpreter and its state stay.
+    for code in ["import time\ntime.sleep(30)", "while True: pass"] {
+        let r = s.call("run_python", json!({ "session": "k", "code": code, "timeout_s": 2 })).await;
+        let sc = r.structured_content.clone().unwrap_or(Value::Null);
+        assert_eq!(
+            (r.is_error, &sc["status"], &sc["state_lost"]),
+            (Some(true), &json!("timeout"), &json!(false)),
+            "{sc}"
+        );
+    }
+    // Hibernation (its snapshot needs a helper container) is off on Kubernetes: an idle
+    // session is not put to sleep, nor tried and failed at every tick.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     // And the server still serves.
     let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
     assert_eq!(sc["stdout"], "41\n", "{sc}");
     assert_eq!(pods(&sim), vec![pod.clone()], "the refused session left no pod");
+    let log = std::fs::read_to_string(s.dir.join("server.log")).unwrap_or_default();
+    assert!(log.contains("hibernation is off") && !log.contains("cannot hibernate"), "{}", s.log());
 
     // Closing the session deletes its pod, and the node's container with it.
     s.ok("close_session", json!({ "session": "k" })).await;
