@@ -23,6 +23,10 @@ struct Served {
 
 impl Served {
     async fn start(sim: &Sim, tag: &str) -> Served {
+        Self::start_with(sim, tag, 0).await
+    }
+
+    async fn start_with(sim: &Sim, tag: &str, pool: usize) -> Served {
         let dir = std::env::temp_dir().join(format!("pyberth-k8s-serve-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let kubeconfig = sim.kubeconfig(&dir);
@@ -30,7 +34,7 @@ impl Served {
         // An environment with egress: a feature the Kubernetes engine does not have yet.
         let text = format!(
             "engine = \"kubernetes\"\nk8s_namespace = \"pyberth\"\nkubeconfig = {kubeconfig:?}\n\
-             pool_size = 0\nhibernate_after_s = 1\n[environments.net]\negress = [\"example.com:443\"]\n"
+             pool_size = {pool}\nhibernate_after_s = 1\n[environments.net]\negress = [\"example.com:443\"]\n"
         );
         std::fs::write(&config, text).expect("config");
         let log = std::fs::File::create(dir.join("server.log")).expect("log");
@@ -186,5 +190,25 @@ async fn serve_runs_sessions_as_pods_of_the_cluster() {
     assert_eq!(pods(&sim).len(), 1);
     s.stop().await;
     assert!(pods(&sim).is_empty(), "the server's stop deleted its pods: {:?}", pods(&sim));
+    sim.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_warm_pool_keeps_pods_ready_and_a_session_takes_one() {
+    let sim = Sim::start(Options::default(), docker()).await;
+    let s = Served::start_with(&sim, "warm", 2).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while pods(&sim).len() < 2 {
+        assert!(Instant::now() < deadline, "the pool made no pods: {:?}\n{}", pods(&sim), s.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let sc = s.ok("run_python", json!({ "session": "a", "code": "print(6 * 7)" })).await;
+    assert_eq!(sc["stdout"], "42\n", "{sc}");
+    // The session runs in a pod the pool made before it was asked for (named for the pool).
+    let all = pods(&sim);
+    assert!(all.iter().all(|p| p.contains("-pool-")), "the session took a pool pod: {all:?}");
+    s.stop().await;
+    assert!(pods(&sim).is_empty(), "the server's stop deleted the pool's pods too: {:?}", pods(&sim));
+    assert_eq!(node_containers(&sim).await, 0);
     sim.stop().await;
 }
