@@ -159,6 +159,17 @@ async fn serve_runs_sessions_as_pods_of_the_cluster() {
     let said = text(&r);
     assert!(said.contains("egress") && said.contains("not supported on Kubernetes yet"), "{said}");
     assert!(!said.contains("Docker responded"), "the engine's own words, not Docker's: {said}");
+    // Installs and snapshots need helper containers: tool errors that say so.
+    let r = s.call("install_packages", json!({ "session": "k", "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    assert!(
+        text(&r).contains("package installs") && text(&r).contains("not supported on Kubernetes yet"),
+        "{}",
+        text(&r)
+    );
+    let r = s.call("snapshot_session", json!({ "session": "k" })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    assert!(text(&r).contains("snapshots are not supported on Kubernetes yet"), "{}", text(&r));
     // A run over its time limit is interrupted (a sleep, and a loop that only a signal
     // stops); the interpreter and its state stay.
     for code in ["import time\ntime.sleep(30)", "while True: pass"] {
