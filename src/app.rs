@@ -55,12 +55,7 @@ impl Host {
     /// sandboxes, says what is known to be wrong with it, and refuses under `--strict-engine`.
     pub async fn check(&self, cfg: &mut SandboxConfig, voice: Voice) -> Result<EngineFacts, Error> {
         if cfg.engine == EngineKind::Kubernetes {
-            if cfg.hibernate_after_s > 0 {
-                // A hibernation's snapshot needs a helper container: it would fail at every
-                // reaper tick, each time after streaming the workspace out.
-                tracing::info!("hibernation is off: not supported on Kubernetes yet");
-                cfg.hibernate_after_s = 0;
-            }
+            settle_for_kubernetes(cfg);
             return Ok(kubernetes_facts(cfg, voice));
         }
         let engine = docker::engine::check(&self.docker, &cfg.engine_ask(), voice == Voice::Loud)
@@ -77,6 +72,26 @@ impl Host {
     pub fn instance(&self, name: Option<&str>) -> Result<Instance, Error> {
         Instance::acquire(&self.state_dir, name)
             .map_err(|e| Error::Engine(format!("cannot take an instance lock in {}: {e}", self.state_dir.display())))
+    }
+}
+
+/// Turns off, with a word, what the Kubernetes engine cannot do yet and would otherwise try
+/// and fail at: hibernation (its snapshot needs a helper container; it would fail at every
+/// reaper tick, each time after streaming the workspace out) and leaving sessions for the next
+/// server (volumes are records of this process: a next server would not find them, and the
+/// pods would stay). `serve` calls it before it decides whether a stop leaves sessions.
+pub fn settle_for_kubernetes(cfg: &mut SandboxConfig) {
+    if cfg.engine != EngineKind::Kubernetes {
+        return;
+    }
+    if cfg.hibernate_after_s > 0 {
+        tracing::info!("hibernation is off: not supported on Kubernetes yet");
+        cfg.hibernate_after_s = 0;
+    }
+    if cfg.adopt_grace_s > 0 || cfg.keep_sessions {
+        tracing::info!("sessions are removed at the stop: adopting them is not supported on Kubernetes yet");
+        cfg.adopt_grace_s = 0;
+        cfg.keep_sessions = false;
     }
 }
 

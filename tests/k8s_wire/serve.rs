@@ -190,6 +190,7 @@ async fn serve_runs_sessions_as_pods_of_the_cluster() {
     assert_eq!(pods(&sim), vec![pod.clone()], "the refused session left no pod");
     let log = std::fs::read_to_string(s.dir.join("server.log")).unwrap_or_default();
     assert!(log.contains("hibernation is off") && !log.contains("cannot hibernate"), "{}", s.log());
+    assert!(log.contains("sessions are removed at the stop"), "adoption is off: {}", s.log());
 
     // Closing the session deletes its pod, and the node's container with it.
     s.ok("close_session", json!({ "session": "k" })).await;
