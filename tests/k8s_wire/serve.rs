@@ -224,3 +224,54 @@ async fn the_warm_pool_keeps_pods_ready_and_a_session_takes_one() {
     assert_eq!(node_containers(&sim).await, 0);
     sim.stop().await;
 }
+
+/// `pyberth run` moves a project in and the run's files out through the engine's own file
+/// calls (a tar over exec stdin, and back through the agent), where `serve`'s tools use the
+/// agent only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyberth_run_uploads_a_project_and_copies_back_over_exec() {
+    let sim = Sim::start(Options::default(), docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (project, out) = (dir.join("project"), dir.join("out"));
+    std::fs::create_dir_all(project.join("sub")).expect("project");
+    std::fs::create_dir_all(&out).expect("out");
+    std::fs::write(project.join("sub/given.txt"), "from the host\n").expect("given");
+    let kubeconfig = sim.kubeconfig(&dir);
+    let config = dir.join("k8s.toml");
+    let text = format!("engine = \"kubernetes\"\nkubeconfig = {kubeconfig:?}\npool_size = 0\n");
+    std::fs::write(&config, text).expect("config");
+    let code = "import os\nt = open('sub/given.txt').read()\nopen('made.txt', 'w').write(t.upper())\nprint(os.getuid() > 0, t.strip())";
+    let run = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .arg("--project")
+        .arg(&project)
+        .arg("--output")
+        .arg(&out)
+        .args(["-", "--"])
+        .env("PYBERTH_STATE_DIR", dir.join("state"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn pyberth run");
+    let mut run = run;
+    {
+        use tokio::io::AsyncWriteExt as _;
+        let mut stdin = run.stdin.take().expect("stdin");
+        stdin.write_all(code.as_bytes()).await.expect("script");
+    }
+    let done = tokio::time::timeout(Duration::from_secs(120), run.wait_with_output()).await.expect("run ends");
+    let done = done.expect("run");
+    let (stdout, stderr) = (String::from_utf8_lossy(&done.stdout), String::from_utf8_lossy(&done.stderr));
+    assert_eq!(done.status.code(), Some(0), "stdout: {stdout}\nstderr: {stderr}");
+    assert_eq!(stdout, "True from the host\n", "{stderr}");
+    let made = std::fs::read_to_string(out.join("made.txt")).unwrap_or_else(|e| panic!("{e}; stderr: {stderr}"));
+    assert_eq!(made, "FROM THE HOST\n");
+    assert!(pods(&sim).is_empty(), "the run's pod is deleted: {:?}", pods(&sim));
+    assert_eq!(node_containers(&sim).await, 0);
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}
