@@ -114,6 +114,57 @@ fn pods(sim: &Sim) -> Vec<String> {
     sim.state.pods.lock().expect("pods").keys().cloned().collect()
 }
 
+/// A background job, read with the job tools; it ran in the same interpreter (`x` is 41).
+async fn background_job(s: &Served) {
+    let code = "import time\ntime.sleep(1)\ny = x * 2\nprint('job', y)";
+    let sc = s.ok("run_python", json!({ "session": "k", "code": code, "background": true })).await;
+    let job = sc["job"].as_str().unwrap_or_else(|| panic!("a job handle: {sc}")).to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let done = loop {
+        let sc = s.ok("job_status", json!({ "job": job, "wait_s": 5 })).await;
+        if sc["status"] != "running" {
+            break sc;
+        }
+        assert!(Instant::now() < deadline, "job {job} still running");
+    };
+    assert_eq!(done["status"], "ok", "{done}");
+    assert_eq!(done["stdout"], "job 82\n", "{done}");
+}
+
+/// Features the engine does not have yet are tool errors that say so, not crashes.
+async fn refusals(s: &Served) {
+    let r = s.call("run_python", json!({ "session": "n", "environment": "net", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    let said = text(&r);
+    assert!(said.contains("egress") && said.contains("not supported on Kubernetes yet"), "{said}");
+    assert!(!said.contains("Docker responded"), "the engine's own words, not Docker's: {said}");
+    // Installs and snapshots need helper containers: tool errors that say so.
+    let r = s.call("install_packages", json!({ "session": "k", "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    assert!(
+        text(&r).contains("package installs") && text(&r).contains("not supported on Kubernetes yet"),
+        "{}",
+        text(&r)
+    );
+    let r = s.call("snapshot_session", json!({ "session": "k" })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    assert!(text(&r).contains("snapshots are not supported on Kubernetes yet"), "{}", text(&r));
+}
+
+/// A run over its time limit is interrupted (a sleep, and a loop that only a signal stops);
+/// the interpreter and its state stay.
+async fn timeouts_keep_the_state(s: &Served) {
+    for code in ["import time\ntime.sleep(30)", "while True: pass"] {
+        let r = s.call("run_python", json!({ "session": "k", "code": code, "timeout_s": 2 })).await;
+        let sc = r.structured_content.clone().unwrap_or(Value::Null);
+        assert_eq!(
+            (r.is_error, &sc["status"], &sc["state_lost"]),
+            (Some(true), &json!("timeout"), &json!(false)),
+            "{sc}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_runs_sessions_as_pods_of_the_cluster() {
     let sim = Sim::start(Options::default(), docker()).await;
@@ -138,49 +189,9 @@ async fn serve_runs_sessions_as_pods_of_the_cluster() {
         .await;
     assert_eq!(sc["stdout"], "OVER THE WIRE\n", "{sc}");
 
-    // A background job, read with the job tools; it ran in the same interpreter.
-    let code = "import time\ntime.sleep(1)\ny = x * 2\nprint('job', y)";
-    let sc = s.ok("run_python", json!({ "session": "k", "code": code, "background": true })).await;
-    let job = sc["job"].as_str().unwrap_or_else(|| panic!("a job handle: {sc}")).to_owned();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let done = loop {
-        let sc = s.ok("job_status", json!({ "job": job, "wait_s": 5 })).await;
-        if sc["status"] != "running" {
-            break sc;
-        }
-        assert!(Instant::now() < deadline, "job {job} still running");
-    };
-    assert_eq!(done["status"], "ok", "{done}");
-    assert_eq!(done["stdout"], "job 82\n", "{done}");
-
-    // A feature the engine does not have yet is a tool error that says so, not a crash.
-    let r = s.call("run_python", json!({ "session": "n", "environment": "net", "code": "1" })).await;
-    assert_eq!(r.is_error, Some(true), "{}", text(&r));
-    let said = text(&r);
-    assert!(said.contains("egress") && said.contains("not supported on Kubernetes yet"), "{said}");
-    assert!(!said.contains("Docker responded"), "the engine's own words, not Docker's: {said}");
-    // Installs and snapshots need helper containers: tool errors that say so.
-    let r = s.call("install_packages", json!({ "session": "k", "packages": ["six"] })).await;
-    assert_eq!(r.is_error, Some(true), "{}", text(&r));
-    assert!(
-        text(&r).contains("package installs") && text(&r).contains("not supported on Kubernetes yet"),
-        "{}",
-        text(&r)
-    );
-    let r = s.call("snapshot_session", json!({ "session": "k" })).await;
-    assert_eq!(r.is_error, Some(true), "{}", text(&r));
-    assert!(text(&r).contains("snapshots are not supported on Kubernetes yet"), "{}", text(&r));
-    // A run over its time limit is interrupted (a sleep, and a loop that only a signal
-    // stops); the interpreter and its state stay.
-    for code in ["import time\ntime.sleep(30)", "while True: pass"] {
-        let r = s.call("run_python", json!({ "session": "k", "code": code, "timeout_s": 2 })).await;
-        let sc = r.structured_content.clone().unwrap_or(Value::Null);
-        assert_eq!(
-            (r.is_error, &sc["status"], &sc["state_lost"]),
-            (Some(true), &json!("timeout"), &json!(false)),
-            "{sc}"
-        );
-    }
+    background_job(&s).await;
+    refusals(&s).await;
+    timeouts_keep_the_state(&s).await;
     // Hibernation (its snapshot needs a helper container) is off on Kubernetes: an idle
     // session is not put to sleep, nor tried and failed at every tick.
     tokio::time::sleep(Duration::from_millis(2500)).await;
