@@ -10,7 +10,7 @@ use crate::docker::EngineRef;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::SandboxConfig;
+use crate::config::{EngineKind, SandboxConfig};
 use crate::docker;
 use crate::docker::engine::EngineFacts;
 use crate::instance::Instance;
@@ -41,14 +41,23 @@ impl Host {
     /// Validates the settings, reaches the engine and secures the state dir.
     pub async fn open(cfg: &SandboxConfig) -> Result<Self, Error> {
         cfg.validate().map_err(|e| Error::Settings(e.to_string()))?;
-        let docker = docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| Error::Engine(e.to_string()))?;
+        let docker: EngineRef = match cfg.engine {
+            EngineKind::Docker => {
+                Arc::new(docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| Error::Engine(e.to_string()))?)
+            }
+            EngineKind::Kubernetes => Arc::new(kubernetes(cfg).await?),
+        };
         let state_dir = cfg.secure_state_dir().map_err(Error::Settings)?;
-        Ok(Self { docker: std::sync::Arc::new(docker), state_dir })
+        Ok(Self { docker, state_dir })
     }
 
     /// Checks the engine: settles the runtime (`auto` included) and the seccomp profile of
     /// sandboxes, says what is known to be wrong with it, and refuses under `--strict-engine`.
     pub async fn check(&self, cfg: &mut SandboxConfig, voice: Voice) -> Result<EngineFacts, Error> {
+        if cfg.engine == EngineKind::Kubernetes {
+            settle_for_kubernetes(cfg);
+            return Ok(kubernetes_facts(cfg, voice));
+        }
         let engine = docker::engine::check(&self.docker, &cfg.engine_ask(), voice == Voice::Loud)
             .await
             .map_err(Error::Engine)?;
@@ -63,6 +72,57 @@ impl Host {
     pub fn instance(&self, name: Option<&str>) -> Result<Instance, Error> {
         Instance::acquire(&self.state_dir, name)
             .map_err(|e| Error::Engine(format!("cannot take an instance lock in {}: {e}", self.state_dir.display())))
+    }
+}
+
+/// Turns off, with a word, what the Kubernetes engine cannot do yet and would otherwise try
+/// and fail at: hibernation (its snapshot needs a helper container; it would fail at every
+/// reaper tick, each time after streaming the workspace out) and leaving sessions for the next
+/// server (volumes are records of this process: a next server would not find them, and the
+/// pods would stay). `serve` calls it before it decides whether a stop leaves sessions.
+pub fn settle_for_kubernetes(cfg: &mut SandboxConfig) {
+    if cfg.engine != EngineKind::Kubernetes {
+        return;
+    }
+    if cfg.hibernate_after_s > 0 {
+        tracing::info!("hibernation is off: not supported on Kubernetes yet");
+        cfg.hibernate_after_s = 0;
+    }
+    if cfg.adopt_grace_s > 0 || cfg.keep_sessions {
+        tracing::info!("sessions are removed at the stop: adopting them is not supported on Kubernetes yet");
+        cfg.adopt_grace_s = 0;
+        cfg.keep_sessions = false;
+    }
+}
+
+/// The Kubernetes engine of the settings: their namespace, kubeconfig and context reached.
+async fn kubernetes(cfg: &SandboxConfig) -> Result<crate::k8s::engine::KubeEngine, Error> {
+    let at = crate::k8s::cluster::Connect {
+        kubeconfig: cfg.kubeconfig.clone(),
+        context: cfg.k8s_context.clone(),
+        namespace: cfg.k8s_namespace.clone(),
+    };
+    crate::k8s::engine::KubeEngine::connect(&at, cfg.k8s_runtime_class.clone())
+        .await
+        .map_err(|e| Error::Engine(e.to_string()))
+}
+
+/// What a Kubernetes engine is, for the owners: the runtime is the pods' RuntimeClass, the
+/// seccomp profile the runtime's default (both are the pod spec's, not Docker's).
+fn kubernetes_facts(cfg: &SandboxConfig, voice: Voice) -> EngineFacts {
+    let runtime = cfg.k8s_runtime_class.clone().unwrap_or_else(|| "the cluster's default".into());
+    if voice == Voice::Loud {
+        tracing::info!(namespace = %cfg.k8s_namespace, runtime_class = %runtime, "sandboxes are pods of a Kubernetes cluster (plain Pods)");
+    }
+    let gvisor = cfg.k8s_runtime_class.as_deref().is_some_and(|r| r.contains("gvisor") || r.starts_with("runsc"));
+    EngineFacts {
+        engine: "kubernetes".into(),
+        runc: None,
+        runtime: runtime.clone(),
+        default_runtime: runtime,
+        gvisor: None,
+        warnings: Vec::new(),
+        sandboxing: docker::container::Sandboxing { runtime: None, gvisor, seccomp_profile: None },
     }
 }
 

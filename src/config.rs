@@ -71,6 +71,17 @@ impl<'de> serde::Deserialize<'de> for WorkspaceSize {
     }
 }
 
+/// Where sandboxes run (`--engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// A Docker engine.
+    #[default]
+    Docker,
+    /// Pods of a Kubernetes cluster.
+    Kubernetes,
+}
+
 /// Which tools the MCP server offers (`--tools`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -90,6 +101,29 @@ pub struct SandboxConfig {
     /// Docker engine to use: unix:///path or tcp://host:port. Default: the local socket.
     #[arg(long, env = "DOCKER_HOST")]
     pub docker_host: Option<String>,
+
+    /// Where sandboxes run: `docker` (the engine at `docker_host`) or `kubernetes` (one pod per
+    /// session in `k8s_namespace`; plain Pods, docs/kubernetes.md says what works there yet).
+    #[arg(long, env = "PYBERTH_ENGINE", value_enum, default_value_t = EngineKind::Docker)]
+    #[serde(default)]
+    pub engine: EngineKind,
+
+    /// Kubernetes: the namespace of session pods.
+    #[arg(long, env = "PYBERTH_K8S_NAMESPACE", default_value = "pyberth")]
+    pub k8s_namespace: String,
+
+    /// Kubernetes: a kubeconfig file. Default: the pod's service account in a cluster, else
+    /// `~/.kube/config`.
+    #[arg(long, env = "PYBERTH_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Kubernetes: the kubeconfig context. Default: its current one.
+    #[arg(long, env = "PYBERTH_K8S_CONTEXT")]
+    pub k8s_context: Option<String>,
+
+    /// Kubernetes: `runtimeClassName` of session pods (e.g. `gvisor`). Default: the cluster's.
+    #[arg(long, env = "PYBERTH_K8S_RUNTIME_CLASS")]
+    pub k8s_runtime_class: Option<String>,
 
     /// OTLP/HTTP endpoint to export traces to (opt-in; `serve` only), e.g.
     /// http://127.0.0.1:4318 (`/v1/traces` is added to a URL without a path). Plain http: a
@@ -396,6 +430,13 @@ impl SandboxConfig {
         if let Some(endpoint) = &self.otlp_endpoint {
             crate::telemetry::traces_url(endpoint).map_err(|why| Invalid { key: "--otlp-endpoint", why })?;
         }
+        check(
+            self.k8s_namespace.len() <= 63
+                && !self.k8s_namespace.is_empty()
+                && self.k8s_namespace.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+            "--k8s-namespace",
+            "must be a Kubernetes namespace name: 1 to 63 lowercase letters, digits or dashes",
+        )?;
         if let Some(instance) = &self.instance {
             check(
                 !instance.is_empty()

@@ -333,6 +333,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
     if http.http.is_some() {
         cfg.keep_sessions = true;
     }
+    pyberth::app::settle_for_kubernetes(&mut cfg);
     let leave = cfg.keep_sessions && cfg.adopt_grace_s > 0;
     if http.http.is_none() && cfg.audit_log.as_ref().is_some_and(|p| p.as_os_str() == "-") {
         anyhow::bail!(

@@ -83,6 +83,8 @@ pub enum Error {
 fn describe(e: &bollard::errors::Error) -> String {
     use bollard::errors::Error as B;
     match e {
+        // An engine's "not supported here" (the Kubernetes engine's): its own words.
+        B::IOError { err } if err.kind() == std::io::ErrorKind::Unsupported => err.to_string(),
         B::IOError { .. }
         | B::HyperResponseError { .. }
         | B::HyperLegacyError { .. }

@@ -215,7 +215,7 @@ impl Cluster {
                     Err(kube::Error::Api(s)) if s.code == 404 => return Err(Error::Gone(name.to_owned())),
                     other => other.map_err(self.error("get pods"))?,
                 };
-                if self.settled(name, &pod, &mut last)? {
+                if settled(name, &pod, &mut last)? {
                     return Ok(());
                 }
                 let version = pod.metadata.resource_version.clone().unwrap_or_default();
@@ -223,7 +223,7 @@ impl Cluster {
                 let mut events = self.pods.watch(&wp, &version).await.map_err(self.error("watch pods"))?.boxed();
                 while let Ok(Some(event)) = events.try_next().await {
                     match event {
-                        WatchEvent::Added(p) | WatchEvent::Modified(p) if self.settled(name, &p, &mut last)? => {
+                        WatchEvent::Added(p) | WatchEvent::Modified(p) if settled(name, &p, &mut last)? => {
                             return Ok(());
                         }
                         WatchEvent::Deleted(_) => return Err(Error::Gone(name.to_owned())),
@@ -239,16 +239,6 @@ impl Cluster {
         match tokio::time::timeout(limit, watched).await {
             Ok(r) => r,
             Err(_) => Err(Error::NotRunning { pod: name.to_owned(), secs: limit.as_secs(), phase: last }),
-        }
-    }
-
-    /// Whether the pod runs; an error when it never will.
-    fn settled(&self, name: &str, pod: &Pod, last: &mut String) -> Result<bool, Error> {
-        *last = phase(pod);
-        match last.as_str() {
-            "Running" => Ok(true),
-            "Succeeded" | "Failed" => Err(Error::Stopped { pod: name.to_owned(), phase: last.clone() }),
-            _ => Ok(false),
         }
     }
 
@@ -336,6 +326,11 @@ impl Cluster {
         Ok(list.items)
     }
 
+    /// Pod `name`, or `None` when it does not exist.
+    pub async fn get_pod(&self, name: &str) -> Result<Option<Pod>, Error> {
+        self.pods.get_opt(name).await.map_err(self.error("get pods"))
+    }
+
     /// Deletes pod `name` at once; one already gone is fine.
     pub async fn delete_pod(&self, name: &str) -> Result<(), Error> {
         match self.pods.delete(name, &DeleteParams::default().grace_period(0)).await {
@@ -344,6 +339,31 @@ impl Cluster {
             Err(e) => Err(self.error("delete pods")(e)),
         }
     }
+}
+
+/// Why a pending container will not start by itself: the kubelet's waiting reasons that
+/// need the operator (a real node keeps such a pod `Pending`, retrying for ever).
+const STUCK: [&str; 5] =
+    ["ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"];
+
+/// Whether pod `name` runs; an error when it never will (stopped, or stuck waiting).
+fn settled(name: &str, pod: &Pod, last: &mut String) -> Result<bool, Error> {
+    *last = phase(pod);
+    match last.as_str() {
+        "Running" => return Ok(true),
+        "Succeeded" | "Failed" => return Err(Error::Stopped { pod: name.to_owned(), phase: last.clone() }),
+        _ => {}
+    }
+    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    let waiting = statuses.into_iter().flatten().filter_map(|c| c.state.as_ref()?.waiting.as_ref());
+    for w in waiting {
+        let reason = w.reason.as_deref().unwrap_or_default();
+        if STUCK.contains(&reason) {
+            let message = w.message.clone().unwrap_or_default();
+            return Err(Error::Stopped { pod: name.to_owned(), phase: format!("Pending, {reason}: {message}") });
+        }
+    }
+    Ok(false)
 }
 
 /// Reads both streams to their end (a full one would stall kube-rs' message loop).
@@ -374,6 +394,35 @@ mod tests {
 
     fn cause(reason: &str, message: &str) -> StatusCause {
         StatusCause { reason: Some(reason.into()), message: Some(message.into()), field: None }
+    }
+
+    #[test]
+    fn a_pod_stuck_pulling_its_image_is_said_not_waited_out() {
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStateWaiting, ContainerStatus, PodStatus};
+        let pod = |phase: &str, reason: &str| Pod {
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                container_statuses: Some(vec![ContainerStatus {
+                    name: "sandbox".into(),
+                    state: Some(ContainerState {
+                        waiting: Some(ContainerStateWaiting {
+                            reason: Some(reason.into()),
+                            message: Some("pull access denied".into()),
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut last = String::new();
+        let e = settled("p", &pod("Pending", "ImagePullBackOff"), &mut last).expect_err("stuck");
+        assert!(e.to_string().contains("ImagePullBackOff: pull access denied"), "{e}");
+        assert!(!settled("p", &pod("Pending", "ContainerCreating"), &mut last).expect("still coming"));
+        assert!(settled("p", &pod("Running", ""), &mut last).expect("runs"));
+        assert!(settled("p", &pod("Failed", ""), &mut last).is_err());
     }
 
     #[test]

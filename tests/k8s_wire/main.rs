@@ -6,6 +6,7 @@
 mod apiserver;
 mod docker_pod;
 mod exec;
+mod serve;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;

@@ -1,0 +1,235 @@
+//! The owners' engine seam over a Kubernetes namespace (plain Pods mode, issue 33).
+//!
+//! The seam is Docker-shaped; this engine answers each call with its Kubernetes counterpart,
+//! and from its own records where Kubernetes has none (docs/kubernetes.md):
+//!
+//! - a session container is a pod (`translate::session_pod`, made from the same body the
+//!   Docker engine would get): create makes it, start waits until it runs, remove deletes it,
+//!   list and inspect read pods by label; its name is derived from the container's name, so
+//!   every call finds it again without a record;
+//! - an exec is a `pods/exec` stream; its id is ours, its exit code read from the closing
+//!   status (channel 3);
+//! - files move as a tar over exec stdin and stdout;
+//! - volumes are records: the workspace is part of the pod (a memory emptyDir of the size its
+//!   volume was asked with);
+//! - a heartbeat container is a record, alive while its attach is held;
+//! - every other helper container (package installs, snapshot copies, the egress proxy),
+//!   networks, image builds and pulls are refused with a "not supported on Kubernetes yet"
+//!   error, which reaches the caller as a tool error.
+
+mod seam;
+pub mod translate;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bollard::container::LogOutput;
+use bollard::errors::Error as EngineError;
+use bollard::exec::StartExecResults;
+use bollard::models::{ContainerCreateBody, MountType};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use super::cluster::{self, Cluster, Connect, ExecEnd};
+use super::pod::PodSettings;
+use crate::docker::heartbeat::LABEL_HEARTBEAT;
+use crate::docker::{LABEL_SESSION, WORKSPACE};
+
+/// How long a new pod may take to run (a cold node pulls nothing: the image is on the nodes).
+const START_LIMIT: Duration = Duration::from_secs(120);
+/// Bound on a tar read out of a pod.
+const DOWNLOAD_CAP: usize = 256 << 20;
+/// `ephemeral-storage` of a session pod, MiB: its root is read-only, so little is written.
+const EPHEMERAL_MB: u64 = 256;
+
+/// A container that exists only in our records (a heartbeat).
+#[derive(Debug)]
+struct Virtual {
+    labels: HashMap<String, String>,
+    image: String,
+    running: bool,
+    /// Ends its attach stream when it is removed.
+    gone: CancellationToken,
+}
+
+/// A volume, as a record.
+#[derive(Debug, Clone)]
+struct Vol {
+    labels: HashMap<String, String>,
+    options: HashMap<String, String>,
+    created: String,
+}
+
+/// An exec: made by `create_exec`, run by `start_exec`, ended when its status came.
+#[derive(Debug)]
+struct ExecRec {
+    container: String,
+    cmd: Vec<String>,
+    stdin: bool,
+    end: Option<ExecEnd>,
+}
+
+#[derive(Debug, Default)]
+struct Records {
+    virtuals: BTreeMap<String, Virtual>,
+    volumes: BTreeMap<String, Vol>,
+    execs: HashMap<String, ExecRec>,
+    serial: u64,
+}
+
+/// The Kubernetes engine: one namespace of one cluster, and our records.
+#[derive(Debug, Clone)]
+pub struct KubeEngine {
+    cluster: Cluster,
+    settings: PodSettings,
+    records: Arc<Mutex<Records>>,
+}
+
+/// A Docker-style error (the owners read its status codes).
+pub(crate) fn status(status_code: u16, message: impl Into<String>) -> EngineError {
+    EngineError::DockerResponseServerError { status_code, message: message.into() }
+}
+
+/// What the owners cannot do on this engine yet: an I/O error of kind `Unsupported`, whose
+/// text the owners pass on as it is (no "Docker responded with status code" before it).
+pub(crate) fn unsupported(what: &str) -> EngineError {
+    let text = format!("{what} is not supported on Kubernetes yet (docs/kubernetes.md, \"Not yet\")");
+    EngineError::IOError { err: std::io::Error::new(std::io::ErrorKind::Unsupported, text) }
+}
+
+/// A cluster failure as the owners read engine errors: 404 gone, 403 refused, else 500.
+pub(crate) fn from_cluster(e: cluster::Error) -> EngineError {
+    let code = match &e {
+        cluster::Error::Gone(_) => 404,
+        cluster::Error::Forbidden { .. } => 403,
+        cluster::Error::Unauthorized { .. } => 401,
+        cluster::Error::Api { source, .. } => match source.as_ref() {
+            kube::Error::Api(s) => s.code,
+            _ => 500,
+        },
+        _ => 500,
+    };
+    status(code, e.to_string())
+}
+
+impl KubeEngine {
+    /// Reaches the cluster (`at`); session pods get `runtime_class`.
+    pub async fn connect(at: &Connect, runtime_class: Option<String>) -> Result<Self, cluster::Error> {
+        let cluster = Cluster::connect(at).await?;
+        let settings = PodSettings { runtime_class, ephemeral_mb: EPHEMERAL_MB, ..Default::default() };
+        Ok(Self { cluster, settings, records: Arc::default() })
+    }
+
+    fn records(&self) -> MutexGuard<'_, Records> {
+        self.records.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes the pod of a session container, or the record of a heartbeat; refuses the rest.
+    async fn create(&self, name: Option<String>, body: ContainerCreateBody) -> Result<String, EngineError> {
+        let labels = body.labels.clone().unwrap_or_default();
+        let name = match name {
+            Some(n) => n,
+            None => {
+                let mut r = self.records();
+                r.serial += 1;
+                format!("pyberth-k8s-{}", r.serial)
+            }
+        };
+        if labels.contains_key(LABEL_HEARTBEAT) {
+            let mut r = self.records();
+            if r.virtuals.contains_key(&name) {
+                return Err(status(409, format!("Conflict. The container name \"/{name}\" is already in use")));
+            }
+            let image = body.image.unwrap_or_default();
+            let v = Virtual { labels, image, running: false, gone: CancellationToken::new() };
+            r.virtuals.insert(name.clone(), v);
+            return Ok(name);
+        }
+        if labels.contains_key(crate::egress::LABEL_EGRESS) {
+            return Err(unsupported("egress (a session network with an allow-list, through the egress proxy)"));
+        }
+        if !labels.contains_key(LABEL_SESSION) {
+            return Err(unsupported(&format!(
+                "a helper container ({name}: package installs, snapshots, the layer store's copies)"
+            )));
+        }
+        let pod = translate::session_pod(&name, &body, self.workspace_mb(&body), &self.settings)
+            .map_err(|e| status(400, e.to_string()))?;
+        self.cluster.create_pod(&pod).await.map_err(from_cluster)?;
+        Ok(name)
+    }
+
+    /// The size of the workspace volume mounted by `body`, when it was asked with one.
+    fn workspace_mb(&self, body: &ContainerCreateBody) -> Option<u64> {
+        let mounts = body.host_config.as_ref()?.mounts.as_ref()?;
+        let m = mounts.iter().find(|m| m.typ == Some(MountType::VOLUME) && m.target.as_deref() == Some(WORKSPACE))?;
+        let volume = m.source.as_deref()?;
+        let r = self.records();
+        let o = r.volumes.get(volume)?.options.get("o")?.clone();
+        o.split(',').find_map(|kv| kv.strip_prefix("size=")?.trim_end_matches(['m', 'M']).parse().ok())
+    }
+
+    /// Runs exec `id`: its output (stdout and stderr frames, then its end recorded) and stdin.
+    async fn start(&self, id: &str) -> Result<StartExecResults, EngineError> {
+        let (container, cmd, stdin) = {
+            let r = self.records();
+            let e = r.execs.get(id).ok_or_else(|| status(404, format!("No such exec instance: {id}")))?;
+            (e.container.clone(), e.cmd.clone(), e.stdin)
+        };
+        if self.records().virtuals.contains_key(&container) {
+            return Err(unsupported("an exec in a heartbeat"));
+        }
+        let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
+        let pod = translate::pod_name(&container);
+        let mut exec = self.cluster.exec(&pod, &args, stdin).await.map_err(from_cluster)?;
+        let out = std::mem::replace(&mut exec.stdout, Box::pin(tokio::io::empty()));
+        let err = std::mem::replace(&mut exec.stderr, Box::pin(tokio::io::empty()));
+        let input: crate::docker::exec::Input = match exec.stdin.take() {
+            Some(w) => w,
+            None => Box::pin(tokio::io::sink()),
+        };
+        let end = std::mem::replace(&mut exec.end, Box::pin(std::future::ready(ExecEnd::Lost)));
+        let io = |e: std::io::Error| EngineError::IOError { err: e };
+        let out = tokio_util::io::ReaderStream::with_capacity(out, 64 << 10)
+            .map(move |b| b.map(|message| LogOutput::StdOut { message }).map_err(io));
+        let err = tokio_util::io::ReaderStream::with_capacity(err, 16 << 10)
+            .map(move |b| b.map(|message| LogOutput::StdErr { message }).map_err(io));
+        let records = self.records.clone();
+        let id = id.to_owned();
+        // After both streams end, the status is read and kept for `inspect_exec`. The exec
+        // (its websocket task) lives as long as this stream: dropping the stream cuts it.
+        let tail = futures::stream::once(async move {
+            let end = tokio::time::timeout(Duration::from_secs(10), end).await.unwrap_or(ExecEnd::Lost);
+            if let Some(e) = records.lock().unwrap_or_else(|e| e.into_inner()).execs.get_mut(&id) {
+                e.end = Some(end);
+            }
+            drop(exec);
+            None
+        })
+        .filter_map(std::future::ready);
+        let output = futures::stream::select(out, err).chain(tail).boxed();
+        Ok(StartExecResults::Attached { output, input })
+    }
+
+    /// Removes a heartbeat's record, or deletes a session's pod; 404 when neither is there.
+    async fn remove(&self, name: &str) -> Result<(), EngineError> {
+        {
+            let mut r = self.records();
+            r.execs.retain(|_, e| e.container != name);
+            if let Some(v) = r.virtuals.remove(name) {
+                v.gone.cancel();
+                return Ok(());
+            }
+        }
+        let pod = translate::pod_name(name);
+        if self.cluster.get_pod(&pod).await.map_err(from_cluster)?.is_none() {
+            return Err(status(404, format!("No such container: {name}")));
+        }
+        self.cluster.delete_pod(&pod).await.map_err(from_cluster)
+    }
+}
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+mod tests;

@@ -1,0 +1,313 @@
+//! The Kubernetes engine's answer to each call of the seam (what each maps to: `engine.rs`).
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use bollard::auth::DockerCredentials;
+use bollard::container::AttachContainerResults;
+use bollard::exec::{CreateExecResults, StartExecOptions, StartExecResults};
+use bollard::models::{
+    ContainerConfig, ContainerCreateBody, ContainerCreateResponse, ContainerInspectResponse, ContainerState,
+    ContainerStateStatusEnum, ContainerStatsResponse, ContainerSummary, ContainerSummaryStateEnum,
+    ContainerTopResponse, ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse,
+    ImageDeleteResponseItem, ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest,
+    NetworkCreateRequest, NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume,
+    VolumeCreateRequest, VolumeListResponse,
+};
+use bollard::query_parameters as q;
+use bytes::Bytes;
+use futures::StreamExt;
+
+use super::translate::{self, matches, pod_name};
+use super::{ExecRec, KubeEngine, START_LIMIT, Virtual, Vol, from_cluster, status, unsupported};
+use crate::docker::seam::{Body, Engine, Fut, Items};
+use crate::k8s::cluster;
+
+fn once<T: Send + 'static>(r: Result<T, bollard::errors::Error>) -> Items<'static, T> {
+    futures::stream::once(std::future::ready(r)).boxed()
+}
+
+fn volume_model(name: &str, v: &Vol) -> Volume {
+    Volume {
+        name: name.to_owned(),
+        driver: "kubernetes".into(),
+        labels: v.labels.clone(),
+        options: v.options.clone(),
+        created_at: Some(v.created.clone()),
+        ..Default::default()
+    }
+}
+
+fn virtual_summary(name: &str, v: &Virtual) -> ContainerSummary {
+    ContainerSummary {
+        id: Some(name.to_owned()),
+        names: Some(vec![format!("/{name}")]),
+        image: Some(v.image.clone()),
+        labels: Some(v.labels.clone()),
+        state: Some(if v.running { ContainerSummaryStateEnum::RUNNING } else { ContainerSummaryStateEnum::CREATED }),
+        ..Default::default()
+    }
+}
+
+fn virtual_inspect(name: &str, v: &Virtual) -> ContainerInspectResponse {
+    let status = if v.running { ContainerStateStatusEnum::RUNNING } else { ContainerStateStatusEnum::CREATED };
+    ContainerInspectResponse {
+        id: Some(name.to_owned()),
+        name: Some(format!("/{name}")),
+        image: Some(v.image.clone()),
+        state: Some(ContainerState { running: Some(v.running), status: Some(status), ..Default::default() }),
+        config: Some(ContainerConfig { labels: Some(v.labels.clone()), ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// `dir` and the last component of `path`, as `tar -C dir name` wants them.
+pub(super) fn split_path(path: &str) -> (String, String) {
+    let trimmed = path.trim_end_matches('/');
+    match trimmed.rsplit_once('/') {
+        Some(("", name)) => ("/".into(), name.into()),
+        Some((dir, name)) => (dir.into(), name.into()),
+        None => (".".into(), trimmed.into()),
+    }
+}
+
+impl Engine for KubeEngine {
+    fn list_containers(&self, options: Option<q::ListContainersOptions>) -> Fut<'_, Vec<ContainerSummary>> {
+        Box::pin(async move {
+            let (all, filters) = options.map(|o| (o.all, o.filters)).unwrap_or_default();
+            let pods = self.cluster.list_pods(&translate::selector(filters.as_ref())).await.map_err(from_cluster)?;
+            let mut found: Vec<ContainerSummary> = pods.iter().map(translate::summary).collect();
+            let r = self.records();
+            let virtuals = r.virtuals.iter().filter(|(_, v)| matches(&v.labels, filters.as_ref()));
+            found.extend(virtuals.map(|(n, v)| virtual_summary(n, v)));
+            found.retain(|c| all || c.state == Some(ContainerSummaryStateEnum::RUNNING));
+            Ok(found)
+        })
+    }
+    fn create_container(
+        &self,
+        options: Option<q::CreateContainerOptions>,
+        config: ContainerCreateBody,
+    ) -> Fut<'_, ContainerCreateResponse> {
+        Box::pin(async move {
+            let id = self.create(options.and_then(|o| o.name), config).await?;
+            Ok(ContainerCreateResponse { id, warnings: Vec::new() })
+        })
+    }
+    fn start_container<'a>(&'a self, name: &'a str, _: Option<q::StartContainerOptions>) -> Fut<'a, ()> {
+        Box::pin(async move {
+            if let Some(v) = self.records().virtuals.get_mut(name) {
+                v.running = true;
+                return Ok(());
+            }
+            self.cluster.wait_running(&pod_name(name), START_LIMIT).await.map_err(from_cluster)
+        })
+    }
+    fn remove_container<'a>(&'a self, name: &'a str, _: Option<q::RemoveContainerOptions>) -> Fut<'a, ()> {
+        Box::pin(self.remove(name))
+    }
+    fn inspect_container<'a>(
+        &'a self,
+        name: &'a str,
+        _: Option<q::InspectContainerOptions>,
+    ) -> Fut<'a, ContainerInspectResponse> {
+        Box::pin(async move {
+            if let Some(v) = self.records().virtuals.get(name) {
+                return Ok(virtual_inspect(name, v));
+            }
+            match self.cluster.get_pod(&pod_name(name)).await.map_err(from_cluster)? {
+                Some(pod) => Ok(translate::inspect(&pod)),
+                None => Err(status(404, format!("No such container: {name}"))),
+            }
+        })
+    }
+    fn wait_container(&self, _: &str, _: Option<q::WaitContainerOptions>) -> Items<'static, ContainerWaitResponse> {
+        once(Err(unsupported("waiting for a helper container")))
+    }
+    fn attach_container<'a>(
+        &'a self,
+        name: &'a str,
+        _: Option<q::AttachContainerOptions>,
+    ) -> Fut<'a, AttachContainerResults> {
+        Box::pin(async move {
+            // A heartbeat's attach lasts until it is removed; nothing else is attached to.
+            let gone = self.records().virtuals.get(name).map(|v| v.gone.clone());
+            let Some(gone) = gone else { return Err(unsupported("attaching to a container")) };
+            let output = futures::stream::pending().take_until(gone.cancelled_owned()).boxed();
+            Ok(AttachContainerResults { output, input: Box::pin(tokio::io::sink()) })
+        })
+    }
+    fn stats(&self, _: &str, _: Option<q::StatsOptions>) -> Items<'static, ContainerStatsResponse> {
+        // No CPU figures (the metrics API is not ours to require): the owners read none.
+        futures::stream::empty().boxed()
+    }
+    fn top_processes<'a>(&'a self, _: &'a str, _: Option<q::TopOptions>) -> Fut<'a, ContainerTopResponse> {
+        Box::pin(std::future::ready(Err(unsupported("listing a pod's processes"))))
+    }
+    fn upload_to_container<'a>(
+        &'a self,
+        name: &'a str,
+        options: Option<q::UploadToContainerOptions>,
+        tar: Body,
+    ) -> Fut<'a, ()> {
+        Box::pin(async move {
+            let tar = tar.collect().await.map_err(|e| status(400, format!("upload: {e}")))?;
+            let dir = options.map(|o| o.path).unwrap_or_else(|| "/".into());
+            match self.cluster.upload_tar(&pod_name(name), &dir, &tar).await.map_err(from_cluster)? {
+                cluster::ExecEnd::Exited(0) => Ok(()),
+                end => Err(status(500, format!("cannot unpack the files into {dir} of {name}: {end:?}"))),
+            }
+        })
+    }
+    fn download_from_container(
+        &self,
+        name: &str,
+        options: Option<q::DownloadFromContainerOptions>,
+    ) -> Items<'static, Bytes> {
+        let (engine, pod) = (self.clone(), pod_name(name));
+        let (dir, base) = split_path(&options.map(|o| o.path).unwrap_or_default());
+        futures::stream::once(async move {
+            let tar = engine.cluster.download_tar(&pod, &dir, &base, super::DOWNLOAD_CAP).await;
+            tar.map(Bytes::from).map_err(from_cluster)
+        })
+        .boxed()
+    }
+    fn create_exec<'a>(&'a self, container: &'a str, config: ExecConfig) -> Fut<'a, CreateExecResults> {
+        let mut r = self.records();
+        r.serial += 1;
+        let id = format!("k8s-exec-{}", r.serial);
+        let exec = ExecRec {
+            container: container.to_owned(),
+            cmd: config.cmd.unwrap_or_default(),
+            stdin: config.attach_stdin.unwrap_or(false),
+            end: None,
+        };
+        r.execs.insert(id.clone(), exec);
+        Box::pin(std::future::ready(Ok(CreateExecResults { id })))
+    }
+    fn start_exec<'a>(&'a self, exec_id: &'a str, config: Option<StartExecOptions>) -> Fut<'a, StartExecResults> {
+        if config.is_some_and(|c| c.detach) {
+            return Box::pin(std::future::ready(Err(unsupported("a detached exec"))));
+        }
+        Box::pin(self.start(exec_id))
+    }
+    fn inspect_exec<'a>(&'a self, exec_id: &'a str) -> Fut<'a, ExecInspectResponse> {
+        let r = self.records();
+        let found = r.execs.get(exec_id).map(|e| ExecInspectResponse {
+            id: Some(exec_id.to_owned()),
+            running: Some(e.end.is_none()),
+            exit_code: match &e.end {
+                Some(cluster::ExecEnd::Exited(c)) => Some(i64::from(*c)),
+                _ => None,
+            },
+            ..Default::default()
+        });
+        Box::pin(std::future::ready(found.ok_or_else(|| status(404, format!("No such exec instance: {exec_id}")))))
+    }
+    fn create_volume(&self, config: VolumeCreateRequest) -> Fut<'_, Volume> {
+        let mut r = self.records();
+        r.serial += 1;
+        let name = config.name.unwrap_or_else(|| format!("pyberth-k8s-volume-{}", r.serial));
+        let v = r.volumes.entry(name.clone()).or_insert_with(|| Vol {
+            labels: config.labels.unwrap_or_default(),
+            options: config.driver_opts.unwrap_or_default(),
+            created: crate::audit::time::rfc3339(SystemTime::now()),
+        });
+        Box::pin(std::future::ready(Ok(volume_model(&name, v))))
+    }
+    fn remove_volume<'a>(&'a self, name: &'a str, _: Option<q::RemoveVolumeOptions>) -> Fut<'a, ()> {
+        let removed = self.records().volumes.remove(name).is_some();
+        Box::pin(std::future::ready(if removed { Ok(()) } else { Err(status(404, format!("No such volume: {name}"))) }))
+    }
+    fn inspect_volume<'a>(&'a self, name: &'a str) -> Fut<'a, Volume> {
+        let r = self.records();
+        let found = r.volumes.get(name).map(|v| volume_model(name, v));
+        Box::pin(std::future::ready(found.ok_or_else(|| status(404, format!("No such volume: {name}")))))
+    }
+    fn list_volumes(&self, options: Option<q::ListVolumesOptions>) -> Fut<'_, VolumeListResponse> {
+        let filters = options.and_then(|o| o.filters);
+        let r = self.records();
+        let volumes = r
+            .volumes
+            .iter()
+            .filter(|(_, v)| matches(&v.labels, filters.as_ref()))
+            .map(|(n, v)| volume_model(n, v))
+            .collect();
+        Box::pin(std::future::ready(Ok(VolumeListResponse { volumes: Some(volumes), warnings: None })))
+    }
+    fn create_network(&self, _: NetworkCreateRequest) -> Fut<'_, NetworkCreateResponse> {
+        Box::pin(std::future::ready(Err(unsupported("egress (a session network with an allow-list)"))))
+    }
+    fn remove_network<'a>(&'a self, name: &'a str) -> Fut<'a, ()> {
+        Box::pin(std::future::ready(Err(status(404, format!("No such network: {name}")))))
+    }
+    fn list_networks(&self, _: Option<q::ListNetworksOptions>) -> Fut<'_, Vec<Network>> {
+        Box::pin(std::future::ready(Ok(Vec::new())))
+    }
+    fn connect_network<'a>(&'a self, _: &'a str, _: NetworkConnectRequest) -> Fut<'a, ()> {
+        Box::pin(std::future::ready(Err(unsupported("egress (a session network with an allow-list)"))))
+    }
+    fn disconnect_network<'a>(&'a self, name: &'a str, _: NetworkDisconnectRequest) -> Fut<'a, ()> {
+        Box::pin(std::future::ready(Err(status(404, format!("No such network: {name}")))))
+    }
+    /// Every image is there: the nodes have it (the operator's job, docs/kubernetes.md); a
+    /// missing one fails the pod, and its start says so.
+    fn inspect_image<'a>(&'a self, name: &'a str) -> Fut<'a, ImageInspect> {
+        let found =
+            ImageInspect { id: Some(name.to_owned()), repo_tags: Some(vec![name.to_owned()]), ..Default::default() };
+        Box::pin(std::future::ready(Ok(found)))
+    }
+    fn list_images(&self, _: Option<q::ListImagesOptions>) -> Fut<'_, Vec<ImageSummary>> {
+        Box::pin(std::future::ready(Ok(Vec::new())))
+    }
+    fn remove_image<'a>(
+        &'a self,
+        _: &'a str,
+        _: Option<q::RemoveImageOptions>,
+        _: Option<DockerCredentials>,
+    ) -> Fut<'a, Vec<ImageDeleteResponseItem>> {
+        Box::pin(std::future::ready(Err(unsupported("removing an image"))))
+    }
+    fn image_history<'a>(&'a self, _: &'a str) -> Fut<'a, Vec<ImageHistoryResponseItem>> {
+        Box::pin(std::future::ready(Err(unsupported("reading an image's history"))))
+    }
+    fn build_image(
+        &self,
+        _: q::BuildImageOptions,
+        _: Option<HashMap<String, DockerCredentials>>,
+        _: Option<Body>,
+    ) -> Items<'_, bollard::models::BuildInfo> {
+        once(Err(unsupported("building an image (build it with Docker and put it on the nodes)")))
+    }
+    fn create_image(
+        &self,
+        _: Option<q::CreateImageOptions>,
+        _: Option<Body>,
+        _: Option<DockerCredentials>,
+    ) -> Items<'static, CreateImageInfo> {
+        once(Err(unsupported("pulling or importing an image")))
+    }
+    fn events(&self, options: Option<q::EventsOptions>) -> Items<'static, EventMessage> {
+        // No OOM events from pods yet: a question about the past finds none, a watch of the
+        // future waits for ever.
+        if options.is_some_and(|o| o.until.is_some()) {
+            futures::stream::empty().boxed()
+        } else {
+            futures::stream::pending().boxed()
+        }
+    }
+    fn info(&self) -> Fut<'_, SystemInfo> {
+        let info =
+            SystemInfo { system_time: Some(crate::audit::time::rfc3339(SystemTime::now())), ..Default::default() };
+        Box::pin(std::future::ready(Ok(info)))
+    }
+    fn version(&self) -> Fut<'_, SystemVersion> {
+        Box::pin(std::future::ready(Ok(SystemVersion { version: Some("kubernetes".into()), ..Default::default() })))
+    }
+    fn ping(&self) -> Fut<'_, String> {
+        Box::pin(async move {
+            self.cluster.list_pods("pyberth.io/sandbox=true").await.map_err(from_cluster)?;
+            Ok("OK".into())
+        })
+    }
+}
