@@ -472,46 +472,25 @@ def format_exception(exc, compiling=False):
     }
 
 
-class ProcSelf:
-    """The interpreter's own /proc files behind each run's peak memory, opened once: opening
-    one costs 0.1-0.4 ms in a container (most of a warm run), a read or write on an open fd a
-    few microseconds. The code shares the process and may close or reuse any fd number, so
-    each fd is checked to be the file it was (fstat) before every use and opened again when
-    not: a number the code took over is never read or written, nor closed (it is the code's)."""
+def peak_rss_kb():
+    """Peak resident memory of the agent since the last reset, in KiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
-    def __init__(self):
-        self.open = {}  # name: (fd, (st_dev, st_ino))
 
-    def fd(self, name, flags):
-        kept = self.open.get(name)
-        if kept is not None:
-            try:
-                st = os.fstat(kept[0])
-                if (st.st_dev, st.st_ino) == kept[1]:
-                    return kept[0]
-            except OSError:
-                pass
-            del self.open[name]
-        fd = os.open("/proc/self/" + name, flags | os.O_CLOEXEC)
-        st = os.fstat(fd)
-        self.open[name] = (fd, (st.st_dev, st.st_ino))
-        return fd
-
-    def peak_kb(self):
-        """Peak resident memory of the agent since the last reset, in KiB (0: unknown)."""
-        try:
-            status = os.pread(self.fd("status", os.O_RDONLY), 16384, 0)
-            at = status.index(b"VmHWM:") + 6
-            return int(status[at:status.index(b"kB", at)])
-        except (OSError, ValueError):
-            return 0
-
-    def reset_peak(self):
-        """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each run gets its own peak."""
-        try:
-            os.write(self.fd("clear_refs", os.O_WRONLY), b"5")
-        except OSError:
-            pass
+def reset_peak_rss():
+    # Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each run gets its own peak.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def cpu_seconds():
@@ -722,7 +701,6 @@ class Agent:
         self.channel = Channel(msg_w)
         self.diag = os.fdopen(os.dup(2), "w", buffering=1)
         self.devnull = os.open(os.devnull, os.O_RDONLY)
-        self.proc = ProcSelf()
         self.restore_fds()
         self.requests = queue.Queue()
         self.state_lock = threading.Lock()
@@ -820,7 +798,7 @@ class Agent:
         self.restore_fds()
         started = time.monotonic()
         cpu_start = cpu_seconds()
-        self.proc.reset_peak()
+        reset_peak_rss()
         children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         # Environment for this run only; the previous values come back afterwards.
         saved = {k: os.environ.get(k) for k in msg.get("env") or {}}
@@ -871,7 +849,7 @@ class Agent:
     def run_peak_kb(self, children_before):
         """The run's peak memory: the interpreter's, or a child's if one peaked higher during
         the run (children's peaks are known only once they have been waited for)."""
-        peak = self.proc.peak_kb()
+        peak = peak_rss_kb()
         children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         if children > children_before:
             peak = max(peak, children)
