@@ -1,12 +1,15 @@
 # pyberth relay (docs/design.md D12): the long-lived end of the exec the server holds.
 #
-# `keeper.py attach` finds or starts the keeper, connects to its socket, then execs this with
-# the socket's fd: a Python interpreter costs ~4.7 MiB private for each idle session, perl
-# (perl-base is Essential in Debian) about a fifth of it. It does what keeper.py's relay()
+# `relay.pl attach DIR -- CMD...` is what the server execs (through `sh`, for images without
+# perl): when a keeper listens on DIR's socket it relays to it at once; when none answers, it
+# becomes `keeper.py attach`, which starts one (under its lock) and execs `relay.pl FD` with
+# the socket's fd. A reattach thus starts perl alone, not a Python interpreter first (~25-60 ms
+# here). A Python relay would cost ~4.7 MiB private for each idle session, perl (perl-base is
+# Essential in Debian) about a fifth of it. It does what keeper.py's relay()
 # does, byte for byte: stdin goes to the keeper in frames of kind `0`; frames `1` and `2` go
 # to stdout and stderr; frame `x` is the agent's exit status, ours once the output is written.
 # Frames: one byte of kind, four bytes of length (big-endian), the bytes.
-# Only modules of perl-base; run with an empty environment (no PERL5OPT, PERL5LIB).
+# Only modules of perl-base; no PERL5OPT or PERL5LIB in its environment (the exec's is fixed).
 
 use strict;
 use Fcntl qw(F_GETFL F_SETFL O_NONBLOCK);
@@ -20,9 +23,35 @@ my $CHUNK = 1 << 16;
 # Longest frame the keeper may send; its are at most CHUNK.
 my $MAX_FRAME = 1 << 20;
 
-my $fd = $ARGV[0];
-exit 1 unless defined $fd && $fd =~ /\A[0-9]{1,4}\z/ && $fd > 2;
-open(my $sock, '+<&=', $fd) or exit 1;
+my $KEEPER = '/opt/pyberth/keeper.py';
+
+# The keeper's socket in DIR, connected; or, when no keeper answers there, keeper.py attach
+# in our place (it starts one). DIR must be a private directory of this uid, as keeper.py
+# checks it (never one planted by anyone else); when it is not, keeper.py says so. Perl's own
+# socket and connect, not the Socket module (which costs ~17 ms of CPU to load here): AF_UNIX
+# and SOCK_STREAM are 1 on Linux (SOCK_STREAM is 2 on MIPS, where connect fails and
+# keeper.py takes over), the address is the family as a native short, then the path.
+sub attach {
+    my ($dir, $sep, @cmd) = @_;
+    exit 2 unless defined $dir && defined $sep && $sep eq '--' && @cmd;
+    my @st = lstat($dir);
+    if (@st && -d _ && $st[4] == $< && !($st[2] & 077) && length("$dir/sock") < 108) {
+        my $s;
+        return $s if socket($s, 1, 1, 0) && connect($s, pack('S', 1) . "$dir/sock\0");
+    }
+    exec('python3', '-I', '-S', '-B', $KEEPER, 'attach', $dir, '--', @cmd);
+    exit 1;
+}
+
+my $sock;
+if (@ARGV && $ARGV[0] eq 'attach') {
+    shift @ARGV;
+    $sock = attach(@ARGV);
+} else {
+    my $fd = $ARGV[0];
+    exit 1 unless defined $fd && $fd =~ /\A[0-9]{1,4}\z/ && $fd > 2;
+    open($sock, '+<&=', $fd) or exit 1;
+}
 my $sfd = fileno($sock);
 for my $h (\*STDIN, \*STDOUT, \*STDERR, $sock) {
     my $flags = fcntl($h, F_GETFL, 0);
@@ -80,7 +109,9 @@ while (1) {
             }
         }
     }
-    if (vec($wout, $sfd, 1)) {
+    # Written now, not after one more select (both ends are non-blocking: what they do not
+    # take waits for the next one).
+    if (length $to_sock) {
         my $n = syswrite($sock, $to_sock, $CHUNK);
         if (defined $n) {
             substr($to_sock, 0, $n) = '';
@@ -89,7 +120,7 @@ while (1) {
         }
     }
     for my $out (1, 2) {
-        next unless vec($wout, $out, 1);
+        next unless length $to_fd{$out};
         my $n = syswrite($handle{$out}, $to_fd{$out}, $CHUNK);
         if (defined $n) {
             substr($to_fd{$out}, 0, $n) = '';

@@ -254,7 +254,7 @@ pub(super) async fn durable_reattach(cfg: &SandboxConfig, instance: &str, table:
         }
         table.add("first run_python after a server restart (reattach)", &mut firsts, String::new());
         table.add("  floor: the next run_python, relay in place", &mut seconds, String::new());
-        table.add("  reattach itself (first minus next)", &mut reattach, "target 100 ms".into());
+        table.add("  reattach itself (first minus next)", &mut reattach, "target 50 ms".into());
         // The last server stops for good: no next one adopts.
         server.tool("close_session", json!({"session": "kept"})).await?;
         server.stop().await;

@@ -23,17 +23,19 @@ pub type Output = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::E
 /// The attached exec's stdin.
 pub type Input = Pin<Box<dyn AsyncWrite + Send>>;
 
-/// Command line of the relay, then of the agent its keeper runs. `-I` keeps PYTHON* variables
-/// and the script's directory off the path, `-u` unbuffers, `-B` keeps `__pycache__` out of
-/// the workspace; the keeper needs no `site` (`-S`). Its socket lives in a 0700 directory of
-/// the code's uid on the container's own /tmp tmpfs.
-pub(crate) const AGENT_CMD: [&str; 13] = [
-    "python3",
-    "-I",
-    "-S",
-    "-B",
-    "/opt/pyberth/keeper.py",
-    "attach",
+/// Command line of the relay, then of the agent its keeper runs: `relay.pl attach`, which
+/// relays to a keeper already listening at once (a reattach starts no Python interpreter)
+/// and otherwise becomes `keeper.py attach`, which starts one; `sh` runs `keeper.py attach`
+/// itself in an image without perl. A fixed script: its arguments are constants. `-I` keeps
+/// PYTHON* variables and the script's directory off the path, `-u` unbuffers, `-B` keeps
+/// `__pycache__` out of the workspace; the keeper needs no `site` (`-S`). Its socket lives in
+/// a 0700 directory of the code's uid on the container's own /tmp tmpfs.
+pub(crate) const AGENT_CMD: [&str; 11] = [
+    "sh",
+    "-c",
+    "test -x /usr/bin/perl && exec /usr/bin/perl /opt/pyberth/relay.pl attach \"$@\"; \
+     exec python3 -I -S -B /opt/pyberth/keeper.py attach \"$@\"",
+    "pyberth-attach",
     KEEPER_DIR,
     "--",
     "python3",
