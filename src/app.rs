@@ -176,7 +176,12 @@ impl Runtime {
                 .map_err(Error::Settings)?
                 .with_audit(audit),
         );
-        if let Err(e) = registry.sweep_leftovers().await {
+        // On Kubernetes no other server's lock or heartbeat can be seen, and one server per
+        // namespace is the rule (docs/kubernetes.md): a server's start takes the pods of
+        // instances not proven alive for a dead server's. Not `pyberth run` (quiet), a short
+        // guest that may run beside the namespace's server.
+        let sole = cfg.engine == EngineKind::Kubernetes && voice == Voice::Loud;
+        if let Err(e) = registry.sweep_leftovers(sole).await {
             tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
         }
         Ok(Self { cfg, engine, registry, shutdown: CancellationToken::new(), tasks: TaskTracker::new(), audit: writer })

@@ -169,7 +169,7 @@ impl Instance {
 
     /// A sweeper of other instances' leftovers, judging stopped heartbeats with `grace`.
     pub fn sweeper(&self, grace: Duration) -> Sweeper {
-        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace, keep: grace }
+        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace, keep: grace, sole: false }
     }
 }
 
@@ -231,6 +231,9 @@ pub struct Sweeper {
     /// How long a dead instance's stopped sessions (orphans that saved their state, D12) are
     /// kept for a next server of its state dir, judged by heartbeat: `--idle-ttl-s`.
     keep: Duration,
+    /// The engine is this server's alone (Kubernetes: one pyberth per namespace), where no
+    /// other server's lock or heartbeat can be seen: an instance not proven alive is dead.
+    sole: bool,
 }
 
 /// What one sweep did.
@@ -248,6 +251,12 @@ impl Sweeper {
     /// Keeps dead instances' stopped sessions for `keep` (at least the grace).
     pub fn keeping(mut self, keep: Duration) -> Self {
         self.keep = keep.max(self.grace);
+        self
+    }
+
+    /// With `sole`, instances of unknown liveness count as dead (see the field).
+    pub fn sole(mut self, sole: bool) -> Self {
+        self.sole = sole;
         self
     }
 
@@ -320,6 +329,9 @@ impl Sweeper {
             };
             match verdict {
                 Verdict::Dead => {
+                    dead.insert(key.clone());
+                }
+                Verdict::Unknown if self.sole => {
                     dead.insert(key.clone());
                 }
                 Verdict::Dying(left) => recheck = Some(recheck.map_or(left, |r| r.min(left))),
@@ -621,6 +633,7 @@ mod tests {
             dir: PathBuf::new(),
             grace: Duration::ZERO,
             keep: Duration::ZERO,
+            sole: false,
         };
         assert_eq!(sweeper.key(&labels("me", "h")), None);
         assert_eq!(sweeper.key(&labels("me", "other-host")), Some(("me".into(), "other-host".into())));

@@ -78,6 +78,20 @@ pub enum Error {
     },
 }
 
+/// An engine's own account of a failure (the Kubernetes engine's: a refusal naming the Role,
+/// a pod that never ran), carried in a bollard I/O error and passed on in its words: the
+/// caller reads the cluster's terms, not "Docker responded with status code …".
+#[derive(Debug)]
+pub struct OwnWords(pub String);
+
+impl std::fmt::Display for OwnWords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for OwnWords {}
+
 /// Says plainly when the engine itself is away (stopped, restarting, socket gone), so a caller
 /// knows to retry later rather than to change its request.
 fn describe(e: &bollard::errors::Error) -> String {
@@ -85,6 +99,7 @@ fn describe(e: &bollard::errors::Error) -> String {
     match e {
         // An engine's "not supported here" (the Kubernetes engine's): its own words.
         B::IOError { err } if err.kind() == std::io::ErrorKind::Unsupported => err.to_string(),
+        B::IOError { err } if err.get_ref().is_some_and(|i| i.is::<OwnWords>()) => err.to_string(),
         B::IOError { .. }
         | B::HyperResponseError { .. }
         | B::HyperLegacyError { .. }

@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::cluster::{self, Cluster, Connect, ExecEnd};
 use super::pod::PodSettings;
 use crate::docker::heartbeat::LABEL_HEARTBEAT;
-use crate::docker::{LABEL_SESSION, WORKSPACE};
+use crate::docker::{LABEL_SESSION, OwnWords, WORKSPACE};
 
 /// How long a new pod may take to run (a cold node pulls nothing: the image is on the nodes).
 const START_LIMIT: Duration = Duration::from_secs(120);
@@ -98,19 +98,27 @@ pub(crate) fn unsupported(what: &str) -> EngineError {
     EngineError::IOError { err: std::io::Error::new(std::io::ErrorKind::Unsupported, text) }
 }
 
-/// A cluster failure as the owners read engine errors: 404 gone, 403 refused, else 500.
+/// A cluster failure as the owners read engine errors: 404 (gone) and 409 (taken) keep their
+/// Docker-style status, which the owners act on; every other failure is said in the cluster's
+/// own words ([`OwnWords`]), which no owner reads a code from.
 pub(crate) fn from_cluster(e: cluster::Error) -> EngineError {
     let code = match &e {
         cluster::Error::Gone(_) => 404,
-        cluster::Error::Forbidden { .. } => 403,
-        cluster::Error::Unauthorized { .. } => 401,
         cluster::Error::Api { source, .. } => match source.as_ref() {
             kube::Error::Api(s) => s.code,
             _ => 500,
         },
         _ => 500,
     };
-    status(code, e.to_string())
+    match code {
+        404 | 409 => status(code, e.to_string()),
+        _ => said(e.to_string()),
+    }
+}
+
+/// A failure in this engine's own words (no Docker status before them).
+pub(crate) fn said(text: impl Into<String>) -> EngineError {
+    EngineError::IOError { err: std::io::Error::other(OwnWords(text.into())) }
 }
 
 impl KubeEngine {
@@ -155,7 +163,7 @@ impl KubeEngine {
             )));
         }
         let pod = translate::session_pod(&name, &body, self.workspace_mb(&body), &self.settings)
-            .map_err(|e| status(400, e.to_string()))?;
+            .map_err(|e| said(e.to_string()))?;
         self.cluster.create_pod(&pod).await.map_err(from_cluster)?;
         Ok(name)
     }

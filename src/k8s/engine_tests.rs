@@ -122,3 +122,22 @@ fn a_download_path_splits_into_its_directory_and_name() {
     assert_eq!(split_path("/workspace/"), ("/".into(), "workspace".into()));
     assert_eq!(split_path("x"), (".".into(), "x".into()));
 }
+
+/// Cluster failures reach the caller in the cluster's terms; a missing pod stays a 404 the
+/// owners act on.
+#[test]
+fn cluster_errors_are_said_in_the_clusters_words() {
+    use crate::k8s::cluster::Error as C;
+    let said = |e: C| crate::docker::Error::Engine(super::from_cluster(e)).to_string();
+    let forbidden = said(C::Forbidden { doing: "create pods".into(), namespace: "ns".into(), message: "no".into() });
+    assert!(forbidden.contains("deploy/kubernetes/10-rbac.yaml") && forbidden.contains("403 Forbidden"), "{forbidden}");
+    let never = said(C::Stopped { pod: "p".into(), phase: "Failed".into() });
+    assert_eq!(never, "pod p stopped (phase Failed)");
+    for text in [&forbidden, &never] {
+        assert!(!text.contains("Docker") && !text.contains("docker"), "{text}");
+    }
+    let gone = crate::docker::Error::Engine(super::from_cluster(C::Gone("p".into())));
+    assert!(gone.is_gone(), "{gone:?}");
+    let refused = crate::docker::Error::Engine(super::unsupported("x")).to_string();
+    assert!(refused.starts_with("x is not supported on Kubernetes yet"), "{refused}");
+}

@@ -29,6 +29,8 @@ pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
 pub(crate) struct Options {
     /// Every request answered 403, as RBAC without our Role would.
     pub(crate) forbid: bool,
+    /// Only creating a pod answered 403 (a Role without `create`).
+    pub(crate) forbid_create: bool,
     /// The exec subprotocols the server speaks, best first.
     pub(crate) protocols: Vec<&'static str>,
     /// This many watch streams end right after they open (a watch that drops).
@@ -43,6 +45,7 @@ impl Default for Options {
     fn default() -> Self {
         Self {
             forbid: false,
+            forbid_create: false,
             protocols: vec!["v5.channel.k8s.io", "v4.channel.k8s.io"],
             drop_watches: 0,
             start_delay: std::time::Duration::ZERO,
@@ -183,7 +186,8 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     let Some(rest) = parts.strip_prefix(&["api", "v1", "namespaces", "pyberth", "pods"]) else {
         return Ok(status(StatusCode::NOT_FOUND, "NotFound", &format!("the server could not find {path}")));
     };
-    if state.opts.forbid {
+    let creating = req.method() == hyper::Method::POST && rest.is_empty();
+    if state.opts.forbid || (state.opts.forbid_create && creating) {
         let verb = match (req.method().as_str(), rest) {
             ("POST", []) => "create",
             (_, [_, "exec"]) => "create",

@@ -27,13 +27,18 @@ impl Served {
     }
 
     async fn start_with(sim: &Sim, tag: &str, pool: usize) -> Served {
+        Self::start_cfg(sim, tag, pool, "").await
+    }
+
+    /// With `extra` lines of settings at the top of the config.
+    async fn start_cfg(sim: &Sim, tag: &str, pool: usize, extra: &str) -> Served {
         let dir = std::env::temp_dir().join(format!("pyberth-k8s-serve-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let kubeconfig = sim.kubeconfig(&dir);
         let config = dir.join("k8s.toml");
         // An environment with egress: a feature the Kubernetes engine does not have yet.
         let text = format!(
-            "engine = \"kubernetes\"\nk8s_namespace = \"pyberth\"\nkubeconfig = {kubeconfig:?}\n\
+            "{extra}engine = \"kubernetes\"\nk8s_namespace = \"pyberth\"\nkubeconfig = {kubeconfig:?}\n\
              pool_size = {pool}\nhibernate_after_s = 1\n[environments.net]\negress = [\"example.com:443\"]\n"
         );
         std::fs::write(&config, text).expect("config");
@@ -284,5 +289,58 @@ async fn pyberth_run_uploads_a_project_and_copies_back_over_exec() {
     assert!(pods(&sim).is_empty(), "the run's pod is deleted: {:?}", pods(&sim));
     assert_eq!(node_containers(&sim).await, 0);
     let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}
+
+/// A session's first call on a simulator of `opts` and settings `extra`: a tool error whose
+/// text has all of `want` and none of Docker's words.
+async fn first_call_fails_saying(opts: Options, tag: &str, extra: &str, want: &[&str]) {
+    let sim = Sim::start(opts, docker()).await;
+    let s = Served::start_cfg(&sim, tag, 0, extra).await;
+    let r = s.call("run_python", json!({ "session": "k", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    let said = text(&r);
+    assert!(want.iter().all(|w| said.contains(w)), "the cluster's words {want:?}: {said}\n{}", s.log());
+    assert!(!said.contains("Docker responded"), "not Docker's words: {said}");
+    s.stop().await;
+    sim.stop().await;
+}
+
+/// A refusal by RBAC and a pod that never runs (its image is on no node) are tool errors in
+/// the cluster's terms, not "Docker responded with status code …".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failures_are_tool_errors_in_the_clusters_words() {
+    let refuse = Options { forbid_create: true, ..Options::default() };
+    let want = ["403 Forbidden", "deploy/kubernetes/10-rbac.yaml", "cannot create resource \"pods\""];
+    first_call_fails_saying(refuse, "refused", "", &want).await;
+    let no_image = "image = \"pyberth-no-such-image:0\"\n";
+    first_call_fails_saying(Options::default(), "noimg", no_image, &["pod ", "(phase Failed)"]).await;
+}
+
+/// A server killed outright leaves its pods running (their tether cannot stop `sleep
+/// infinity` as PID 1); the next server's start deletes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_server_deletes_the_pods_of_a_killed_one() {
+    let sim = Sim::start(Options::default(), docker()).await;
+    let mut first = Served::start(&sim, "killed").await;
+    first.ok("run_python", json!({ "session": "k", "code": "x = 1" })).await;
+    assert_eq!(pods(&sim).len(), 1, "one pod for the session");
+    first.child.start_kill().expect("SIGKILL");
+    let _ = first.child.wait().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(pods(&sim).len(), 1, "nothing of the killed server deleted its pod");
+    let next = Served::start(&sim, "next").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !pods(&sim).is_empty() || node_containers(&sim).await > 0 {
+        assert!(Instant::now() < deadline, "the killed server's pod is still there: {:?}\n{}", pods(&sim), next.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The next server serves, and its own session's pod is its own.
+    let sc = next.ok("run_python", json!({ "session": "k", "code": "print(2)" })).await;
+    assert_eq!(sc["stdout"], "2\n", "{sc}");
+    assert_eq!(pods(&sim).len(), 1);
+    next.stop().await;
+    assert!(pods(&sim).is_empty(), "{:?}", pods(&sim));
+    drop(first);
     sim.stop().await;
 }

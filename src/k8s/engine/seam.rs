@@ -19,7 +19,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 
 use super::translate::{self, matches, pod_name};
-use super::{ExecRec, KubeEngine, START_LIMIT, Virtual, Vol, from_cluster, status, unsupported};
+use super::{ExecRec, KubeEngine, START_LIMIT, Virtual, Vol, from_cluster, said, status, unsupported};
 use crate::docker::seam::{Body, Engine, Fut, Items};
 use crate::k8s::cluster;
 
@@ -151,11 +151,11 @@ impl Engine for KubeEngine {
         tar: Body,
     ) -> Fut<'a, ()> {
         Box::pin(async move {
-            let tar = tar.collect().await.map_err(|e| status(400, format!("upload: {e}")))?;
+            let tar = tar.collect().await.map_err(|e| said(format!("upload: {e}")))?;
             let dir = options.map(|o| o.path).unwrap_or_else(|| "/".into());
             match self.cluster.upload_tar(&pod_name(name), &dir, &tar).await.map_err(from_cluster)? {
                 cluster::ExecEnd::Exited(0) => Ok(()),
-                end => Err(status(500, format!("cannot unpack the files into {dir} of {name}: {end:?}"))),
+                end => Err(said(format!("cannot unpack the files into {dir} of {name}: {end:?}"))),
             }
         })
     }
