@@ -86,6 +86,18 @@ impl Agent {
         Agent { exec, stdin, lines: BufReader::new(stdout).lines() }
     }
 
+    /// Reads events until the done of run `id`; returns it.
+    async fn done_of(&mut self, id: u64) -> Value {
+        loop {
+            let next = tokio::time::timeout(WAIT, self.lines.next_line()).await.expect("an event within 60 s");
+            let line = next.expect("read").expect("the agent's stream ended");
+            let ev: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+            if ev["ev"] == "done" && ev["id"] == id {
+                return ev;
+            }
+        }
+    }
+
     /// Runs `code`; returns its stdout and its done event.
     async fn run(&mut self, id: u64, code: &str) -> (String, Value) {
         let mut line = serde_json::to_vec(&json!({"op": "run", "id": id, "code": code})).expect("json");
@@ -278,8 +290,13 @@ async fn an_exec_the_server_cuts_is_lost_and_a_new_relay_finds_the_state() {
     let end = tokio::time::timeout(WAIT, &mut agent.exec.end).await.expect("the stream ends");
     assert_eq!(end, ExecEnd::Lost, "no Status: lost, not an exit");
     drop(agent);
-    // The new relay queues behind the cut run, which went on in the agent.
+    // The new relay gets the end of the cut run, which went on in the agent. The next run is
+    // sent after it: a run queued behind another can have its first output tagged with the
+    // previous run's id (the agent's forwarder drains the output pipes at that run's done;
+    // an open bug of the agent, docs/agent-protocol.md), which this test is not about.
     let mut again = Agent::attach(&cluster, &name).await;
+    let done = again.done_of(2).await;
+    assert_eq!(done["status"], "ok", "the cut run ended in the agent: {done}");
     let (out, done) = again.run(3, "print(y)").await;
     assert_eq!(done["status"], "ok", "{done}");
     assert_eq!(out.trim(), "2", "the run the cut stream carried finished in the agent");
