@@ -334,13 +334,7 @@ impl Engine for FakeEngine {
         unsupported("pull images")
     }
     fn events(&self, options: Option<q::EventsOptions>) -> Items<'static, EventMessage> {
-        // Nothing happens to a fake container on its own: a question about the past ends at
-        // once, a watch of the future waits for ever.
-        if options.is_some_and(|o| o.until.is_some()) {
-            futures::stream::empty().boxed()
-        } else {
-            futures::stream::pending().boxed()
-        }
+        crate::docker::seam::no_events(options.as_ref())
     }
     fn info(&self) -> Fut<'_, SystemInfo> {
         ready(Ok(SystemInfo::default()))

@@ -45,6 +45,17 @@ pub type Fut<'a, T> = BoxFuture<'a, Result<T, Error>>;
 /// A stream of an engine call.
 pub type Items<'a, T> = BoxStream<'a, Result<T, Error>>;
 
+/// The events of an engine to which nothing happens on its own (the fake; Kubernetes, whose
+/// pods send no OOM events yet): a question about the past ends at once, a watch of the
+/// future waits for ever.
+pub fn no_events(options: Option<&q::EventsOptions>) -> Items<'static, EventMessage> {
+    if options.is_some_and(|o| o.until.is_some()) {
+        futures::stream::empty().boxed()
+    } else {
+        futures::stream::pending().boxed()
+    }
+}
+
 /// The body of an upload or a build: whole, or streamed (bollard's own body type is private).
 pub enum Body {
     /// All bytes at once.

@@ -288,13 +288,7 @@ impl Engine for KubeEngine {
         once(Err(unsupported("pulling or importing an image")))
     }
     fn events(&self, options: Option<q::EventsOptions>) -> Items<'static, EventMessage> {
-        // No OOM events from pods yet: a question about the past finds none, a watch of the
-        // future waits for ever.
-        if options.is_some_and(|o| o.until.is_some()) {
-            futures::stream::empty().boxed()
-        } else {
-            futures::stream::pending().boxed()
-        }
+        crate::docker::seam::no_events(options.as_ref())
     }
     fn info(&self) -> Fut<'_, SystemInfo> {
         let info =
