@@ -55,6 +55,9 @@ REPR_SECONDS = 0.5  # time one variable's repr may take in a listing
 VARS_SECONDS = 3.0  # time a whole listing may spend on reprs, far below the server's 20 s
 PACK_CHUNK = 512 << 10  # archive bytes per `file` event of a `pack` answer
 MAX_DEPTH = 64  # deepest path a `pack` walks, as the server's transfers
+# Longest a run waits for the forwarder to take the previous run's done (Agent.settle):
+# instant unless the forwarder is stopped or a keeper with no relay holds back its reads.
+SETTLE_SECONDS = 5.0
 
 
 class PathError(Exception):
@@ -257,6 +260,29 @@ class Channel:
                 view = view[n:]
 
 
+class KeptFd:
+    """An fd of the agent's that the code, sharing the process, may close or reuse: checked
+    to be the file it was (fstat) before each use, so a number the code took over is never
+    read; None from then on."""
+
+    def __init__(self, fd):
+        os.set_blocking(fd, False)
+        st = os.fstat(fd)
+        self.kept = (fd, (st.st_dev, st.st_ino))
+
+    def fd(self):
+        if self.kept is None:
+            return None
+        try:
+            st = os.fstat(self.kept[0])
+            if (st.st_dev, st.st_ino) == self.kept[1]:
+                return self.kept[0]
+        except OSError:
+            pass
+        self.kept = None
+        return None
+
+
 def write_all(fd, data):
     view = memoryview(data)
     while view:
@@ -275,10 +301,12 @@ class Forwarder:
     pipes are drained and only then does the stream end.
     """
 
-    def __init__(self, msg_r, streams):
+    def __init__(self, msg_r, streams, took_w):
         self.msg_r = msg_r
         self.streams = streams
-        for fd in list(streams) + [msg_r]:
+        # A byte for every done taken, to the agent, which starts no run before it has it.
+        self.took_w = took_w
+        for fd in list(streams) + [msg_r, took_w]:
             os.set_blocking(fd, False)
         self.run_id = None
         self.pending = b""
@@ -342,15 +370,19 @@ class Forwarder:
             lines.append(line + b"\n")
             if kind == "done":
                 self.run_id = None
+                try:
+                    os.write(self.took_w, b"d")
+                except OSError:
+                    pass  # the agent is gone, or its pipe full of bytes it never waited for
         return lines
 
 
-def forwarder(events_fd, msg_r, streams):
+def forwarder(events_fd, msg_r, streams, took_w):
     """Body of the forwarder process the agent forks when it runs without a keeper of its
     own making (the protocol tests; `keep` below is the sandbox's): the event stream's only
     writer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    fw = Forwarder(msg_r, streams)
+    fw = Forwarder(msg_r, streams, took_w)
     while True:
         readable, _, _ = select.select([msg_r] + list(streams), [], [])
         if msg_r in readable:
@@ -430,6 +462,7 @@ def keep(ready, sock_path):
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     msg_r, msg_w = os.pipe()
+    took_r, took_w = os.pipe()
     # Objects that exist now are never scanned by the collector again, so neither process
     # writes to their pages and they stay shared after the fork.
     gc.freeze()
@@ -439,21 +472,22 @@ def keep(ready, sock_path):
             listener.close()
             os.dup2(in_r, 0)
             os.dup2(diag_w, 2)
-            for fd in (in_r, in_w, diag_r, diag_w, out_r, err_r, msg_r, ready):
+            for fd in (in_r, in_w, diag_r, diag_w, out_r, err_r, msg_r, took_w, ready):
                 os.close(fd)
             # The code sees the command line of an agent, not the keeper's.
             sys.argv[:] = [AGENT_FILE]
         except BaseException:
             os._exit(127)
-        return out_w, err_w, msg_w
+        return out_w, err_w, msg_w, took_r
     try:
-        for fd in (in_r, diag_w, out_w, err_w, msg_w):
+        for fd in (in_r, diag_w, out_w, err_w, msg_w, took_r):
             os.close(fd)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.write(ready, b"1")
         os.close(ready)
         streams = {out_r: "stdout", err_r: "stderr"}
-        keeper.serve(sock_path, listener, KeptSource(Forwarder(msg_r, streams), diag_r), pid, in_w)
+        source = KeptSource(Forwarder(msg_r, streams, took_w), diag_r)
+        keeper.serve(sock_path, listener, source, pid, in_w)
     finally:
         os._exit(1)
 
@@ -670,31 +704,35 @@ def make_tools_module(bridge):
 def fork_forwarder():
     """Forks the forwarder (before any thread exists); returns the write ends of the code's
     stdout and stderr and of the message pipe. The child keeps the real stdout (the event
-    stream); the agent keeps only the write end of the message pipe."""
+    stream); the agent keeps only the write end of the message pipe, and the read end of
+    the pipe on which the forwarder says it took a done."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     msg_r, msg_w = os.pipe()
+    took_r, took_w = os.pipe()
     # Objects that exist now are never scanned by the collector again, so neither process
     # writes to their pages and they stay shared after the fork.
     gc.freeze()
     if os.fork() == 0:
         try:
             gc.disable()
-            for fd in (0, out_w, err_w, msg_w):
+            for fd in (0, out_w, err_w, msg_w, took_r):
                 os.close(fd)
-            forwarder(1, msg_r, {out_r: "stdout", err_r: "stderr"})
+            forwarder(1, msg_r, {out_r: "stdout", err_r: "stderr"}, took_w)
         finally:
             os._exit(1)
-    for fd in (msg_r, out_r, err_r):
+    for fd in (msg_r, out_r, err_r, took_w):
         os.close(fd)
-    return out_w, err_w, msg_w
+    return out_w, err_w, msg_w, took_r
 
 
 class Agent:
     def __init__(self, pipes=None):
         """PIPES: the code's stdout and stderr and the message pipe, write ends, when a
         keeper reads them (`keep`); without, the agent forks a forwarder of its own."""
-        self.out_w, self.err_w, msg_w = pipes or fork_forwarder()
+        self.out_w, self.err_w, msg_w, took_r = pipes or fork_forwarder()
+        self.took = KeptFd(took_r)
+        self.owed = 0  # dones sent that the forwarder has not said it took
         # Private, non-inheritable copies (os.dup sets O_CLOEXEC) of the request stream and
         # of stderr for the agent's own diagnostics.
         self.cmd_fd = os.dup(0)
@@ -794,6 +832,7 @@ class Agent:
     def run(self, msg):
         run_id = msg.get("id")
         code = msg.get("code", "")
+        self.settle()
         self.channel.send({"ev": "begin", "id": run_id})
         self.restore_fds()
         started = time.monotonic()
@@ -845,6 +884,38 @@ class Agent:
             }
         )
         self.channel.send(outcome)
+        self.owed += 1
+
+    def settle(self):
+        """Waits until the forwarder has taken every done sent (docs/agent-protocol.md §6):
+        it drains the output pipes at a done, so this run's first output written before then
+        would go out under the previous run's id. Bounded: code that steals the forwarder's
+        bytes or its fd only delays its own next run."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while self.owed > 0:
+            fd = self.took.fd()
+            if fd is None:
+                break
+            try:
+                got = os.read(fd, 64)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0 or not select.select([fd], [], [], left)[0]:
+                        break
+                except KeyboardInterrupt:
+                    pass  # an interrupt that raced the end of the last run: not this one's
+                except OSError:
+                    break
+                continue
+            except KeyboardInterrupt:
+                continue
+            except OSError:
+                break
+            if not got:
+                self.owed = 0  # the forwarder is gone: so is the stream
+                break
+            self.owed = max(0, self.owed - len(got))
 
     def run_peak_kb(self, children_before):
         """The run's peak memory: the interpreter's, or a child's if one peaked higher during

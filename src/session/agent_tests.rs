@@ -9,13 +9,9 @@
 //! holds the real stdout, so the stdout pipe ends only when both have gone, as the exec's
 //! stream does; its diagnostics go to the stderr pipe, read as Docker's stderr frames are.
 //!
-//! The tests keep the server's discipline: nothing before the hello, and the next request
-//! only once the last one is answered (interrupts excepted). The agent relies on it: output
-//! of a run that starts while the forwarder is still behind on an earlier message can be
-//! forwarded before the run's "begin", with no run id.
-//!
-//!
-//! Why this file passes 500 lines: every message of the protocol gets its own test here.
+//! The tests keep the server's discipline, nothing before the hello and the next request
+//! once the last one is answered (interrupts excepted), except the one that checks that a
+//! run queued behind another still gets its own output.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -292,6 +288,35 @@ async fn output_still_unread_when_the_run_ends_goes_out_before_done() {
     );
     let (stdout, _) = stdout_until_done(&mut local.agent, &code).await;
     assert_eq!(String::from_utf8_lossy(&stdout), "last words\n");
+}
+
+/// Sends `code` as a run without waiting for anything back; returns its id.
+async fn send_run(agent: &mut Agent, code: &str) -> u64 {
+    let id = agent.next_id();
+    let env = Default::default();
+    agent.send(&Request::Run { id, code, file: None, args: &[], cmd: &[], env: &env }).await.expect("send the run");
+    id
+}
+
+#[tokio::test]
+async fn a_run_queued_behind_another_gets_all_its_output_under_its_own_id() {
+    let mut local = spawn().await;
+    // The first run ends while the forwarder is stopped, with the second already queued: the
+    // agent starts the second only once the forwarder has taken the first's done, so the
+    // drain at that done cannot tag the second run's output with the first run's id.
+    let first = format!("{STOP_FORWARDER}threading.Timer(0.3, os.kill, (f, signal.SIGCONT)).start()");
+    let one = send_run(&mut local.agent, &first).await;
+    let two = send_run(&mut local.agent, "print('two')").await;
+    let mut tagged = Vec::new();
+    loop {
+        match next(&mut local.agent).await {
+            Event::Out { id, t, b, .. } => tagged.push((id, Event::payload(t, b).expect("payload"))),
+            Event::Done { id, .. } if id == two => break,
+            Event::Done { id, status, .. } => assert!(id == one && status == DoneStatus::Ok, "{id} {status:?}"),
+            _ => {}
+        }
+    }
+    assert_eq!(tagged, vec![(Some(two), b"two\n".to_vec())]);
 }
 
 #[tokio::test]
