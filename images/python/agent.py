@@ -266,7 +266,6 @@ class KeptFd:
     read; None from then on."""
 
     def __init__(self, fd):
-        os.set_blocking(fd, False)
         st = os.fstat(fd)
         self.kept = (fd, (st.st_dev, st.st_ino))
 
@@ -506,25 +505,39 @@ def format_exception(exc, compiling=False):
     }
 
 
-def peak_rss_kb():
-    """Peak resident memory of the agent since the last reset, in KiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+class ProcSelf:
+    """The interpreter's own /proc files behind each run's peak memory, opened once: opening
+    one costs 0.1-0.4 ms in a container (most of a warm run), a read or write on an open fd a
+    few microseconds. The code shares the process and may close or reuse any fd number, so
+    each fd is checked to be the file it was (fstat) before every use and opened again when
+    not: a number the code took over is never read or written, nor closed (it is the code's)."""
 
+    def __init__(self):
+        self.open = {}  # name: KeptFd
 
-def reset_peak_rss():
-    # Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each run gets its own peak.
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    def fd(self, name, flags):
+        kept = self.open.get(name)
+        fd = kept.fd() if kept is not None else None
+        if fd is None:
+            fd = os.open("/proc/self/" + name, flags | os.O_CLOEXEC)
+            self.open[name] = KeptFd(fd)
+        return fd
+
+    def peak_kb(self):
+        """Peak resident memory of the agent since the last reset, in KiB (0: unknown)."""
+        try:
+            status = os.pread(self.fd("status", os.O_RDONLY), 16384, 0)
+            at = status.index(b"VmHWM:") + 6
+            return int(status[at:status.index(b"kB", at)])
+        except (OSError, ValueError):
+            return 0
+
+    def reset_peak(self):
+        """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each run gets its own peak."""
+        try:
+            os.write(self.fd("clear_refs", os.O_WRONLY), b"5")
+        except OSError:
+            pass
 
 
 def cpu_seconds():
@@ -731,6 +744,7 @@ class Agent:
         """PIPES: the code's stdout and stderr and the message pipe, write ends, when a
         keeper reads them (`keep`); without, the agent forks a forwarder of its own."""
         self.out_w, self.err_w, msg_w, took_r = pipes or fork_forwarder()
+        os.set_blocking(took_r, False)
         self.took = KeptFd(took_r)
         self.owed = 0  # dones sent that the forwarder has not said it took
         # Private, non-inheritable copies (os.dup sets O_CLOEXEC) of the request stream and
@@ -739,6 +753,7 @@ class Agent:
         self.channel = Channel(msg_w)
         self.diag = os.fdopen(os.dup(2), "w", buffering=1)
         self.devnull = os.open(os.devnull, os.O_RDONLY)
+        self.proc = ProcSelf()
         self.restore_fds()
         self.requests = queue.Queue()
         self.state_lock = threading.Lock()
@@ -837,7 +852,7 @@ class Agent:
         self.restore_fds()
         started = time.monotonic()
         cpu_start = cpu_seconds()
-        reset_peak_rss()
+        self.proc.reset_peak()
         children_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         # Environment for this run only; the previous values come back afterwards.
         saved = {k: os.environ.get(k) for k in msg.get("env") or {}}
@@ -920,7 +935,7 @@ class Agent:
     def run_peak_kb(self, children_before):
         """The run's peak memory: the interpreter's, or a child's if one peaked higher during
         the run (children's peaks are known only once they have been waited for)."""
-        peak = peak_rss_kb()
+        peak = self.proc.peak_kb()
         children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         if children > children_before:
             peak = max(peak, children)
