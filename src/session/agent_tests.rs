@@ -307,10 +307,17 @@ async fn a_run_queued_behind_another_gets_all_its_output_under_its_own_id() {
     let first = format!("{STOP_FORWARDER}threading.Timer(0.3, os.kill, (f, signal.SIGCONT)).start()");
     let one = send_run(&mut local.agent, &first).await;
     let two = send_run(&mut local.agent, "print('two')").await;
-    let mut tagged = Vec::new();
+    // `print` may write "two" and the line end apart: the chunks are joined per id.
+    let mut tagged: Vec<(Option<u64>, Vec<u8>)> = Vec::new();
     loop {
         match next(&mut local.agent).await {
-            Event::Out { id, t, b, .. } => tagged.push((id, Event::payload(t, b).expect("payload"))),
+            Event::Out { id, t, b, .. } => {
+                let payload = Event::payload(t, b).expect("payload");
+                match tagged.last_mut() {
+                    Some((last, bytes)) if *last == id => bytes.extend(payload),
+                    _ => tagged.push((id, payload)),
+                }
+            }
             Event::Done { id, .. } if id == two => break,
             Event::Done { id, status, .. } => assert!(id == one && status == DoneStatus::Ok, "{id} {status:?}"),
             _ => {}
