@@ -455,12 +455,108 @@ pub fn web() -> reqwest::Client {
     reqwest::Client::new()
 }
 
-/// rmcp's streamable-HTTP client transport (its reqwest client needs the provider too).
+/// rmcp's streamable-HTTP client transport (its reqwest client needs the provider too), over
+/// [`ListedAsJson`].
 pub fn http_transport(
     config: rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig,
-) -> rmcp::transport::StreamableHttpClientTransport<reqwest::Client> {
+) -> rmcp::transport::StreamableHttpClientTransport<ListedAsJson> {
     pyberth::https::install_provider();
-    rmcp::transport::StreamableHttpClientTransport::from_config(config)
+    // As rmcp's own default client: no idle pooling (its note: delayed-ACK stalls).
+    let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().expect("a reqwest client");
+    rmcp::transport::StreamableHttpClientTransport::with_client(ListedAsJson(client), config)
+}
+
+/// rmcp's reqwest client with one change: a `tools/list` answer that comes as an SSE stream is
+/// read to its answer here and handed on as JSON. rmcp 3.9's HTTP worker can pass an SSE answer
+/// on without caching the tools' schemas when the stream's end is handled first
+/// (`drain_queued_stream_messages` in streamable_http_client.rs skips
+/// `cache_tools_from_response`); the client then sends calls without the `Mcp-Param-*` headers
+/// the list taught it, and the server refuses them, as it must (seen in CI under load). A JSON
+/// answer always goes through that cache. Everything else passes through unchanged.
+#[derive(Clone, Debug)]
+pub struct ListedAsJson(reqwest::Client);
+
+type PostResponse = rmcp::transport::streamable_http_client::StreamableHttpPostResponse;
+type HttpError = rmcp::transport::streamable_http_client::StreamableHttpError<reqwest::Error>;
+type SseEvent = sse_stream::Sse;
+use rmcp::transport::streamable_http_client::SseError;
+
+impl rmcp::transport::streamable_http_client::StreamableHttpClient for ListedAsJson {
+    type Error = reqwest::Error;
+
+    async fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: rmcp::model::ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+    ) -> Result<PostResponse, HttpError> {
+        self.post_message_with_max_sse_event_size(uri, message, session_id, auth_header, headers, usize::MAX).await
+    }
+
+    async fn post_message_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        message: rmcp::model::ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+        max: usize,
+    ) -> Result<PostResponse, HttpError> {
+        use futures::StreamExt as _;
+        use rmcp::model::{ClientJsonRpcMessage, ClientRequest, ServerJsonRpcMessage};
+        let listing = matches!(&message, ClientJsonRpcMessage::Request(r) if matches!(r.request, ClientRequest::ListToolsRequest(_)));
+        let response =
+            self.0.post_message_with_max_sse_event_size(uri, message, session_id, auth_header, headers, max).await?;
+        let PostResponse::Sse(mut stream, sid) = response else { return Ok(response) };
+        if !listing {
+            return Ok(PostResponse::Sse(stream, sid));
+        }
+        while let Some(event) = stream.next().await {
+            let Some(data) = event.map_err(HttpError::Sse)?.data else { continue };
+            match serde_json::from_str::<ServerJsonRpcMessage>(&data) {
+                Ok(m @ (ServerJsonRpcMessage::Response(_) | ServerJsonRpcMessage::Error(_))) => {
+                    return Ok(PostResponse::Json(m, sid));
+                }
+                _ => continue, // a priming event or a notification: not the answer
+            }
+        }
+        Err(HttpError::UnexpectedServerResponse("the tools/list stream ended without an answer".into()))
+    }
+
+    async fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+        headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+    ) -> Result<(), HttpError> {
+        self.0.delete_session(uri, session_id, auth_header, headers).await
+    }
+
+    async fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+    ) -> Result<futures::stream::BoxStream<'static, Result<SseEvent, SseError>>, HttpError> {
+        self.0.get_stream(uri, session_id, last_event_id, auth_header, headers).await
+    }
+
+    async fn get_stream_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        headers: HashMap<axum::http::HeaderName, axum::http::HeaderValue>,
+        max: usize,
+    ) -> Result<futures::stream::BoxStream<'static, Result<SseEvent, SseError>>, HttpError> {
+        self.0.get_stream_with_max_sse_event_size(uri, session_id, last_event_id, auth_header, headers, max).await
+    }
 }
 
 /// A venv under target/ with `packages` from the package index, made once and kept between

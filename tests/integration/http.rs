@@ -135,10 +135,8 @@ pub(crate) async fn call(
     args: Value,
 ) -> (CallToolResult, Value) {
     let args = args.as_object().expect("object").clone();
-    let r = client
-        .call_tool(CallToolRequestParams::new(tool).with_arguments(args))
-        .await
-        .unwrap_or_else(|e| panic!("{tool} failed at the protocol level: {e}"));
+    let params = CallToolRequestParams::new(tool).with_arguments(args);
+    let r = client.call_tool(params).await.unwrap_or_else(|e| panic!("{tool} failed at the protocol level: {e}"));
     let sc = r.structured_content.clone().unwrap_or(Value::Null);
     (r, sc)
 }
