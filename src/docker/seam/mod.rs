@@ -17,7 +17,7 @@
 mod methods;
 mod by_docker;
 mod counted;
-mod types;
+pub(crate) mod types;
 
 pub use counted::Counted;
 pub use methods::Engine;
@@ -42,6 +42,27 @@ pub fn no_events(options: Option<&q::EventsOptions>) -> Items<'static, EventMess
     } else {
         futures::stream::pending().boxed()
     }
+}
+
+/// An answer known at once, as a call's future: for the engines that answer from their own
+/// records (the fake; Kubernetes, for what it keeps itself).
+pub(crate) fn ready<'a, T: Send + 'a>(r: Result<T, Error>) -> Fut<'a, T> {
+    Box::pin(std::future::ready(r))
+}
+
+/// An answer known at once, as a call's stream of one item.
+pub(crate) fn once<T: Send + 'static>(r: Result<T, Error>) -> Items<'static, T> {
+    futures::stream::once(std::future::ready(r)).boxed()
+}
+
+/// Whether `labels` carry every `label` filter (`key` or `key=value`), as Docker filters: for
+/// the engines that filter their own records.
+pub(crate) fn matches_labels(labels: &HashMap<String, String>, filters: Option<&HashMap<String, Vec<String>>>) -> bool {
+    let wanted = filters.and_then(|f| f.get("label")).map(Vec::as_slice).unwrap_or_default();
+    wanted.iter().all(|w| match w.split_once('=') {
+        Some((k, v)) => labels.get(k).is_some_and(|x| x == v),
+        None => labels.contains_key(w),
+    })
 }
 
 /// `(**self).method(args)`: a shared engine forwards every call to the engine it shares.

@@ -1,6 +1,7 @@
-//! The names the engine's method signatures use (`methods.rs`), in one place: every file that
-//! expands the method list imports them with one glob, so a method that names a new type adds
-//! it here and nowhere else. Imports nothing of ours: every seam file may import it.
+//! The names the engine's method signatures use (`methods.rs`), in one place: the files that
+//! expand the method list, and the engines that implement it by hand (the fake, Kubernetes),
+//! import them with one glob, so a method that names a new type adds it here and nowhere else.
+//! Imports nothing of ours: any file may import it without making a cycle.
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
