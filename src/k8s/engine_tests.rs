@@ -3,7 +3,8 @@ use std::collections::HashMap;
 use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType};
 
 use super::seam::split_path;
-use super::translate::{ANNOTATION_NAME, container_name, matches, our_labels, pod_name, selector, session_pod};
+use super::translate::{ANNOTATION_NAME, container_name, our_labels, pod_name, selector, session_pod};
+use crate::docker::seam::matches_labels;
 use crate::k8s::pod::PodSettings;
 
 fn body(labels: &[(&str, &str)], mounts: Vec<Mount>, network: &str) -> ContainerCreateBody {
@@ -113,7 +114,7 @@ fn label_filters_become_selectors_over_our_pods_only() {
     assert_eq!(selector(Some(&hostile)).matches(',').count(), 1, "a value adds no term");
     let labels = HashMap::from([("pyberth.heartbeat".to_owned(), "i1".to_owned())]);
     let beat = HashMap::from([("label".to_owned(), vec!["pyberth.heartbeat=i1".to_owned()])]);
-    assert!(matches(&labels, Some(&beat)) && !matches(&HashMap::new(), Some(&beat)));
+    assert!(matches_labels(&labels, Some(&beat)) && !matches_labels(&HashMap::new(), Some(&beat)));
 }
 
 #[test]

@@ -1,24 +1,11 @@
 //! The fake engine's answers to each call of the seam, as Docker answers them.
 
-use std::collections::HashMap;
-
-use bollard::auth::DockerCredentials;
-use bollard::container::AttachContainerResults;
-use bollard::exec::{CreateExecResults, StartExecOptions, StartExecResults};
-use bollard::models::{
-    ContainerConfig, ContainerCreateBody, ContainerCreateResponse, ContainerInspectResponse, ContainerState,
-    ContainerStateStatusEnum, ContainerStatsResponse, ContainerSummary, ContainerSummaryStateEnum,
-    ContainerTopResponse, ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse,
-    ImageDeleteResponseItem, ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest,
-    NetworkCreateRequest, NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume,
-    VolumeCreateRequest, VolumeListResponse,
-};
-use bollard::query_parameters as q;
-use bytes::Bytes;
+use bollard::models::{ContainerConfig, ContainerState, ContainerStateStatusEnum, ContainerSummaryStateEnum};
 use futures::StreamExt;
 
-use super::{Ctr, Exec, FakeEngine, Net, Vol, matches, no_such, once, ready, status};
-use crate::docker::seam::{Body, Engine, Fut, Items};
+use super::{Ctr, Exec, FakeEngine, Net, Vol, no_such, status};
+use crate::docker::seam::types::*;
+use crate::docker::seam::{Engine, matches_labels, once, ready};
 
 fn volume_model(name: &str, v: &Vol) -> Volume {
     Volume { name: name.to_owned(), driver: "local".into(), labels: v.labels.clone(), ..Default::default() }
@@ -46,7 +33,7 @@ impl Engine for FakeEngine {
         let found = w
             .containers
             .iter()
-            .filter(|(_, c)| (all || c.running) && matches(&c.labels, filters.as_ref()))
+            .filter(|(_, c)| (all || c.running) && matches_labels(&c.labels, filters.as_ref()))
             .map(|(n, c)| summary(n, c))
             .collect();
         ready(Ok(found))
@@ -223,7 +210,7 @@ impl Engine for FakeEngine {
         let volumes = w
             .volumes
             .iter()
-            .filter(|(_, v)| matches(&v.labels, filters.as_ref()))
+            .filter(|(_, v)| matches_labels(&v.labels, filters.as_ref()))
             .map(|(n, v)| volume_model(n, v))
             .collect();
         ready(Ok(VolumeListResponse { volumes: Some(volumes), warnings: None }))
@@ -254,7 +241,7 @@ impl Engine for FakeEngine {
         let nets = w
             .networks
             .iter()
-            .filter(|(_, n)| matches(&n.labels, filters.as_ref()))
+            .filter(|(_, n)| matches_labels(&n.labels, filters.as_ref()))
             .map(|(name, n)| Network {
                 name: Some(name.clone()),
                 id: Some(name.clone()),

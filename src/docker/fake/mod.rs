@@ -24,7 +24,6 @@ use futures::StreamExt;
 
 use self::agent::Interp;
 pub(crate) use self::files::Files;
-use super::seam::{Fut, Items};
 
 /// A container of the fake engine.
 #[derive(Debug)]
@@ -121,23 +120,6 @@ fn status(status_code: u16, message: String) -> Error {
 
 fn no_such(what: &str, name: &str) -> Error {
     status(404, format!("No such {what}: {name}"))
-}
-
-/// Whether `labels` carry every `label` filter (`key` or `key=value`).
-fn matches(labels: &HashMap<String, String>, filters: Option<&HashMap<String, Vec<String>>>) -> bool {
-    let wanted = filters.and_then(|f| f.get("label")).map(Vec::as_slice).unwrap_or_default();
-    wanted.iter().all(|w| match w.split_once('=') {
-        Some((k, v)) => labels.get(k).is_some_and(|x| x == v),
-        None => labels.contains_key(w),
-    })
-}
-
-fn ready<'a, T: Send + 'a>(r: Result<T, Error>) -> Fut<'a, T> {
-    Box::pin(std::future::ready(r))
-}
-
-fn once<T: Send + 'static>(r: Result<T, Error>) -> Items<'static, T> {
-    futures::stream::once(std::future::ready(r)).boxed()
 }
 
 impl FakeEngine {

@@ -1,31 +1,15 @@
 //! The Kubernetes engine's answer to each call of the seam (what each maps to: `engine.rs`).
 
-use std::collections::HashMap;
 use std::time::SystemTime;
 
-use bollard::auth::DockerCredentials;
-use bollard::container::AttachContainerResults;
-use bollard::exec::{CreateExecResults, StartExecOptions, StartExecResults};
-use bollard::models::{
-    ContainerConfig, ContainerCreateBody, ContainerCreateResponse, ContainerInspectResponse, ContainerState,
-    ContainerStateStatusEnum, ContainerStatsResponse, ContainerSummary, ContainerSummaryStateEnum,
-    ContainerTopResponse, ContainerWaitResponse, CreateImageInfo, EventMessage, ExecConfig, ExecInspectResponse,
-    ImageDeleteResponseItem, ImageHistoryResponseItem, ImageInspect, ImageSummary, Network, NetworkConnectRequest,
-    NetworkCreateRequest, NetworkCreateResponse, NetworkDisconnectRequest, SystemInfo, SystemVersion, Volume,
-    VolumeCreateRequest, VolumeListResponse,
-};
-use bollard::query_parameters as q;
-use bytes::Bytes;
+use bollard::models::{ContainerConfig, ContainerState, ContainerStateStatusEnum, ContainerSummaryStateEnum};
 use futures::StreamExt;
 
-use super::translate::{self, matches, pod_name};
+use super::translate::{self, pod_name};
 use super::{ExecRec, KubeEngine, START_LIMIT, Virtual, Vol, from_cluster, said, status, unsupported};
-use crate::docker::seam::{Body, Engine, Fut, Items};
+use crate::docker::seam::types::*;
+use crate::docker::seam::{Engine, matches_labels, once, ready};
 use crate::k8s::cluster;
-
-fn once<T: Send + 'static>(r: Result<T, bollard::errors::Error>) -> Items<'static, T> {
-    futures::stream::once(std::future::ready(r)).boxed()
-}
 
 fn volume_model(name: &str, v: &Vol) -> Volume {
     Volume {
@@ -78,7 +62,7 @@ impl Engine for KubeEngine {
             let pods = self.cluster.list_pods(&translate::selector(filters.as_ref())).await.map_err(from_cluster)?;
             let mut found: Vec<ContainerSummary> = pods.iter().map(translate::summary).collect();
             let r = self.records();
-            let virtuals = r.virtuals.iter().filter(|(_, v)| matches(&v.labels, filters.as_ref()));
+            let virtuals = r.virtuals.iter().filter(|(_, v)| matches_labels(&v.labels, filters.as_ref()));
             found.extend(virtuals.map(|(n, v)| virtual_summary(n, v)));
             found.retain(|c| all || c.state == Some(ContainerSummaryStateEnum::RUNNING));
             Ok(found)
@@ -142,7 +126,7 @@ impl Engine for KubeEngine {
         futures::stream::empty().boxed()
     }
     fn top_processes<'a>(&'a self, _: &'a str, _: Option<q::TopOptions>) -> Fut<'a, ContainerTopResponse> {
-        Box::pin(std::future::ready(Err(unsupported("listing a pod's processes"))))
+        ready(Err(unsupported("listing a pod's processes")))
     }
     fn upload_to_container<'a>(
         &'a self,
@@ -183,11 +167,11 @@ impl Engine for KubeEngine {
             end: None,
         };
         r.execs.insert(id.clone(), exec);
-        Box::pin(std::future::ready(Ok(CreateExecResults { id })))
+        ready(Ok(CreateExecResults { id }))
     }
     fn start_exec<'a>(&'a self, exec_id: &'a str, config: Option<StartExecOptions>) -> Fut<'a, StartExecResults> {
         if config.is_some_and(|c| c.detach) {
-            return Box::pin(std::future::ready(Err(unsupported("a detached exec"))));
+            return ready(Err(unsupported("a detached exec")));
         }
         Box::pin(self.start(exec_id))
     }
@@ -202,7 +186,7 @@ impl Engine for KubeEngine {
             },
             ..Default::default()
         });
-        Box::pin(std::future::ready(found.ok_or_else(|| status(404, format!("No such exec instance: {exec_id}")))))
+        ready(found.ok_or_else(|| status(404, format!("No such exec instance: {exec_id}"))))
     }
     fn create_volume(&self, config: VolumeCreateRequest) -> Fut<'_, Volume> {
         let mut r = self.records();
@@ -213,16 +197,16 @@ impl Engine for KubeEngine {
             options: config.driver_opts.unwrap_or_default(),
             created: crate::audit::time::rfc3339(SystemTime::now()),
         });
-        Box::pin(std::future::ready(Ok(volume_model(&name, v))))
+        ready(Ok(volume_model(&name, v)))
     }
     fn remove_volume<'a>(&'a self, name: &'a str, _: Option<q::RemoveVolumeOptions>) -> Fut<'a, ()> {
         let removed = self.records().volumes.remove(name).is_some();
-        Box::pin(std::future::ready(if removed { Ok(()) } else { Err(status(404, format!("No such volume: {name}"))) }))
+        ready(if removed { Ok(()) } else { Err(status(404, format!("No such volume: {name}"))) })
     }
     fn inspect_volume<'a>(&'a self, name: &'a str) -> Fut<'a, Volume> {
         let r = self.records();
         let found = r.volumes.get(name).map(|v| volume_model(name, v));
-        Box::pin(std::future::ready(found.ok_or_else(|| status(404, format!("No such volume: {name}")))))
+        ready(found.ok_or_else(|| status(404, format!("No such volume: {name}"))))
     }
     fn list_volumes(&self, options: Option<q::ListVolumesOptions>) -> Fut<'_, VolumeListResponse> {
         let filters = options.and_then(|o| o.filters);
@@ -230,35 +214,35 @@ impl Engine for KubeEngine {
         let volumes = r
             .volumes
             .iter()
-            .filter(|(_, v)| matches(&v.labels, filters.as_ref()))
+            .filter(|(_, v)| matches_labels(&v.labels, filters.as_ref()))
             .map(|(n, v)| volume_model(n, v))
             .collect();
-        Box::pin(std::future::ready(Ok(VolumeListResponse { volumes: Some(volumes), warnings: None })))
+        ready(Ok(VolumeListResponse { volumes: Some(volumes), warnings: None }))
     }
     fn create_network(&self, _: NetworkCreateRequest) -> Fut<'_, NetworkCreateResponse> {
-        Box::pin(std::future::ready(Err(unsupported("egress (a session network with an allow-list)"))))
+        ready(Err(unsupported("egress (a session network with an allow-list)")))
     }
     fn remove_network<'a>(&'a self, name: &'a str) -> Fut<'a, ()> {
-        Box::pin(std::future::ready(Err(status(404, format!("No such network: {name}")))))
+        ready(Err(status(404, format!("No such network: {name}"))))
     }
     fn list_networks(&self, _: Option<q::ListNetworksOptions>) -> Fut<'_, Vec<Network>> {
-        Box::pin(std::future::ready(Ok(Vec::new())))
+        ready(Ok(Vec::new()))
     }
     fn connect_network<'a>(&'a self, _: &'a str, _: NetworkConnectRequest) -> Fut<'a, ()> {
-        Box::pin(std::future::ready(Err(unsupported("egress (a session network with an allow-list)"))))
+        ready(Err(unsupported("egress (a session network with an allow-list)")))
     }
     fn disconnect_network<'a>(&'a self, name: &'a str, _: NetworkDisconnectRequest) -> Fut<'a, ()> {
-        Box::pin(std::future::ready(Err(status(404, format!("No such network: {name}")))))
+        ready(Err(status(404, format!("No such network: {name}"))))
     }
     /// Every image is there: the nodes have it (the operator's job, docs/kubernetes.md); a
     /// missing one fails the pod, and its start says so.
     fn inspect_image<'a>(&'a self, name: &'a str) -> Fut<'a, ImageInspect> {
         let found =
             ImageInspect { id: Some(name.to_owned()), repo_tags: Some(vec![name.to_owned()]), ..Default::default() };
-        Box::pin(std::future::ready(Ok(found)))
+        ready(Ok(found))
     }
     fn list_images(&self, _: Option<q::ListImagesOptions>) -> Fut<'_, Vec<ImageSummary>> {
-        Box::pin(std::future::ready(Ok(Vec::new())))
+        ready(Ok(Vec::new()))
     }
     fn remove_image<'a>(
         &'a self,
@@ -266,10 +250,10 @@ impl Engine for KubeEngine {
         _: Option<q::RemoveImageOptions>,
         _: Option<DockerCredentials>,
     ) -> Fut<'a, Vec<ImageDeleteResponseItem>> {
-        Box::pin(std::future::ready(Err(unsupported("removing an image"))))
+        ready(Err(unsupported("removing an image")))
     }
     fn image_history<'a>(&'a self, _: &'a str) -> Fut<'a, Vec<ImageHistoryResponseItem>> {
-        Box::pin(std::future::ready(Err(unsupported("reading an image's history"))))
+        ready(Err(unsupported("reading an image's history")))
     }
     fn build_image(
         &self,
@@ -293,10 +277,10 @@ impl Engine for KubeEngine {
     fn info(&self) -> Fut<'_, SystemInfo> {
         let info =
             SystemInfo { system_time: Some(crate::audit::time::rfc3339(SystemTime::now())), ..Default::default() };
-        Box::pin(std::future::ready(Ok(info)))
+        ready(Ok(info))
     }
     fn version(&self) -> Fut<'_, SystemVersion> {
-        Box::pin(std::future::ready(Ok(SystemVersion { version: Some("kubernetes".into()), ..Default::default() })))
+        ready(Ok(SystemVersion { version: Some("kubernetes".into()), ..Default::default() }))
     }
     fn ping(&self) -> Fut<'_, String> {
         Box::pin(async move {

@@ -195,12 +195,3 @@ pub fn selector(filters: Option<&HashMap<String, Vec<String>>>) -> String {
     }
     terms.join(",")
 }
-
-/// Whether `labels` carry every `label` filter (for what the engine holds in its own records).
-pub fn matches(labels: &HashMap<String, String>, filters: Option<&HashMap<String, Vec<String>>>) -> bool {
-    let wanted = filters.and_then(|f| f.get("label")).map(Vec::as_slice).unwrap_or_default();
-    wanted.iter().all(|w| match w.split_once('=') {
-        Some((k, v)) => labels.get(k).is_some_and(|x| x == v),
-        None => labels.contains_key(w),
-    })
-}
