@@ -1,6 +1,6 @@
 //! Sessions on Kubernetes outlive their server (issue 33; on Docker: docs/design.md D12,
 //! `tests/integration/adopt.rs`): `pyberth serve` with `keep_sessions`, stopped by the end of
-//! its stdin or by `kill -9`, then started again on the same namespace and state dir, finds
+//! its stdin, by SIGTERM or by `kill -9`, then started again on the same namespace and state dir, finds
 //! its sessions' pods by name and label and adopts them from its records: variables, an open
 //! file, a thread, workspace files and a background job running across the restart survive;
 //! the relay reaches the same interpreter through `pods/exec` (the keeper).
@@ -55,6 +55,8 @@ impl Drop for Shared {
 enum Stop {
     /// Its client leaves: stdin ends, the server stops and leaves its sessions.
     Eof,
+    /// SIGTERM: the same stop, from a signal.
+    Term,
     /// `kill -9`: nothing of it runs after; its records are on disk already.
     Kill,
 }
@@ -86,7 +88,20 @@ async fn survives(tag: &str, how: Stop) {
     let made = pods(&sim);
     assert_eq!(made.len(), 1, "one pod for the session: {made:?}");
     match how {
-        Stop::Eof => first.stop().await,
+        Stop::Eof => {
+            let log = dir.0.join(format!("server-{tag}-a.log"));
+            first.stop().await;
+            let said = std::fs::read_to_string(log).unwrap_or_default();
+            assert!(said.contains("sessions left for the next server"), "{said}");
+        }
+        Stop::Term => {
+            let pid = first.child.id().expect("a pid").to_string();
+            let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+            assert!(sent.success());
+            let ended = tokio::time::timeout(Duration::from_secs(30), first.child.wait()).await;
+            assert!(ended.is_ok(), "the server did not stop within 30 s of SIGTERM");
+            assert!(first.whole_log().contains("sessions left for the next server"), "{}", first.log());
+        }
         Stop::Kill => {
             first.child.start_kill().expect("SIGKILL");
             let _ = first.child.wait().await;
@@ -121,6 +136,11 @@ async fn survives(tag: &str, how: Stop) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_and_its_job_survive_a_restart_by_the_end_of_stdin() {
     survives("eof", Stop::Eof).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_and_its_job_survive_a_sigterm_and_restart() {
+    survives("term", Stop::Term).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -338,7 +338,9 @@ async fn cluster_failures_are_tool_errors_in_the_clusters_words() {
 }
 
 /// A server killed outright leaves its pods running (their tether cannot stop `sleep
-/// infinity` as PID 1); the next server's start deletes them.
+/// infinity` as PID 1); the next server's start deletes them. The case: a next server with its
+/// own state dir (as a new server pod has), which holds no record of them to adopt, and no
+/// `keep_sessions`; one of the same state dir adopts them instead (`adopt.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_server_deletes_the_pods_of_a_killed_one() {
     let sim = Sim::start(Options::default(), docker()).await;

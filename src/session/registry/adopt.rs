@@ -15,7 +15,10 @@
 //! container by its first call, `session/orphan.rs`), and removes the rest of those
 //! instances' resources. It holds their locks and keeps their heartbeats beating
 //! from then on, so no other server sweeps what it adopted; the interpreter is reached again
-//! through its keeper on the session's first call.
+//! through its keeper on the session's first call. The record says whose a session is, never
+//! a label: a container labelled with another principal or uid than its record is not taken
+//! (on Kubernetes whoever can make pods can label them), and a session not adopted is said to
+//! its principal's next call of it. The same code adopts pods (docs/kubernetes.md).
 
 use std::collections::{HashMap, HashSet};
 
