@@ -77,9 +77,10 @@ impl Host {
 
 /// Turns off, with a word, what the Kubernetes engine cannot do yet and would otherwise try
 /// and fail at: hibernation (its snapshot needs a helper container; it would fail at every
-/// reaper tick, each time after streaming the workspace out) and leaving sessions for the next
-/// server (volumes are records of this process: a next server would not find them, and the
-/// pods would stay). `serve` calls it before it decides whether a stop leaves sessions.
+/// reaper tick, each time after streaming the workspace out). Leaving sessions for the next
+/// server stays as configured: their pods are found again by name and label, and adopted
+/// from the state dir's records as containers are (`session/registry/adopt.rs`,
+/// docs/kubernetes.md). `serve` calls it before it decides whether a stop leaves sessions.
 pub fn settle_for_kubernetes(cfg: &mut SandboxConfig) {
     if cfg.engine != EngineKind::Kubernetes {
         return;
@@ -87,11 +88,6 @@ pub fn settle_for_kubernetes(cfg: &mut SandboxConfig) {
     if cfg.hibernate_after_s > 0 {
         tracing::info!("hibernation is off: not supported on Kubernetes yet");
         cfg.hibernate_after_s = 0;
-    }
-    if cfg.adopt_grace_s > 0 || cfg.keep_sessions {
-        tracing::info!("sessions are removed at the stop: adopting them is not supported on Kubernetes yet");
-        cfg.adopt_grace_s = 0;
-        cfg.keep_sessions = false;
     }
 }
 
@@ -178,8 +174,10 @@ impl Runtime {
         );
         // On Kubernetes no other server's lock or heartbeat can be seen, and one server per
         // namespace is the rule (docs/kubernetes.md): a server's start takes the pods of
-        // instances not proven alive for a dead server's. Not `pyberth run` (quiet), a short
-        // guest that may run beside the namespace's server.
+        // instances not proven alive for a dead server's. The sweep comes after the adoption,
+        // whose instances' locks this server now holds: what a stopped server of this state
+        // dir left is adopted, not deleted. Not `pyberth run` (quiet), a short guest that may
+        // run beside the namespace's server.
         let sole = cfg.engine == EngineKind::Kubernetes && voice == Voice::Loud;
         if let Err(e) = registry.sweep_leftovers(sole).await {
             tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");

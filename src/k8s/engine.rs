@@ -53,6 +53,21 @@ struct Virtual {
     gone: CancellationToken,
 }
 
+/// A heartbeat's attach, held: when it is dropped, the heartbeat is gone.
+struct Detached {
+    records: Arc<Mutex<Records>>,
+    name: String,
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = r.virtuals.remove(&self.name) {
+            v.gone.cancel();
+        }
+    }
+}
+
 /// A volume, as a record.
 #[derive(Debug, Clone)]
 struct Vol {

@@ -78,6 +78,29 @@ fn a_session_body_becomes_its_pod() {
     assert!(!back.keys().any(|k| k.starts_with("pyberth.io/")), "{back:?}");
 }
 
+/// A pod made by someone else, annotated to pass for a session of ours: its container-name
+/// annotation names another pod, its original-value annotations another principal and
+/// instance than its labels hash to. It is read under its own name and labels.
+#[test]
+fn forged_annotations_do_not_make_a_pod_another_sessions_or_principals() {
+    let name = "pyberth-i1-My Session!-3";
+    let mut pod =
+        session_pod(name, &body(&LABELS, Vec::new(), "none"), Some(64), &PodSettings::default()).expect("a pod");
+    // Renamed: its annotation now names a session container whose pod is another.
+    pod.metadata.name = Some("planted".into());
+    assert_eq!(container_name(&pod), "planted", "an annotation naming another pod is not believed");
+    let notes = pod.metadata.annotations.get_or_insert_with(Default::default);
+    notes.insert("pyberth.io/original-pyberth.owner".into(), "bob@example.com".into());
+    notes.insert("pyberth.io/original-pyberth.instance".into(), "someone-elses".into());
+    let back = our_labels(&pod);
+    assert_ne!(back["pyberth.owner"], "bob@example.com", "an original that does not hash to the label");
+    assert!(back["pyberth.owner"].starts_with("h-"), "the label's own value stays: {back:?}");
+    assert!(!back.contains_key("pyberth.instance"), "an annotation adds no label: {back:?}");
+    // A pod whose annotation names itself is read as ours.
+    pod.metadata.name = Some(pod_name(name));
+    assert_eq!(container_name(&pod), name);
+}
+
 #[test]
 fn what_a_pod_cannot_carry_is_refused_with_a_reason() {
     let bind = Mount {

@@ -3,6 +3,7 @@
 //! each pod as a container of the local Docker engine, with our real sandbox image, so every
 //! exec reaches the real agent. No real cluster is involved (none can run on these machines).
 
+mod adopt;
 mod apiserver;
 mod docker_pod;
 mod exec;

@@ -15,10 +15,13 @@ use super::apiserver::{Options, Sim};
 use super::docker;
 
 /// A server of the Kubernetes engine, its client, and the files it was started with.
-struct Served {
+pub(super) struct Served {
     client: Option<RunningService<rmcp::RoleClient, ()>>,
-    child: tokio::process::Child,
-    dir: std::path::PathBuf,
+    pub(super) child: tokio::process::Child,
+    pub(super) dir: std::path::PathBuf,
+    /// Its directory is its own (removed when it is dropped), not one servers share.
+    owns_dir: bool,
+    tag: String,
 }
 
 impl Served {
@@ -33,6 +36,15 @@ impl Served {
     /// With `extra` lines of settings at the top of the config.
     async fn start_cfg(sim: &Sim, tag: &str, pool: usize, extra: &str) -> Served {
         let dir = std::env::temp_dir().join(format!("pyberth-k8s-serve-{}-{tag}", std::process::id()));
+        let mut s = Self::start_in(sim, &dir, tag, pool, extra).await;
+        s.owns_dir = true;
+        s
+    }
+
+    /// In `dir` (its config, log and state dir, which a next server started there shares),
+    /// as instance `tag`, with `extra` lines of settings.
+    pub(super) async fn start_in(sim: &Sim, dir: &std::path::Path, tag: &str, pool: usize, extra: &str) -> Served {
+        let dir = dir.to_owned();
         std::fs::create_dir_all(&dir).expect("dir");
         let kubeconfig = sim.kubeconfig(&dir);
         let config = dir.join("k8s.toml");
@@ -42,7 +54,7 @@ impl Served {
              pool_size = {pool}\nhibernate_after_s = 1\n[environments.net]\negress = [\"example.com:443\"]\n"
         );
         std::fs::write(&config, text).expect("config");
-        let log = std::fs::File::create(dir.join("server.log")).expect("log");
+        let log = std::fs::File::create(dir.join(format!("server-{tag}.log"))).expect("log");
         let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
             .arg("serve")
             .arg("--config")
@@ -59,10 +71,10 @@ impl Served {
         let stdout = child.stdout.take().expect("stdout");
         let stdin = child.stdin.take().expect("stdin");
         let client = ().serve((stdout, stdin)).await.expect("MCP initialise");
-        Served { client: Some(client), child, dir }
+        Served { client: Some(client), child, dir, owns_dir: false, tag: tag.to_owned() }
     }
 
-    async fn call(&self, tool: &'static str, args: Value) -> CallToolResult {
+    pub(super) async fn call(&self, tool: &'static str, args: Value) -> CallToolResult {
         let args = args.as_object().expect("object arguments").clone();
         let client = self.client.as_ref().expect("connected");
         let call = client.call_tool(CallToolRequestParams::new(tool).with_arguments(args));
@@ -73,20 +85,26 @@ impl Served {
     }
 
     /// A call that must succeed: its structured content.
-    async fn ok(&self, tool: &'static str, args: Value) -> Value {
+    pub(super) async fn ok(&self, tool: &'static str, args: Value) -> Value {
         let r = self.call(tool, args).await;
         assert_eq!(r.is_error, Some(false), "{tool}: {}\nserver log:\n{}", text(&r), self.log());
         r.structured_content.unwrap_or(Value::Null)
     }
 
-    fn log(&self) -> String {
-        let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+    pub(super) fn log(&self) -> String {
+        let text = self.whole_log();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(40)..].join("\n")
     }
 
-    /// Closes stdin and waits for the server to stop (it removes its sessions' pods).
-    async fn stop(mut self) {
+    /// Its whole log.
+    pub(super) fn whole_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join(format!("server-{}.log", self.tag))).unwrap_or_default()
+    }
+
+    /// Closes stdin and waits for the server to stop (it removes its sessions' pods, unless
+    /// it keeps sessions).
+    pub(super) async fn stop(mut self) {
         if let Some(c) = self.client.take() {
             let _ = c.cancel().await;
         }
@@ -99,23 +117,25 @@ impl Drop for Served {
     fn drop(&mut self) {
         // The child is killed on drop (`kill_on_drop`); the simulator removes the pods'
         // containers when it is dropped.
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if self.owns_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
-fn text(r: &CallToolResult) -> String {
+pub(super) fn text(r: &CallToolResult) -> String {
     r.content.iter().filter_map(|c| c.as_text().map(|t| t.text.clone())).collect::<Vec<_>>().join("\n")
 }
 
 /// Containers the simulated node runs for `sim`'s pods.
-async fn node_containers(sim: &Sim) -> usize {
+pub(super) async fn node_containers(sim: &Sim) -> usize {
     let filter = format!("{}={}", super::docker_pod::LABEL_SIM, sim.state.sim);
     let filters = std::collections::HashMap::from([("label", vec![filter.as_str()])]);
     let opts = bollard::query_parameters::ListContainersOptionsBuilder::default().all(true).filters(&filters).build();
     docker().list_containers(Some(opts)).await.expect("list").len()
 }
 
-fn pods(sim: &Sim) -> Vec<String> {
+pub(super) fn pods(sim: &Sim) -> Vec<String> {
     sim.state.pods.lock().expect("pods").keys().cloned().collect()
 }
 
@@ -204,16 +224,16 @@ async fn serve_runs_sessions_as_pods_of_the_cluster() {
     let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
     assert_eq!(sc["stdout"], "41\n", "{sc}");
     assert_eq!(pods(&sim), vec![pod.clone()], "the refused session left no pod");
-    let log = std::fs::read_to_string(s.dir.join("server.log")).unwrap_or_default();
+    let log = s.whole_log();
     assert!(log.contains("hibernation is off") && !log.contains("cannot hibernate"), "{}", s.log());
-    assert!(log.contains("sessions are removed at the stop"), "adoption is off: {}", s.log());
 
     // Closing the session deletes its pod, and the node's container with it.
     s.ok("close_session", json!({ "session": "k" })).await;
     assert!(pods(&sim).is_empty(), "the pod is deleted: {:?}", pods(&sim));
     assert_eq!(node_containers(&sim).await, 0, "the pod's container is gone");
 
-    // A session made after that, left open: the server's stop removes its pod.
+    // A session made after that, left open: the server's stop removes its pod (over stdio,
+    // without `keep_sessions`, nothing is left for a next server).
     s.ok("run_python", json!({ "session": "late", "code": "1" })).await;
     assert_eq!(pods(&sim).len(), 1);
     s.stop().await;
@@ -318,7 +338,9 @@ async fn cluster_failures_are_tool_errors_in_the_clusters_words() {
 }
 
 /// A server killed outright leaves its pods running (their tether cannot stop `sleep
-/// infinity` as PID 1); the next server's start deletes them.
+/// infinity` as PID 1); the next server's start deletes them. The case: a next server with its
+/// own state dir (as a new server pod has), which holds no record of them to adopt, and no
+/// `keep_sessions`; one of the same state dir adopts them instead (`adopt.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_server_deletes_the_pods_of_a_killed_one() {
     let sim = Sim::start(Options::default(), docker()).await;

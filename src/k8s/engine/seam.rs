@@ -117,7 +117,16 @@ impl Engine for KubeEngine {
             // A heartbeat's attach lasts until it is removed; nothing else is attached to.
             let gone = self.records().virtuals.get(name).map(|v| v.gone.clone());
             let Some(gone) = gone else { return Err(unsupported("attaching to a container")) };
-            let output = futures::stream::pending().take_until(gone.cancelled_owned()).boxed();
+            // Let go of, it is gone, as Docker auto-removes a heartbeat whose stdin closed: a
+            // stop that leaves sessions waits for that (`instance::leave_stopped`).
+            let held = super::Detached { records: self.records.clone(), name: name.to_owned() };
+            let output = futures::stream::pending()
+                .take_until(gone.cancelled_owned())
+                .map(move |x| {
+                    let _ = &held;
+                    x
+                })
+                .boxed();
             Ok(AttachContainerResults { output, input: Box::pin(tokio::io::sink()) })
         })
     }

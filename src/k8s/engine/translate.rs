@@ -116,14 +116,19 @@ pub fn session_pod(
     Ok(pod)
 }
 
-/// The container name a pod was made for.
+/// The container name a pod was made for. Its annotation is believed only when it names this
+/// very pod (`pod_name` of it is the pod's name): whoever can make pods could annotate one
+/// with a session's container name, and the owners act on that name (a sweep removes it,
+/// adoption keeps it), so a pod that lies is listed under its own name and reaches no other.
 pub fn container_name(pod: &Pod) -> String {
+    let own = pod.metadata.name.clone().unwrap_or_default();
     let kept = pod.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_NAME));
-    kept.cloned().or_else(|| pod.metadata.name.clone()).unwrap_or_default()
+    kept.filter(|n| pod_name(n) == own).cloned().unwrap_or(own)
 }
 
 /// Our labels of a pod, as the owners gave them: hashed values back from their annotations,
-/// the pod's own `pyberth.io/` labels left out.
+/// the pod's own `pyberth.io/` labels left out. An original is believed only when it hashes
+/// to the label's value: an annotation cannot make a pod another principal's or instance's.
 pub fn our_labels(pod: &Pod) -> HashMap<String, String> {
     let notes = pod.metadata.annotations.clone().unwrap_or_default();
     let labels = pod.metadata.labels.clone().unwrap_or_default();
@@ -131,7 +136,7 @@ pub fn our_labels(pod: &Pod) -> HashMap<String, String> {
         .into_iter()
         .filter(|(k, _)| !k.starts_with("pyberth.io/"))
         .map(|(k, v)| {
-            let original = notes.get(&format!("{ORIGINAL_PREFIX}{k}")).cloned();
+            let original = notes.get(&format!("{ORIGINAL_PREFIX}{k}")).filter(|o| value(o) == v).cloned();
             (k, original.unwrap_or(v))
         })
         .collect()

@@ -15,7 +15,10 @@
 //! container by its first call, `session/orphan.rs`), and removes the rest of those
 //! instances' resources. It holds their locks and keeps their heartbeats beating
 //! from then on, so no other server sweeps what it adopted; the interpreter is reached again
-//! through its keeper on the session's first call.
+//! through its keeper on the session's first call. The record says whose a session is, never
+//! a label: a container labelled with another principal or uid than its record is not taken
+//! (on Kubernetes whoever can make pods can label them), and a session not adopted is said to
+//! its principal's next call of it. The same code adopts pods (docs/kubernetes.md).
 
 use std::collections::{HashMap, HashSet};
 
@@ -23,7 +26,8 @@ use std::sync::Arc;
 
 use super::{Registry, Slot};
 use crate::docker::container::{self, short};
-use crate::docker::{self, LABEL_HOST, LABEL_INSTANCE};
+use crate::docker::identity::LABEL_UID;
+use crate::docker::{self, LABEL_HOST, LABEL_INSTANCE, LABEL_OWNER};
 use crate::durable::ledger::Key;
 use crate::durable::records::Running;
 use crate::environment::Environment;
@@ -41,6 +45,20 @@ struct Taken {
     running: bool,
     /// Its environment, when its running container's egress is taken over.
     takeover: Option<Arc<Environment>>,
+}
+
+/// Why a container that claims the recorded session's instance is not the recorded session's:
+/// its labels name another principal or another uid. The record (in the state dir, which no
+/// container and no cluster user can write) says whose a session is; labels never do, and one
+/// that disagrees with it is not ours to take (made by someone else, or for another session).
+/// A pool container's principal is empty (the pool made it for nobody yet).
+fn foreign(labels: &HashMap<String, String>, record: &Running) -> Option<String> {
+    if let Some(p) = labels.get(LABEL_OWNER).filter(|p| !p.is_empty() && **p != record.about.principal) {
+        return Some(format!("its container is labelled as another principal's ({p:?})"));
+    }
+    let uid = record.about.uid.to_string();
+    let other = labels.get(LABEL_UID).filter(|u| **u != uid);
+    other.map(|u| format!("its container is labelled with another uid ({u:?}, recorded {uid})"))
 }
 
 impl Registry {
@@ -166,6 +184,53 @@ impl Registry {
         }
     }
 
+    /// The recorded session's container as the engine has it: its labels, whether it runs,
+    /// its id; gone, its volume's labels (an orphan that saved itself; no id). `None`: nothing
+    /// is left of it (its record is then forgotten, and said, when `ours`: of an instance
+    /// being adopted), or the engine failed.
+    async fn recorded_container(
+        &self,
+        record: &Running,
+        ours: bool,
+    ) -> Option<(HashMap<String, String>, bool, Option<String>)> {
+        let inspected = self.docker.inspect_container(&record.about.container, None).await;
+        match inspected.map_err(docker::Error::from) {
+            Ok(info) => {
+                let labels = info.config.and_then(|c| c.labels).unwrap_or_default();
+                Some((labels, info.state.and_then(|s| s.running).unwrap_or(false), info.id))
+            }
+            Err(e) if e.is_gone() => {
+                match self.docker.inspect_volume(&record.about.volume).await.map_err(docker::Error::from) {
+                    // Its volume holds what it saved: its container is made again on it.
+                    Ok(v) => Some((v.labels, false, None)),
+                    // Its volumes are gone too (swept, closed, removed by hand; on Kubernetes the
+                    // workspace was the pod's): so is the record.
+                    Err(e) if e.is_gone() => {
+                        let noun =
+                            if self.cfg.engine == crate::config::EngineKind::Kubernetes { "pod" } else { "container" };
+                        if ours {
+                            self.not_adopted(record, &format!("its {noun} and its workspace were gone"));
+                        } else {
+                            self.ledger.forget(&Key::Running(record.about.container.clone()));
+                        }
+                        None
+                    }
+                    Err(_) => None,
+                }
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Forgets the record of a session that cannot be adopted, and says why: in the log, and
+    /// to its principal's next call of that name ("the one before it ended …").
+    fn not_adopted(&self, record: &Running, why: &str) {
+        let (principal, name) = (&record.about.principal, &record.about.name);
+        tracing::warn!(session = %name, container = %record.about.container, "not adopted: {why}");
+        self.ledger.forget(&Key::Running(record.about.container.clone()));
+        self.ended(principal, name, format!("ended while its server was stopped: {why}; its variables are gone"));
+    }
+
     /// Takes one session record of an adopted instance (`of_adopted` says which): its
     /// container running, or gone with its volumes kept (an orphan its tether stopped, which
     /// the engine removed, docs/design.md D12). `None`: not ours, or stale (then forgotten).
@@ -176,26 +241,18 @@ impl Registry {
         host: &str,
     ) -> Option<Taken> {
         let stale = Key::Running(record.about.container.clone());
-        let inspected = self.docker.inspect_container(&record.about.container, None).await;
-        let (labels, mut running, id) = match inspected.map_err(docker::Error::from) {
-            Ok(info) => {
-                let labels = info.config.and_then(|c| c.labels).unwrap_or_default();
-                (labels, info.state.and_then(|s| s.running).unwrap_or(false), info.id)
-            }
-            Err(e) if e.is_gone() => match self.docker.inspect_volume(&record.about.volume).await {
-                // Its volume holds what it saved: its container is made again on it.
-                Ok(v) => (v.labels, false, None),
-                Err(e) => {
-                    // Its volumes are gone too (swept, closed, removed by hand): so is the record.
-                    if docker::Error::from(e).is_gone() {
-                        self.ledger.forget(&stale);
-                    }
-                    return None;
-                }
-            },
-            Err(_) => return None,
-        };
+        let of_record = HashMap::from([
+            (LABEL_INSTANCE.to_owned(), record.about.instance.clone()),
+            (LABEL_HOST.to_owned(), host.to_owned()),
+        ]);
+        // Said only of the instances being adopted: another's records are its own business.
+        let ours = of_adopted(&of_record);
+        let (labels, mut running, id) = self.recorded_container(&record, ours).await?;
         if !of_adopted(&labels) || labels.get(LABEL_INSTANCE) != Some(&record.about.instance) {
+            return None;
+        }
+        if let Some(why) = foreign(&labels, &record) {
+            self.not_adopted(&record, &why);
             return None;
         }
         let key = (record.about.principal.clone(), record.about.name.clone());

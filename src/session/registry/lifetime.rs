@@ -156,6 +156,22 @@ impl Registry {
         let mut instances: Vec<String> = self.instance.adopted_owners().into_iter().map(|o| o.instance).collect();
         instances.push(self.instance.owner.instance.clone());
         let (containers, volumes) = crate::gc::left_by(&self.docker, &instances).await.unwrap_or_default();
+        if self.cfg.engine == crate::config::EngineKind::Kubernetes {
+            // No tether stops a pod (PID 1 ignores it in its own namespace): pods stay.
+            tracing::info!(
+                sessions = left,
+                pods = containers,
+                instances = ?instances,
+                "{left} sessions left for the next server of state dir {}: it adopts them, running, whenever it starts. \
+                 Their {containers} pods keep running; --adopt-grace-s after this stop each agent saves its state into its \
+                 workspace and ends, and the next server restores it there. A server of another state dir deletes \
+                 them at its start (one server per namespace); by hand: kubectl delete pod -l pyberth.instance=I, \
+                 for I in {}",
+                self.cfg.state_dir().display(),
+                instances.join(", "),
+            );
+            return;
+        }
         let stop_s = (self.cfg.orphan_after() + crate::docker::tether::MARGIN).as_secs();
         tracing::info!(
             sessions = left,
