@@ -11,6 +11,7 @@
 //! the rest replayed, within `PYBERTH_MODEL_SHRINK_S`, default 300 s).
 //! CI runs [`CI_SEEDS`]; `PYBERTH_MODEL_SEED=S` runs one seed, `PYBERTH_MODEL_SOAK=N` runs N
 //! seeds from S (or from the clock), `PYBERTH_MODEL_LEN` sets the length of each sequence.
+//! Seeds play `PYBERTH_MODEL_PARALLEL` at a time (default 2), each in its own world.
 #![allow(unreachable_pub)] // a test crate: its helpers are shared between its modules
 
 #[allow(dead_code)] // the shared harness; this binary uses part of it
@@ -27,6 +28,8 @@ mod ops;
 mod world;
 
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use futures::StreamExt;
 use std::time::{Duration, Instant};
 
 use ops::{Op, Stop, generate};
@@ -47,8 +50,8 @@ struct Failure {
 
 static PLAYS: AtomicU32 = AtomicU32::new(0);
 
-/// Plays `ops` in a fresh world (its own state dir and instance prefix).
-async fn play(ops: &[Op]) -> Result<(), Failure> {
+/// Plays `ops` in a fresh world (its own state dir and instance prefix); step lines carry `tag`.
+async fn play(ops: &[Op], tag: &str) -> Result<(), Failure> {
     let prefix = format!("m{}-{}", std::process::id(), PLAYS.fetch_add(1, Ordering::Relaxed));
     let mut w = World::new(prefix).await.map_err(|broke| Failure { step: None, broke, log: String::new() })?;
     for (i, op) in ops.iter().enumerate() {
@@ -60,11 +63,11 @@ async fn play(ops: &[Op]) -> Result<(), Failure> {
         match done {
             Ok(applied) => {
                 let mark = if applied { "" } else { " (skipped)" };
-                eprintln!("  {i:>2}. {op}{mark} [{} ms]", started.elapsed().as_millis());
+                eprintln!("{tag} {i:>2}. {op}{mark} [{} ms]", started.elapsed().as_millis());
             }
             Err(broke) => {
-                eprintln!("  {i:>2}. {op} FAILED: {}: {}", broke.kind, broke.what);
-                eprintln!("model:\n{}", exec::describe(&w));
+                eprintln!("{tag} {i:>2}. {op} FAILED: {}: {}", broke.kind, broke.what);
+                eprintln!("{tag} model:\n{}", exec::describe(&w));
                 return Err(Failure { step: Some(i), broke, log: w.log_tail(25) });
             }
         }
@@ -120,7 +123,7 @@ async fn shrink(ops: &[Op], first: &Failure, budget: Duration) -> (Vec<Op>, Stri
             let mut cand = cur.clone();
             cand.drain(i..(i + size).min(cand.len()));
             eprintln!("shrink: trying {} steps", cand.len());
-            match play(&cand).await {
+            match play(&cand, "shrink").await {
                 Err(f) if f.broke.kind == first.broke.kind => {
                     why = format!("{}: {}: {}", at(f.step), f.broke.kind, f.broke.what);
                     cur = match f.step {
@@ -156,18 +159,33 @@ fn seeds() -> Vec<u64> {
     CI_SEEDS.to_vec()
 }
 
+/// How many seeds play at once: each has its own server, state dir and prefix, and most of a
+/// step is waiting on the engine, so two at a time on 2 cores take little more than one.
+fn at_once() -> usize {
+    env_u64("PYBERTH_MODEL_PARALLEL").and_then(|n| usize::try_from(n).ok()).unwrap_or(2).max(1)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_lifecycle_holds_under_random_sequences() {
     let len = env_u64("PYBERTH_MODEL_LEN").and_then(|l| usize::try_from(l).ok()).unwrap_or(CI_LEN);
     let budget = Duration::from_secs(env_u64("PYBERTH_MODEL_SHRINK_S").unwrap_or(300));
-    for seed in seeds() {
-        let ops = generate(seed, len);
-        eprintln!("seed {seed}, {len} steps:");
-        let started = Instant::now();
-        let Err(first) = play(&ops).await else {
-            eprintln!("seed {seed}: held, {:.1} s", started.elapsed().as_secs_f64());
-            continue;
-        };
+    let plays = futures::stream::iter(seeds())
+        .map(|seed| async move {
+            let ops = generate(seed, len);
+            eprintln!("seed {seed}, {len} steps:");
+            let started = Instant::now();
+            let played = play(&ops, &format!("[{seed}]")).await;
+            if played.is_ok() {
+                eprintln!("seed {seed}: held, {:.1} s", started.elapsed().as_secs_f64());
+            }
+            (seed, ops, played)
+        })
+        .buffered(at_once())
+        .collect::<Vec<_>>()
+        .await;
+    // Shrunk one at a time, after every seed has played: a shrink replays alone.
+    for (seed, ops, played) in plays {
+        let Err(first) = played else { continue };
         let at = first.step.map_or("the final checks".to_owned(), |s| format!("step {s}"));
         eprintln!("seed {seed} failed at {at}; shrinking (up to {} s)", budget.as_secs());
         let (shortest, why) = shrink(&ops, &first, budget).await;
@@ -192,7 +210,7 @@ async fn a_session_that_hibernated_and_woke_survives_a_restart() {
         let ops =
             [Op::Run { s: 0, var: 1, val: 42 }, Op::Idle, Op::Check { s: 0 }, Op::Restart(how), Op::Check { s: 0 }];
         eprintln!("hibernate, wake, restart by {how:?}:");
-        if let Err(f) = play(&ops).await {
+        if let Err(f) = play(&ops, &format!("[{how:?}]")).await {
             panic!(
                 "{how:?}: step {:?}: {}: {}\n--- server log tail ---\n{}",
                 f.step, f.broke.kind, f.broke.what, f.log
