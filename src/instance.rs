@@ -364,12 +364,14 @@ impl Sweeper {
     }
 }
 
-/// The labels of sessions that left their state on disk with no container: a workspace volume
-/// whose container (of its name) is gone, or a session container that stopped (an older
-/// pyberth's, or one being removed). Orphans that saved themselves (docs/design.md D12).
+/// The labels of sessions that hold state for a next server (docs/design.md D12): a workspace
+/// volume whose container (of its name) is gone, or a session container, stopped (an older
+/// pyberth's, or one being removed) or still running: an orphan that has yet to save itself,
+/// which it does only after its server's `--adopt-grace-s` (default 600), longer than the
+/// default `--leftover-grace-s` (300) after which a server of another state dir judges by.
 fn holding(found: &container::Inventory) -> Vec<&HashMap<String, String>> {
     let named: HashSet<&str> = found.containers.iter().map(|c| c.name.as_str()).collect();
-    let stopped = found.containers.iter().filter(|c| !c.running && c.labels.contains_key(engine::LABEL_SESSION));
+    let stopped = found.containers.iter().filter(|c| c.labels.contains_key(engine::LABEL_SESSION));
     let left = found.volumes.iter().filter(|(name, l)| {
         l.contains_key(engine::LABEL_SESSION)
             && !l.contains_key(engine::snapshot::LABEL_SNAPSHOT)
@@ -592,7 +594,7 @@ mod tests {
     }
 
     #[test]
-    fn orphans_holding_their_state_are_volumes_without_their_container() {
+    fn orphans_holding_their_state_are_session_containers_and_volumes_without_theirs() {
         let session = |i: &str| {
             let mut l = labels(i, "h");
             l.insert(engine::LABEL_SESSION.into(), "s".into());
@@ -622,8 +624,9 @@ mod tests {
             holding(&inventory).iter().filter_map(|l| l.get(LABEL_INSTANCE)).map(String::as_str).collect();
         who.sort_unstable();
         who.dedup();
-        // a runs; b left its volumes; c is a snapshot; d's container stopped; e is no session's.
-        assert_eq!(who, ["b", "d"]);
+        // a runs (an orphan yet to save itself); b left its volumes; c is a snapshot; d's
+        // container stopped; e is no session's.
+        assert_eq!(who, ["a", "b", "d"]);
     }
 
     #[test]

@@ -154,7 +154,21 @@ async fn a_killed_servers_leftovers_are_swept_from_another_state_dir() {
     wait_for_heartbeat(&dead, false).await;
     assert!(!heartbeat_volumes_of(&dead).await.is_empty(), "K's volume says it had a heartbeat");
     assert_eq!(containers_of(&dead).await.len(), 1, "a SIGKILLed server cannot clean up");
-    let n = Server::start("next-elsewhere", &[w.env(), ("PYBERTH_LEFTOVER_GRACE_S", "2")]).await;
+    // K's session still runs: an orphan yet to save itself (after K's --adopt-grace-s, 600 s),
+    // holding its state for the next server of K's state dir. A server of another state dir,
+    // past its leftover grace, keeps it for its --idle-ttl-s (a day by default) from K's death
+    // (until 2026-11-26 it was removed here, before it could save itself).
+    let keeper = StateDir::new("keeper");
+    let m = Server::start("keeper-elsewhere", &[keeper.env(), ("PYBERTH_LEFTOVER_GRACE_S", "2")]).await;
+    m.ok("x", "1").await;
+    // Past its grace and the sweep it makes again then (the stop is dated at its first look).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(containers_of(&dead).await.len(), 1, "a killed server's running session was removed by another");
+    assert!(!volumes_of(&dead).await.is_empty(), "and its state with it");
+    m.stop().await;
+    // With an --idle-ttl-s of 2 s, the next server removes it.
+    let n =
+        Server::start("next-elsewhere", &[w.env(), ("PYBERTH_LEFTOVER_GRACE_S", "2"), ("PYBERTH_IDLE_TTL", "2")]).await;
     n.ok("x", "1").await;
     assert_cleaned_up(&dead).await;
     let deadline = Instant::now() + Duration::from_secs(20);
