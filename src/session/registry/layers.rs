@@ -180,7 +180,15 @@ impl Registry {
         tokio::pin!(build);
         loop {
             tokio::select! {
-                built = &mut build => return built.cloned().map_err(Error::Image),
+                built = &mut build => {
+                    // The watch keeps only the latest line: a caller that polled after a burst
+                    // of them still hears where the build got to.
+                    if lines.has_changed().unwrap_or(false) {
+                        let line = lines.borrow_and_update().clone();
+                        progress(&line);
+                    }
+                    return built.cloned().map_err(Error::Image);
+                }
                 Ok(()) = lines.changed() => {
                     let line = lines.borrow_and_update().clone();
                     progress(&line);
