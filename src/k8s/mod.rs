@@ -17,6 +17,7 @@ pub mod engine;
 pub mod labels;
 pub mod manifests;
 pub mod pod;
+pub mod sandboxes;
 
 /// The container name inside every session pod (agent-sandbox's convention too).
 pub const CONTAINER: &str = "sandbox";
