@@ -28,9 +28,9 @@ pub const POD_NAME_ANNOTATION: &str = "agents.x-k8s.io/pod-name";
 /// Claim condition reasons after which no Sandbox will come.
 const TERMINAL: [&str; 4] = ["InvalidMetadata", "EnvVarsInjectionRejected", "ClaimExpired", "SandboxExpired"];
 
-/// The `SandboxTemplate` `name` holding `pod`'s metadata and spec. Its network policy is
-/// Unmanaged: ours (deny all but the egress proxy) stays in force, where the Managed default
-/// would open the public internet.
+/// The `SandboxTemplate` `name` holding `pod`'s labels and spec. Its network policy is Managed
+/// with empty lists (deny all, as `deploy/kubernetes/40-agent-sandbox.yaml`): the Managed
+/// default would open the public internet; our own policies (the egress proxy) add to it.
 pub fn template(name: &str, pod: &Pod) -> Value {
     json!({
         "apiVersion": EXTENSIONS_API,
@@ -38,7 +38,8 @@ pub fn template(name: &str, pod: &Pod) -> Value {
         "metadata": { "name": name },
         "spec": {
             "podTemplate": { "metadata": pod.metadata.labels.as_ref().map(|l| json!({ "labels": l })), "spec": pod.spec },
-            "networkPolicyManagement": "Unmanaged",
+            "networkPolicyManagement": "Managed",
+            "networkPolicy": { "ingress": [], "egress": [] },
         },
     })
 }

@@ -84,7 +84,8 @@ fn a_claim_names_the_pool_and_carries_no_env_or_volumes() {
 fn template_and_pool_reference_each_other() {
     let t = template("pyberth-python", &pod("x", &BTreeMap::new(), "Pending"));
     assert_eq!(t["kind"], "SandboxTemplate");
-    assert_eq!(t["spec"]["networkPolicyManagement"], "Unmanaged");
+    assert_eq!(t["spec"]["networkPolicyManagement"], "Managed");
+    assert_eq!(t["spec"]["networkPolicy"]["egress"], json!([]), "the Managed default would open the internet");
     let p = warm_pool("pyberth-python", "pyberth-python", 3);
     assert_eq!(p["spec"]["replicas"], 3);
     assert_eq!(p["spec"]["sandboxTemplateRef"]["name"], "pyberth-python");
