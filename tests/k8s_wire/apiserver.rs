@@ -186,7 +186,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     let path = req.uri().path().to_owned();
     state.seen.lock().expect("seen").push(format!("{} {}", req.method(), req.uri()));
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-    if parts.first() == Some(&"apis") && !state.opts.forbid {
+    if parts.first() == Some(&"apis") {
         let fallback = status(StatusCode::NOT_FOUND, "NotFound", &format!("the server could not find {path}"));
         return Ok(super::crds::handle(&state, &parts, req).await.unwrap_or(fallback));
     }

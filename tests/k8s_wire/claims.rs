@@ -130,3 +130,13 @@ async fn an_expired_claim_fails_fast() {
     assert!(e.to_string().contains("ClaimExpired") && t.elapsed() < Duration::from_secs(2), "{e}");
     sim.stop().await;
 }
+
+#[tokio::test]
+async fn a_claim_refused_by_rbac_says_what_to_grant() {
+    let (sim, cluster, _) = super::start(Options { forbid: true, ..Options::default() }).await;
+    let sandboxes = Sandboxes::new(&cluster);
+    let e = sandboxes.claim("c1", "pyberth-python", &ours("s1", "a"), "2026-11-26T23:00:00Z").await.expect_err("403");
+    let text = e.to_string();
+    assert!(text.contains("create sandboxclaims") && text.contains("10-rbac.yaml"), "{text}");
+    sim.stop().await;
+}

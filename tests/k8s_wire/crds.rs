@@ -28,6 +28,13 @@ pub(crate) async fn handle(state: &State, parts: &[&str], req: Request<Incoming>
     if !SERVED.contains(&(gv.as_str(), *plural)) {
         return None;
     }
+    if state.opts.forbid {
+        let message = format!(
+            "{plural} is forbidden: User \"system:serviceaccount:pyberth:pyberth\" cannot {} resource \"{plural}\" in API group \"{group}\" in the namespace \"pyberth\"",
+            req.method().as_str().to_lowercase()
+        );
+        return Some(status(StatusCode::FORBIDDEN, "Forbidden", &message));
+    }
     let method = req.method().as_str().to_owned();
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
