@@ -10,8 +10,12 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
-use kube::api::{AttachParams, AttachedProcess, DeleteParams, ListParams, PostParams, WatchEvent, WatchParams};
+use kube::api::{
+    ApiResource, AttachParams, AttachedProcess, DeleteParams, DynamicObject, ListParams, PostParams, WatchEvent,
+    WatchParams,
+};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::core::GroupVersionKind;
 use kube::{Api, Client, Config};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -73,6 +77,14 @@ pub enum Error {
         pod: String,
         /// Its phase.
         phase: String,
+    },
+    /// A SandboxClaim will not be served, or named a pod that is not its session's.
+    #[error("sandbox claim {claim}: {reason}")]
+    Claim {
+        /// The claim.
+        claim: String,
+        /// What agent-sandbox said, or why we refused its pod.
+        reason: String,
     },
     /// The kubeconfig or the in-cluster environment could not be read.
     #[error("cannot find the Kubernetes cluster: {0}")]
@@ -188,7 +200,15 @@ impl Cluster {
         Self { pods: Api::namespaced(client, namespace), namespace: namespace.to_owned() }
     }
 
-    fn error(&self, doing: impl Into<String>) -> impl FnOnce(kube::Error) -> Error + '_ {
+    /// The namespaced API of a custom resource (agent-sandbox's) as dynamic objects.
+    pub fn custom(&self, api_version: &str, kind: &str, plural: &str) -> Api<DynamicObject> {
+        let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+        let resource = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural);
+        Api::namespaced_with(self.pods.clone().into_client(), &self.namespace, &resource)
+    }
+
+    /// Turns a kube-rs failure while `doing` into ours (403 and 401 said for the operator).
+    pub(crate) fn error(&self, doing: impl Into<String>) -> impl FnOnce(kube::Error) -> Error + '_ {
         let doing = doing.into();
         move |e| match e {
             kube::Error::Api(s) if s.code == 403 => {

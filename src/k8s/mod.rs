@@ -3,17 +3,21 @@
 //! - `pod`: the hardened pod spec of a session, mapped from the settings our Docker containers
 //!   get (docs/kubernetes.md, the table of /work/shared research §2.4).
 //! - `labels`: our labels in the syntax Kubernetes accepts.
+//! - `claims`: agent-sandbox mode's objects (template, warm pool, claim) and the check that a
+//!   claim's pod is this session's before anything execs into it (not wired in yet).
 //! - `cluster`: the kube-rs client side: create, wait Running, exec (the agent relay over the
 //!   pods/exec websocket), list by label, delete; API refusals turned into clear errors.
 //! - `engine`: the owners' `Engine` seam over those: session containers as pods, execs as
 //!   pods/exec, volumes as records, the rest refused as not supported yet.
 //! - `manifests`: the checked-in `deploy/kubernetes/` files, parsed and checked by the tests.
 
+pub mod claims;
 pub mod cluster;
 pub mod engine;
 pub mod labels;
 pub mod manifests;
 pub mod pod;
+pub mod sandboxes;
 
 /// The container name inside every session pod (agent-sandbox's convention too).
 pub const CONTAINER: &str = "sandbox";

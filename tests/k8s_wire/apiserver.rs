@@ -66,7 +66,9 @@ pub(crate) struct State {
     /// This simulator's id: its containers' label and names.
     pub(crate) sim: String,
     pub(crate) pods: Mutex<BTreeMap<String, Stored>>,
-    version: AtomicU64,
+    pub(crate) version: AtomicU64,
+    /// agent-sandbox's objects by (plural, name) (`crds.rs`).
+    pub(crate) objects: Mutex<BTreeMap<(String, String), Value>>,
     /// Every event so far (version, type, pod), for watches that start from a version.
     log: Mutex<Vec<(u64, &'static str, Pod)>>,
     events: broadcast::Sender<(u64, &'static str, Pod)>,
@@ -93,6 +95,7 @@ impl Sim {
             sim,
             pods: Mutex::default(),
             version: AtomicU64::new(100),
+            objects: Mutex::default(),
             log: Mutex::default(),
             events,
             watches_dropped: AtomicUsize::new(0),
@@ -183,6 +186,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     let path = req.uri().path().to_owned();
     state.seen.lock().expect("seen").push(format!("{} {}", req.method(), req.uri()));
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    if parts.first() == Some(&"apis") {
+        let fallback = status(StatusCode::NOT_FOUND, "NotFound", &format!("the server could not find {path}"));
+        return Ok(super::crds::handle(&state, &parts, req).await.unwrap_or(fallback));
+    }
     let Some(rest) = parts.strip_prefix(&["api", "v1", "namespaces", "pyberth", "pods"]) else {
         return Ok(status(StatusCode::NOT_FOUND, "NotFound", &format!("the server could not find {path}")));
     };
@@ -219,7 +226,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
 
 impl State {
     /// Stores `pod` under a new resourceVersion and tells the watches.
-    fn record(&self, kind: &'static str, mut pod: Pod) -> Pod {
+    pub(crate) fn record(&self, kind: &'static str, mut pod: Pod) -> Pod {
         let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         pod.metadata.resource_version = Some(version.to_string());
         self.log.lock().expect("log").push((version, kind, pod.clone()));
@@ -227,7 +234,7 @@ impl State {
         pod
     }
 
-    fn set_phase(&self, name: &str, phase: &str, container: Option<String>) {
+    pub(crate) fn set_phase(&self, name: &str, phase: &str, container: Option<String>) {
         let mut pods = self.pods.lock().expect("pods");
         let Some(stored) = pods.get_mut(name) else { return };
         let mut pod = stored.pod.clone();

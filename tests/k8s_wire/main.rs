@@ -5,6 +5,8 @@
 
 mod adopt;
 mod apiserver;
+mod claims;
+mod crds;
 mod docker_pod;
 mod exec;
 mod serve;
