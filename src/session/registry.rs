@@ -67,6 +67,10 @@ pub struct Registry {
     pool: Arc<Mutex<Vec<super::Prepared>>>,
     /// Wakes the pool keeper when a container was asked for.
     pool_wake: Arc<tokio::sync::Notify>,
+    /// Pooled containers being made, and how many new sessions wait for one (`pool.rs`).
+    pool_coming: Mutex<pool::Coming>,
+    /// Wakes those waiting sessions when the keeper finished making one.
+    pool_ready: tokio::sync::Notify,
     /// Recent asks for pooled containers, which set the pool's target (`pool.rs`).
     demand: Arc<Mutex<pool::Demand>>,
     /// Snapshots of every principal (issue 18).
@@ -172,6 +176,8 @@ impl Registry {
             runs: Mutex::new(HashMap::new()),
             pool: Arc::default(),
             pool_wake: Arc::default(),
+            pool_coming: Mutex::default(),
+            pool_ready: tokio::sync::Notify::new(),
             demand,
             snapshots,
             ended: Mutex::new(HashMap::new()),

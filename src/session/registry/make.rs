@@ -27,7 +27,7 @@ impl Registry {
         // Never with egress: a pooled container has no network to put the proxy on (and one
         // popped here would be left running).
         let taken = if env.name == self.environments.default_name() && !with_egress {
-            let taken = self.pool_pop();
+            let taken = self.pool_pop_or_wait().await;
             self.metrics.pool_take(taken.is_some());
             taken
         } else {

@@ -19,6 +19,47 @@ pub(crate) const AT_ONCE: usize = 4;
 /// First pause after a failed make; it doubles up to [`LONGEST_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_secs(10);
 const LONGEST_BACKOFF: Duration = Duration::from_secs(600);
+/// Longest a new session waits for a pooled container being made before making its own.
+const LONGEST_WAIT: Duration = Duration::from_secs(30);
+
+/// Pooled containers being made, and how many of them new sessions already wait for. At
+/// start the first call comes while the keeper makes its first container: two creates at once
+/// on a small machine each take longer, so the session waits for that one instead.
+#[derive(Debug, Default)]
+pub(crate) struct Coming {
+    making: usize,
+    promised: usize,
+}
+
+impl Coming {
+    /// Promises one container being made to a new session; false when each is promised.
+    pub(crate) fn claim(&mut self) -> bool {
+        let free = self.making > self.promised;
+        self.promised += usize::from(free);
+        free
+    }
+
+    /// Whether a claim waited on in vain: fewer being made than promised (one failed, or was
+    /// taken by a wake or a session that did not wait). Its holder makes its own.
+    pub(crate) fn broken(&self) -> bool {
+        self.making < self.promised
+    }
+
+    /// A claim ends (served or not).
+    pub(crate) fn release(&mut self) {
+        self.promised = self.promised.saturating_sub(1);
+    }
+}
+
+/// A session's claim on a container being made; released however the wait ends (a dropped
+/// call included), so no promise outlives its waiter.
+struct Claim<'a>(&'a Mutex<Coming>);
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).release();
+    }
+}
 
 /// Recent demand for pooled containers: new sessions per [`INTERVAL`], and the peak count,
 /// halving each [`HALF_LIFE`] since an interval last reached it.
@@ -99,6 +140,56 @@ impl Registry {
         taken
     }
 
+    /// [`Registry::pool_pop`], or else the container the keeper is making that no other new
+    /// session waits for yet (see [`Coming`]); `None` when there is none, it went elsewhere,
+    /// or it took longer than [`LONGEST_WAIT`].
+    pub(super) async fn pool_pop_or_wait(&self) -> Option<crate::session::Prepared> {
+        if let Some(p) = self.pool_pop() {
+            return Some(p);
+        }
+        if !self.coming().claim() {
+            return None;
+        }
+        let _claim = Claim(&self.pool_coming);
+        let wait = async {
+            loop {
+                let ready = self.pool_ready.notified();
+                tokio::pin!(ready);
+                ready.as_mut().enable();
+                {
+                    // The keeper pushes and counts under this lock: both read together.
+                    let coming = self.coming();
+                    let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+                    if taken.is_some() || coming.broken() {
+                        return taken;
+                    }
+                }
+                ready.await;
+            }
+        };
+        let taken = tokio::time::timeout(LONGEST_WAIT, wait).await.ok().flatten();
+        tracing::debug!(served = taken.is_some(), "waited for the pooled container being made");
+        self.pool_wake.notify_one();
+        taken
+    }
+
+    fn coming(&self) -> std::sync::MutexGuard<'_, Coming> {
+        self.pool_coming.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The keeper's count: `made` (when one was) goes into the pool, `making` are under way;
+    /// the sessions waiting look again.
+    fn pool_update(&self, made: Option<crate::session::Prepared>, making: usize) {
+        {
+            let mut coming = self.coming();
+            if let Some(p) = made {
+                self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+            }
+            coming.making = making;
+        }
+        self.pool_ready.notify_waiters();
+    }
+
     /// Keeps the warm pool at the demand's target until `shutdown` fires, making up to
     /// [`AT_ONCE`] containers at a time and removing the surplus as the target falls; then
     /// removes what is left in the pool and what was being made.
@@ -130,6 +221,7 @@ impl Registry {
                 serial += 1;
                 making.spawn(self.clone().make_pooled(env.clone(), format!("pool-{serial}"), shutdown.clone()));
             }
+            self.pool_update(None, making.len());
             if !preloaded && making.is_empty() && held >= target {
                 // Once the pool is full: the layer store's listing, so that the first new
                 // session asking for a cached set waits for nothing but its pooled container.
@@ -148,19 +240,25 @@ impl Registry {
                 _ = shutdown.cancelled() => break,
                 () = self.pool_wake.notified() => {}
                 () = later => {}
-                Some(done) = making.join_next() => match done {
-                    Ok(Ok(Some(p))) => {
-                        self.pool.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-                        (backoff, retry_at) = (FIRST_BACKOFF, None);
-                    }
-                    Ok(Ok(None)) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "cannot fill the warm pool; retrying in {} s", backoff.as_secs());
-                        retry_at = Some(Instant::now() + backoff);
-                        backoff = (backoff * 2).min(LONGEST_BACKOFF);
-                    }
-                    Err(e) => tracing::warn!(error = %e, "a warm pool container's making failed"),
-                },
+                Some(done) = making.join_next() => {
+                    let made = match done {
+                        Ok(Ok(made)) => {
+                            (backoff, retry_at) = (FIRST_BACKOFF, None);
+                            made
+                        }
+                        Ok(Err(e)) => {
+                            tracing::warn!(error = %e, "cannot fill the warm pool; retrying in {} s", backoff.as_secs());
+                            retry_at = Some(Instant::now() + backoff);
+                            backoff = (backoff * 2).min(LONGEST_BACKOFF);
+                            None
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "a warm pool container's making failed");
+                            None
+                        }
+                    };
+                    self.pool_update(made, making.len());
+                }
             }
         }
         // What is being made is finished (a container dropped half-made is one nobody would
@@ -170,6 +268,8 @@ impl Registry {
                 p.destroy(&self.docker).await;
             }
         }
+        // Sessions still waiting make their own.
+        self.pool_update(None, 0);
         self.drain_pool().await;
     }
 
@@ -236,6 +336,23 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_container_being_made_is_promised_to_one_session_at_most() {
+        let mut c = Coming { making: 2, promised: 0 };
+        assert!(c.claim() && c.claim());
+        assert!(!c.claim(), "two being made, two promised: a third session makes its own");
+        assert!(!c.broken());
+        // One is made and taken by its waiter (pushed, counted, popped, released).
+        c.making = 1;
+        c.release();
+        assert!(!c.broken(), "the other is still coming for the other waiter");
+        // The last one fails: its waiter stops waiting.
+        c.making = 0;
+        assert!(c.broken());
+        c.release();
+        assert!(!c.broken() && !c.claim(), "nothing being made: nothing to claim");
+    }
 
     fn at(start: Instant, secs: u64) -> Instant {
         start + Duration::from_secs(secs)
