@@ -47,6 +47,30 @@ impl Session {
         })
     }
 
+    /// Right after an adoption: reaches the interpreter the stopped server left, so that the
+    /// session's first call does not wait for the attach (issue 29, reattach). What the attach
+    /// finds (another interpreter, a restore) is said by that first call, as if it had made it.
+    pub(crate) async fn preattach(&self) {
+        let mut inner = self.inner.lock().await;
+        // A call came first and attached, or the container went: the first call does it.
+        if inner.agent.is_some() || inner.reattach_pid.is_none() || inner.sleeping.is_some() {
+            return;
+        }
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        match self.ensure_agent(&mut inner).await {
+            Ok(None) => {}
+            Ok(Some(notice)) => {
+                inner.pending.push(notice);
+                inner.pending_lost = true;
+            }
+            Err(e) => {
+                tracing::info!(session = %self.name, error = %e, "no attach ahead of the first call; it tries again")
+            }
+        }
+    }
+
     /// After a new agent answered where an earlier one was expected: the state the earlier
     /// one saved for a next server, restored; else the notice that its state is gone.
     pub(super) async fn after_reattach(&self, inner: &mut Inner) -> Option<String> {

@@ -69,6 +69,9 @@ pub struct Registry {
     pool_wake: Arc<tokio::sync::Notify>,
     /// Pooled containers being made, and how many new sessions wait for one (`pool.rs`).
     pool_coming: Mutex<pool::Coming>,
+    /// Adopted sessions being reattached ahead of their first call (`adopt.rs`); aborted at
+    /// shutdown.
+    attaching: Mutex<tokio::task::JoinSet<()>>,
     /// Wakes those waiting sessions when the keeper finished making one.
     pool_ready: tokio::sync::Notify,
     /// Recent asks for pooled containers, which set the pool's target (`pool.rs`).
@@ -177,6 +180,7 @@ impl Registry {
             pool: Arc::default(),
             pool_wake: Arc::default(),
             pool_coming: Mutex::default(),
+            attaching: Mutex::default(),
             pool_ready: tokio::sync::Notify::new(),
             demand,
             snapshots,

@@ -100,6 +100,10 @@ impl Registry {
             kept_volumes.extend(taken.volumes);
             if late_one && taken.running {
                 asleep_now.push(taken.session.clone());
+            } else if taken.running {
+                // Off the first call's path: the rest of the start runs meanwhile.
+                let s = taken.session.clone();
+                self.attaching.lock().unwrap_or_else(|e| e.into_inner()).spawn(async move { s.preattach().await });
             }
             if let Some(env) = taken.takeover {
                 with_egress.push((taken.session.clone(), env));
