@@ -223,7 +223,15 @@ async fn fork_and_wake(server: &Server, table: &mut Table) -> anyhow::Result<()>
 /// sessions stops, the next one of the same state dir and instance adopts them, and its first
 /// call reaches the same interpreter through a new relay. The second call after the restart
 /// is the floor: the same run with the relay in place, so the difference is the reattach.
-pub(super) async fn durable_reattach(cfg: &SandboxConfig, instance: &str, table: &mut Table) -> anyhow::Result<()> {
+/// Beside it the engine's own floor for it: one exec of `true`, created, started and attached
+/// to its end (no relay, no interpreter), in a container of the same image.
+pub(super) async fn durable_reattach(
+    docker: &dyn Engine,
+    cfg: &SandboxConfig,
+    img: &str,
+    instance: &str,
+    table: &mut Table,
+) -> anyhow::Result<()> {
     let state = std::env::temp_dir().join(format!("pyberth-bench-reattach-{}", std::process::id()));
     std::fs::create_dir_all(&state)?;
     let env = [
@@ -236,9 +244,19 @@ pub(super) async fn durable_reattach(cfg: &SandboxConfig, instance: &str, table:
         let mut server = Server::start(cfg, &name, &env).await?;
         server.run("kept", "x = 42\nimport threading", &[]).await?;
         let (mut firsts, mut seconds, mut reattach) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..5 {
+        let mut later = Vec::new();
+        for round in 0..8 {
             server.stop().await;
             server = Server::start(cfg, &name, &env).await?;
+            // The last three: a client that calls a second after the restart, by which time
+            // the server has attached in the background.
+            if round >= 5 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let t = Instant::now();
+                server.run("kept", "x", &[]).await?;
+                later.push(t.elapsed());
+                continue;
+            }
             let t = Instant::now();
             let text = server.run("kept", "x", &[]).await?;
             let first = t.elapsed();
@@ -255,6 +273,9 @@ pub(super) async fn durable_reattach(cfg: &SandboxConfig, instance: &str, table:
         table.add("first run_python after a server restart (reattach)", &mut firsts, String::new());
         table.add("  floor: the next run_python, relay in place", &mut seconds, String::new());
         table.add("  reattach itself (first minus next)", &mut reattach, "target 50 ms".into());
+        table.add("first run_python 1 s after a server restart", &mut later, String::new());
+        let mut execs = exec_floor(docker, cfg, img).await?;
+        table.add("  floor: one docker exec (create, start, attach, end)", &mut execs, String::new());
         // The last server stops for good: no next one adopts.
         server.tool("close_session", json!({"session": "kept"})).await?;
         server.stop().await;
@@ -263,4 +284,21 @@ pub(super) async fn durable_reattach(cfg: &SandboxConfig, instance: &str, table:
     .await;
     let _ = std::fs::remove_dir_all(&state);
     measured
+}
+
+/// Five execs of `true` in a fresh container of the sandbox image, each timed to its end.
+async fn exec_floor(docker: &dyn Engine, cfg: &SandboxConfig, img: &str) -> anyhow::Result<Vec<Duration>> {
+    let id = floor_container(docker, img, cfg.runtime.as_deref()).await?;
+    let mut times = Vec::new();
+    let timed = async {
+        for _ in 0..5 {
+            let t = Instant::now();
+            super::floors::exec_to_end(docker, &id, vec!["true"]).await?;
+            times.push(t.elapsed());
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    remove(docker, &id).await;
+    timed.map(|()| times)
 }

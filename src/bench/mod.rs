@@ -146,7 +146,7 @@ pub(crate) async fn run(
         let r = match r {
             Ok(()) => {
                 table.step("reattach after a server restart");
-                durable::durable_reattach(&cfg, &instance, &mut table).await
+                durable::durable_reattach(&docker, &cfg, &img, &instance, &mut table).await
             }
             e => e,
         };
@@ -227,7 +227,7 @@ async fn whole(
         table.step("durable sessions: snapshot, restore, fork, wake");
         durable::durable(docker, cfg, img, instance, table).await?;
         table.step("reattach after a server restart");
-        durable::durable_reattach(cfg, instance, table).await?;
+        durable::durable_reattach(docker, cfg, img, instance, table).await?;
     }
     Ok(())
 }
