@@ -10,7 +10,7 @@ use crate::docker::EngineRef;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{EngineKind, SandboxConfig};
+use crate::config::{EngineKind, K8sMode, SandboxConfig};
 use crate::docker;
 use crate::docker::engine::EngineFacts;
 use crate::instance::Instance;
@@ -89,6 +89,12 @@ pub fn settle_for_kubernetes(cfg: &mut SandboxConfig) {
         tracing::info!("hibernation is off: not supported on Kubernetes yet");
         cfg.hibernate_after_s = 0;
     }
+    // agent-sandbox's warm pools (`k8s_warm_pool`) take the place of ours: each pooled
+    // container of ours would be a claim held on a warm sandbox, two pools for one.
+    if cfg.k8s_mode == K8sMode::AgentSandbox && cfg.pool_size > 0 {
+        tracing::info!("pool_size is off: agent-sandbox's warm pools (k8s_warm_pool) keep sandboxes ready");
+        cfg.pool_size = 0;
+    }
 }
 
 /// The Kubernetes engine of the settings: their namespace, kubeconfig and context reached.
@@ -98,9 +104,13 @@ async fn kubernetes(cfg: &SandboxConfig) -> Result<crate::k8s::engine::KubeEngin
         context: cfg.k8s_context.clone(),
         namespace: cfg.k8s_namespace.clone(),
     };
-    crate::k8s::engine::KubeEngine::connect(&at, cfg.k8s_runtime_class.clone())
+    let engine = crate::k8s::engine::KubeEngine::connect(&at, cfg.k8s_runtime_class.clone())
         .await
-        .map_err(|e| Error::Engine(e.to_string()))
+        .map_err(|e| Error::Engine(e.to_string()))?;
+    Ok(match cfg.k8s_mode {
+        K8sMode::Pods => engine,
+        K8sMode::AgentSandbox => engine.agent_sandbox(cfg.k8s_warm_pool, cfg.uid_range.first),
+    })
 }
 
 /// What a Kubernetes engine is, for the owners: the runtime is the pods' RuntimeClass, the
@@ -108,7 +118,11 @@ async fn kubernetes(cfg: &SandboxConfig) -> Result<crate::k8s::engine::KubeEngin
 fn kubernetes_facts(cfg: &SandboxConfig, voice: Voice) -> EngineFacts {
     let runtime = cfg.k8s_runtime_class.clone().unwrap_or_else(|| "the cluster's default".into());
     if voice == Voice::Loud {
-        tracing::info!(namespace = %cfg.k8s_namespace, runtime_class = %runtime, "sandboxes are pods of a Kubernetes cluster (plain Pods)");
+        let mode = match cfg.k8s_mode {
+            K8sMode::Pods => "plain Pods",
+            K8sMode::AgentSandbox => "agent-sandbox claims",
+        };
+        tracing::info!(namespace = %cfg.k8s_namespace, runtime_class = %runtime, mode, "sandboxes are pods of a Kubernetes cluster");
     }
     let gvisor = cfg.k8s_runtime_class.as_deref().is_some_and(|r| r.contains("gvisor") || r.starts_with("runsc"));
     EngineFacts {

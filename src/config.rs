@@ -82,6 +82,22 @@ pub enum EngineKind {
     Kubernetes,
 }
 
+/// How the Kubernetes engine gets a session's pod (`--k8s-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum K8sMode {
+    /// Pods made by pyberth itself, and its own warm pool of them.
+    #[default]
+    Pods,
+    /// kubernetes-sigs/agent-sandbox: a SandboxTemplate and SandboxWarmPool per environment,
+    /// a SandboxClaim per session (docs/kubernetes.md).
+    AgentSandbox,
+}
+
+fn default_warm_pool() -> u32 {
+    2
+}
+
 /// Which tools the MCP server offers (`--tools`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -107,6 +123,18 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_ENGINE", value_enum, default_value_t = EngineKind::Docker)]
     #[serde(default)]
     pub engine: EngineKind,
+
+    /// Kubernetes: `pods` (pyberth makes each session's pod) or `agent-sandbox` (a claim per
+    /// session on agent-sandbox's warm pools; pyberth keeps no pool of its own then).
+    #[arg(long, env = "PYBERTH_K8S_MODE", value_enum, default_value_t = K8sMode::Pods)]
+    #[serde(default)]
+    pub k8s_mode: K8sMode,
+
+    /// Kubernetes, agent-sandbox mode: sandboxes each environment's SandboxWarmPool keeps
+    /// ready (at least 1: a claim must name a warm pool).
+    #[arg(long, env = "PYBERTH_K8S_WARM_POOL", default_value_t = 2)]
+    #[serde(default = "default_warm_pool")]
+    pub k8s_warm_pool: u32,
 
     /// Kubernetes: the namespace of session pods.
     #[arg(long, env = "PYBERTH_K8S_NAMESPACE", default_value = "pyberth")]
@@ -436,6 +464,11 @@ impl SandboxConfig {
                 && self.k8s_namespace.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
             "--k8s-namespace",
             "must be a Kubernetes namespace name: 1 to 63 lowercase letters, digits or dashes",
+        )?;
+        check(
+            (1..=100).contains(&self.k8s_warm_pool),
+            "--k8s-warm-pool",
+            "must be 1 to 100 (sandboxes kept ready per environment; a claim must name a warm pool)",
         )?;
         if let Some(instance) = &self.instance {
             check(

@@ -15,7 +15,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 
 use super::labels;
 
@@ -25,23 +27,54 @@ pub const SANDBOX_API: &str = "agents.x-k8s.io/v1beta1";
 pub const EXTENSIONS_API: &str = "extensions.agents.x-k8s.io/v1beta1";
 /// The annotation on a Sandbox that names its pod.
 pub const POD_NAME_ANNOTATION: &str = "agents.x-k8s.io/pod-name";
+/// Label on the templates and warm pools we make (a restart finds them; nothing else is ours).
+pub const MANAGED: &str = "pyberth.managed";
 /// Claim condition reasons after which no Sandbox will come.
 const TERMINAL: [&str; 4] = ["InvalidMetadata", "EnvVarsInjectionRejected", "ClaimExpired", "SandboxExpired"];
 
-/// The `SandboxTemplate` `name` holding `pod`'s labels and spec. Its network policy is Managed
-/// with empty lists (deny all, as `deploy/kubernetes/40-agent-sandbox.yaml`): the Managed
-/// default would open the public internet; our own policies (the egress proxy) add to it.
+/// The `SandboxTemplate` `name` holding `pod`'s spec and its fixed `pyberth.io/` labels (a
+/// session's own labels come with its claim). Its network policy is Managed with empty lists
+/// (deny all, as `deploy/kubernetes/40-agent-sandbox.yaml`): the Managed default would open
+/// the public internet; our own policies (the egress proxy) add to it.
 pub fn template(name: &str, pod: &Pod) -> Value {
+    let fixed: BTreeMap<&String, &String> =
+        pod.metadata.labels.iter().flatten().filter(|(k, _)| k.starts_with("pyberth.io/")).collect();
     json!({
         "apiVersion": EXTENSIONS_API,
         "kind": "SandboxTemplate",
-        "metadata": { "name": name },
+        "metadata": { "name": name, "labels": { MANAGED: "true" } },
         "spec": {
-            "podTemplate": { "metadata": pod.metadata.labels.as_ref().map(|l| json!({ "labels": l })), "spec": pod.spec },
+            "podTemplate": { "metadata": { "labels": fixed }, "spec": pod.spec },
             "networkPolicyManagement": "Managed",
             "networkPolicy": { "ingress": [], "egress": [] },
         },
     })
+}
+
+/// The template a session pod belongs to: the pod with what a claim carries taken out (name,
+/// annotations, its session's labels) and its uid set to `uid`, and the template's name,
+/// `pyberth-env-` and 10 hex digits of the SHA-256 of that. Sessions whose pods differ only
+/// in what a claim carries share one template and one warm pool; any other difference
+/// (image, limits, workspace size, runtime class) is another template. The uid is the
+/// template's, not the session's: a claim cannot carry one without a cold start.
+pub fn template_of(pod: &Pod, uid: u32) -> (String, Pod) {
+    let mut t = pod.clone();
+    let fixed = t.metadata.labels.take().unwrap_or_default().into_iter().filter(|(k, _)| k.starts_with("pyberth.io/"));
+    t.metadata = ObjectMeta { labels: Some(fixed.collect()), ..Default::default() };
+    let id = Some(i64::from(uid));
+    if let Some(spec) = t.spec.as_mut() {
+        if let Some(sc) = spec.security_context.as_mut() {
+            (sc.run_as_user, sc.run_as_group, sc.fs_group) = (id, id, id);
+        }
+        for c in &mut spec.containers {
+            if let Some(sc) = c.security_context.as_mut() {
+                (sc.run_as_user, sc.run_as_group) = (id, id);
+            }
+        }
+    }
+    let digest = Sha256::digest(serde_json::to_vec(&t).unwrap_or_default());
+    let hex: String = digest.iter().take(5).map(|b| format!("{b:02x}")).collect();
+    (format!("pyberth-env-{hex}"), t)
 }
 
 /// The `SandboxWarmPool` `name` of `replicas` sandboxes from template `template`.
@@ -120,10 +153,17 @@ pub enum Refused {
 /// Whether `pod` may serve the claim that asked for `ours`: every one of those labels on it
 /// with the same (valid) value, and running.
 pub fn check_pod(pod: &Pod, ours: &BTreeMap<String, String>) -> Result<(), Refused> {
+    let want: BTreeMap<String, String> = ours.iter().map(|(k, v)| (k.clone(), labels::value(v))).collect();
+    check_labels(pod, &want)
+}
+
+/// Whether `pod` may serve a claim labelled `want` (label values as the claim carries them,
+/// already valid): each of them on the pod with the same value, and running.
+pub fn check_labels(pod: &Pod, want: &BTreeMap<String, String>) -> Result<(), Refused> {
     let name = pod.metadata.name.clone().unwrap_or_default();
     let have = pod.metadata.labels.clone().unwrap_or_default();
-    for (k, v) in ours {
-        if have.get(k) != Some(&labels::value(v)) {
+    for (k, v) in want {
+        if have.get(k) != Some(v) {
             return Err(Refused::NotOurs { pod: name, label: k.clone() });
         }
     }

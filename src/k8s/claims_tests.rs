@@ -90,3 +90,60 @@ fn template_and_pool_reference_each_other() {
     assert_eq!(p["spec"]["replicas"], 3);
     assert_eq!(p["spec"]["sandboxTemplateRef"]["name"], "pyberth-python");
 }
+
+fn session_pod(name: &str, uid: u32, session: &str, owner: &str, memory_mb: u64) -> Pod {
+    let spec = crate::docker::container::Spec {
+        memory_mb,
+        cpus: 1.0,
+        pids: 256,
+        tmp_mb: 64,
+        workspace_mb: Some(64),
+        uid_range: Default::default(),
+        sandboxing: Default::default(),
+        mounts: Vec::new(),
+        network: None,
+        orphan_after: std::time::Duration::from_secs(600),
+    };
+    let settings = crate::k8s::pod::PodSettings { ephemeral_mb: 256, ..Default::default() };
+    crate::k8s::pod::pod(&spec, &settings, "pyberth-python:t", name, uid, &ours(session, owner)).expect("a pod")
+}
+
+#[test]
+fn sessions_that_differ_only_in_what_a_claim_carries_share_a_template() {
+    let a = session_pod("pyberth-a", 100_001, "s1", "alice@example.com", 512);
+    let b = session_pod("pyberth-b", 100_002, "s2", "bob@example.com", 512);
+    let (name_a, t) = template_of(&a, 100_000);
+    let (name_b, _) = template_of(&b, 100_000);
+    assert_eq!(name_a, name_b, "name, uid, session and principal are not the environment");
+    assert!(name_a.starts_with("pyberth-env-") && name_a.len() == "pyberth-env-".len() + 10, "{name_a}");
+    // Anything else is another environment: another template and pool.
+    let (bigger, _) = template_of(&session_pod("pyberth-c", 100_003, "s3", "alice@example.com", 1024), 100_000);
+    assert_ne!(name_a, bigger);
+    let (other_uid, _) = template_of(&a, 100_500);
+    assert_ne!(name_a, other_uid, "the template's uid is part of it");
+    // The template runs as the uid given, carries no session's labels, no name, no notes.
+    let spec = t.spec.as_ref().expect("spec");
+    let psc = spec.security_context.as_ref().expect("pod security");
+    assert_eq!((psc.run_as_user, psc.run_as_group, psc.fs_group), (Some(100_000), Some(100_000), Some(100_000)));
+    let sc = spec.containers[0].security_context.as_ref().expect("container security");
+    assert_eq!(
+        (sc.run_as_user, sc.run_as_non_root, sc.read_only_root_filesystem),
+        (Some(100_000), Some(true), Some(true))
+    );
+    assert!(t.metadata.name.is_none() && t.metadata.annotations.is_none(), "{:?}", t.metadata);
+    let labels = t.metadata.labels.clone().unwrap_or_default();
+    assert!(!labels.is_empty() && labels.keys().all(|k| k.starts_with("pyberth.io/")), "{labels:?}");
+    let v = template(&name_a, &t);
+    assert_eq!(v["spec"]["podTemplate"]["metadata"]["labels"], json!(labels));
+    assert_eq!(v["metadata"]["labels"][MANAGED], "true");
+}
+
+#[test]
+fn labels_are_checked_as_the_claim_carries_them() {
+    let want = labels::split(&ours("s1", "alice@example.com")).0;
+    assert!(want["pyberth.owner"].starts_with("h-"));
+    let p = pod("p", &ours("s1", "alice@example.com"), "Running");
+    assert_eq!(check_labels(&p, &want), Ok(()), "a hashed value is compared as it is, not hashed again");
+    let other = pod("p", &ours("s1", "bob@example.com"), "Running");
+    assert!(matches!(check_labels(&other, &want), Err(Refused::NotOurs { .. })));
+}

@@ -17,6 +17,7 @@
 //!   networks, image builds and pulls are refused with a "not supported on Kubernetes yet"
 //!   error, which reaches the caller as a tool error.
 
+mod claimed;
 mod seam;
 pub mod translate;
 
@@ -99,6 +100,8 @@ pub struct KubeEngine {
     cluster: Cluster,
     settings: PodSettings,
     records: Arc<Mutex<Records>>,
+    /// agent-sandbox mode: sessions are claims (`claimed.rs`); `None`: plain Pods.
+    claimed: Option<Arc<claimed::Claimed>>,
 }
 
 /// A Docker-style error (the owners read its status codes).
@@ -141,7 +144,21 @@ impl KubeEngine {
     pub async fn connect(at: &Connect, runtime_class: Option<String>) -> Result<Self, cluster::Error> {
         let cluster = Cluster::connect(at).await?;
         let settings = PodSettings { runtime_class, ephemeral_mb: EPHEMERAL_MB, ..Default::default() };
-        Ok(Self { cluster, settings, records: Arc::default() })
+        Ok(Self { cluster, settings, records: Arc::default(), claimed: None })
+    }
+
+    /// In agent-sandbox mode: warm pools of `replicas` sandboxes, whose pods run as `uid`.
+    pub fn agent_sandbox(mut self, replicas: u32, uid: u32) -> Self {
+        self.claimed = Some(claimed::Claimed::new(&self.cluster, replicas, uid));
+        self
+    }
+
+    /// The pod of container `name`: named after it (Pods), or its claim's (agent-sandbox).
+    pub async fn pod_of(&self, name: &str) -> Result<String, EngineError> {
+        match &self.claimed {
+            Some(c) => c.pod_of(name).await,
+            None => Ok(translate::pod_name(name)),
+        }
     }
 
     fn records(&self) -> MutexGuard<'_, Records> {
@@ -179,7 +196,10 @@ impl KubeEngine {
         }
         let pod = translate::session_pod(&name, &body, self.workspace_mb(&body), &self.settings)
             .map_err(|e| said(e.to_string()))?;
-        self.cluster.create_pod(&pod).await.map_err(from_cluster)?;
+        match &self.claimed {
+            Some(c) => c.create(&name, &labels, &pod).await?,
+            None => drop(self.cluster.create_pod(&pod).await.map_err(from_cluster)?),
+        }
         Ok(name)
     }
 
@@ -204,7 +224,7 @@ impl KubeEngine {
             return Err(unsupported("an exec in a heartbeat"));
         }
         let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
-        let pod = translate::pod_name(&container);
+        let pod = self.pod_of(&container).await?;
         let mut exec = self.cluster.exec(&pod, &args, stdin).await.map_err(from_cluster)?;
         let out = std::mem::replace(&mut exec.stdout, Box::pin(tokio::io::empty()));
         let err = std::mem::replace(&mut exec.stderr, Box::pin(tokio::io::empty()));
@@ -244,6 +264,9 @@ impl KubeEngine {
                 v.gone.cancel();
                 return Ok(());
             }
+        }
+        if let Some(c) = &self.claimed {
+            return c.remove(name).await;
         }
         let pod = translate::pod_name(name);
         if self.cluster.get_pod(&pod).await.map_err(from_cluster)?.is_none() {

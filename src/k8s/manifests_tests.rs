@@ -145,10 +145,29 @@ fn the_role_grants_only_what_we_use() {
             );
         }
     }
-    for must in ["pods:create", "pods:delete", "pods:watch", "pods/exec:create", "sandboxclaims:create"] {
+    let agent_sandbox = [
+        "sandboxclaims:create",
+        "sandboxclaims:patch",
+        "sandboxclaims:delete",
+        "sandboxtemplates:create",
+        "sandboxtemplates:patch",
+        "sandboxwarmpools:create",
+        "sandboxwarmpools:patch",
+        "sandboxes:get",
+    ];
+    for must in ["pods:create", "pods:delete", "pods:watch", "pods/exec:create"].into_iter().chain(agent_sandbox) {
         assert!(granted.iter().any(|g| g == must), "{must} missing from {granted:?}");
     }
     assert!(!granted.iter().any(|g| g.starts_with("pods:update") || g.starts_with("pods:patch")), "{granted:?}");
+    // Templates and pools are ours to make and update, never to delete (another release's
+    // sessions may still claim from them); Sandboxes are agent-sandbox's, only read.
+    assert!(
+        !granted.iter().any(|g| g.starts_with("sandboxtemplates:delete") || g.starts_with("sandboxwarmpools:delete"))
+    );
+    assert!(!granted.iter().any(|g| g.starts_with("sandboxes:")
+        && !g.ends_with(":get")
+        && !g.ends_with(":list")
+        && !g.ends_with(":watch")));
 }
 
 #[test]

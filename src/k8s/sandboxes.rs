@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::Value;
 
 use super::claims::{self, Bound, EXTENSIONS_API, Refused, SANDBOX_API};
 use super::cluster::{Cluster, Error};
+use super::labels;
 
 /// How often a claim, its Sandbox and its pod are read again while waiting.
 const POLL: Duration = Duration::from_millis(100);
@@ -80,30 +81,79 @@ impl Sandboxes {
         ours: &BTreeMap<String, String>,
         shutdown: &str,
     ) -> Result<(), Error> {
-        let c = object(claims::claim(name, pool, ours, shutdown))?;
+        self.create_claim(claims::claim(name, pool, ours, shutdown)).await
+    }
+
+    /// Creates claim `c` as it is.
+    pub async fn create_claim(&self, c: Value) -> Result<(), Error> {
+        let c = object(c)?;
         self.claims.create(&PostParams::default(), &c).await.map_err(self.cluster.error("create sandboxclaims"))?;
         Ok(())
+    }
+
+    /// Merge-patches claim `name` with `patch`.
+    pub async fn patch_claim(&self, name: &str, patch: Value) -> Result<(), Error> {
+        let patch = Patch::Merge(patch);
+        self.claims
+            .patch(name, &PatchParams::default(), &patch)
+            .await
+            .map_err(self.cluster.error("patch sandboxclaims"))?;
+        Ok(())
+    }
+
+    /// Claim `name`, if it is there.
+    pub async fn get_claim(&self, name: &str) -> Result<Option<DynamicObject>, Error> {
+        self.claims.get_opt(name).await.map_err(self.cluster.error("get sandboxclaims"))
+    }
+
+    /// The claims whose labels match `selector`.
+    pub async fn list_claims(&self, selector: &str) -> Result<Vec<DynamicObject>, Error> {
+        let lp = ListParams::default().labels(selector);
+        Ok(self.claims.list(&lp).await.map_err(self.cluster.error("list sandboxclaims"))?.items)
     }
 
     /// The running pod of claim `name`, once it is Ready and its pod carries `ours`; a pod
     /// that is not this session's is refused at once, never exec'd into.
     pub async fn resolve(&self, name: &str, ours: &BTreeMap<String, String>, limit: Duration) -> Result<String, Error> {
+        let want: BTreeMap<String, String> = ours.iter().map(|(k, v)| (k.clone(), labels::value(v))).collect();
+        self.resolve_with(name, Some(&want), limit).await
+    }
+
+    /// As [`Self::resolve`], the labels checked being the claim's own (what we asked for when
+    /// we made it: found again after a restart without a record).
+    pub async fn resolve_own(&self, name: &str, limit: Duration) -> Result<Pod, Error> {
+        let pod = self.resolve_with(name, None, limit).await?;
+        self.cluster.get_pod(&pod).await?.ok_or_else(|| Error::Gone(pod))
+    }
+
+    async fn resolve_with(
+        &self,
+        name: &str,
+        want: Option<&BTreeMap<String, String>>,
+        limit: Duration,
+    ) -> Result<String, Error> {
         let until = Instant::now() + limit;
-        let mut last = "the claim is not Ready".to_owned();
-        while Instant::now() < until {
-            match self.step(name, ours).await? {
-                Ok(pod) => return Ok(pod),
-                Err(why) => last = why,
+        let last = loop {
+            match self.look(name, want).await? {
+                Ok(pod) => return Ok(pod.metadata.name.unwrap_or_default()),
+                Err(why) if Instant::now() >= until => break why,
+                Err(_) => tokio::time::sleep(POLL).await,
             }
-            tokio::time::sleep(POLL).await;
-        }
+        };
         Err(Error::Claim { claim: name.into(), reason: format!("not served after {} s ({last})", limit.as_secs()) })
     }
 
-    /// One look: the pod, or why not yet; an error when it will never be served.
-    async fn step(&self, name: &str, ours: &BTreeMap<String, String>) -> Result<Result<String, String>, Error> {
-        let claim = self.claims.get_opt(name).await.map_err(self.cluster.error("get sandboxclaims"))?;
+    /// One look at claim `name`: its running pod, or why not yet; an error when it will never
+    /// be served. `want`: the labels the pod must carry (`None`: the claim's own).
+    pub async fn look(
+        &self,
+        name: &str,
+        want: Option<&BTreeMap<String, String>>,
+    ) -> Result<Result<Pod, String>, Error> {
+        let claim = self.get_claim(name).await?;
         let claim = claim.ok_or_else(|| Error::Claim { claim: name.into(), reason: "it was deleted".into() })?;
+        let own = claim.metadata.labels.clone().unwrap_or_default();
+        let want = want.unwrap_or(&own);
         let sandbox = match claims::bound(&serde_json::to_value(&claim).unwrap_or_default()) {
             Bound::Waiting => return Ok(Err("the claim is not Ready".into())),
             Bound::Failed(reason) => return Err(Error::Claim { claim: name.into(), reason }),
@@ -116,8 +166,8 @@ impl Sandboxes {
         let Some(p) = self.cluster.get_pod(&pod).await? else {
             return Ok(Err(format!("pod {pod} is not there yet")));
         };
-        match claims::check_pod(&p, ours) {
-            Ok(()) => Ok(Ok(pod)),
+        match claims::check_labels(&p, want) {
+            Ok(()) => Ok(Ok(p)),
             Err(why @ Refused::NotRunning(_)) => Ok(Err(why.to_string())),
             Err(why @ Refused::NotOurs { .. }) => Err(Error::Claim { claim: name.into(), reason: why.to_string() }),
         }

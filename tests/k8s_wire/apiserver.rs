@@ -39,6 +39,12 @@ pub(crate) struct Options {
     pub(crate) start_delay: std::time::Duration,
     /// Every exec stream is cut this long after it opens, without a Status.
     pub(crate) cut_exec_after: Option<std::time::Duration>,
+    /// agent-sandbox's controller binds claims (`controller.rs`).
+    pub(crate) controller: bool,
+    /// Claims after the first are said bound to the first's Sandbox (a forged status).
+    pub(crate) bind_to_first: bool,
+    /// Writing SandboxTemplates and SandboxWarmPools answered 403 (a Role that only reads them).
+    pub(crate) forbid_templates: bool,
 }
 
 impl Default for Options {
@@ -50,6 +56,9 @@ impl Default for Options {
             drop_watches: 0,
             start_delay: std::time::Duration::ZERO,
             cut_exec_after: None,
+            controller: false,
+            bind_to_first: false,
+            forbid_templates: false,
         }
     }
 }
@@ -253,12 +262,21 @@ async fn create(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
     };
     // Typed: a body the API server would not decode as a Pod is refused here too.
-    let mut pod: Pod = match serde_json::from_slice(&body) {
+    let pod: Pod = match serde_json::from_slice(&body) {
         Ok(p) => p,
         Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &format!("not a Pod: {e}")),
     };
+    match make_pod(&state, pod) {
+        Ok(stored) => full(StatusCode::CREATED, serde_json::to_value(&stored).unwrap_or_default()),
+        Err(refused) => *refused,
+    }
+}
+
+/// Stores `pod` as Pending and has the node start it (Running, or Failed); the agent-sandbox
+/// controller makes its pods so too.
+pub(crate) fn make_pod(state: &Arc<State>, mut pod: Pod) -> Result<Pod, Box<Response<Body>>> {
     let Some(name) = pod.metadata.name.clone() else {
-        return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", "metadata.name: Required value");
+        return Err(Box::new(status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", "metadata.name: Required value")));
     };
     pod.metadata.namespace = Some("pyberth".into());
     pod.metadata.uid = Some(format!("uid-{name}"));
@@ -266,7 +284,11 @@ async fn create(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let stored = {
         let mut pods = state.pods.lock().expect("pods");
         if pods.contains_key(&name) {
-            return status(StatusCode::CONFLICT, "AlreadyExists", &format!("pods \"{name}\" already exists"));
+            return Err(Box::new(status(
+                StatusCode::CONFLICT,
+                "AlreadyExists",
+                &format!("pods \"{name}\" already exists"),
+            )));
         }
         let stored = state.record("ADDED", pod);
         pods.insert(name.clone(), Stored { pod: stored.clone(), container: None });
@@ -286,7 +308,7 @@ async fn create(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
             }
         }
     });
-    full(StatusCode::CREATED, serde_json::to_value(&stored).unwrap_or_default())
+    Ok(stored)
 }
 
 fn selected(pod: &Pod, labels: Option<&str>, fields: Option<&str>) -> bool {
@@ -357,7 +379,7 @@ fn tokio_stream_from(
     })
 }
 
-async fn delete(state: Arc<State>, name: &str) -> Response<Body> {
+pub(crate) async fn delete(state: Arc<State>, name: &str) -> Response<Body> {
     let stored = state.pods.lock().expect("pods").remove(name);
     let Some(stored) = stored else {
         return status(StatusCode::NOT_FOUND, "NotFound", &format!("pods \"{name}\" not found"));

@@ -1,9 +1,10 @@
 //! agent-sandbox's resources in the simulated API server: a plain store of SandboxTemplates,
 //! SandboxWarmPools, SandboxClaims and Sandboxes (create, get, merge-patch of `spec`, delete,
-//! with resourceVersions). Its controller (warm pools kept full, claims bound) is not
-//! simulated yet: a test writes the statuses agent-sandbox's controller would write, which is
+//! with resourceVersions). With `Options::controller`, claims are bound as agent-sandbox's
+//! controller would (`controller.rs`); without it, a test writes the statuses itself, which is
 //! also how a forged status is written.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use http_body_util::BodyExt;
@@ -22,13 +23,14 @@ const SERVED: [(&str, &str); 4] = [
 ];
 
 /// Answers `parts` (the path split at `/`) when it is one of ours.
-pub(crate) async fn handle(state: &State, parts: &[&str], req: Request<Incoming>) -> Option<Response<Body>> {
+pub(crate) async fn handle(state: &Arc<State>, parts: &[&str], req: Request<Incoming>) -> Option<Response<Body>> {
     let ["apis", group, version, "namespaces", "pyberth", plural, rest @ ..] = parts else { return None };
     let gv = format!("{group}/{version}");
     if !SERVED.contains(&(gv.as_str(), *plural)) {
         return None;
     }
-    if state.opts.forbid {
+    let writing = matches!(req.method().as_str(), "POST" | "PATCH");
+    if state.opts.forbid || (state.opts.forbid_templates && writing && *plural != "sandboxclaims") {
         let message = format!(
             "{plural} is forbidden: User \"system:serviceaccount:pyberth:pyberth\" cannot {} resource \"{plural}\" in API group \"{group}\" in the namespace \"pyberth\"",
             req.method().as_str().to_lowercase()
@@ -36,6 +38,10 @@ pub(crate) async fn handle(state: &State, parts: &[&str], req: Request<Incoming>
         return Some(status(StatusCode::FORBIDDEN, "Forbidden", &message));
     }
     let method = req.method().as_str().to_owned();
+    let selector = form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes())
+        .find(|(k, _)| k == "labelSelector")
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_default();
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let plural = plural.to_string();
@@ -49,8 +55,13 @@ pub(crate) async fn handle(state: &State, parts: &[&str], req: Request<Incoming>
                     &format!("{plural} \"{name}\" already exists"),
                 ));
             }
-            full(StatusCode::CREATED, put(state, &plural, &name, parsed))
+            let made = put(state, &plural, &name, parsed);
+            if state.opts.controller && plural == "sandboxclaims" {
+                super::controller::bind(state, &name);
+            }
+            full(StatusCode::CREATED, made)
         }
+        ("GET", []) => full(StatusCode::OK, list(state, &plural, &selector)),
         ("GET", [name]) => match get(state, &plural, name) {
             Some(v) => full(StatusCode::OK, v),
             None => status(StatusCode::NOT_FOUND, "NotFound", &format!("{plural} \"{name}\" not found")),
@@ -63,8 +74,14 @@ pub(crate) async fn handle(state: &State, parts: &[&str], req: Request<Incoming>
             None => status(StatusCode::NOT_FOUND, "NotFound", &format!("{plural} \"{name}\" not found")),
         },
         ("DELETE", [name]) => {
-            match state.objects.lock().expect("objects").remove(&(plural.clone(), name.to_string())) {
-                Some(_) => full(StatusCode::OK, json!({"kind": "Status", "apiVersion": "v1", "status": "Success"})),
+            let removed = state.objects.lock().expect("objects").remove(&(plural.clone(), name.to_string()));
+            match removed {
+                Some(_) => {
+                    if state.opts.controller && plural == "sandboxclaims" {
+                        super::controller::release(state.clone(), name).await;
+                    }
+                    full(StatusCode::OK, json!({"kind": "Status", "apiVersion": "v1", "status": "Success"}))
+                }
                 None => status(StatusCode::NOT_FOUND, "NotFound", &format!("{plural} \"{name}\" not found")),
             }
         }
@@ -84,4 +101,22 @@ pub(crate) fn put(state: &State, plural: &str, name: &str, mut v: Value) -> Valu
     v["metadata"]["namespace"] = json!("pyberth");
     state.objects.lock().expect("objects").insert((plural.to_owned(), name.to_owned()), v.clone());
     v
+}
+
+/// The objects of `plural` whose labels match `selector` (`k=v` and `k` terms), as a list.
+fn list(state: &State, plural: &str, selector: &str) -> Value {
+    let objects = state.objects.lock().expect("objects");
+    let matches = |v: &Value| {
+        selector.split(',').filter(|t| !t.is_empty()).all(|term| {
+            let labels = &v["metadata"]["labels"];
+            match term.split_once('=') {
+                Some((k, want)) => labels[k] == want,
+                None => labels.get(term).is_some(),
+            }
+        })
+    };
+    let items: Vec<Value> =
+        objects.iter().filter(|((p, _), v)| p == plural && matches(v)).map(|(_, v)| v.clone()).collect();
+    let version = state.version.load(Ordering::SeqCst).to_string();
+    json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": version}, "items": items})
 }

@@ -6,9 +6,11 @@
 mod adopt;
 mod apiserver;
 mod claims;
+mod controller;
 mod crds;
 mod docker_pod;
 mod exec;
+mod sandbox_mode;
 mod serve;
 
 use std::collections::BTreeMap;

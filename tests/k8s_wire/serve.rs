@@ -34,7 +34,7 @@ impl Served {
     }
 
     /// With `extra` lines of settings at the top of the config.
-    async fn start_cfg(sim: &Sim, tag: &str, pool: usize, extra: &str) -> Served {
+    pub(super) async fn start_cfg(sim: &Sim, tag: &str, pool: usize, extra: &str) -> Served {
         let dir = std::env::temp_dir().join(format!("pyberth-k8s-serve-{}-{tag}", std::process::id()));
         let mut s = Self::start_in(sim, &dir, tag, pool, extra).await;
         s.owns_dir = true;
@@ -140,7 +140,7 @@ pub(super) fn pods(sim: &Sim) -> Vec<String> {
 }
 
 /// A background job, read with the job tools; it ran in the same interpreter (`x` is 41).
-async fn background_job(s: &Served) {
+pub(super) async fn background_job(s: &Served) {
     let code = "import time\ntime.sleep(1)\ny = x * 2\nprint('job', y)";
     let sc = s.ok("run_python", json!({ "session": "k", "code": code, "background": true })).await;
     let job = sc["job"].as_str().unwrap_or_else(|| panic!("a job handle: {sc}")).to_owned();
@@ -314,7 +314,7 @@ async fn pyberth_run_uploads_a_project_and_copies_back_over_exec() {
 
 /// A session's first call on a simulator of `opts` and settings `extra`: a tool error whose
 /// text has all of `want` and none of Docker's words.
-async fn first_call_fails_saying(opts: Options, tag: &str, extra: &str, want: &[&str]) {
+pub(super) async fn first_call_fails_saying(opts: Options, tag: &str, extra: &str, want: &[&str]) {
     let sim = Sim::start(opts, docker()).await;
     let s = Served::start_cfg(&sim, tag, 0, extra).await;
     let r = s.call("run_python", json!({ "session": "k", "code": "1" })).await;

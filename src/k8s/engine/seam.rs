@@ -59,8 +59,18 @@ impl Engine for KubeEngine {
     fn list_containers(&self, options: Option<q::ListContainersOptions>) -> Fut<'_, Vec<ContainerSummary>> {
         Box::pin(async move {
             let (all, filters) = options.map(|o| (o.all, o.filters)).unwrap_or_default();
-            let pods = self.cluster.list_pods(&translate::selector(filters.as_ref())).await.map_err(from_cluster)?;
-            let mut found: Vec<ContainerSummary> = pods.iter().map(translate::summary).collect();
+            let selector = translate::selector(filters.as_ref());
+            let mut found: Vec<ContainerSummary> = match &self.claimed {
+                Some(c) => c.list(&selector).await?,
+                None => self
+                    .cluster
+                    .list_pods(&selector)
+                    .await
+                    .map_err(from_cluster)?
+                    .iter()
+                    .map(translate::summary)
+                    .collect(),
+            };
             let r = self.records();
             let virtuals = r.virtuals.iter().filter(|(_, v)| matches_labels(&v.labels, filters.as_ref()));
             found.extend(virtuals.map(|(n, v)| virtual_summary(n, v)));
@@ -84,6 +94,9 @@ impl Engine for KubeEngine {
                 v.running = true;
                 return Ok(());
             }
+            if let Some(c) = &self.claimed {
+                return c.start(name).await;
+            }
             self.cluster.wait_running(&pod_name(name), START_LIMIT).await.map_err(from_cluster)
         })
     }
@@ -98,6 +111,9 @@ impl Engine for KubeEngine {
         Box::pin(async move {
             if let Some(v) = self.records().virtuals.get(name) {
                 return Ok(virtual_inspect(name, v));
+            }
+            if let Some(c) = &self.claimed {
+                return c.inspect(name).await;
             }
             match self.cluster.get_pod(&pod_name(name)).await.map_err(from_cluster)? {
                 Some(pod) => Ok(translate::inspect(&pod)),
@@ -146,7 +162,7 @@ impl Engine for KubeEngine {
         Box::pin(async move {
             let tar = tar.collect().await.map_err(|e| said(format!("upload: {e}")))?;
             let dir = options.map(|o| o.path).unwrap_or_else(|| "/".into());
-            match self.cluster.upload_tar(&pod_name(name), &dir, &tar).await.map_err(from_cluster)? {
+            match self.cluster.upload_tar(&self.pod_of(name).await?, &dir, &tar).await.map_err(from_cluster)? {
                 cluster::ExecEnd::Exited(0) => Ok(()),
                 end => Err(said(format!("cannot unpack the files into {dir} of {name}: {end:?}"))),
             }
@@ -157,9 +173,10 @@ impl Engine for KubeEngine {
         name: &str,
         options: Option<q::DownloadFromContainerOptions>,
     ) -> Items<'static, Bytes> {
-        let (engine, pod) = (self.clone(), pod_name(name));
+        let (engine, name) = (self.clone(), name.to_owned());
         let (dir, base) = split_path(&options.map(|o| o.path).unwrap_or_default());
         futures::stream::once(async move {
+            let pod = engine.pod_of(&name).await?;
             let tar = engine.cluster.download_tar(&pod, &dir, &base, super::DOWNLOAD_CAP).await;
             tar.map(Bytes::from).map_err(from_cluster)
         })

@@ -152,7 +152,12 @@ fn image(pod: &Pod) -> Option<String> {
 
 /// A pod as `docker ps` lists a container.
 pub fn summary(pod: &Pod) -> ContainerSummary {
-    let name = container_name(pod);
+    summary_as(pod, &container_name(pod))
+}
+
+/// A pod as `docker ps` lists container `name`.
+pub fn summary_as(pod: &Pod, name: &str) -> ContainerSummary {
+    let name = name.to_owned();
     let state = match phase(pod) {
         "Running" => ContainerSummaryStateEnum::RUNNING,
         "Pending" => ContainerSummaryStateEnum::CREATED,
@@ -170,7 +175,12 @@ pub fn summary(pod: &Pod) -> ContainerSummary {
 
 /// A pod as `docker inspect` shows a container.
 pub fn inspect(pod: &Pod) -> ContainerInspectResponse {
-    let name = container_name(pod);
+    inspect_as(pod, &container_name(pod))
+}
+
+/// A pod as `docker inspect` shows container `name`.
+pub fn inspect_as(pod: &Pod, name: &str) -> ContainerInspectResponse {
+    let name = name.to_owned();
     let running = phase(pod) == "Running";
     let status = match phase(pod) {
         "Running" => ContainerStateStatusEnum::RUNNING,

@@ -1,0 +1,143 @@
+//! `k8s_mode = "agent-sandbox"` through the real binary: each session is a SandboxClaim on
+//! the warm pool of its environment's SandboxTemplate, bound by the simulated controller
+//! (`controller.rs`) to a Sandbox whose pod runs our real sandbox image in the local Docker
+//! engine. What it proves is our side of agent-sandbox's contract over our model of it.
+//!
+//! The attack view: whoever can write a claim's status can name any pod. A claim said bound to
+//! another session's Sandbox reaches nothing of it: the pod must carry every label the claim
+//! carries.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use super::apiserver::{Options, Sim};
+use super::docker;
+use super::serve::{Served, background_job, first_call_fails_saying, node_containers, pods, text};
+
+const MODE: &str = "k8s_mode = \"agent-sandbox\"\nk8s_warm_pool = 3\n";
+
+/// The stored objects of `plural`, by name.
+fn objects(sim: &Sim, plural: &str) -> Vec<(String, Value)> {
+    let objects = sim.state.objects.lock().expect("objects");
+    objects.iter().filter(|((p, _), _)| p == plural).map(|((_, n), v)| (n.clone(), v.clone())).collect()
+}
+
+fn names(sim: &Sim, plural: &str) -> Vec<String> {
+    objects(sim, plural).into_iter().map(|(n, _)| n).collect()
+}
+
+/// Waits until nothing of `plural` is left.
+async fn none_left(sim: &Sim, plural: &str, s: Option<&Served>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !names(sim, plural).is_empty() {
+        let log = s.map(Served::log).unwrap_or_default();
+        assert!(Instant::now() < deadline, "{plural} left: {:?}\n{log}", names(sim, plural));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_lives_on_a_claimed_sandbox() {
+    let opts = Options { controller: true, start_delay: Duration::from_millis(300), ..Default::default() };
+    let sim = Sim::start(opts, docker()).await;
+    // pool_size 2 is turned off: agent-sandbox's pools keep sandboxes ready, not ours.
+    let s = Served::start_cfg(&sim, "sb-life", 2, MODE).await;
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "import os\nx = 41\nprint(os.getuid() > 0)" })).await;
+    assert_eq!(sc["stdout"], "True\n", "{sc}");
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x + 1)" })).await;
+    assert_eq!(sc["stdout"], "42\n", "{sc}");
+    assert!(s.whole_log().contains("pool_size is off"), "{}", s.log());
+
+    // One claim; its pod is named by the controller, not after the claim.
+    let claims = names(&sim, "sandboxclaims");
+    let made = pods(&sim);
+    assert_eq!((claims.len(), made.len()), (1, 1), "one claim, one pod, no pool of ours: {claims:?} {made:?}");
+    assert_ne!(claims[0], made[0], "the pod is the Sandbox's");
+    // One template and its pool, named by the spec's hash, with no session's labels in it.
+    let templates = objects(&sim, "sandboxtemplates");
+    assert_eq!(templates.len(), 1, "{templates:?}");
+    let (template, t) = &templates[0];
+    assert!(template.starts_with("pyberth-env-") && made[0].starts_with(template.as_str()), "{template} {made:?}");
+    let labels = t["spec"]["podTemplate"]["metadata"]["labels"].as_object().cloned().unwrap_or_default();
+    assert!(labels.keys().all(|k| k.starts_with("pyberth.io/")), "only fixed labels in the template: {labels:?}");
+    assert_eq!(t["spec"]["podTemplate"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"], true);
+    let pools = objects(&sim, "sandboxwarmpools");
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    assert_eq!((pools[0].1["spec"]["replicas"].clone(), &pools[0].0), (json!(3), template));
+
+    // Files and a job go to the claimed pod.
+    s.ok("write_file", json!({ "session": "k", "path": "notes/a.txt", "content": "claimed\n" })).await;
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "print(open('notes/a.txt').read(), end='')" })).await;
+    assert_eq!(sc["stdout"], "claimed\n", "{sc}");
+    background_job(&s).await;
+
+    // A second session: its own claim and pod, the same template.
+    let sc = s.ok("run_python", json!({ "session": "m", "code": "print('x' in globals())" })).await;
+    assert_eq!(sc["stdout"], "False\n", "a session of its own: {sc}");
+    assert_eq!((names(&sim, "sandboxclaims").len(), pods(&sim).len()), (2, 2));
+    assert_eq!(names(&sim, "sandboxtemplates").len(), 1, "sessions of one environment share a template");
+
+    // Closing deletes the claim, and with it (agent-sandbox's doing) its Sandbox and pod.
+    s.ok("close_session", json!({ "session": "k" })).await;
+    assert_eq!(names(&sim, "sandboxclaims").len(), 1);
+    assert!(!pods(&sim).contains(&made[0]), "the closed session's pod is gone: {:?}", pods(&sim));
+    // The server's stop releases the rest.
+    s.stop().await;
+    none_left(&sim, "sandboxclaims", None).await;
+    assert!(pods(&sim).is_empty() && names(&sim, "sandboxes").is_empty(), "{:?}", pods(&sim));
+    assert_eq!(node_containers(&sim).await, 0);
+    sim.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_claim_status_reaches_no_other_session() {
+    let opts = Options { controller: true, bind_to_first: true, ..Default::default() };
+    let sim = Sim::start(opts, docker()).await;
+    let s = Served::start_cfg(&sim, "sb-forged", 0, MODE).await;
+    s.ok("run_python", json!({ "session": "a", "code": "secret = 'of a'" })).await;
+    // b's claim is said bound to a's Sandbox: refused, nothing of b runs in a's pod.
+    let r = s.call("run_python", json!({ "session": "b", "code": "secret = 'overwritten by b'" })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    assert!(text(&r).contains("not this session's"), "{}", text(&r));
+    let sc = s.ok("run_python", json!({ "session": "a", "code": "print(secret)" })).await;
+    assert_eq!(sc["stdout"], "of a\n", "a's state is a's: {sc}");
+    assert_eq!(pods(&sim).len(), 1, "{:?}", pods(&sim));
+    s.stop().await;
+    none_left(&sim, "sandboxclaims", None).await;
+    sim.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_session_is_adopted_after_a_restart() {
+    let sim = Sim::start(Options { controller: true, ..Default::default() }, docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-sb-adopt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let keep = format!("{MODE}keep_sessions = true\n");
+    let mut first = Served::start_in(&sim, &dir, "sb-a", 0, &keep).await;
+    first.ok("run_python", json!({ "session": "k", "code": "x = 42" })).await;
+    let (claims, made) = (names(&sim, "sandboxclaims"), pods(&sim));
+    first.child.start_kill().expect("SIGKILL");
+    let _ = first.child.wait().await;
+
+    let second = Served::start_in(&sim, &dir, "sb-b", 0, &keep).await;
+    let sc = second.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
+    assert_eq!(sc["stdout"], "42\n", "adopted with its state: {sc}\n{}", second.log());
+    assert_eq!((names(&sim, "sandboxclaims"), pods(&sim)), (claims, made), "the same claim and pod");
+    second.ok("close_session", json!({ "session": "k" })).await;
+    none_left(&sim, "sandboxclaims", Some(&second)).await;
+    assert!(pods(&sim).is_empty(), "{:?}", pods(&sim));
+    second.stop().await;
+    drop(first);
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}
+
+/// The Role of an earlier release read templates and pools only: the first session says what
+/// to grant, in the cluster's words.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_cannot_write_templates_says_what_to_grant() {
+    let opts = Options { controller: true, forbid_templates: true, ..Default::default() };
+    let want = ["403 Forbidden", "create sandboxtemplates", "deploy/kubernetes/10-rbac.yaml"];
+    first_call_fails_saying(opts, "sb-rbac", MODE, &want).await;
+}
