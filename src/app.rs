@@ -75,19 +75,14 @@ impl Host {
     }
 }
 
-/// Turns off, with a word, what the Kubernetes engine cannot do yet and would otherwise try
-/// and fail at: hibernation (its snapshot needs a helper container; it would fail at every
-/// reaper tick, each time after streaming the workspace out). Leaving sessions for the next
-/// server stays as configured: their pods are found again by name and label, and adopted
-/// from the state dir's records as containers are (`session/registry/adopt.rs`,
-/// docs/kubernetes.md). `serve` calls it before it decides whether a stop leaves sessions.
+/// Turns off, with a word, what does not apply on Kubernetes: pyberth's own pool in
+/// agent-sandbox mode. Leaving sessions for the next server stays as configured: their pods
+/// are found again by name and label, and adopted from the state dir's records as containers
+/// are (`session/registry/adopt.rs`, docs/kubernetes.md). `serve` calls it before it decides
+/// whether a stop leaves sessions.
 pub fn settle_for_kubernetes(cfg: &mut SandboxConfig) {
     if cfg.engine != EngineKind::Kubernetes {
         return;
-    }
-    if cfg.hibernate_after_s > 0 {
-        tracing::info!("hibernation is off: not supported on Kubernetes yet");
-        cfg.hibernate_after_s = 0;
     }
     // agent-sandbox's warm pools (`k8s_warm_pool`) take the place of ours: each pooled
     // container of ours would be a claim held on a warm sandbox, two pools for one.
@@ -104,9 +99,12 @@ async fn kubernetes(cfg: &SandboxConfig) -> Result<crate::k8s::engine::KubeEngin
         context: cfg.k8s_context.clone(),
         namespace: cfg.k8s_namespace.clone(),
     };
+    let shelf = cfg.k8s_snapshot_dir.clone().unwrap_or_else(|| cfg.state_dir().join("k8s-snapshots"));
     let engine = crate::k8s::engine::KubeEngine::connect(&at, cfg.k8s_runtime_class.clone())
         .await
-        .map_err(|e| Error::Engine(e.to_string()))?;
+        .map_err(|e| Error::Engine(e.to_string()))?
+        .with_snapshots(shelf.clone())
+        .map_err(|e| Error::Settings(format!("cannot use {} for snapshots: {e}", shelf.display())))?;
     Ok(match cfg.k8s_mode {
         K8sMode::Pods => engine,
         K8sMode::AgentSandbox => engine.agent_sandbox(cfg.k8s_warm_pool, cfg.uid_range.first),

@@ -149,6 +149,11 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_K8S_CONTEXT")]
     pub k8s_context: Option<String>,
 
+    /// Kubernetes: where snapshots and hibernated sessions are kept (on a cluster, a volume
+    /// claim mounted into the server's pod). Default: `k8s-snapshots` in the state dir.
+    #[arg(long, env = "PYBERTH_K8S_SNAPSHOT_DIR")]
+    pub k8s_snapshot_dir: Option<PathBuf>,
+
     /// Kubernetes: `runtimeClassName` of session pods (e.g. `gvisor`). Default: the cluster's.
     #[arg(long, env = "PYBERTH_K8S_RUNTIME_CLASS")]
     pub k8s_runtime_class: Option<String>,

@@ -19,6 +19,7 @@
 
 mod claimed;
 mod seam;
+mod shelf;
 pub mod translate;
 
 use std::collections::{BTreeMap, HashMap};
@@ -89,6 +90,8 @@ struct ExecRec {
 #[derive(Debug, Default)]
 struct Records {
     virtuals: BTreeMap<String, Virtual>,
+    /// Helper containers of snapshot volumes (never run): their volume on the shelf.
+    helpers: HashMap<String, String>,
     volumes: BTreeMap<String, Vol>,
     execs: HashMap<String, ExecRec>,
     serial: u64,
@@ -102,6 +105,8 @@ pub struct KubeEngine {
     records: Arc<Mutex<Records>>,
     /// agent-sandbox mode: sessions are claims (`claimed.rs`); `None`: plain Pods.
     claimed: Option<Arc<claimed::Claimed>>,
+    /// Where snapshot volumes are kept (`shelf.rs`); `None`: snapshots are refused.
+    shelf: Option<shelf::Shelf>,
 }
 
 /// A Docker-style error (the owners read its status codes).
@@ -144,7 +149,25 @@ impl KubeEngine {
     pub async fn connect(at: &Connect, runtime_class: Option<String>) -> Result<Self, cluster::Error> {
         let cluster = Cluster::connect(at).await?;
         let settings = PodSettings { runtime_class, ephemeral_mb: EPHEMERAL_MB, ..Default::default() };
-        Ok(Self { cluster, settings, records: Arc::default(), claimed: None })
+        Ok(Self { cluster, settings, records: Arc::default(), claimed: None, shelf: None })
+    }
+
+    /// Keeps snapshot volumes under `dir` (made, mode 0700): on a cluster, a volume claim
+    /// mounted into the server's pod.
+    pub fn with_snapshots(mut self, dir: std::path::PathBuf) -> std::io::Result<Self> {
+        self.shelf = Some(shelf::Shelf::open(dir)?);
+        Ok(self)
+    }
+
+    /// The snapshot volume a helper body mounts at `/snap`, when it is the never-run helper
+    /// the snapshot store makes to reach a volume on the shelf.
+    fn snapshot_helper(&self, body: &ContainerCreateBody) -> Option<String> {
+        let shelf = self.shelf.as_ref()?;
+        let mounts = body.host_config.as_ref()?.mounts.as_ref()?;
+        let [m] = mounts.as_slice() else { return None };
+        let volume =
+            m.source.clone().filter(|_| m.typ == Some(MountType::VOLUME) && m.target.as_deref() == Some("/snap"))?;
+        shelf.get(&volume).map(|_| volume)
     }
 
     /// In agent-sandbox mode: warm pools of `replicas` sandboxes, whose pods run as `uid`.
@@ -184,6 +207,10 @@ impl KubeEngine {
             let image = body.image.unwrap_or_default();
             let v = Virtual { labels, image, running: false, gone: CancellationToken::new() };
             r.virtuals.insert(name.clone(), v);
+            return Ok(name);
+        }
+        if let Some(volume) = self.snapshot_helper(&body) {
+            self.records().helpers.insert(name.clone(), volume);
             return Ok(name);
         }
         if labels.contains_key(crate::egress::LABEL_EGRESS) {
@@ -260,6 +287,9 @@ impl KubeEngine {
         {
             let mut r = self.records();
             r.execs.retain(|_, e| e.container != name);
+            if r.helpers.remove(name).is_some() {
+                return Ok(());
+            }
             if let Some(v) = r.virtuals.remove(name) {
                 v.gone.cancel();
                 return Ok(());

@@ -3,7 +3,7 @@
 //! hardening the sandbox pods need.
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Namespace, PodSpec, PodTemplateSpec, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolumeClaim, PodSpec, PodTemplateSpec, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde::Deserialize;
@@ -111,6 +111,7 @@ fn every_document_parses_into_its_type_with_nothing_unknown() {
             "RoleBinding" => drop(typed::<RoleBinding>(at, d)),
             "Deployment" => drop(typed::<Deployment>(at, d)),
             "Service" => drop(typed::<Service>(at, d)),
+            "PersistentVolumeClaim" => drop(typed::<PersistentVolumeClaim>(at, d)),
             "NetworkPolicy" => drop(typed::<NetworkPolicy>(at, d)),
             "SandboxTemplate" => drop(typed::<Custom<SandboxTemplateSpec>>(at, d)),
             "SandboxWarmPool" => drop(typed::<Custom<SandboxWarmPoolSpec>>(at, d)),
@@ -243,4 +244,22 @@ fn the_check_catches_a_weakened_pod() {
     let weakened =
         std::panic::catch_unwind(|| check_sandbox_pod(&at, t.spec.pod_template.spec.as_ref().expect("spec")));
     assert!(weakened.is_err(), "a pod that may escalate privileges must fail the check");
+}
+
+#[test]
+fn snapshots_go_to_a_volume_claim_of_the_server() {
+    let docs = docs();
+    let (at, d) = docs.iter().find(|(_, d)| d["kind"] == "Deployment").expect("a Deployment");
+    let deployment: Deployment = typed(at, d);
+    let pod = deployment.spec.and_then(|s| s.template.spec).expect("a pod spec");
+    let c = &pod.containers[0];
+    let args = c.args.clone().unwrap_or_default();
+    let at_arg = args.iter().position(|a| a == "--k8s-snapshot-dir").expect("--k8s-snapshot-dir");
+    let dir = &args[at_arg + 1];
+    let mount = c.volume_mounts.iter().flatten().find(|m| &m.mount_path == dir).expect("a mount at the snapshot dir");
+    let volume = pod.volumes.iter().flatten().find(|v| v.name == mount.name).expect("its volume");
+    let claim = volume.persistent_volume_claim.as_ref().expect("a volume claim, not an emptyDir").claim_name.clone();
+    let pvc =
+        docs.iter().find(|(_, d)| d["kind"] == "PersistentVolumeClaim" && d["metadata"]["name"] == claim.as_str());
+    assert!(pvc.is_some(), "the claim {claim} is in deploy/kubernetes/");
 }

@@ -283,8 +283,12 @@ impl Session {
     /// Has the agent pickle the state into the workspace (`.pyberth-snapshot`, for the
     /// packer); answers the names saved and lost.
     async fn save_state(&self, inner: &mut Inner, bounds: Bounds) -> Result<(Vec<String>, Vec<Lost>), String> {
+        // No packer runs on Kubernetes (it would be a pod of its own): every state travels
+        // through the agent's stream there.
+        let small_below =
+            if self.cfg.engine == crate::config::EngineKind::Kubernetes { u64::MAX } else { STREAM_BELOW };
         let id = self
-            .submit(inner, &|id| Request::SaveState { id, max_bytes: bounds.bytes, small_below: STREAM_BELOW })
+            .submit(inner, &|id| Request::SaveState { id, max_bytes: bounds.bytes, small_below })
             .await
             .map_err(|e| e.to_string())?;
         let Some(agent) = inner.agent.as_mut() else { return Err(Error::AgentGone.to_string()) };

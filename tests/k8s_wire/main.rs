@@ -9,6 +9,7 @@ mod claims;
 mod controller;
 mod crds;
 mod docker_pod;
+mod durable;
 mod exec;
 mod sandbox_mode;
 mod serve;

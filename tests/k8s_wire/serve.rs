@@ -51,7 +51,7 @@ impl Served {
         // An environment with egress: a feature the Kubernetes engine does not have yet.
         let text = format!(
             "{extra}engine = \"kubernetes\"\nk8s_namespace = \"pyberth\"\nkubeconfig = {kubeconfig:?}\n\
-             pool_size = {pool}\nhibernate_after_s = 1\n[environments.net]\negress = [\"example.com:443\"]\n"
+             pool_size = {pool}\n[environments.net]\negress = [\"example.com:443\"]\n"
         );
         std::fs::write(&config, text).expect("config");
         let log = std::fs::File::create(dir.join(format!("server-{tag}.log"))).expect("log");
@@ -171,9 +171,6 @@ async fn refusals(s: &Served) {
         "{}",
         text(&r)
     );
-    let r = s.call("snapshot_session", json!({ "session": "k" })).await;
-    assert_eq!(r.is_error, Some(true), "{}", text(&r));
-    assert!(text(&r).contains("snapshots are not supported on Kubernetes yet"), "{}", text(&r));
 }
 
 /// A run over its time limit is interrupted (a sleep, and a loop that only a signal stops);
@@ -217,15 +214,7 @@ async fn serve_runs_sessions_as_pods_of_the_cluster() {
     background_job(&s).await;
     refusals(&s).await;
     timeouts_keep_the_state(&s).await;
-    // Hibernation (its snapshot needs a helper container) is off on Kubernetes: an idle
-    // session is not put to sleep, nor tried and failed at every tick.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    // And the server still serves.
-    let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
-    assert_eq!(sc["stdout"], "41\n", "{sc}");
     assert_eq!(pods(&sim), vec![pod.clone()], "the refused session left no pod");
-    let log = s.whole_log();
-    assert!(log.contains("hibernation is off") && !log.contains("cannot hibernate"), "{}", s.log());
 
     // Closing the session deletes its pod, and the node's container with it.
     s.ok("close_session", json!({ "session": "k" })).await;

@@ -5,10 +5,12 @@ use std::time::SystemTime;
 use bollard::models::{ContainerConfig, ContainerState, ContainerStateStatusEnum, ContainerSummaryStateEnum};
 use futures::StreamExt;
 
+use super::shelf::Meta;
 use super::translate::{self, pod_name};
 use super::{ExecRec, KubeEngine, START_LIMIT, Virtual, Vol, from_cluster, said, status, unsupported};
 use crate::docker::seam::types::*;
 use crate::docker::seam::{Engine, matches_labels, once, ready};
+use crate::docker::snapshot::LABEL_SNAPSHOT;
 use crate::k8s::cluster;
 
 fn volume_model(name: &str, v: &Vol) -> Volume {
@@ -18,6 +20,17 @@ fn volume_model(name: &str, v: &Vol) -> Volume {
         labels: v.labels.clone(),
         options: v.options.clone(),
         created_at: Some(v.created.clone()),
+        ..Default::default()
+    }
+}
+
+fn shelf_model(name: &str, m: &Meta) -> Volume {
+    Volume {
+        name: name.to_owned(),
+        driver: "kubernetes-shelf".into(),
+        labels: m.labels.clone(),
+        options: m.options.clone(),
+        created_at: Some(m.created.clone()),
         ..Default::default()
     }
 }
@@ -161,6 +174,11 @@ impl Engine for KubeEngine {
     ) -> Fut<'a, ()> {
         Box::pin(async move {
             let tar = tar.collect().await.map_err(|e| said(format!("upload: {e}")))?;
+            let helper = self.records().helpers.get(name).cloned();
+            if let (Some(volume), Some(shelf)) = (helper, self.shelf.clone()) {
+                let put = tokio::task::spawn_blocking(move || shelf.unpack(&volume, &tar)).await;
+                return put.map_err(|e| said(e.to_string()))?.map_err(|e| said(format!("snapshot volume: {e}")));
+            }
             let dir = options.map(|o| o.path).unwrap_or_else(|| "/".into());
             match self.cluster.upload_tar(&self.pod_of(name).await?, &dir, &tar).await.map_err(from_cluster)? {
                 cluster::ExecEnd::Exited(0) => Ok(()),
@@ -174,6 +192,15 @@ impl Engine for KubeEngine {
         options: Option<q::DownloadFromContainerOptions>,
     ) -> Items<'static, Bytes> {
         let (engine, name) = (self.clone(), name.to_owned());
+        let helper = self.records().helpers.get(&name).cloned();
+        if let (Some(volume), Some(shelf)) = (helper, self.shelf.clone()) {
+            return futures::stream::once(async move {
+                let got = tokio::task::spawn_blocking(move || shelf.pack(&volume)).await;
+                let tar = got.map_err(|e| said(e.to_string()))?.map_err(|e| said(format!("snapshot volume: {e}")))?;
+                Ok(Bytes::from(tar))
+            })
+            .boxed();
+        }
         let (dir, base) = split_path(&options.map(|o| o.path).unwrap_or_default());
         futures::stream::once(async move {
             let pod = engine.pod_of(&name).await?;
@@ -215,34 +242,50 @@ impl Engine for KubeEngine {
         ready(found.ok_or_else(|| status(404, format!("No such exec instance: {exec_id}"))))
     }
     fn create_volume(&self, config: VolumeCreateRequest) -> Fut<'_, Volume> {
+        let labels = config.labels.clone().unwrap_or_default();
+        if let Some(shelf) = self.shelf.as_ref().filter(|_| labels.contains_key(LABEL_SNAPSHOT)) {
+            let Some(name) = config.name else { return ready(Err(said("a snapshot volume needs a name"))) };
+            let meta = Meta {
+                labels,
+                options: config.driver_opts.unwrap_or_default(),
+                created: crate::audit::time::rfc3339(SystemTime::now()),
+            };
+            let made = shelf.create(&name, &meta).map_err(|e| said(format!("cannot make snapshot volume {name}: {e}")));
+            return ready(made.map(|m| shelf_model(&name, &m)));
+        }
         let mut r = self.records();
         r.serial += 1;
         let name = config.name.unwrap_or_else(|| format!("pyberth-k8s-volume-{}", r.serial));
         let v = r.volumes.entry(name.clone()).or_insert_with(|| Vol {
-            labels: config.labels.unwrap_or_default(),
+            labels,
             options: config.driver_opts.unwrap_or_default(),
             created: crate::audit::time::rfc3339(SystemTime::now()),
         });
         ready(Ok(volume_model(&name, v)))
     }
     fn remove_volume<'a>(&'a self, name: &'a str, _: Option<q::RemoveVolumeOptions>) -> Fut<'a, ()> {
-        let removed = self.records().volumes.remove(name).is_some();
+        let removed =
+            self.records().volumes.remove(name).is_some() || self.shelf.as_ref().is_some_and(|s| s.remove(name));
         ready(if removed { Ok(()) } else { Err(status(404, format!("No such volume: {name}"))) })
     }
     fn inspect_volume<'a>(&'a self, name: &'a str) -> Fut<'a, Volume> {
         let r = self.records();
         let found = r.volumes.get(name).map(|v| volume_model(name, v));
+        let found = found.or_else(|| self.shelf.as_ref()?.get(name).map(|m| shelf_model(name, &m)));
         ready(found.ok_or_else(|| status(404, format!("No such volume: {name}"))))
     }
     fn list_volumes(&self, options: Option<q::ListVolumesOptions>) -> Fut<'_, VolumeListResponse> {
         let filters = options.and_then(|o| o.filters);
         let r = self.records();
-        let volumes = r
+        let mut volumes: Vec<Volume> = r
             .volumes
             .iter()
             .filter(|(_, v)| matches_labels(&v.labels, filters.as_ref()))
             .map(|(n, v)| volume_model(n, v))
             .collect();
+        let shelved = self.shelf.as_ref().map(|s| s.list()).unwrap_or_default();
+        let shelved = shelved.iter().filter(|(_, m)| matches_labels(&m.labels, filters.as_ref()));
+        volumes.extend(shelved.map(|(n, m)| shelf_model(n, m)));
         ready(Ok(VolumeListResponse { volumes: Some(volumes), warnings: None }))
     }
     fn create_network(&self, _: NetworkCreateRequest) -> Fut<'_, NetworkCreateResponse> {

@@ -74,8 +74,14 @@ impl Registry {
         let grace = self.cfg.adopt_grace();
         // An instance whose sessions all sleep, or whose orphans went with their containers,
         // has volumes and no container: its volumes name it too.
-        let (mut names, late) = self.instance.claim_adoptable(&self.docker, &found, &recorded, grace).await;
+        let (mut names, mut late) = self.instance.claim_adoptable(&self.docker, &found, &recorded, grace).await;
         names.extend(late.iter().cloned());
+        if self.cfg.engine == crate::config::EngineKind::Kubernetes {
+            // A heartbeat there is a record of the server that made it: a stopped server's
+            // leaves no evidence of when it stopped, so none counts as past the grace. Each
+            // pod's keeper keeps the grace itself (it saves and ends; adoption restores it there).
+            late.clear();
+        }
         let mut asleep_now = Vec::new();
         let host = self.instance.owner.host.clone();
         let of_adopted = |l: &HashMap<String, String>| {

@@ -36,13 +36,6 @@ impl Registry {
 
     /// Takes a snapshot of `session` into a new volume (not catalogued).
     async fn take_snapshot(&self, session: &Session) -> Result<Saved, String> {
-        if self.cfg.engine == crate::config::EngineKind::Kubernetes {
-            // Said before the state is streamed out: its store needs a helper container.
-            return Err(format!(
-                "cannot snapshot session {:?}: snapshots are not supported on Kubernetes yet (docs/kubernetes.md, \"Not yet\")",
-                session.name
-            ));
-        }
         let id = self.snapshots.next_id();
         session
             .snapshot(&id, self.snapshot_bounds())

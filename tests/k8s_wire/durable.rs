@@ -1,0 +1,89 @@
+//! Snapshots and hibernation on Kubernetes: volumes on the server's shelf (`k8s_snapshot_dir`,
+//! by default in its state dir; on a cluster a volume claim), written and read through the
+//! agent's stream; no helper pod.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::apiserver::{Options, Sim};
+use super::docker;
+use super::serve::{Served, node_containers, pods};
+
+/// Snapshots go to the server's shelf (`k8s_snapshot_dir`), through the agent's stream: a
+/// snapshot restored into a new session (a new pod), a fork, and an idle session hibernated
+/// (its pod deleted) and woken by its next call in a new pod, its state back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_hibernation_go_to_the_shelf() {
+    let sim = Sim::start(Options::default(), docker()).await;
+    let s = Served::start_cfg(&sim, "durable", 0, "hibernate_after_s = 3\n").await;
+    let (s, sim) = (&s, &sim);
+    s.ok("run_python", json!({ "session": "k", "code": "x = 41" })).await;
+    s.ok("write_file", json!({ "session": "k", "path": "notes/a.txt", "content": "over the wire\n" })).await;
+    s.ok("run_python", json!({ "session": "k", "code": "snap_me = [1, 2, 3]" })).await;
+    let sc = s.ok("snapshot_session", json!({ "session": "k", "name": "first" })).await;
+    assert_eq!(sc["grade"], "files+globals", "{sc}");
+    let shelf = s.dir.join("state/k8s-snapshots");
+    let kept = std::fs::read_dir(&shelf).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(kept, 1, "one volume on the shelf at {}", shelf.display());
+    s.ok("restore_session", json!({ "snapshot": "first", "session": "r" })).await;
+    let sc = s
+        .ok("run_python", json!({ "session": "r", "code": "print(snap_me, open('notes/a.txt').read(), end='')" }))
+        .await;
+    assert_eq!(sc["stdout"], "[1, 2, 3] over the wire\n", "{sc}");
+    s.ok("fork_session", json!({ "session": "k", "new_session": "f" })).await;
+    let sc = s.ok("run_python", json!({ "session": "f", "code": "print(x + 1)" })).await;
+    assert_eq!(sc["stdout"], "42\n", "{sc}");
+    for gone in ["r", "f"] {
+        s.ok("close_session", json!({ "session": gone })).await;
+    }
+    s.ok("delete_snapshot", json!({ "snapshot": "first" })).await;
+    // Idle past hibernate_after_s (3 s): snapshotted, its pod deleted; woken in a new pod.
+    let before = pods(sim);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !s.whole_log().contains("session hibernated") || pods(sim) == before {
+        assert!(Instant::now() < deadline, "not hibernated: {:?}\n{}", pods(sim), s.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(pods(sim).is_empty(), "the hibernated session has no pod: {:?}", pods(sim));
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x, snap_me)" })).await;
+    assert_eq!(sc["stdout"], "41 [1, 2, 3]\n", "woken with its state: {sc}");
+    assert_eq!(pods(sim).len(), 1);
+    assert_ne!(pods(sim), before, "in a new pod");
+    s.ok("close_session", json!({ "session": "k" })).await;
+    let shelf = s.dir.join("state/k8s-snapshots");
+    let left = std::fs::read_dir(&shelf).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(left, 0, "the wake's snapshot and the deleted one are gone from the shelf");
+    assert!(pods(sim).is_empty());
+    assert_eq!(node_containers(sim).await, 0);
+}
+
+/// A hibernated session is its snapshot on the shelf and its record in the state dir: the
+/// next server of that state dir adopts it asleep and wakes it at its first call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hibernated_session_wakes_after_a_restart() {
+    let sim = Sim::start(Options::default(), docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-sleep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let extra = "keep_sessions = true\nhibernate_after_s = 2\n";
+    let first = Served::start_in(&sim, &dir, "sleep-a", 0, extra).await;
+    first.ok("run_python", json!({ "session": "k", "code": "x = 7" })).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !pods(&sim).is_empty() {
+        assert!(Instant::now() < deadline, "not hibernated: {:?}\n{}", pods(&sim), first.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    first.stop().await;
+    let shelf = dir.join("state/k8s-snapshots");
+    assert_eq!(std::fs::read_dir(&shelf).map(|d| d.count()).unwrap_or(0), 1, "its snapshot stays on the shelf");
+
+    let second = Served::start_in(&sim, &dir, "sleep-b", 0, extra).await;
+    let sc = second.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
+    assert_eq!(sc["stdout"], "7\n", "woken with its state by the next server: {sc}\n{}", second.log());
+    second.ok("close_session", json!({ "session": "k" })).await;
+    assert_eq!(std::fs::read_dir(&shelf).map(|d| d.count()).unwrap_or(0), 0, "{}", second.log());
+    second.stop().await;
+    assert!(pods(&sim).is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}
