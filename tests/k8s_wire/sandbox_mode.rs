@@ -27,6 +27,25 @@ fn names(sim: &Sim, plural: &str) -> Vec<String> {
     objects(sim, plural).into_iter().map(|(n, _)| n).collect()
 }
 
+/// `pyberth k8s manifests` with the server's config prints the template the server made
+/// (same name, same spec) and its pool: an operator who applies them has the engine reuse them.
+fn printed_as_made(s: &Served, template: &str, made: &Value) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+        .args(["k8s", "manifests", "--config"])
+        .arg(s.dir.join("k8s.toml"))
+        .output()
+        .expect("pyberth k8s manifests");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&text).expect("YAML");
+    let named = |kind: &str| docs.iter().find(|d| d["kind"] == kind && d["metadata"]["name"] == template);
+    let printed = named("SandboxTemplate").unwrap_or_else(|| panic!("{template} not printed:\n{text}"));
+    assert_eq!(printed["spec"], made["spec"], "the printed template is the one the server made");
+    assert_eq!(printed["metadata"]["namespace"], "pyberth");
+    assert_eq!(named("SandboxWarmPool").map(|p| p["spec"]["replicas"].clone()), Some(json!(3)));
+    assert!(text.contains("environment net: no template"), "the egress environment is left out");
+}
+
 /// Waits until nothing of `plural` is left.
 async fn none_left(sim: &Sim, plural: &str, s: Option<&Served>) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -65,6 +84,7 @@ async fn a_session_lives_on_a_claimed_sandbox() {
     let pools = objects(&sim, "sandboxwarmpools");
     assert_eq!(pools.len(), 1, "{pools:?}");
     assert_eq!((pools[0].1["spec"]["replicas"].clone(), &pools[0].0), (json!(3), template));
+    printed_as_made(&s, template, t);
 
     // Files and a job go to the claimed pod.
     s.ok("write_file", json!({ "session": "k", "path": "notes/a.txt", "content": "claimed\n" })).await;
