@@ -1,5 +1,5 @@
 //! The `pyberth` command line: `serve` (MCP over stdio or HTTP), `run` (CI), `image`,
-//! `layers`, `envs`, `gc`, `bench`.
+//! `layers`, `envs`, `gc`, `bench`, `k8s manifests`.
 
 use std::sync::Arc;
 
@@ -74,6 +74,11 @@ enum Command {
         #[command(flatten)]
         args: pyberth::gc::GcArgs,
     },
+    /// Kubernetes deployment.
+    K8s {
+        #[command(subcommand)]
+        action: K8sAction,
+    },
     /// The egress proxy, run by the server inside its own container (policies on stdin,
     /// connection records on stdout). Not for people.
     #[command(hide = true)]
@@ -100,6 +105,18 @@ enum ImageAction {
     },
     /// Print the tag of the sandbox image this binary uses.
     Tag,
+}
+
+#[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once at start
+enum K8sAction {
+    /// Print the manifests for this configuration (namespace, RBAC, the server's Deployment,
+    /// Service and ConfigMap, NetworkPolicies; in agent-sandbox mode each environment's
+    /// template and warm pool) as YAML, for `kubectl apply -f -`. Reaches no cluster.
+    Manifests {
+        #[command(flatten)]
+        cfg: SandboxConfig,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -168,6 +185,7 @@ fn parse() -> anyhow::Result<Cli> {
         | Command::Layers { action: LayersAction::List { cfg } | LayersAction::Prune { cfg, .. } }
         | Command::Bench { cfg, .. }
         | Command::Envs { cfg }
+        | Command::K8s { action: K8sAction::Manifests { cfg } }
         | Command::Gc { cfg, .. } => (Some(cfg), None),
         Command::Run(args) => (Some(&mut args.cfg), None),
         Command::Image { action: ImageAction::Tag } | Command::EgressProxy => (None, None),
@@ -276,6 +294,14 @@ async fn run(command: Command, config_path: Option<std::path::PathBuf>) -> anyho
             images_cli::image_build(cfg, force, all, environment.as_deref()).await
         }
         Command::Bench { cfg, args } => bench::run(cfg, args, config_path).await,
+        Command::K8s { action: K8sAction::Manifests { cfg } } => {
+            let out = pyberth::k8s::render::manifests(&cfg).map_err(anyhow::Error::msg)?;
+            #[allow(clippy::print_stdout)] // the manifests are the command's output
+            {
+                print!("{out}");
+            }
+            Ok(())
+        }
         Command::Envs { cfg } => {
             let out = envs::listing(&cfg)?;
             #[allow(clippy::print_stdout)] // the listing is the command's output

@@ -144,12 +144,17 @@ pub(crate) fn said(text: impl Into<String>) -> EngineError {
     EngineError::IOError { err: std::io::Error::other(OwnWords(text.into())) }
 }
 
+/// The pod settings of session pods with `runtime_class` (`pyberth k8s manifests` makes its
+/// templates with the same, so they are the engine's).
+pub(crate) fn pod_settings(runtime_class: Option<String>) -> PodSettings {
+    PodSettings { runtime_class, ephemeral_mb: EPHEMERAL_MB, ..Default::default() }
+}
+
 impl KubeEngine {
     /// Reaches the cluster (`at`); session pods get `runtime_class`.
     pub async fn connect(at: &Connect, runtime_class: Option<String>) -> Result<Self, cluster::Error> {
         let cluster = Cluster::connect(at).await?;
-        let settings = PodSettings { runtime_class, ephemeral_mb: EPHEMERAL_MB, ..Default::default() };
-        Ok(Self { cluster, settings, records: Arc::default(), claimed: None, shelf: None })
+        Ok(Self { cluster, settings: pod_settings(runtime_class), records: Arc::default(), claimed: None, shelf: None })
     }
 
     /// Keeps snapshot volumes under `dir` (made, mode 0700): on a cluster, a volume claim

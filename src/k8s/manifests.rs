@@ -13,4 +13,4 @@ pub const FILES: [(&str, &str); 5] = [
 
 #[cfg(test)]
 #[path = "manifests_tests.rs"]
-mod tests;
+pub(super) mod tests;

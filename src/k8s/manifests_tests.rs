@@ -3,8 +3,11 @@
 //! hardening the sandbox pods need.
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Namespace, PersistentVolumeClaim, PodSpec, PodTemplateSpec, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, PersistentVolumeClaim, PodSpec, PodTemplateSpec, Service, ServiceAccount,
+};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::node::v1::RuntimeClass;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -15,41 +18,41 @@ use super::FILES;
 /// agent-sandbox `SandboxTemplate` (extensions.agents.x-k8s.io/v1beta1), the fields we use.
 #[derive(Debug, Deserialize, serde::Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SandboxTemplateSpec {
-    pod_template: PodTemplateSpec,
+pub(crate) struct SandboxTemplateSpec {
+    pub(crate) pod_template: PodTemplateSpec,
     network_policy_management: String,
-    network_policy: SandboxNetworkPolicy,
+    pub(crate) network_policy: SandboxNetworkPolicy,
 }
 
 #[derive(Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
-struct SandboxNetworkPolicy {
-    ingress: Vec<Value>,
-    egress: Vec<Value>,
+pub(crate) struct SandboxNetworkPolicy {
+    pub(crate) ingress: Vec<Value>,
+    pub(crate) egress: Vec<Value>,
 }
 
 /// agent-sandbox `SandboxWarmPool`, the fields we use.
 #[derive(Debug, Deserialize, serde::Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SandboxWarmPoolSpec {
-    replicas: u32,
-    sandbox_template_ref: Named,
+pub(crate) struct SandboxWarmPoolSpec {
+    pub(crate) replicas: u32,
+    pub(crate) sandbox_template_ref: Named,
 }
 
 #[derive(Debug, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
-struct Named {
-    name: String,
+pub(crate) struct Named {
+    pub(crate) name: String,
 }
 
 /// A custom resource: our spec struct under the usual envelope.
 #[derive(Debug, Deserialize, serde::Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct Custom<S> {
-    api_version: String,
+pub(crate) struct Custom<S> {
+    pub(crate) api_version: String,
     kind: String,
-    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    spec: S,
+    pub(crate) metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    pub(crate) spec: S,
 }
 
 fn docs() -> Vec<(String, Value)> {
@@ -66,14 +69,14 @@ fn docs() -> Vec<(String, Value)> {
 
 /// Parses `doc` as `T` and checks that serializing it back gives the document: nothing unknown
 /// (a misspelt field) was dropped on the way.
-fn typed<T: DeserializeOwned + serde::Serialize>(at: &str, doc: &Value) -> T {
+pub(crate) fn typed<T: DeserializeOwned + serde::Serialize>(at: &str, doc: &Value) -> T {
     let t: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| panic!("{at}: {e}"));
     let back = serde_json::to_value(&t).unwrap_or_else(|e| panic!("{at}: {e}"));
     assert_eq!(&back, doc, "{at}: a field the type does not know, or a wrong shape");
     t
 }
 
-fn check_sandbox_pod(at: &str, spec: &PodSpec) {
+pub(crate) fn check_sandbox_pod(at: &str, spec: &PodSpec) {
     assert_eq!(spec.automount_service_account_token, Some(false), "{at}");
     assert_eq!(spec.enable_service_links, Some(false), "{at}");
     assert_eq!(spec.restart_policy.as_deref(), Some("Never"), "{at}");
@@ -104,19 +107,26 @@ fn every_document_parses_into_its_type_with_nothing_unknown() {
     let docs = docs();
     assert!(docs.len() >= 10, "{} documents", docs.len());
     for (at, d) in &docs {
-        match d["kind"].as_str().unwrap_or_default() {
-            "Namespace" => drop(typed::<Namespace>(at, d)),
-            "ServiceAccount" => drop(typed::<ServiceAccount>(at, d)),
-            "Role" => drop(typed::<Role>(at, d)),
-            "RoleBinding" => drop(typed::<RoleBinding>(at, d)),
-            "Deployment" => drop(typed::<Deployment>(at, d)),
-            "Service" => drop(typed::<Service>(at, d)),
-            "PersistentVolumeClaim" => drop(typed::<PersistentVolumeClaim>(at, d)),
-            "NetworkPolicy" => drop(typed::<NetworkPolicy>(at, d)),
-            "SandboxTemplate" => drop(typed::<Custom<SandboxTemplateSpec>>(at, d)),
-            "SandboxWarmPool" => drop(typed::<Custom<SandboxWarmPoolSpec>>(at, d)),
-            other => panic!("{at}: no test knows kind {other}"),
-        }
+        check_kind(at, d);
+    }
+}
+
+/// `d` parses into the type of its kind with nothing unknown.
+pub(crate) fn check_kind(at: &str, d: &Value) {
+    match d["kind"].as_str().unwrap_or_default() {
+        "Namespace" => drop(typed::<Namespace>(at, d)),
+        "ServiceAccount" => drop(typed::<ServiceAccount>(at, d)),
+        "Role" => drop(typed::<Role>(at, d)),
+        "RoleBinding" => drop(typed::<RoleBinding>(at, d)),
+        "Deployment" => drop(typed::<Deployment>(at, d)),
+        "Service" => drop(typed::<Service>(at, d)),
+        "ConfigMap" => drop(typed::<ConfigMap>(at, d)),
+        "PersistentVolumeClaim" => drop(typed::<PersistentVolumeClaim>(at, d)),
+        "RuntimeClass" => drop(typed::<RuntimeClass>(at, d)),
+        "NetworkPolicy" => drop(typed::<NetworkPolicy>(at, d)),
+        "SandboxTemplate" => drop(typed::<Custom<SandboxTemplateSpec>>(at, d)),
+        "SandboxWarmPool" => drop(typed::<Custom<SandboxWarmPoolSpec>>(at, d)),
+        other => panic!("{at}: no test knows kind {other}"),
     }
 }
 
@@ -131,7 +141,13 @@ fn everything_lives_in_the_pyberth_namespace() {
 #[test]
 fn the_role_grants_only_what_we_use() {
     let (at, d) = docs().into_iter().find(|(_, d)| d["kind"] == "Role").expect("a Role");
-    let role: Role = typed(&at, &d);
+    check_role(&at, &d);
+}
+
+/// The Role `d` grants what the engine needs and nothing more: no wildcard, no secrets, no
+/// deletion of templates and pools, Sandboxes only read.
+pub(crate) fn check_role(at: &str, d: &Value) {
+    let role: Role = typed(at, d);
     let mut granted = Vec::new();
     for rule in role.rules.expect("rules") {
         for r in rule.resources.expect("resources") {

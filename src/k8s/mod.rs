@@ -11,6 +11,8 @@
 //! - `engine`: the owners' `Engine` seam over those: session containers as pods (or claims),
 //!   execs as pods/exec, volumes as records, the rest refused as not supported yet.
 //! - `manifests`: the checked-in `deploy/kubernetes/` files, parsed and checked by the tests.
+//! - `render`: `pyberth k8s manifests`, those files for one configuration, with each
+//!   environment's agent-sandbox template as the engine makes it.
 
 pub mod claims;
 pub mod cluster;
@@ -18,6 +20,7 @@ pub mod engine;
 pub mod labels;
 pub mod manifests;
 pub mod pod;
+pub mod render;
 pub mod sandboxes;
 
 /// The container name inside every session pod (agent-sandbox's convention too).

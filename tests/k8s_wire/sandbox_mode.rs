@@ -27,6 +27,40 @@ fn names(sim: &Sim, plural: &str) -> Vec<String> {
     objects(sim, plural).into_iter().map(|(n, _)| n).collect()
 }
 
+/// `pyberth k8s manifests` with the server's config prints the template the server made
+/// (same name, same spec) and its pool: an operator who applies them has the engine reuse them.
+fn printed_as_made(s: &Served, template: &str, made: &Value) {
+    let (text, docs) = manifests(&s.dir.join("k8s.toml"));
+    let named = |kind: &str| docs.iter().find(|d| d["kind"] == kind && d["metadata"]["name"] == template);
+    let printed = named("SandboxTemplate").unwrap_or_else(|| panic!("{template} not printed:\n{text}"));
+    assert_eq!(printed["spec"], made["spec"], "the printed template is the one the server made");
+    assert_eq!(printed["metadata"]["namespace"], "pyberth");
+    assert_eq!(named("SandboxWarmPool").map(|p| p["spec"]["replicas"].clone()), Some(json!(3)));
+    assert!(text.contains("environment net: no template"), "the egress environment is left out");
+    // The ConfigMap's pyberth.toml, read by the binary as `serve` reads its file, gives the
+    // same settings: printed again from it, the ConfigMap is the same.
+    let toml =
+        |docs: &[Value]| docs.iter().find(|d| d["kind"] == "ConfigMap").map(|m| m["data"]["pyberth.toml"].clone());
+    let again = s.dir.join("from-configmap.toml");
+    std::fs::write(&again, toml(&docs).and_then(|t| t.as_str().map(str::to_owned)).expect("pyberth.toml"))
+        .expect("write");
+    let (_, docs_again) = manifests(&again);
+    assert_eq!(toml(&docs_again), toml(&docs), "pyberth.toml read back gives the same settings");
+}
+
+/// `pyberth k8s manifests --config config`: its output and documents.
+fn manifests(config: &std::path::Path) -> (String, Vec<Value>) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pyberth"))
+        .args(["k8s", "manifests", "--config"])
+        .arg(config)
+        .output()
+        .expect("pyberth k8s manifests");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&text).expect("YAML");
+    (text, docs)
+}
+
 /// Waits until nothing of `plural` is left.
 async fn none_left(sim: &Sim, plural: &str, s: Option<&Served>) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -65,6 +99,7 @@ async fn a_session_lives_on_a_claimed_sandbox() {
     let pools = objects(&sim, "sandboxwarmpools");
     assert_eq!(pools.len(), 1, "{pools:?}");
     assert_eq!((pools[0].1["spec"]["replicas"].clone(), &pools[0].0), (json!(3), template));
+    printed_as_made(&s, template, t);
 
     // Files and a job go to the claimed pod.
     s.ok("write_file", json!({ "session": "k", "path": "notes/a.txt", "content": "claimed\n" })).await;
