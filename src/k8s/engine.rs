@@ -18,6 +18,7 @@
 //!   error, which reaches the caller as a tool error.
 
 mod claimed;
+mod oom;
 mod seam;
 mod shelf;
 pub mod translate;
@@ -92,6 +93,8 @@ struct Records {
     virtuals: BTreeMap<String, Virtual>,
     /// Helper containers of snapshot volumes (never run): their volume on the shelf.
     helpers: HashMap<String, String>,
+    /// The OOM kill count last seen in each container's cgroup (`oom.rs`).
+    oom_seen: HashMap<String, u64>,
     volumes: BTreeMap<String, Vol>,
     execs: HashMap<String, ExecRec>,
     serial: u64,
@@ -292,6 +295,7 @@ impl KubeEngine {
         {
             let mut r = self.records();
             r.execs.retain(|_, e| e.container != name);
+            r.oom_seen.remove(name);
             if r.helpers.remove(name).is_some() {
                 return Ok(());
             }

@@ -11,6 +11,7 @@ mod crds;
 mod docker_pod;
 mod durable;
 mod exec;
+mod oom;
 mod sandbox_mode;
 mod serve;
 

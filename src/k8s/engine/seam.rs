@@ -341,7 +341,7 @@ impl Engine for KubeEngine {
         once(Err(unsupported("pulling or importing an image")))
     }
     fn events(&self, options: Option<q::EventsOptions>) -> Items<'static, EventMessage> {
-        crate::docker::seam::no_events(options.as_ref())
+        self.oom_events(options)
     }
     fn info(&self) -> Fut<'_, SystemInfo> {
         let info =
