@@ -142,9 +142,13 @@ pub fn sandbox_pod(sandbox: &Value) -> Option<String> {
 /// Why a resolved pod is not used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refused {
-    /// The pod lacks a label the claim asked for, or has another value: not ours.
+    /// The pod has another value for a label the claim asked for: not ours, refused at once.
     #[error("pod {pod} named by the claim's status is not this session's (label {label})")]
     NotOurs { pod: String, label: String },
+    /// The pod lacks a label the claim asked for: a warm pod the controller has bound but
+    /// not yet labelled, or not ours. Waited on, never exec'd into; the wait is bounded.
+    #[error("pod {pod} does not carry the claim's label {label} yet")]
+    Unlabelled { pod: String, label: String },
     /// Ours, but not running yet (a claim can be Ready before its pod runs): wait on.
     #[error("pod {0} is not running yet")]
     NotRunning(String),
@@ -163,8 +167,10 @@ pub fn check_labels(pod: &Pod, want: &BTreeMap<String, String>) -> Result<(), Re
     let name = pod.metadata.name.clone().unwrap_or_default();
     let have = pod.metadata.labels.clone().unwrap_or_default();
     for (k, v) in want {
-        if have.get(k) != Some(v) {
-            return Err(Refused::NotOurs { pod: name, label: k.clone() });
+        match have.get(k) {
+            Some(h) if h == v => {}
+            Some(_) => return Err(Refused::NotOurs { pod: name, label: k.clone() }),
+            None => return Err(Refused::Unlabelled { pod: name, label: k.clone() }),
         }
     }
     let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");

@@ -29,10 +29,13 @@ fn a_status_naming_another_sessions_pod_is_refused() {
     let want = ours("s1", "alice@example.com");
     let other_session = pod("victim", &ours("s2", "alice@example.com"), "Running");
     let other_principal = pod("victim", &ours("s1", "bob@example.com"), "Running");
-    let unlabelled = pod("victim", &BTreeMap::new(), "Running");
-    for p in [other_session, other_principal, unlabelled] {
+    for p in [other_session, other_principal] {
         assert!(matches!(check_pod(&p, &want), Err(Refused::NotOurs { .. })), "{p:?}");
     }
+    // An unlabelled pod (a warm pod bound but not yet labelled, or not ours) is not used:
+    // waited on, within the resolve's limit, as one not yet running.
+    let unlabelled = pod("victim", &BTreeMap::new(), "Running");
+    assert!(matches!(check_pod(&unlabelled, &want), Err(Refused::Unlabelled { .. })));
     // An annotation claiming the original value does not stand in for the label.
     let mut forged = pod("victim", &ours("s2", "alice@example.com"), "Running");
     let notes = forged.metadata.annotations.get_or_insert_default();

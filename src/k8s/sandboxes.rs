@@ -168,7 +168,7 @@ impl Sandboxes {
         };
         match claims::check_labels(&p, want) {
             Ok(()) => Ok(Ok(p)),
-            Err(why @ Refused::NotRunning(_)) => Ok(Err(why.to_string())),
+            Err(why @ (Refused::NotRunning(_) | Refused::Unlabelled { .. })) => Ok(Err(why.to_string())),
             Err(why @ Refused::NotOurs { .. }) => Err(Error::Claim { claim: name.into(), reason: why.to_string() }),
         }
     }

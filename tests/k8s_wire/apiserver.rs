@@ -45,6 +45,10 @@ pub(crate) struct Options {
     pub(crate) bind_to_first: bool,
     /// Writing SandboxTemplates and SandboxWarmPools answered 403 (a Role that only reads them).
     pub(crate) forbid_templates: bool,
+    /// The controller keeps each warm pool's sandboxes made ahead, and a claim adopts one.
+    pub(crate) warm_pool: bool,
+    /// How long after binding a warm sandbox the controller puts the claim's labels on its pod.
+    pub(crate) label_delay: std::time::Duration,
 }
 
 impl Default for Options {
@@ -59,6 +63,8 @@ impl Default for Options {
             controller: false,
             bind_to_first: false,
             forbid_templates: false,
+            warm_pool: false,
+            label_delay: std::time::Duration::ZERO,
         }
     }
 }
@@ -241,6 +247,16 @@ impl State {
         self.log.lock().expect("log").push((version, kind, pod.clone()));
         let _ = self.events.send((version, kind, pod.clone()));
         pod
+    }
+
+    /// Adds `labels` and `annotations` to pod `name` (a controller's patch), telling the watches.
+    pub(crate) fn relabel(&self, name: &str, labels: BTreeMap<String, String>, annotations: BTreeMap<String, String>) {
+        let mut pods = self.pods.lock().expect("pods");
+        let Some(stored) = pods.get_mut(name) else { return };
+        let mut pod = stored.pod.clone();
+        pod.metadata.labels.get_or_insert_with(Default::default).extend(labels);
+        pod.metadata.annotations.get_or_insert_with(Default::default).extend(annotations);
+        stored.pod = self.record("MODIFIED", pod);
     }
 
     pub(crate) fn set_phase(&self, name: &str, phase: &str, container: Option<String>) {

@@ -59,6 +59,9 @@ pub(crate) async fn handle(state: &Arc<State>, parts: &[&str], req: Request<Inco
             if state.opts.controller && plural == "sandboxclaims" {
                 super::controller::bind(state, &name);
             }
+            if state.opts.controller && state.opts.warm_pool && plural == "sandboxwarmpools" {
+                super::controller::fill(state, &name);
+            }
             full(StatusCode::CREATED, made)
         }
         ("GET", []) => full(StatusCode::OK, list(state, &plural, &selector)),

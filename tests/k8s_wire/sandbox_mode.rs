@@ -176,3 +176,36 @@ async fn a_role_that_cannot_write_templates_says_what_to_grant() {
     let want = ["403 Forbidden", "create sandboxtemplates", "deploy/kubernetes/10-rbac.yaml"];
     first_call_fails_saying(opts, "sb-rbac", MODE, &want).await;
 }
+
+/// A warm sandbox made ahead is bound to the claim and said Ready before the controller puts
+/// the claim's labels on its pod: the session waits for them (a pod without them is never
+/// exec'd into) and runs in that warm pod; the pool is refilled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_sandbox_serves_once_it_carries_the_claims_labels() {
+    let opts =
+        Options { controller: true, warm_pool: true, label_delay: Duration::from_millis(1500), ..Default::default() };
+    let sim = Sim::start(opts, docker()).await;
+    let s = Served::start_cfg(&sim, "sb-warm", 0, "k8s_mode = \"agent-sandbox\"\nk8s_warm_pool = 2\n").await;
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "print(6 * 7)" })).await;
+    assert_eq!(sc["stdout"], "42\n", "{sc}");
+    // The claim took a warm sandbox: it is the claim's, its pod carries the session's label.
+    let owned: Vec<(String, Value)> = objects(&sim, "sandboxes")
+        .into_iter()
+        .filter(|(_, v)| v["metadata"]["labels"].get("sim.agents.x-k8s.io/claim").is_some())
+        .collect();
+    assert_eq!(owned.len(), 1, "{owned:?}");
+    let pod = owned[0].0.clone();
+    let labels = sim.state.pods.lock().expect("pods")[&pod].pod.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(labels.get("pyberth.session").map(String::as_str), Some("k"), "{labels:?}");
+    // And the pool is refilled: two warm ones again, beside the claimed one.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pods(&sim).len() < 3 {
+        assert!(Instant::now() < deadline, "not refilled: {:?}", pods(&sim));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let sc = s.ok("run_python", json!({ "session": "k", "code": "print('again')" })).await;
+    assert_eq!(sc["stdout"], "again\n", "{sc}");
+    s.stop().await;
+    none_left(&sim, "sandboxclaims", None).await;
+    sim.stop().await;
+}
