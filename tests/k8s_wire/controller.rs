@@ -109,14 +109,19 @@ pub(crate) fn fill(state: &Arc<State>, pool: &str) {
     }
 }
 
-/// The unclaimed warm sandboxes of `pool`.
-fn warm_of(state: &State, pool: &str) -> Vec<String> {
+/// The Sandboxes labelled `key=value`.
+fn sandboxes_labelled(state: &State, key: &str, value: &str) -> Vec<String> {
     let objects = state.objects.lock().expect("objects");
     objects
         .iter()
-        .filter(|((plural, _), v)| plural == "sandboxes" && v["metadata"]["labels"][POOL] == pool)
+        .filter(|((plural, _), v)| plural == "sandboxes" && v["metadata"]["labels"][key] == value)
         .map(|((_, name), _)| name.clone())
         .collect()
+}
+
+/// The unclaimed warm sandboxes of `pool`.
+fn warm_of(state: &State, pool: &str) -> Vec<String> {
+    sandboxes_labelled(state, POOL, pool)
 }
 
 /// Claim `c` adopts a warm sandbox of its pool, if one is there: it becomes the claim's, its
@@ -140,15 +145,7 @@ fn adopt(state: &Arc<State>, c: &Value, claim: &str) -> Option<String> {
 
 /// Deletes what claim `claim` owned: its Sandboxes and their pods.
 pub(crate) async fn release(state: Arc<State>, claim: &str) {
-    let owned: Vec<String> = {
-        let objects = state.objects.lock().expect("objects");
-        objects
-            .iter()
-            .filter(|((plural, _), v)| plural == "sandboxes" && v["metadata"]["labels"][OWNER] == claim)
-            .map(|((_, name), _)| name.clone())
-            .collect()
-    };
-    for name in owned {
+    for name in sandboxes_labelled(&state, OWNER, claim) {
         state.objects.lock().expect("objects").remove(&("sandboxes".to_owned(), name.clone()));
         let _ = delete(state.clone(), &name).await;
     }

@@ -13,26 +13,30 @@ use crate::docker::seam::{Engine, matches_labels, once, ready};
 use crate::docker::snapshot::LABEL_SNAPSHOT;
 use crate::k8s::cluster;
 
-fn volume_model(name: &str, v: &Vol) -> Volume {
+/// A volume as Docker describes one: `driver` says where it lives (a record, the shelf).
+fn model(
+    name: &str,
+    driver: &str,
+    labels: &HashMap<String, String>,
+    options: &HashMap<String, String>,
+    created: &str,
+) -> Volume {
     Volume {
         name: name.to_owned(),
-        driver: "kubernetes".into(),
-        labels: v.labels.clone(),
-        options: v.options.clone(),
-        created_at: Some(v.created.clone()),
+        driver: driver.into(),
+        labels: labels.clone(),
+        options: options.clone(),
+        created_at: Some(created.to_owned()),
         ..Default::default()
     }
 }
 
+fn volume_model(name: &str, v: &Vol) -> Volume {
+    model(name, "kubernetes", &v.labels, &v.options, &v.created)
+}
+
 fn shelf_model(name: &str, m: &Meta) -> Volume {
-    Volume {
-        name: name.to_owned(),
-        driver: "kubernetes-shelf".into(),
-        labels: m.labels.clone(),
-        options: m.options.clone(),
-        created_at: Some(m.created.clone()),
-        ..Default::default()
-    }
+    model(name, "kubernetes-shelf", &m.labels, &m.options, &m.created)
 }
 
 fn virtual_summary(name: &str, v: &Virtual) -> ContainerSummary {
