@@ -15,8 +15,19 @@ use super::serve::{Served, node_containers, pods};
 /// (its pod deleted) and woken by its next call in a new pod, its state back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshots_and_hibernation_go_to_the_shelf() {
-    let sim = Sim::start(Options::default(), docker()).await;
-    let s = Served::start_cfg(&sim, "durable", 0, "hibernate_after_s = 3\n").await;
+    durable_life(Options::default(), "durable", "").await;
+}
+
+/// The same life in agent-sandbox mode: each restore, fork and wake is a new claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_hibernation_of_claimed_sessions() {
+    let opts = Options { controller: true, ..Default::default() };
+    durable_life(opts, "durable-sb", "k8s_mode = \"agent-sandbox\"\n").await;
+}
+
+async fn durable_life(opts: Options, tag: &str, extra: &str) {
+    let sim = Sim::start(opts, docker()).await;
+    let s = Served::start_cfg(&sim, tag, 0, &format!("{extra}hibernate_after_s = 3\n")).await;
     let (s, sim) = (&s, &sim);
     s.ok("run_python", json!({ "session": "k", "code": "x = 41" })).await;
     s.ok("write_file", json!({ "session": "k", "path": "notes/a.txt", "content": "over the wire\n" })).await;
@@ -56,6 +67,8 @@ async fn snapshots_and_hibernation_go_to_the_shelf() {
     assert_eq!(left, 0, "the wake's snapshot and the deleted one are gone from the shelf");
     assert!(pods(sim).is_empty());
     assert_eq!(node_containers(sim).await, 0);
+    let claims = sim.state.objects.lock().expect("objects").keys().filter(|(p, _)| p == "sandboxclaims").count();
+    assert_eq!(claims, 0, "no claim left");
 }
 
 /// A hibernated session is its snapshot on the shelf and its record in the state dir: the
