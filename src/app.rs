@@ -184,14 +184,13 @@ impl Runtime {
                 .map_err(Error::Settings)?
                 .with_audit(audit),
         );
-        // On Kubernetes no other server's lock or heartbeat can be seen, and one server per
-        // namespace is the rule (docs/kubernetes.md): a server's start takes the pods of
-        // instances not proven alive for a dead server's. The sweep comes after the adoption,
-        // whose instances' locks this server now holds: what a stopped server of this state
-        // dir left is adopted, not deleted. Not `pyberth run` (quiet), a short guest that may
-        // run beside the namespace's server.
-        let sole = cfg.engine == EngineKind::Kubernetes && voice == Voice::Loud;
-        if let Err(e) = registry.sweep_leftovers(sole).await {
+        // On Kubernetes a server's heartbeat is a Lease, known dead only once it lapsed
+        // (`k8s/engine/beats.rs`): the sweep runs again every grace (5 s to a minute) so a
+        // killed server's pods go without waiting for the next start. Not `pyberth run`
+        // (quiet), a short guest.
+        let again = (cfg.engine == EngineKind::Kubernetes && voice == Voice::Loud)
+            .then(|| cfg.leftover_grace().clamp(std::time::Duration::from_secs(5), std::time::Duration::from_secs(60)));
+        if let Err(e) = registry.sweep_leftovers(again).await {
             tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
         }
         Ok(Self { cfg, engine, registry, shutdown: CancellationToken::new(), tasks: TaskTracker::new(), audit: writer })

@@ -169,7 +169,7 @@ impl Instance {
 
     /// A sweeper of other instances' leftovers, judging stopped heartbeats with `grace`.
     pub fn sweeper(&self, grace: Duration) -> Sweeper {
-        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace, keep: grace, sole: false }
+        Sweeper { owner: self.owner.clone(), dir: self.dir.clone(), grace, keep: grace }
     }
 }
 
@@ -231,9 +231,6 @@ pub struct Sweeper {
     /// How long a dead instance's stopped sessions (orphans that saved their state, D12) are
     /// kept for a next server of its state dir, judged by heartbeat: `--idle-ttl-s`.
     keep: Duration,
-    /// The engine is this server's alone (Kubernetes: one pyberth per namespace), where no
-    /// other server's lock or heartbeat can be seen: an instance not proven alive is dead.
-    sole: bool,
 }
 
 /// What one sweep did.
@@ -251,12 +248,6 @@ impl Sweeper {
     /// Keeps dead instances' stopped sessions for `keep` (at least the grace).
     pub fn keeping(mut self, keep: Duration) -> Self {
         self.keep = keep.max(self.grace);
-        self
-    }
-
-    /// With `sole`, instances of unknown liveness count as dead (see the field).
-    pub fn sole(mut self, sole: bool) -> Self {
-        self.sole = sole;
         self
     }
 
@@ -329,9 +320,6 @@ impl Sweeper {
             };
             match verdict {
                 Verdict::Dead => {
-                    dead.insert(key.clone());
-                }
-                Verdict::Unknown if self.sole => {
                     dead.insert(key.clone());
                 }
                 Verdict::Dying(left) => recheck = Some(recheck.map_or(left, |r| r.min(left))),
@@ -434,6 +422,24 @@ impl Keeper {
                         tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
                         return;
                     }
+                }
+            }
+        });
+    }
+
+    /// Sweeps every `every` until the server stops: where a dead server's heartbeat is known
+    /// dead only some time after it died (a Kubernetes Lease lapses after its duration), a
+    /// sweep at start alone would leave its resources until the next server starts.
+    pub fn repeat(&self, docker: EngineRef, sweeper: Sweeper, every: Duration) {
+        let stop = self.stop.clone();
+        self.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                if let Err(e) = sweeper.sweep(&docker).await {
+                    tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
                 }
             }
         });
@@ -636,7 +642,6 @@ mod tests {
             dir: PathBuf::new(),
             grace: Duration::ZERO,
             keep: Duration::ZERO,
-            sole: false,
         };
         assert_eq!(sweeper.key(&labels("me", "h")), None);
         assert_eq!(sweeper.key(&labels("me", "other-host")), Some(("me".into(), "other-host".into())));

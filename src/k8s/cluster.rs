@@ -200,6 +200,11 @@ impl Cluster {
         Self { pods: Api::namespaced(client, namespace), namespace: namespace.to_owned() }
     }
 
+    /// The Leases of our namespace (heartbeats and their marks).
+    pub fn leases(&self) -> Api<k8s_openapi::api::coordination::v1::Lease> {
+        Api::namespaced(self.pods.clone().into_client(), &self.namespace)
+    }
+
     /// The namespaced API of a custom resource (agent-sandbox's) as dynamic objects.
     pub fn custom(&self, api_version: &str, kind: &str, plural: &str) -> Api<DynamicObject> {
         let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));

@@ -17,6 +17,7 @@
 //!   networks, image builds and pulls are refused with a "not supported on Kubernetes yet"
 //!   error, which reaches the caller as a tool error.
 
+mod beats;
 mod claimed;
 mod oom;
 mod seam;
@@ -208,13 +209,22 @@ impl KubeEngine {
             }
         };
         if labels.contains_key(LABEL_HEARTBEAT) {
-            let mut r = self.records();
-            if r.virtuals.contains_key(&name) {
-                return Err(status(409, format!("Conflict. The container name \"/{name}\" is already in use")));
+            let gone = CancellationToken::new();
+            {
+                let mut r = self.records();
+                if r.virtuals.contains_key(&name) {
+                    return Err(status(409, format!("Conflict. The container name \"/{name}\" is already in use")));
+                }
+                let image = body.image.clone().unwrap_or_default();
+                let v = Virtual { labels: labels.clone(), image, running: false, gone: gone.clone() };
+                r.virtuals.insert(name.clone(), v);
             }
-            let image = body.image.unwrap_or_default();
-            let v = Virtual { labels, image, running: false, gone: CancellationToken::new() };
-            r.virtuals.insert(name.clone(), v);
+            // Its Lease is what other servers see of it (`beats.rs`), renewed until it is gone.
+            if let Err(e) = self.beat_create(&name, &labels).await {
+                self.records().virtuals.remove(&name);
+                return Err(e);
+            }
+            self.beat_renew(&name, gone);
             return Ok(name);
         }
         if let Some(volume) = self.snapshot_helper(&body) {
@@ -292,17 +302,19 @@ impl KubeEngine {
 
     /// Removes a heartbeat's record, or deletes a session's pod; 404 when neither is there.
     async fn remove(&self, name: &str) -> Result<(), EngineError> {
-        {
+        let ours = {
             let mut r = self.records();
             r.execs.retain(|_, e| e.container != name);
             r.oom_seen.remove(name);
             if r.helpers.remove(name).is_some() {
                 return Ok(());
             }
-            if let Some(v) = r.virtuals.remove(name) {
-                v.gone.cancel();
-                return Ok(());
-            }
+            r.virtuals.remove(name).inspect(|v| v.gone.cancel()).is_some()
+        };
+        // Our heartbeat's Lease goes now, not only when its renewing task gets to it: a
+        // server's stop may end the process first.
+        if self.lease_remove(name, LABEL_HEARTBEAT).await? || ours {
+            return Ok(());
         }
         if let Some(c) = &self.claimed {
             return c.remove(name).await;

@@ -15,7 +15,8 @@ use serde_json::{Value, json};
 use super::apiserver::{Body, State, full, status};
 
 /// The plurals we serve, under `/apis/<group>/<version>/namespaces/pyberth/`.
-const SERVED: [(&str, &str); 4] = [
+const SERVED: [(&str, &str); 5] = [
+    ("coordination.k8s.io/v1", "leases"),
     ("extensions.agents.x-k8s.io/v1beta1", "sandboxtemplates"),
     ("extensions.agents.x-k8s.io/v1beta1", "sandboxwarmpools"),
     ("extensions.agents.x-k8s.io/v1beta1", "sandboxclaims"),
@@ -71,7 +72,7 @@ pub(crate) async fn handle(state: &Arc<State>, parts: &[&str], req: Request<Inco
         },
         ("PATCH", [name]) => match get(state, &plural, name) {
             Some(mut v) => {
-                v["spec"] = parsed["spec"].clone();
+                merge(&mut v, &parsed);
                 full(StatusCode::OK, put(state, &plural, name, v))
             }
             None => status(StatusCode::NOT_FOUND, "NotFound", &format!("{plural} \"{name}\" not found")),
@@ -97,8 +98,29 @@ pub(crate) fn get(state: &State, plural: &str, name: &str) -> Option<Value> {
     state.objects.lock().expect("objects").get(&(plural.to_owned(), name.to_owned())).cloned()
 }
 
-/// Stores `v` as `name` of `plural` under a new resourceVersion; returns it as stored.
+/// A JSON merge patch (RFC 7386): objects merged key by key, `null` removes, the rest replaces.
+fn merge(target: &mut Value, patch: &Value) {
+    match (target.as_object_mut(), patch.as_object()) {
+        (Some(t), Some(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        _ => *target = patch.clone(),
+    }
+}
+
+/// Stores `v` as `name` of `plural` under a new resourceVersion (and a creation time, the
+/// first time); returns it as stored.
 pub(crate) fn put(state: &State, plural: &str, name: &str, mut v: Value) -> Value {
+    if v["metadata"]["creationTimestamp"].is_null() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
+        v["metadata"]["creationTimestamp"] = json!(rfc3339(now));
+    }
     let version = state.version.fetch_add(1, Ordering::SeqCst) + 1;
     v["metadata"]["resourceVersion"] = json!(version.to_string());
     v["metadata"]["namespace"] = json!("pyberth");
@@ -122,4 +144,20 @@ fn list(state: &State, plural: &str, selector: &str) -> Value {
         objects.iter().filter(|((p, _), v)| p == plural && matches(v)).map(|(_, v)| v.clone()).collect();
     let version = state.version.load(Ordering::SeqCst).to_string();
     json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": version}, "items": items})
+}
+
+/// `secs` since the epoch as the API server writes a time (whole seconds, UTC).
+fn rfc3339(secs: u64) -> String {
+    let (days, s) = (secs / 86_400, secs % 86_400);
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", s / 3600, s / 60 % 60, s % 60)
 }

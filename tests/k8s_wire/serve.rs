@@ -327,9 +327,10 @@ async fn cluster_failures_are_tool_errors_in_the_clusters_words() {
 }
 
 /// A server killed outright leaves its pods running (their tether cannot stop `sleep
-/// infinity` as PID 1); the next server's start deletes them. The case: a next server with its
-/// own state dir (as a new server pod has), which holds no record of them to adopt, and no
-/// `keep_sessions`; one of the same state dir adopts them instead (`adopt.rs`).
+/// infinity` as PID 1). Its heartbeat Lease is no longer renewed: once it lapsed and the grace
+/// (`leftover_grace_s`, 1 s here) passed, another server's sweep deletes them. The case: a next
+/// server with its own state dir (as a new server pod has), which holds no record of them to
+/// adopt; one of the same state dir adopts them instead (`adopt.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_server_deletes_the_pods_of_a_killed_one() {
     let sim = Sim::start(Options::default(), docker()).await;
@@ -340,12 +341,28 @@ async fn the_next_server_deletes_the_pods_of_a_killed_one() {
     let _ = first.child.wait().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(pods(&sim).len(), 1, "nothing of the killed server deleted its pod");
-    let next = Served::start(&sim, "next").await;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let next = Served::start_cfg(&sim, "next", 0, "leftover_grace_s = 1\n").await;
+    // Its heartbeat Lease lapses 15 s after its last renewal; a sweep every 5 s sees it.
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !pods(&sim).is_empty() || node_containers(&sim).await > 0 {
-        assert!(Instant::now() < deadline, "the killed server's pod is still there: {:?}\n{}", pods(&sim), next.log());
+        let leases: Vec<String> = sim
+            .state
+            .objects
+            .lock()
+            .expect("objects")
+            .iter()
+            .filter(|((p, _), _)| p == "leases")
+            .map(|(_, v)| v.to_string())
+            .collect();
+        assert!(
+            Instant::now() < deadline,
+            "the killed server's pod is still there: {:?}\n{leases:?}\n{}",
+            pods(&sim),
+            next.log()
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    assert!(next.whole_log().contains("removed leftovers of dead instances"), "{}", next.log());
     // The next server serves, and its own session's pod is its own.
     let sc = next.ok("run_python", json!({ "session": "k", "code": "print(2)" })).await;
     assert_eq!(sc["stdout"], "2\n", "{sc}");
@@ -353,5 +370,43 @@ async fn the_next_server_deletes_the_pods_of_a_killed_one() {
     next.stop().await;
     assert!(pods(&sim).is_empty(), "{:?}", pods(&sim));
     drop(first);
+    sim.stop().await;
+}
+
+/// Two live servers share a namespace: each sees the other's heartbeat Lease renewed, so
+/// neither's start or sweeps delete the other's pods; a clean stop takes its Lease with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_live_servers_share_a_namespace() {
+    let sim = Sim::start(Options::default(), docker()).await;
+    let a = Served::start_cfg(&sim, "share-a", 0, "leftover_grace_s = 1\n").await;
+    a.ok("run_python", json!({ "session": "k", "code": "x = 'of a'" })).await;
+    let b = Served::start_cfg(&sim, "share-b", 0, "leftover_grace_s = 1\n").await;
+    b.ok("run_python", json!({ "session": "k", "code": "x = 'of b'" })).await;
+    assert_eq!(pods(&sim).len(), 2, "{:?}", pods(&sim));
+    // Past a Lease's duration and several sweeps of each.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(pods(&sim).len(), 2, "neither deleted the other's pod: {:?}", pods(&sim));
+    for (s, want) in [(&a, "of a"), (&b, "of b")] {
+        let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
+        assert_eq!(sc["stdout"], format!("{want}\n"), "{sc}");
+    }
+    let leases = || sim.state.objects.lock().expect("objects").keys().filter(|(p, _)| p == "leases").count();
+    assert!(leases() >= 2, "a heartbeat Lease each");
+    a.stop().await;
+    assert_eq!(pods(&sim).len(), 1, "a's stop deleted its own pod only: {:?}", pods(&sim));
+    let sc = b.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
+    assert_eq!(sc["stdout"], "of b\n", "{sc}");
+    b.stop().await;
+    assert!(pods(&sim).is_empty(), "{:?}", pods(&sim));
+    let left: Vec<String> = sim
+        .state
+        .objects
+        .lock()
+        .expect("objects")
+        .iter()
+        .filter(|((p, _), _)| p == "leases")
+        .map(|(_, v)| v["metadata"].to_string())
+        .collect();
+    assert_eq!(leases(), 0, "each clean stop deleted its Lease: {left:?}");
     sim.stop().await;
 }

@@ -8,6 +8,7 @@ use futures::StreamExt;
 use super::shelf::Meta;
 use super::translate::{self, pod_name};
 use super::{ExecRec, KubeEngine, START_LIMIT, Virtual, Vol, from_cluster, said, status, unsupported};
+use crate::docker::heartbeat::LABEL_BEAT;
 use crate::docker::seam::types::*;
 use crate::docker::seam::{Engine, matches_labels, once, ready};
 use crate::docker::snapshot::LABEL_SNAPSHOT;
@@ -88,6 +89,8 @@ impl Engine for KubeEngine {
                     .map(translate::summary)
                     .collect(),
             };
+            let mine: Vec<String> = self.records().virtuals.keys().cloned().collect();
+            found.extend(self.beat_list(filters.as_ref(), &mine).await?);
             let r = self.records();
             let virtuals = r.virtuals.iter().filter(|(_, v)| matches_labels(&v.labels, filters.as_ref()));
             found.extend(virtuals.map(|(n, v)| virtual_summary(n, v)));
@@ -128,6 +131,9 @@ impl Engine for KubeEngine {
         Box::pin(async move {
             if let Some(v) = self.records().virtuals.get(name) {
                 return Ok(virtual_inspect(name, v));
+            }
+            if let Some(beat) = self.beat_inspect(name).await? {
+                return Ok(beat);
             }
             if let Some(c) = &self.claimed {
                 return c.inspect(name).await;
@@ -247,6 +253,10 @@ impl Engine for KubeEngine {
     }
     fn create_volume(&self, config: VolumeCreateRequest) -> Fut<'_, Volume> {
         let labels = config.labels.clone().unwrap_or_default();
+        if labels.contains_key(LABEL_BEAT) {
+            let Some(name) = config.name else { return ready(Err(said("a heartbeat mark needs a name"))) };
+            return Box::pin(async move { self.mark_create(&name, &labels).await });
+        }
         if let Some(shelf) = self.shelf.as_ref().filter(|_| labels.contains_key(LABEL_SNAPSHOT)) {
             let Some(name) = config.name else { return ready(Err(said("a snapshot volume needs a name"))) };
             let meta = Meta {
@@ -270,13 +280,25 @@ impl Engine for KubeEngine {
     fn remove_volume<'a>(&'a self, name: &'a str, _: Option<q::RemoveVolumeOptions>) -> Fut<'a, ()> {
         let removed =
             self.records().volumes.remove(name).is_some() || self.shelf.as_ref().is_some_and(|s| s.remove(name));
-        ready(if removed { Ok(()) } else { Err(status(404, format!("No such volume: {name}"))) })
+        Box::pin(async move {
+            // Else a heartbeat mark, a Lease (`beats.rs`).
+            if removed || self.lease_remove(name, LABEL_BEAT).await? {
+                Ok(())
+            } else {
+                Err(status(404, format!("No such volume: {name}")))
+            }
+        })
     }
     fn inspect_volume<'a>(&'a self, name: &'a str) -> Fut<'a, Volume> {
-        let r = self.records();
-        let found = r.volumes.get(name).map(|v| volume_model(name, v));
+        let found = self.records().volumes.get(name).map(|v| volume_model(name, v));
         let found = found.or_else(|| self.shelf.as_ref()?.get(name).map(|m| shelf_model(name, &m)));
-        ready(found.ok_or_else(|| status(404, format!("No such volume: {name}"))))
+        Box::pin(async move {
+            let found = match found {
+                Some(v) => Some(v),
+                None => self.mark_get(name).await?,
+            };
+            found.ok_or_else(|| status(404, format!("No such volume: {name}")))
+        })
     }
     fn list_volumes(&self, options: Option<q::ListVolumesOptions>) -> Fut<'_, VolumeListResponse> {
         let filters = options.and_then(|o| o.filters);
@@ -287,10 +309,14 @@ impl Engine for KubeEngine {
             .filter(|(_, v)| matches_labels(&v.labels, filters.as_ref()))
             .map(|(n, v)| volume_model(n, v))
             .collect();
+        drop(r);
         let shelved = self.shelf.as_ref().map(|s| s.list()).unwrap_or_default();
         let shelved = shelved.iter().filter(|(_, m)| matches_labels(&m.labels, filters.as_ref()));
         volumes.extend(shelved.map(|(n, m)| shelf_model(n, m)));
-        ready(Ok(VolumeListResponse { volumes: Some(volumes), warnings: None }))
+        Box::pin(async move {
+            volumes.extend(self.mark_list(filters.as_ref()).await?);
+            Ok(VolumeListResponse { volumes: Some(volumes), warnings: None })
+        })
     }
     fn create_network(&self, _: NetworkCreateRequest) -> Fut<'_, NetworkCreateResponse> {
         ready(Err(unsupported("egress (a session network with an allow-list)")))

@@ -73,9 +73,9 @@ impl Registry {
 
     /// At start: keeps this instance's heartbeat from now on, and removes what dead instances
     /// left behind (docs/design.md D9). When some instance's heartbeat stopped too recently
-    /// to call it dead, a sweep runs again once the grace is over. With `sole`, the engine is
-    /// this server's alone and an instance not proven alive counts as dead (`Sweeper::sole`).
-    pub async fn sweep_leftovers(&self, sole: bool) -> Result<(), docker::Error> {
+    /// to call it dead, a sweep runs again once the grace is over; with `again`, one runs
+    /// every `again` besides (Kubernetes, where a dead server's Lease lapses only later).
+    pub async fn sweep_leftovers(&self, again: Option<std::time::Duration>) -> Result<(), docker::Error> {
         match self.adopt_leftovers().await {
             Ok(0) => {}
             Ok(n) => tracing::info!(sessions = n, "adopted the sessions of stopped servers"),
@@ -87,7 +87,17 @@ impl Registry {
             Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
             Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
         }
-        let sweeper = self.instance.sweeper(self.cfg.leftover_grace()).keeping(self.cfg.idle_ttl()).sole(sole);
+        // A dead server's sessions are kept for a next server of its state dir: stopped
+        // containers, for `--idle-ttl-s`; on Kubernetes running pods (nothing stops a pod),
+        // holding their requests, so only for the grace.
+        let keep = match self.cfg.engine {
+            crate::config::EngineKind::Kubernetes => self.cfg.leftover_grace(),
+            crate::config::EngineKind::Docker => self.cfg.idle_ttl(),
+        };
+        let sweeper = self.instance.sweeper(self.cfg.leftover_grace()).keeping(keep);
+        if let Some(every) = again {
+            self.keeper.repeat(self.docker.clone(), sweeper.clone(), every);
+        }
         let swept = sweeper.sweep(&self.docker).await?;
         let nets = crate::egress::sweep_orphan_networks(&self.docker, &self.instance.owner.instance).await;
         if nets > 0 {
