@@ -111,9 +111,8 @@ impl Shelf {
             }
             let path = entry.path().map_err(|e| e.to_string())?.into_owned();
             let Some(rel) = relative(&path) else { return Err(format!("refused path {}", path.display())) };
-            let target = data.join(&rel);
             match entry.header().entry_type() {
-                tar::EntryType::Directory => mkdir(&target).map_err(|e| e.to_string())?,
+                tar::EntryType::Directory => dirs(&data, &rel)?,
                 tar::EntryType::Regular => write_file(&data, &rel, &mut entry)?,
                 other => return Err(format!("refused entry {} of type {other:?}", path.display())),
             }
@@ -145,19 +144,25 @@ fn relative(path: &Path) -> Option<PathBuf> {
     (!out.as_os_str().is_empty()).then_some(out)
 }
 
-/// Writes `entry` at `data/rel`: every directory on the way made (never a link followed:
-/// each is checked to be a real directory), the file created new, not through a link.
-fn write_file(data: &Path, rel: &Path, entry: &mut impl std::io::Read) -> Result<(), String> {
+/// Makes directory `data/rel` and every one on the way, one at a time, each checked to be a
+/// real directory: never a link followed (a recursive mkdir would make them through one).
+fn dirs(data: &Path, rel: &Path) -> Result<(), String> {
     let mut dir = data.to_owned();
-    let parents: Vec<_> = rel.parent().map(|p| p.components().collect()).unwrap_or_default();
-    for c in parents {
+    for c in rel.components() {
         dir.push(c);
         match std::fs::symlink_metadata(&dir) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => return Err(format!("{} is not a directory", dir.display())),
-            Err(_) => mkdir(&dir).map_err(|e| e.to_string())?,
+            Err(_) => std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(|e| e.to_string())?,
         }
     }
+    Ok(())
+}
+
+/// Writes `entry` at `data/rel`: every directory on the way made (`dirs`), the file created
+/// new, not through a link.
+fn write_file(data: &Path, rel: &Path, entry: &mut impl std::io::Read) -> Result<(), String> {
+    dirs(data, rel.parent().unwrap_or(Path::new("")))?;
     let target = data.join(rel);
     let _ = std::fs::remove_file(&target);
     let mut file = std::fs::OpenOptions::new()

@@ -84,6 +84,10 @@ fn hostile_tars_write_nothing_outside_the_volume() {
     let t = tar_of(&[("planted/escaped", tar::EntryType::Regular, b"x")]);
     assert!(s.unpack("v", &t).is_err(), "not through a planted link");
     assert!(!outside.exists());
+    // Nor is a directory made through it.
+    let t = tar_of(&[("planted/made", tar::EntryType::Directory, b"")]);
+    assert!(s.unpack("v", &t).is_err(), "no directory through a planted link");
+    assert!(!dir.join("made").exists(), "a directory made outside the volume");
     // Names that are not one directory below the shelf reach nothing.
     for bad in ["..", ".hidden", "a/b", "", "v/../../x"] {
         assert!(s.create(bad, &meta()).is_err() && s.get(bad).is_none() && !s.remove(bad), "{bad:?}");
