@@ -96,8 +96,8 @@ impl Shelf {
         }
     }
 
-    /// Unpacks `tar` into volume `name`'s files.
-    pub(super) fn unpack(&self, name: &str, tar: &[u8]) -> Result<(), String> {
+    /// Unpacks `tar` into volume `name`'s files, as it is read (never held whole).
+    pub(super) fn unpack(&self, name: &str, tar: impl std::io::Read) -> Result<(), String> {
         let at = self.at(name).filter(|a| a.join("labels.json").exists()).ok_or(format!("no volume {name}"))?;
         let data = at.join("data");
         let mut archive = tar::Archive::new(tar);
@@ -120,14 +120,14 @@ impl Shelf {
         Ok(())
     }
 
-    /// Volume `name`'s files as a tar, entries named `snap/...` (as Docker's archive of the
-    /// helper's `/snap`). Links are not followed (none is ever written).
-    pub(super) fn pack(&self, name: &str) -> Result<Vec<u8>, String> {
+    /// Writes volume `name`'s files into `out` as a tar, entries named `snap/...` (as Docker's
+    /// archive of the helper's `/snap`). Links are not followed (none is ever written).
+    pub(super) fn pack(&self, name: &str, out: impl std::io::Write) -> Result<(), String> {
         let at = self.at(name).filter(|a| a.join("labels.json").exists()).ok_or(format!("no volume {name}"))?;
-        let mut b = tar::Builder::new(Vec::new());
+        let mut b = tar::Builder::new(out);
         b.follow_symlinks(false);
         b.append_dir_all("snap", at.join("data")).map_err(|e| e.to_string())?;
-        b.into_inner().map_err(|e| e.to_string())
+        b.into_inner().and_then(|mut w| w.flush()).map_err(|e| e.to_string())
     }
 }
 
