@@ -5,7 +5,9 @@
 //! Warm sandboxes are not made ahead of claims: what pyberth sees of a claim is the same.
 //!
 //! `bind_to_first`: every claim after the first is said bound to the first claim's Sandbox,
-//! as whoever can write a claim's status could say; pyberth must refuse that pod.
+//! as whoever can write a claim's status could say; pyberth must refuse that pod. With
+//! `relabel_claims`, the claim is also relabelled as that pod is, as whoever can write a claim
+//! could do.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,7 +37,7 @@ fn first_sandbox(state: &State) -> Option<String> {
 pub(crate) fn bind(state: &Arc<State>, claim: &str) {
     let Some(mut c) = get(state, "sandboxclaims", claim) else { return };
     let forged = if state.opts.bind_to_first { first_sandbox(state) } else { None };
-    let sandbox = match forged {
+    let sandbox = match forged.clone() {
         Some(first) => first,
         None => match cold_sandbox(state, &c, claim) {
             Ok(name) => name,
@@ -46,6 +48,12 @@ pub(crate) fn bind(state: &Arc<State>, claim: &str) {
             }
         },
     };
+    if forged.is_some() && state.opts.relabel_claims {
+        let pods = state.pods.lock().expect("pods");
+        if let Some(p) = pods.get(&sandbox) {
+            c["metadata"]["labels"] = json!(p.pod.metadata.labels);
+        }
+    }
     c["status"] =
         json!({"sandbox": {"name": sandbox}, "conditions": [{"type": "Ready", "status": "True", "reason": "Ready"}]});
     put(state, "sandboxclaims", claim, c);
