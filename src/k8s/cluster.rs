@@ -313,6 +313,8 @@ impl Cluster {
                 stdin.shutdown().await
             };
             if let Err(e) = wrote.await {
+                // A body that failed half way (its checker refused it) leaves the drain too.
+                drain.abort();
                 return Ok(ExecEnd::Failed(format!("cannot send the tar: {e}")));
             }
         }
