@@ -300,7 +300,7 @@ impl Cluster {
 
     /// Unpacks `tar` into `dir` of pod `name` through `tar -x` on the exec's stdin; needs an API
     /// server that speaks `v5.channel.k8s.io` (v4 cannot close stdin alone).
-    pub async fn upload_tar(&self, name: &str, dir: &str, tar: &[u8]) -> Result<ExecEnd, Error> {
+    pub async fn upload_tar(&self, name: &str, dir: &str, tar: crate::docker::Body) -> Result<ExecEnd, Error> {
         use tokio::io::AsyncWriteExt;
         let mut exec = self.exec(name, &["tar", "-x", "--no-same-owner", "-C", dir, "-f", "-"], true).await?;
         let drain = drain_both(
@@ -309,11 +309,17 @@ impl Cluster {
         );
         let drain = tokio::spawn(drain);
         if let Some(mut stdin) = exec.stdin.take() {
+            // Sent as it comes: a restored snapshot is as big as --snapshot-cache-mb, never held whole.
             let wrote = async {
-                stdin.write_all(tar).await?;
+                let mut chunks = tar.into_stream();
+                while let Some(chunk) = chunks.next().await {
+                    stdin.write_all(&chunk?).await?;
+                }
                 stdin.shutdown().await
             };
             if let Err(e) = wrote.await {
+                // A body that failed half way (its checker refused it) leaves the drain too.
+                drain.abort();
                 return Ok(ExecEnd::Failed(format!("cannot send the tar: {e}")));
             }
         }

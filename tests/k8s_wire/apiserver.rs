@@ -43,6 +43,9 @@ pub(crate) struct Options {
     pub(crate) controller: bool,
     /// Claims after the first are said bound to the first's Sandbox (a forged status).
     pub(crate) bind_to_first: bool,
+    /// With `bind_to_first`: the claim's labels are made the first Sandbox's pod's too (whoever
+    /// can write a claim can relabel it).
+    pub(crate) relabel_claims: bool,
     /// Writing SandboxTemplates and SandboxWarmPools answered 403 (a Role that only reads them).
     pub(crate) forbid_templates: bool,
     /// The controller keeps each warm pool's sandboxes made ahead, and a claim adopts one.
@@ -62,6 +65,7 @@ impl Default for Options {
             cut_exec_after: None,
             controller: false,
             bind_to_first: false,
+            relabel_claims: false,
             forbid_templates: false,
             warm_pool: false,
             label_delay: std::time::Duration::ZERO,

@@ -8,7 +8,9 @@
 //! Without it, every claim gets a cold Sandbox.
 //!
 //! `bind_to_first`: every claim after the first is said bound to the first claim's Sandbox,
-//! as whoever can write a claim's status could say; pyberth must refuse that pod.
+//! as whoever can write a claim's status could say; pyberth must refuse that pod. With
+//! `relabel_claims`, the claim is also relabelled as that pod is, as whoever can write a claim
+//! could do.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -41,8 +43,8 @@ fn first_sandbox(state: &State) -> Option<String> {
 pub(crate) fn bind(state: &Arc<State>, claim: &str) {
     let Some(mut c) = get(state, "sandboxclaims", claim) else { return };
     let forged = if state.opts.bind_to_first { first_sandbox(state) } else { None };
-    let warm = if state.opts.warm_pool { adopt(state, &c, claim) } else { None };
-    let sandbox = match forged.or(warm) {
+    let warm = if state.opts.warm_pool && forged.is_none() { adopt(state, &c, claim) } else { None };
+    let sandbox = match forged.clone().or(warm) {
         Some(first) => first,
         None => match cold_sandbox(state, &c, claim) {
             Ok(name) => name,
@@ -53,6 +55,12 @@ pub(crate) fn bind(state: &Arc<State>, claim: &str) {
             }
         },
     };
+    if forged.is_some() && state.opts.relabel_claims {
+        let pods = state.pods.lock().expect("pods");
+        if let Some(p) = pods.get(&sandbox) {
+            c["metadata"]["labels"] = json!(p.pod.metadata.labels);
+        }
+    }
     c["status"] =
         json!({"sandbox": {"name": sandbox}, "conditions": [{"type": "Ready", "status": "True", "reason": "Ready"}]});
     put(state, "sandboxclaims", claim, c);

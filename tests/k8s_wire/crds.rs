@@ -148,9 +148,10 @@ fn list(state: &State, plural: &str, selector: &str) -> Value {
 
 /// `secs` since the epoch as the API server writes a time (whole seconds, UTC).
 fn rfc3339(secs: u64) -> String {
-    let (days, s) = (secs / 86_400, secs % 86_400);
+    let days = i64::try_from(secs / 86_400).unwrap_or(0);
+    let s = secs % 86_400;
     // Civil from days (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
+    let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;
     let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
@@ -160,4 +161,10 @@ fn rfc3339(secs: u64) -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", s / 3600, s / 60 % 60, s % 60)
+}
+
+#[test]
+fn api_server_times() {
+    assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+    assert_eq!(rfc3339(1_795_737_600 + 3661), "2026-11-27T01:01:01Z");
 }

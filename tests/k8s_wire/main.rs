@@ -166,7 +166,10 @@ async fn a_session_lives_over_the_simulated_api_server() {
     assert_eq!(out.trim(), "0000000000000000 1 read-only");
 
     // Files: a tar over the exec's stdin, closed on v5; the agent reads it back.
-    let end = cluster.upload_tar(&name, "/workspace", &tar_of("hello.txt", b"from the wire")).await.expect("upload");
+    let end = cluster
+        .upload_tar(&name, "/workspace", pyberth::docker::body_full(tar_of("hello.txt", b"from the wire").into()))
+        .await
+        .expect("upload");
     assert_eq!(end, ExecEnd::Exited(0));
     let (out, _) = agent.run(3, "print(open('/workspace/hello.txt').read())").await;
     assert_eq!(out.trim(), "from the wire");

@@ -47,6 +47,14 @@ pub fn body_try_stream(s: impl futures::Stream<Item = std::io::Result<Bytes>> + 
 }
 
 impl Body {
+    /// The body's bytes as they come (an engine that passes them on never holds them whole).
+    pub fn into_stream(self) -> BoxStream<'static, std::io::Result<Bytes>> {
+        match self {
+            Body::Full(b) => futures::stream::iter([Ok(b)]).boxed(),
+            Body::Stream(s) => s,
+        }
+    }
+
     /// All of the body's bytes (an in-process engine reads uploads whole).
     pub async fn collect(self) -> std::io::Result<Vec<u8>> {
         match self {

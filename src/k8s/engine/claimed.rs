@@ -58,6 +58,9 @@ pub(super) struct Claimed {
     ensured: Mutex<HashSet<String>>,
     /// Container name → its checked pod.
     known: Mutex<HashMap<String, Known>>,
+    /// Container name → the labels its claim was made with: its pod must carry these, not
+    /// whatever the claim carries now (whoever can write a claim can relabel it).
+    asked: Mutex<HashMap<String, BTreeMap<String, String>>>,
     /// The task that moves shutdown times ahead (`renewing`), ended with this.
     renewer: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -113,6 +116,7 @@ impl Claimed {
             uid,
             ensured: Mutex::default(),
             known: Mutex::default(),
+            asked: Mutex::default(),
             renewer: Mutex::default(),
         });
         let task = tokio::spawn(renewing(Arc::downgrade(&me)));
@@ -140,7 +144,9 @@ impl Claimed {
                 notes.insert(ANNOTATION_NAME.into(), json!(name));
             }
         }
-        self.sandboxes.create_claim(c).await.map_err(from_cluster)
+        self.sandboxes.create_claim(c).await.map_err(from_cluster)?;
+        lock(&self.asked).insert(name.to_owned(), ours);
+        Ok(())
     }
 
     /// Waits until container `name`'s claim is served by a running pod of its own.
@@ -159,8 +165,15 @@ impl Claimed {
 
     async fn find(&self, name: &str, limit: Duration) -> Result<String, EngineError> {
         let claim = pod_name(name);
-        let pod = match self.sandboxes.resolve_own(&claim, limit).await {
-            Ok(p) => p.metadata.name.unwrap_or_default(),
+        // Without a record (a claim of a server before a restart), the claim's own labels; the
+        // adoption then checks the pod's against the session's record.
+        let asked = lock(&self.asked).get(name).cloned();
+        let found = match &asked {
+            Some(ours) => self.sandboxes.resolve(&claim, ours, limit).await,
+            None => self.sandboxes.resolve_own(&claim, limit).await.map(|p| p.metadata.name.unwrap_or_default()),
+        };
+        let pod = match found {
+            Ok(p) => p,
             Err(cluster::Error::Claim { reason, .. }) if reason == "it was deleted" => {
                 return Err(status(404, format!("No such container: {name}")));
             }
@@ -196,6 +209,7 @@ impl Claimed {
     /// Deletes container `name`'s claim; 404 when there is none.
     pub(super) async fn remove(&self, name: &str) -> Result<(), EngineError> {
         lock(&self.known).remove(name);
+        lock(&self.asked).remove(name);
         let claim = pod_name(name);
         if self.sandboxes.get_claim(&claim).await.map_err(from_cluster)?.is_none() {
             return Err(status(404, format!("No such container: {name}")));

@@ -5,9 +5,10 @@ use std::time::SystemTime;
 use bollard::models::{ContainerConfig, ContainerState, ContainerStateStatusEnum, ContainerSummaryStateEnum};
 use futures::StreamExt;
 
-use super::shelf::Meta;
+use super::shelf::{Meta, Shelf};
 use super::translate::{self, pod_name};
 use super::{ExecRec, KubeEngine, START_LIMIT, Virtual, Vol, from_cluster, said, status, unsupported};
+use crate::docker::chunks::{ChunkReader, chunk_writer};
 use crate::docker::heartbeat::LABEL_BEAT;
 use crate::docker::seam::types::*;
 use crate::docker::seam::{Engine, matches_labels, once, ready};
@@ -71,6 +72,40 @@ pub(super) fn split_path(path: &str) -> (String, String) {
         Some((dir, name)) => (dir.into(), name.into()),
         None => (".".into(), trimmed.into()),
     }
+}
+
+/// Unpacks `tar` into `volume` on `shelf` as it arrives: a snapshot is as big as
+/// --snapshot-cache-mb lets a session's code make it, and every session may save at once.
+async fn onto_shelf(shelf: Shelf, volume: String, tar: Body) -> Result<(), Error> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(8);
+    let unpack = tokio::task::spawn_blocking(move || shelf.unpack(&volume, ChunkReader::new(rx)));
+    let mut chunks = tar.into_stream();
+    while let Some(chunk) = chunks.next().await {
+        let failed = chunk.is_err();
+        // A send fails once the unpack ended (done, or refused): its answer says which.
+        if tx.send(chunk).await.is_err() || failed {
+            break;
+        }
+    }
+    drop(tx);
+    let put = unpack.await.map_err(|e| said(e.to_string()))?;
+    put.map_err(|e| said(format!("snapshot volume: {e}")))
+}
+
+/// Volume `volume` on `shelf` as a tar, packed as it is read (never held whole). The packer
+/// ends when it is done, or at its next chunk once the stream is dropped.
+fn off_shelf(shelf: Shelf, volume: String) -> Items<'static, Bytes> {
+    let (mut writer, rx) = chunk_writer();
+    let packer = tokio::task::spawn_blocking(move || {
+        if let Err(e) = shelf.pack(&volume, &mut writer) {
+            writer.fail(&format!("snapshot volume: {e}"));
+        }
+    });
+    let chunks = futures::stream::unfold((rx, packer), |(mut rx, packer)| async move {
+        let chunk = rx.recv().await?;
+        Some((chunk.map_err(|e| said(e.to_string())), (rx, packer)))
+    });
+    chunks.boxed()
 }
 
 impl Engine for KubeEngine {
@@ -183,14 +218,12 @@ impl Engine for KubeEngine {
         tar: Body,
     ) -> Fut<'a, ()> {
         Box::pin(async move {
-            let tar = tar.collect().await.map_err(|e| said(format!("upload: {e}")))?;
             let helper = self.records().helpers.get(name).cloned();
             if let (Some(volume), Some(shelf)) = (helper, self.shelf.clone()) {
-                let put = tokio::task::spawn_blocking(move || shelf.unpack(&volume, &tar)).await;
-                return put.map_err(|e| said(e.to_string()))?.map_err(|e| said(format!("snapshot volume: {e}")));
+                return onto_shelf(shelf, volume, tar).await;
             }
             let dir = options.map(|o| o.path).unwrap_or_else(|| "/".into());
-            match self.cluster.upload_tar(&self.pod_of(name).await?, &dir, &tar).await.map_err(from_cluster)? {
+            match self.cluster.upload_tar(&self.pod_of(name).await?, &dir, tar).await.map_err(from_cluster)? {
                 cluster::ExecEnd::Exited(0) => Ok(()),
                 end => Err(said(format!("cannot unpack the files into {dir} of {name}: {end:?}"))),
             }
@@ -204,12 +237,7 @@ impl Engine for KubeEngine {
         let (engine, name) = (self.clone(), name.to_owned());
         let helper = self.records().helpers.get(&name).cloned();
         if let (Some(volume), Some(shelf)) = (helper, self.shelf.clone()) {
-            return futures::stream::once(async move {
-                let got = tokio::task::spawn_blocking(move || shelf.pack(&volume)).await;
-                let tar = got.map_err(|e| said(e.to_string()))?.map_err(|e| said(format!("snapshot volume: {e}")))?;
-                Ok(Bytes::from(tar))
-            })
-            .boxed();
+            return off_shelf(shelf, volume);
         }
         let (dir, base) = split_path(&options.map(|o| o.path).unwrap_or_default());
         futures::stream::once(async move {

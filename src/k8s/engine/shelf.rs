@@ -96,8 +96,8 @@ impl Shelf {
         }
     }
 
-    /// Unpacks `tar` into volume `name`'s files.
-    pub(super) fn unpack(&self, name: &str, tar: &[u8]) -> Result<(), String> {
+    /// Unpacks `tar` into volume `name`'s files, as it is read (never held whole).
+    pub(super) fn unpack(&self, name: &str, tar: impl std::io::Read) -> Result<(), String> {
         let at = self.at(name).filter(|a| a.join("labels.json").exists()).ok_or(format!("no volume {name}"))?;
         let data = at.join("data");
         let mut archive = tar::Archive::new(tar);
@@ -111,9 +111,8 @@ impl Shelf {
             }
             let path = entry.path().map_err(|e| e.to_string())?.into_owned();
             let Some(rel) = relative(&path) else { return Err(format!("refused path {}", path.display())) };
-            let target = data.join(&rel);
             match entry.header().entry_type() {
-                tar::EntryType::Directory => mkdir(&target).map_err(|e| e.to_string())?,
+                tar::EntryType::Directory => dirs(&data, &rel)?,
                 tar::EntryType::Regular => write_file(&data, &rel, &mut entry)?,
                 other => return Err(format!("refused entry {} of type {other:?}", path.display())),
             }
@@ -121,14 +120,14 @@ impl Shelf {
         Ok(())
     }
 
-    /// Volume `name`'s files as a tar, entries named `snap/...` (as Docker's archive of the
-    /// helper's `/snap`). Links are not followed (none is ever written).
-    pub(super) fn pack(&self, name: &str) -> Result<Vec<u8>, String> {
+    /// Writes volume `name`'s files into `out` as a tar, entries named `snap/...` (as Docker's
+    /// archive of the helper's `/snap`). Links are not followed (none is ever written).
+    pub(super) fn pack(&self, name: &str, out: impl std::io::Write) -> Result<(), String> {
         let at = self.at(name).filter(|a| a.join("labels.json").exists()).ok_or(format!("no volume {name}"))?;
-        let mut b = tar::Builder::new(Vec::new());
+        let mut b = tar::Builder::new(out);
         b.follow_symlinks(false);
         b.append_dir_all("snap", at.join("data")).map_err(|e| e.to_string())?;
-        b.into_inner().map_err(|e| e.to_string())
+        b.into_inner().and_then(|mut w| w.flush()).map_err(|e| e.to_string())
     }
 }
 
@@ -145,19 +144,25 @@ fn relative(path: &Path) -> Option<PathBuf> {
     (!out.as_os_str().is_empty()).then_some(out)
 }
 
-/// Writes `entry` at `data/rel`: every directory on the way made (never a link followed:
-/// each is checked to be a real directory), the file created new, not through a link.
-fn write_file(data: &Path, rel: &Path, entry: &mut impl std::io::Read) -> Result<(), String> {
+/// Makes directory `data/rel` and every one on the way, one at a time, each checked to be a
+/// real directory: never a link followed (a recursive mkdir would make them through one).
+fn dirs(data: &Path, rel: &Path) -> Result<(), String> {
     let mut dir = data.to_owned();
-    let parents: Vec<_> = rel.parent().map(|p| p.components().collect()).unwrap_or_default();
-    for c in parents {
+    for c in rel.components() {
         dir.push(c);
         match std::fs::symlink_metadata(&dir) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => return Err(format!("{} is not a directory", dir.display())),
-            Err(_) => mkdir(&dir).map_err(|e| e.to_string())?,
+            Err(_) => std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(|e| e.to_string())?,
         }
     }
+    Ok(())
+}
+
+/// Writes `entry` at `data/rel`: every directory on the way made (`dirs`), the file created
+/// new, not through a link.
+fn write_file(data: &Path, rel: &Path, entry: &mut impl std::io::Read) -> Result<(), String> {
+    dirs(data, rel.parent().unwrap_or(Path::new("")))?;
     let target = data.join(rel);
     let _ = std::fs::remove_file(&target);
     let mut file = std::fs::OpenOptions::new()

@@ -44,11 +44,12 @@ fn a_volume_keeps_its_labels_and_files_across_opens() {
         ("state/meta.json", tar::EntryType::Regular, b"{}"),
         ("workspace/a/b.txt", tar::EntryType::Regular, b"hello"),
     ]);
-    s.unpack("pyberth-i-snap-1", &t).expect("unpack");
+    s.unpack("pyberth-i-snap-1", t.as_slice()).expect("unpack");
     let again = Shelf::open(dir.clone()).expect("reopen");
     assert_eq!(again.list().keys().cloned().collect::<Vec<_>>(), ["pyberth-i-snap-1"]);
     assert_eq!(again.get("pyberth-i-snap-1").expect("there").labels["pyberth.snapshot"], "s1");
-    let packed = again.pack("pyberth-i-snap-1").expect("pack");
+    let mut packed = Vec::new();
+    again.pack("pyberth-i-snap-1", &mut packed).expect("pack");
     let mut names: Vec<String> = tar::Archive::new(packed.as_slice())
         .entries()
         .expect("entries")
@@ -76,14 +77,18 @@ fn hostile_tars_write_nothing_outside_the_volume() {
         ("symlink", tar_of(&[("link", tar::EntryType::Symlink, b"..")])),
         ("hardlink", tar_of(&[("hard", tar::EntryType::Link, b"")])),
     ] {
-        assert!(s.unpack("v", &t).is_err(), "{what} refused");
+        assert!(s.unpack("v", t.as_slice()).is_err(), "{what} refused");
     }
     assert!(!outside.exists() && !Path::new("/tmp/escaped-abs").exists());
     // A link planted in the data (not by a tar: by anyone with the directory) is not followed.
     std::os::unix::fs::symlink(&dir, dir.join("v/data/planted")).expect("plant");
     let t = tar_of(&[("planted/escaped", tar::EntryType::Regular, b"x")]);
-    assert!(s.unpack("v", &t).is_err(), "not through a planted link");
+    assert!(s.unpack("v", t.as_slice()).is_err(), "not through a planted link");
     assert!(!outside.exists());
+    // Nor is a directory made through it.
+    let t = tar_of(&[("planted/made", tar::EntryType::Directory, b"")]);
+    assert!(s.unpack("v", t.as_slice()).is_err(), "no directory through a planted link");
+    assert!(!dir.join("made").exists(), "a directory made outside the volume");
     // Names that are not one directory below the shelf reach nothing.
     for bad in ["..", ".hidden", "a/b", "", "v/../../x"] {
         assert!(s.create(bad, &meta()).is_err() && s.get(bad).is_none() && !s.remove(bad), "{bad:?}");
