@@ -171,6 +171,10 @@ pub(crate) fn check_role(at: &str, d: &Value) {
         "sandboxwarmpools:create",
         "sandboxwarmpools:patch",
         "sandboxes:get",
+        "leases:create",
+        "leases:patch",
+        "leases:delete",
+        "leases:list",
     ];
     for must in ["pods:create", "pods:delete", "pods:watch", "pods/exec:create"].into_iter().chain(agent_sandbox) {
         assert!(granted.iter().any(|g| g == must), "{must} missing from {granted:?}");
