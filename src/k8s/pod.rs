@@ -199,6 +199,49 @@ pub fn pod(
     })
 }
 
+/// Whether a pod spec someone else made (agent-sandbox's controller, from a template anyone
+/// with write access to templates could have changed) still carries the hardening of ours,
+/// field by field; the first field that does not, said. A pod that fails is never exec'd into.
+pub fn hardened(spec: &k8s_openapi::api::core::v1::PodSpec) -> Result<(), String> {
+    let yes = |b: Option<bool>| b == Some(true);
+    if spec.automount_service_account_token != Some(false) {
+        return Err("it may mount a service account token".into());
+    }
+    if yes(spec.host_network) || yes(spec.host_pid) || yes(spec.host_ipc) {
+        return Err("it shares a namespace of the node".into());
+    }
+    if let Some(v) = spec.volumes.iter().flatten().find(|v| v.host_path.is_some()) {
+        return Err(format!("volume {} is a folder of the node", v.name));
+    }
+    let ps = spec.security_context.as_ref().ok_or("it has no pod securityContext")?;
+    if !yes(ps.run_as_non_root) || ps.run_as_user.is_none_or(|u| u <= 0) {
+        return Err("it may run as root".into());
+    }
+    let unconfined = |p: Option<&SeccompProfile>| p.is_some_and(|p| p.type_ == "Unconfined");
+    if unconfined(ps.seccomp_profile.as_ref()) {
+        return Err("its seccomp profile is Unconfined".into());
+    }
+    let all = spec.containers.iter().chain(spec.init_containers.iter().flatten());
+    for c in all {
+        let cs = c.security_context.as_ref().ok_or(format!("container {} has no securityContext", c.name))?;
+        let caps = cs.capabilities.as_ref();
+        let dropped = caps.and_then(|c| c.drop.as_ref()).is_some_and(|d| d.iter().any(|x| x == "ALL"));
+        let added = caps.and_then(|c| c.add.as_ref()).is_some_and(|a| !a.is_empty());
+        let weak = [
+            (cs.allow_privilege_escalation != Some(false), "may escalate privileges"),
+            (yes(cs.privileged), "is privileged"),
+            (cs.read_only_root_filesystem != Some(true), "has a writable root"),
+            (!dropped || added, "keeps or adds capabilities"),
+            (cs.run_as_user == Some(0) || cs.run_as_non_root == Some(false), "may run as root"),
+            (unconfined(cs.seccomp_profile.as_ref()), "has an Unconfined seccomp profile"),
+        ];
+        if let Some((_, why)) = weak.iter().find(|(w, _)| *w) {
+            return Err(format!("container {} {why}", c.name));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 #[path = "pod_tests.rs"]
 mod tests;

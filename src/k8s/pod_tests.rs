@@ -184,3 +184,42 @@ fn host_mounts_are_refused_not_dropped() {
     let e = pod(&s, &PodSettings::default(), "img", "n", 10_000, &labels()).expect_err("refused");
     assert!(e.to_string().contains("host folders"), "{e}");
 }
+
+// Attack view: a template someone loosened after we made it; the pod it gives is not used.
+#[test]
+fn a_weakened_pod_is_said_not_hardened() {
+    let ours = make(&spec(), &PodSettings::default());
+    assert_eq!(hardened(ours.spec.as_ref().expect("spec")), Ok(()));
+    type Weaken = fn(&mut PodSpec);
+    let weakenings: [(&str, Weaken); 9] = [
+        ("token", |s| s.automount_service_account_token = Some(true)),
+        ("host network", |s| s.host_network = Some(true)),
+        ("root", |s| s.security_context.as_mut().expect("psc").run_as_user = Some(0)),
+        ("escalation", |s| {
+            s.containers[0].security_context.as_mut().expect("sc").allow_privilege_escalation = Some(true)
+        }),
+        ("privileged", |s| s.containers[0].security_context.as_mut().expect("sc").privileged = Some(true)),
+        ("writable root", |s| s.containers[0].security_context.as_mut().expect("sc").read_only_root_filesystem = None),
+        ("capabilities", |s| {
+            let caps = s.containers[0].security_context.as_mut().expect("sc").capabilities.as_mut().expect("caps");
+            caps.add = Some(vec!["SYS_ADMIN".into()]);
+        }),
+        ("unconfined", |s| {
+            let psc = s.security_context.as_mut().expect("psc");
+            psc.seccomp_profile.as_mut().expect("seccomp").type_ = "Unconfined".into();
+        }),
+        ("host path", |s| {
+            let v = k8s_openapi::api::core::v1::Volume {
+                name: "node".into(),
+                host_path: Some(k8s_openapi::api::core::v1::HostPathVolumeSource { path: "/".into(), type_: None }),
+                ..Default::default()
+            };
+            s.volumes.get_or_insert_default().push(v);
+        }),
+    ];
+    for (what, weaken) in weakenings {
+        let mut s = ours.spec.clone().expect("spec");
+        weaken(&mut s);
+        assert!(hardened(&s).is_err(), "{what}: refused");
+    }
+}

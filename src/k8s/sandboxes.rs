@@ -167,7 +167,14 @@ impl Sandboxes {
             return Ok(Err(format!("pod {pod} is not there yet")));
         };
         match claims::check_labels(&p, want) {
-            Ok(()) => Ok(Ok(p)),
+            Ok(()) => match p.spec.as_ref().map(super::pod::hardened) {
+                Some(Ok(())) => Ok(Ok(p)),
+                // Its template was loosened after we made it (or another pod is named): refused.
+                Some(Err(why)) => {
+                    Err(Error::Claim { claim: name.into(), reason: format!("pod {pod} is not hardened: {why}") })
+                }
+                None => Err(Error::Claim { claim: name.into(), reason: format!("pod {pod} has no spec") }),
+            },
             Err(why @ (Refused::NotRunning(_) | Refused::Unlabelled { .. })) => Ok(Err(why.to_string())),
             Err(why @ Refused::NotOurs { .. }) => Err(Error::Claim { claim: name.into(), reason: why.to_string() }),
         }

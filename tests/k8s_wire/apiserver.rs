@@ -52,6 +52,8 @@ pub(crate) struct Options {
     pub(crate) warm_pool: bool,
     /// How long after binding a warm sandbox the controller puts the claim's labels on its pod.
     pub(crate) label_delay: std::time::Duration,
+    /// The controller's pods may escalate privileges (a template loosened after pyberth made it).
+    pub(crate) weaken: bool,
 }
 
 impl Default for Options {
@@ -69,6 +71,7 @@ impl Default for Options {
             forbid_templates: false,
             warm_pool: false,
             label_delay: std::time::Duration::ZERO,
+            weaken: false,
         }
     }
 }

@@ -31,7 +31,8 @@ fn add_pod(sim: &Sim, name: &str, labels: &BTreeMap<String, String>, phase: &str
     let pod = Pod {
         metadata: ObjectMeta { name: Some(name.into()), labels: Some(l), annotations: Some(a), ..Default::default() },
         status: Some(PodStatus { phase: Some(phase.into()), ..Default::default() }),
-        ..Default::default()
+        // Our hardened spec, as a pod of our template has it.
+        spec: super::session_pod(name, 9, "pyberth-python:test").spec,
     };
     let pod = sim.state.record("ADDED", pod);
     sim.state.pods.lock().expect("pods").insert(name.into(), Stored { pod, container: None });

@@ -84,6 +84,10 @@ fn new_sandbox(state: &Arc<State>, pool_name: &str, owner: (&str, &str)) -> Resu
         serde_json::from_value(template["spec"]["podTemplate"].clone()).map_err(|e| format!("pod template: {e}"))?;
     let name = format!("{pool_name}-{}", suffix());
     pod.metadata.name = Some(name.clone());
+    if state.opts.weaken {
+        let c = pod.spec.as_mut().and_then(|s| s.containers.first_mut()).ok_or("a pod template without containers")?;
+        c.security_context.get_or_insert_default().allow_privilege_escalation = Some(true);
+    }
     let sb = json!({
         "apiVersion": "agents.x-k8s.io/v1beta1", "kind": "Sandbox",
         "metadata": {"name": name, "labels": {owner.0: owner.1}, "annotations": {"agents.x-k8s.io/pod-name": name}},

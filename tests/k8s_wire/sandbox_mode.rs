@@ -228,3 +228,13 @@ async fn a_warm_sandbox_serves_once_it_carries_the_claims_labels() {
     none_left(&sim, "sandboxclaims", None).await;
     sim.stop().await;
 }
+
+/// A template loosened after pyberth made it (anyone who can write templates could): the pod
+/// the controller makes from it may escalate privileges, and the session refuses it, saying
+/// why, before anything runs there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_from_a_loosened_template_is_refused() {
+    let opts = Options { controller: true, weaken: true, ..Default::default() };
+    let want = ["not hardened", "may escalate privileges"];
+    first_call_fails_saying(opts, "sb-weak", MODE, &want).await;
+}
