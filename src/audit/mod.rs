@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
-pub(crate) mod time;
+pub mod time;
 mod writer;
 
 pub use time::{day_of, rfc3339, seconds_to_next_day};

@@ -118,8 +118,7 @@ fn merge(target: &mut Value, patch: &Value) {
 /// first time); returns it as stored.
 pub(crate) fn put(state: &State, plural: &str, name: &str, mut v: Value) -> Value {
     if v["metadata"]["creationTimestamp"].is_null() {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
-        v["metadata"]["creationTimestamp"] = json!(rfc3339(now));
+        v["metadata"]["creationTimestamp"] = json!(pyberth::audit::time::rfc3339(std::time::SystemTime::now()));
     }
     let version = state.version.fetch_add(1, Ordering::SeqCst) + 1;
     v["metadata"]["resourceVersion"] = json!(version.to_string());
@@ -144,27 +143,4 @@ fn list(state: &State, plural: &str, selector: &str) -> Value {
         objects.iter().filter(|((p, _), v)| p == plural && matches(v)).map(|(_, v)| v.clone()).collect();
     let version = state.version.load(Ordering::SeqCst).to_string();
     json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": version}, "items": items})
-}
-
-/// `secs` since the epoch as the API server writes a time (whole seconds, UTC).
-fn rfc3339(secs: u64) -> String {
-    let days = i64::try_from(secs / 86_400).unwrap_or(0);
-    let s = secs % 86_400;
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", s / 3600, s / 60 % 60, s % 60)
-}
-
-#[test]
-fn api_server_times() {
-    assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
-    assert_eq!(rfc3339(1_795_737_600 + 3661), "2026-11-27T01:01:01Z");
 }

@@ -125,13 +125,12 @@ async fn a_session_lives_on_a_claimed_sandbox() {
     sim.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_forged_claim_status_reaches_no_other_session() {
-    let opts = Options { controller: true, bind_to_first: true, ..Default::default() };
+/// Session b's claim is said bound to a's Sandbox (`opts` says how): b's call is refused and
+/// nothing of b runs in a's pod.
+async fn b_reaches_nothing_of_a(opts: Options, tag: &str) {
     let sim = Sim::start(opts, docker()).await;
-    let s = Served::start_cfg(&sim, "sb-forged", 0, MODE).await;
+    let s = Served::start_cfg(&sim, tag, 0, MODE).await;
     s.ok("run_python", json!({ "session": "a", "code": "secret = 'of a'" })).await;
-    // b's claim is said bound to a's Sandbox: refused, nothing of b runs in a's pod.
     let r = s.call("run_python", json!({ "session": "b", "code": "secret = 'overwritten by b'" })).await;
     assert_eq!(r.is_error, Some(true), "{}", text(&r));
     assert!(text(&r).contains("not this session's"), "{}", text(&r));
@@ -143,23 +142,18 @@ async fn a_forged_claim_status_reaches_no_other_session() {
     sim.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_claim_status_reaches_no_other_session() {
+    b_reaches_nothing_of_a(Options { controller: true, bind_to_first: true, ..Default::default() }, "sb-forged").await;
+}
+
 /// Whoever can write a claim can relabel it too: b's claim, labelled as a's pod and said bound
 /// to a's Sandbox, still reaches nothing of a. The pod must carry the labels the server asked
 /// the claim for, not the ones the claim carries now.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relabelled_claim_reaches_no_other_session() {
     let opts = Options { controller: true, bind_to_first: true, relabel_claims: true, ..Default::default() };
-    let sim = Sim::start(opts, docker()).await;
-    let s = Served::start_cfg(&sim, "sb-relabel", 0, MODE).await;
-    s.ok("run_python", json!({ "session": "a", "code": "secret = 'of a'" })).await;
-    let r = s.call("run_python", json!({ "session": "b", "code": "secret = 'overwritten by b'" })).await;
-    assert_eq!(r.is_error, Some(true), "{}", text(&r));
-    assert!(text(&r).contains("not this session's"), "{}", text(&r));
-    let sc = s.ok("run_python", json!({ "session": "a", "code": "print(secret)" })).await;
-    assert_eq!(sc["stdout"], "of a\n", "a's state is a's: {sc}");
-    s.stop().await;
-    none_left(&sim, "sandboxclaims", None).await;
-    sim.stop().await;
+    b_reaches_nothing_of_a(opts, "sb-relabel").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

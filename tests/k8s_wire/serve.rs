@@ -135,6 +135,12 @@ pub(super) async fn node_containers(sim: &Sim) -> usize {
     docker().list_containers(Some(opts)).await.expect("list").len()
 }
 
+/// The Leases the simulator holds (heartbeats and their marks).
+fn leases(sim: &Sim) -> Vec<Value> {
+    let objects = sim.state.objects.lock().expect("objects");
+    objects.iter().filter(|((p, _), _)| p == "leases").map(|(_, v)| v.clone()).collect()
+}
+
 pub(super) fn pods(sim: &Sim) -> Vec<String> {
     sim.state.pods.lock().expect("pods").keys().cloned().collect()
 }
@@ -345,15 +351,7 @@ async fn the_next_server_deletes_the_pods_of_a_killed_one() {
     // Its heartbeat Lease lapses 15 s after its last renewal; a sweep every 5 s sees it.
     let deadline = Instant::now() + Duration::from_secs(60);
     while !pods(&sim).is_empty() || node_containers(&sim).await > 0 {
-        let leases: Vec<String> = sim
-            .state
-            .objects
-            .lock()
-            .expect("objects")
-            .iter()
-            .filter(|((p, _), _)| p == "leases")
-            .map(|(_, v)| v.to_string())
-            .collect();
+        let leases = leases(&sim);
         assert!(
             Instant::now() < deadline,
             "the killed server's pod is still there: {:?}\n{leases:?}\n{}",
@@ -390,23 +388,14 @@ async fn two_live_servers_share_a_namespace() {
         let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
         assert_eq!(sc["stdout"], format!("{want}\n"), "{sc}");
     }
-    let leases = || sim.state.objects.lock().expect("objects").keys().filter(|(p, _)| p == "leases").count();
-    assert!(leases() >= 2, "a heartbeat Lease each");
+    assert!(leases(&sim).len() >= 2, "a heartbeat Lease each");
     a.stop().await;
     assert_eq!(pods(&sim).len(), 1, "a's stop deleted its own pod only: {:?}", pods(&sim));
     let sc = b.ok("run_python", json!({ "session": "k", "code": "print(x)" })).await;
     assert_eq!(sc["stdout"], "of b\n", "{sc}");
     b.stop().await;
     assert!(pods(&sim).is_empty(), "{:?}", pods(&sim));
-    let left: Vec<String> = sim
-        .state
-        .objects
-        .lock()
-        .expect("objects")
-        .iter()
-        .filter(|((p, _), _)| p == "leases")
-        .map(|(_, v)| v["metadata"].to_string())
-        .collect();
-    assert_eq!(leases(), 0, "each clean stop deleted its Lease: {left:?}");
+    let left = leases(&sim);
+    assert!(left.is_empty(), "each clean stop deleted its Lease: {left:?}");
     sim.stop().await;
 }
