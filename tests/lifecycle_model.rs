@@ -11,7 +11,7 @@
 //! the rest replayed, within `PYBERTH_MODEL_SHRINK_S`, default 300 s).
 //! CI runs [`CI_SEEDS`]; `PYBERTH_MODEL_SEED=S` runs one seed, `PYBERTH_MODEL_SOAK=N` runs N
 //! seeds from S (or from the clock), `PYBERTH_MODEL_LEN` sets the length of each sequence.
-//! Seeds play `PYBERTH_MODEL_PARALLEL` at a time (default 2), each in its own world.
+//! Seeds play `PYBERTH_MODEL_PARALLEL` at a time (default 3, CI's all at once), each in its own world.
 #![allow(unreachable_pub)] // a test crate: its helpers are shared between its modules
 
 #[allow(dead_code)] // the shared harness; this binary uses part of it
@@ -160,9 +160,9 @@ fn seeds() -> Vec<u64> {
 }
 
 /// How many seeds play at once: each has its own server, state dir and prefix, and most of a
-/// step is waiting on the engine, so two at a time on 2 cores take little more than one.
+/// step is waiting on the engine, so CI's three at a time on 2 cores take little more than one.
 fn at_once() -> usize {
-    env_u64("PYBERTH_MODEL_PARALLEL").and_then(|n| usize::try_from(n).ok()).unwrap_or(2).max(1)
+    env_u64("PYBERTH_MODEL_PARALLEL").and_then(|n| usize::try_from(n).ok()).unwrap_or(CI_SEEDS.len()).max(1)
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -37,11 +37,12 @@ pub fn fit(mut r: CallToolResult, budget: usize) -> CallToolResult {
     let mut floor = SMALL;
     let mut dropped = Dropped::default();
     for _ in 0..24 {
-        if size_of(&r) <= budget {
+        let size = size_of(&r);
+        if size <= budget {
             break;
         }
         #[allow(clippy::cast_precision_loss)] // sizes far below 2^52
-        let keep = (budget as f64 * 0.9 / size_of(&r) as f64).min(0.9);
+        let keep = (budget as f64 * 0.9 / size as f64).min(0.9);
         let mut cut = cut_content(&mut r.content, keep, floor, &mut dropped);
         if let Some(v) = r.structured_content.as_mut() {
             cut |= shorten_value(v, keep, floor, &mut dropped.items);
@@ -68,8 +69,25 @@ pub fn fit(mut r: CallToolResult, budget: usize) -> CallToolResult {
     failed
 }
 
+/// The serialized size, counted as it is written: a hostile result can be tens of MiB, and
+/// this runs once per cut.
 fn size_of(r: &CallToolResult) -> usize {
-    serde_json::to_vec(r).map(|v| v.len()).unwrap_or(usize::MAX)
+    let mut count = Count(0);
+    serde_json::to_writer(&mut count, r).map_or(usize::MAX, |()| count.0)
+}
+
+/// A writer that keeps only the number of bytes written to it.
+struct Count(usize);
+
+impl std::io::Write for Count {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// What the small cuts left out, said once in the text.
