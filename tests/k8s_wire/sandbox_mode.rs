@@ -232,3 +232,34 @@ async fn a_pod_from_a_loosened_template_is_refused() {
     let want = ["not hardened", "may escalate privileges"];
     first_call_fails_saying(opts, "sb-weak", MODE, &want).await;
 }
+
+/// A killed server's claims go once its heartbeat Lease has lapsed and the grace has passed:
+/// the next server (another state dir, so nothing to adopt) deletes each claim, and with it
+/// the Sandbox and its pod; its own session then gets a claim of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_server_deletes_the_claims_of_a_killed_one() {
+    let sim = Sim::start(Options { controller: true, ..Default::default() }, docker()).await;
+    let mut first = Served::start_cfg(&sim, "sb-killed", 0, MODE).await;
+    first.ok("run_python", json!({ "session": "k", "code": "x = 1" })).await;
+    let killed = names(&sim, "sandboxclaims");
+    assert_eq!(killed.len(), 1, "one claim for the session");
+    first.child.start_kill().expect("SIGKILL");
+    let _ = first.child.wait().await;
+    let next = Served::start_cfg(&sim, "sb-next", 0, &format!("{MODE}leftover_grace_s = 1\n")).await;
+    // Its heartbeat Lease lapses 15 s after its last renewal; a sweep every 5 s sees it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !names(&sim, "sandboxclaims").is_empty() || !pods(&sim).is_empty() || node_containers(&sim).await > 0 {
+        let left = (names(&sim, "sandboxclaims"), pods(&sim));
+        assert!(Instant::now() < deadline, "the killed server's claim is still there: {left:?}\n{}", next.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(next.whole_log().contains("removed leftovers of dead instances"), "{}", next.log());
+    let sc = next.ok("run_python", json!({ "session": "k", "code": "print(2)" })).await;
+    assert_eq!(sc["stdout"], "2\n", "{sc}");
+    let now = names(&sim, "sandboxclaims");
+    assert_eq!(now.len(), 1, "{now:?}");
+    next.stop().await;
+    none_left(&sim, "sandboxclaims", None).await;
+    drop(first);
+    sim.stop().await;
+}
