@@ -356,7 +356,7 @@ impl Listening {
                 args.max_connections
             );
         }
-        let limits = conn::Limits {
+        let limits = admission::Limits {
             max_connections,
             per_client: args.max_connections_per_client,
             header_timeout: Duration::from_secs(args.header_timeout_s),

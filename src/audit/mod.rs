@@ -16,7 +16,7 @@ use std::time::SystemTime;
 pub mod time;
 mod writer;
 
-pub use time::{day_of, rfc3339, seconds_to_next_day};
+pub use time::rfc3339;
 pub use writer::{Sink, Writer};
 
 /// Records that may wait for the writer; past it they are dropped and counted.

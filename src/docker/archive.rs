@@ -9,50 +9,16 @@
 //!
 //! The copy-back policy lives apart, in `copyback.rs`, its writing in `unpack.rs`.
 
-use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::SystemTime;
 
 use crate::docker::Engine;
 use bollard::query_parameters::UploadToContainerOptionsBuilder;
-use bytes::Bytes;
-use tokio::sync::mpsc;
 
 use super::container::WORKSPACE;
-pub use super::copyback::{CopyBack, HeldBack};
-use super::unpack::unpack_changed;
-use crate::tarcheck::{self, safe_relative};
-
-/// Directory names never copied back: interpreter and test-runner caches, not results.
-pub(super) const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
-
-/// Deepest path a transfer takes: deeper trees are refused, not walked.
-pub(super) use crate::tarcheck::MAX_DEPTH;
-
-/// The bounds of one transfer: content bytes and files (100,000 empty files cost no bytes).
-#[derive(Debug, Clone, Copy)]
-pub struct Cap {
-    /// Content bytes.
-    pub bytes: u64,
-    /// Regular files (and, coming back, entries looked at).
-    pub files: u64,
-}
-
-/// What a transfer moved.
-#[derive(Debug, Default, Clone)]
-pub struct Moved {
-    /// Regular files.
-    pub files: u64,
-    /// Their bytes.
-    pub bytes: u64,
-    /// Each file's (mtime, size) as sent, by workspace-relative path: what the run was given.
-    pub manifest: HashMap<PathBuf, (u64, u64)>,
-    /// Copied back to the host: the workspace-relative paths, in archive order.
-    pub copied: Vec<PathBuf>,
-    /// Made or changed by the run but left in the sandbox, and why.
-    pub held_back: Vec<(PathBuf, HeldBack)>,
-}
+pub use super::copyback::{Cap, CopyBack, HeldBack, Moved};
+use crate::tarcheck::{self, MAX_DEPTH, safe_relative};
 
 /// Uploads the contents of `dir` into the workspace of container `id`, skipping `.git`, every
 /// entry owned by `uid` (the container's code). Symlinks travel as symlinks (the container
@@ -183,30 +149,6 @@ fn meta_mode(meta: &std::fs::Metadata) -> u32 {
     meta.permissions().mode()
 }
 
-/// Where [`download_changed`](crate::session::Session::download_changed) streams the
-/// workspace's tar (entries named relative to the workspace): a blocking unpacker that copies
-/// the files the run made or changed into `out` (created if missing), keeping their relative
-/// paths: files modified at or after `since` (seconds) that are not in `rules.given` as they
-/// were sent. Caches are skipped; version-control metadata, excluded paths and (unless asked)
-/// existing host files are held back. At most `cap` bytes. Drop the sender at the end of the
-/// archive, then await the unpacker; when the sender fails, the unpacker's error says why.
-#[allow(clippy::type_complexity)] // a sender and the task it feeds
-pub fn unpacker(
-    out: &Path,
-    since: u64,
-    rules: CopyBack,
-    cap: Cap,
-) -> Result<(mpsc::Sender<Bytes>, tokio::task::JoinHandle<Result<Moved, String>>), String> {
-    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-    let (tx, reader) = super::chunks::chunk_reader();
-    let dest = out.to_path_buf();
-    let unpacker = tokio::task::spawn_blocking(move || {
-        let mut moved = Moved::default();
-        unpack_changed(reader, &dest, since, &rules, cap, &mut moved).map(|()| moved)
-    });
-    Ok((tx, unpacker))
-}
-
 /// Largest tar the agent may send for a download of `cap`: headers and padding besides the
 /// content, then checked again entry by entry.
 pub fn raw_cap(cap: Cap) -> u64 {
@@ -304,6 +246,9 @@ pub fn read_upload(tar: &[u8], dest: &str, check: impl Fn(&str) -> Result<String
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
+    use super::super::unpack::unpack_changed;
     use super::*;
 
     const CAP: Cap = Cap { bytes: 1 << 20, files: 1000 };

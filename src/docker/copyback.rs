@@ -5,6 +5,33 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// Directory names never copied back: interpreter and test-runner caches, not results.
+pub(super) const CACHES: &[&str] = &["__pycache__", ".pytest_cache"];
+
+/// The bounds of one transfer: content bytes and files (100,000 empty files cost no bytes).
+#[derive(Debug, Clone, Copy)]
+pub struct Cap {
+    /// Content bytes.
+    pub bytes: u64,
+    /// Regular files (and, coming back, entries looked at).
+    pub files: u64,
+}
+
+/// What a transfer moved.
+#[derive(Debug, Default, Clone)]
+pub struct Moved {
+    /// Regular files.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Each file's (mtime, size) as sent, by workspace-relative path: what the run was given.
+    pub manifest: HashMap<PathBuf, (u64, u64)>,
+    /// Copied back to the host: the workspace-relative paths, in archive order.
+    pub copied: Vec<PathBuf>,
+    /// Made or changed by the run but left in the sandbox, and why.
+    pub held_back: Vec<(PathBuf, HeldBack)>,
+}
+
 /// Version-control metadata, never copied back: a `.git/config` with a `core.fsmonitor` command
 /// is run by the host's next `git status`. Compared without case (macOS and Windows checkouts).
 const VCS: &[&str] = &[".git", ".hg", ".svn", ".bzr", "_darcs", ".jj", ".pijul", "cvs", ".fslckout", "_fossil_"];

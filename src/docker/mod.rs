@@ -18,7 +18,7 @@ pub mod inventory;
 pub mod seam;
 pub mod snapshot;
 pub mod tether;
-mod unpack;
+pub(crate) mod unpack;
 pub(crate) mod utility;
 
 use bollard::Docker;

@@ -11,9 +11,11 @@ use std::collections::HashSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::archive::{CACHES, Cap, MAX_DEPTH, Moved};
-use super::copyback::{CopyBack, HeldBack};
-use crate::tarcheck::kept_path;
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::copyback::{CACHES, Cap, CopyBack, HeldBack, Moved};
+use crate::tarcheck::{MAX_DEPTH, kept_path};
 
 /// Beside `HEAD`, any one of these makes a directory a git directory (git itself wants
 /// `objects/` and `refs/`; `config` alone carries the commands).
@@ -209,6 +211,30 @@ fn host_target(dest: &Path, rel: &Path) -> Result<PathBuf, String> {
         return Err(format!("{} exists and is not a regular file", at.display()));
     }
     Ok(at)
+}
+
+/// Where [`download_changed`](crate::session::Session::download_changed) streams the
+/// workspace's tar (entries named relative to the workspace): a blocking unpacker that copies
+/// the files the run made or changed into `out` (created if missing), keeping their relative
+/// paths: files modified at or after `since` (seconds) that are not in `rules.given` as they
+/// were sent. Caches are skipped; version-control metadata, excluded paths and (unless asked)
+/// existing host files are held back. At most `cap` bytes. Drop the sender at the end of the
+/// archive, then await the unpacker; when the sender fails, the unpacker's error says why.
+#[allow(clippy::type_complexity)] // a sender and the task it feeds
+pub(crate) fn unpacker(
+    out: &Path,
+    since: u64,
+    rules: CopyBack,
+    cap: Cap,
+) -> Result<(mpsc::Sender<Bytes>, tokio::task::JoinHandle<Result<Moved, String>>), String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    let (tx, reader) = super::chunks::chunk_reader();
+    let dest = out.to_path_buf();
+    let unpacker = tokio::task::spawn_blocking(move || {
+        let mut moved = Moved::default();
+        unpack_changed(reader, &dest, since, &rules, cap, &mut moved).map(|()| moved)
+    });
+    Ok((tx, unpacker))
 }
 
 #[cfg(test)]

@@ -19,7 +19,18 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::conn::Limits;
+/// The bounds every connection lives within.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    /// Connections at once, overall.
+    pub(super) max_connections: usize,
+    /// Connections at once from one client address.
+    pub(super) per_client: usize,
+    /// Time to send a request head, from the connection's start or the previous response.
+    pub(super) header_timeout: Duration,
+    /// Time without a byte moving either way before a connection is closed.
+    pub(super) idle_timeout: Duration,
+}
 
 /// Marks a response to a request that showed a valid token (or needed none): the connection
 /// it came on is then never displaced by newcomers.

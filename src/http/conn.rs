@@ -21,25 +21,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::admission::{Admission, Authenticated, Place};
+use super::admission::{Admission, Authenticated, Limits, Place};
 
 /// How long connections may take to finish once the server stops.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// File descriptors kept for everything but client connections (Docker, files, the runtime).
 const FD_RESERVE: u64 = 128;
-
-/// The bounds every connection lives within.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Limits {
-    /// Connections at once, overall.
-    pub(super) max_connections: usize,
-    /// Connections at once from one client address.
-    pub(super) per_client: usize,
-    /// Time to send a request head, from the connection's start or the previous response.
-    pub(super) header_timeout: Duration,
-    /// Time without a byte moving either way before a connection is closed.
-    pub(super) idle_timeout: Duration,
-}
 
 /// Raises the soft limit on open files to the hard one, and returns the soft limit in force
 /// (`None`: unlimited).

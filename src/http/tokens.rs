@@ -85,7 +85,7 @@ fn parse_tokens_file(path: &Path) -> Result<Vec<Entry>, Error> {
             return Err(at(TokenProblem::NoColon));
         };
         let principal = principal.trim();
-        if !principal_name_ok(principal) {
+        if !super::oauth::principal_name_ok(principal) {
             return Err(at(TokenProblem::Principal));
         }
         let token = token.trim();
@@ -197,11 +197,6 @@ fn oauth_refusal(oauth: &OAuth, refusal: Option<Refusal>) -> Response {
         resp.headers_mut().insert(header::WWW_AUTHENTICATE, v);
     }
     resp
-}
-
-/// The rule for principal names, from the tokens file and from OAuth claims alike.
-pub(super) fn principal_name_ok(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
 /// Tells admission the connection carried a valid token (it is then never displaced).

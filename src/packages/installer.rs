@@ -33,12 +33,6 @@ use crate::docker::next_serial;
 /// (Debian's, the official Python images'): a new volume takes the mode of the path it is
 /// first mounted at, so the installers' uid can write to it with no root step.
 const SHARED: &str = "/var/tmp";
-/// Label on the shared installer volumes.
-pub(super) const LABEL_INSTALLER_VOLUME: &str = "pyberth.installer-volume";
-/// Label holding the id of the image a shared installer volume serves.
-pub(super) const LABEL_BASE_ID: &str = "pyberth.base-id";
-/// Label holding the image tag an installer volume serves.
-pub(super) const LABEL_BASE: &str = "pyberth.base";
 
 /// The install, as a POSIX shell script: its arguments are the requirements, its settings
 /// come in `PB_*` variables (set by [`install_as`]), the index settings in pip's and uv's own.

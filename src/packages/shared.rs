@@ -8,12 +8,19 @@ use bollard::models::VolumeCreateRequest;
 use bollard::query_parameters::ListVolumesOptionsBuilder;
 use sha2::{Digest, Sha256};
 
-use super::installer::{LABEL_BASE, LABEL_BASE_ID, LABEL_INSTALLER_VOLUME};
 use super::{Error, IndexSettings};
+
 use crate::config::SandboxConfig;
 use crate::docker::LABEL_MANAGED;
 use crate::docker::container::{self};
 use crate::docker::identity::{self, LABEL_UID};
+
+/// Label on the shared installer volumes.
+const LABEL_INSTALLER_VOLUME: &str = "pyberth.installer-volume";
+/// Label holding the id of the image a shared installer volume serves.
+const LABEL_BASE_ID: &str = "pyberth.base-id";
+/// Label holding the image tag an installer volume serves.
+const LABEL_BASE: &str = "pyberth.base";
 
 /// The installer's shared volume: its name and the uid wheels-only installs run as.
 pub(super) struct Shared {

@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
-use crate::audit::{day_of, seconds_to_next_day};
+use crate::audit::time::{day_of, seconds_to_next_day};
 use crate::bridge::spec::PrincipalSpec;
 
 mod book;

@@ -11,7 +11,7 @@ use rmcp::{RoleServer, tool, tool_router};
 use serde::{Deserialize, Serialize};
 
 use super::error::{ToolError, ToolResult};
-use super::render::{View, outcome_text, page, render_run, render_run_output, running_job, structured};
+use super::render::{outcome_text, page, render_job, render_run_output, running_job, structured};
 use super::{Caller, SandboxServer};
 use crate::checks::check_wait;
 use crate::protocol::Stream;
@@ -106,24 +106,6 @@ pub(super) struct JobInfo {
 pub(super) struct JobList {
     /// Jobs, oldest first.
     pub jobs: Vec<JobInfo>,
-}
-
-/// A finished job's result as a run's: with its `egress` totals when its session has egress.
-/// A stream its text cuts is read whole from the job's record, by offsets.
-pub(super) fn render_job(job: &Job, o: &crate::session::RunOutcome, budget: usize) -> CallToolResult {
-    let whole = |name: &str, c: &crate::output::Capture| {
-        Some(format!(
-            "job_status job={:?} {name}_offset=0 and on (the job keeps its first {} bytes)",
-            job.id,
-            c.head().len()
-        ))
-    };
-    let view = View { budget, whole: [whole("stdout", &o.stdout), whole("stderr", &o.stderr)] };
-    let mut result = render_run(&job.session, o, Some(&job.id), &view);
-    if let (Some(e), Some(serde_json::Value::Object(sc))) = (job.egress(), result.structured_content.as_mut()) {
-        sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
-    }
-    result
 }
 
 fn unknown(job: &str) -> ToolError {

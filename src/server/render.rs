@@ -177,6 +177,24 @@ pub(super) fn structured<T: Serialize>(value: &T, text: String) -> CallToolResul
     result
 }
 
+/// A finished job's result as a run's: with its `egress` totals when its session has egress.
+/// A stream its text cuts is read whole from the job's record, by offsets.
+pub(super) fn render_job(job: &Job, o: &RunOutcome, budget: usize) -> CallToolResult {
+    let whole = |name: &str, c: &crate::output::Capture| {
+        Some(format!(
+            "job_status job={:?} {name}_offset=0 and on (the job keeps its first {} bytes)",
+            job.id,
+            c.head().len()
+        ))
+    };
+    let view = View { budget, whole: [whole("stdout", &o.stdout), whole("stderr", &o.stderr)] };
+    let mut result = render_run(&job.session, o, Some(&job.id), &view);
+    if let (Some(e), Some(serde_json::Value::Object(sc))) = (job.egress(), result.structured_content.as_mut()) {
+        sc.insert("egress".into(), serde_json::to_value(e).unwrap_or_default());
+    }
+    result
+}
+
 /// The answer for a job still running when its caller stopped waiting: what it printed so far
 /// (a page of it within the budget), and how to read on.
 pub(super) fn running_job(job: &Job, notices: Vec<String>, budget: usize) -> CallToolResult {

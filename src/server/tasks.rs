@@ -166,7 +166,7 @@ impl SandboxServer {
                 (TaskStatus::Cancelled, TaskPayload::Cancelled, output_so_far(&job, budget))
             }
             Some(Finished::Outcome(o)) => {
-                let result = as_object(super::jobs::render_job(&job, o, budget));
+                let result = as_object(super::render::render_job(&job, o, budget));
                 (TaskStatus::Completed, TaskPayload::Completed { result }, format!("{} ended: {}", job.id, o.status))
             }
             // As the classic call says it: a tool error the model reads, in a completed task.

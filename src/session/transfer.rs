@@ -51,7 +51,7 @@ impl Session {
     }
 
     /// Copies the files the run made or changed since `since` into the host directory `out`
-    /// ([`archive::unpacker`]), from a tar of the whole workspace that the agent packs.
+    /// ([`unpacker`](crate::docker::unpack::unpacker)), from a tar of the whole workspace that the agent packs.
     pub async fn download_changed(
         &self,
         since: SystemTime,
@@ -60,7 +60,7 @@ impl Session {
         cap: Cap,
     ) -> Result<Moved, String> {
         let since = since.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let (tx, unpacker) = archive::unpacker(out, since, rules, cap)?;
+        let (tx, unpacker) = crate::docker::unpack::unpacker(out, since, rules, cap)?;
         // One entry past the unpacker's own bound, so that its message is the one told.
         let max_entries = cap.files.saturating_mul(4).saturating_add(1);
         let pack = Pack { path: ".", max_bytes: None, max_entries, newer: Some(since) };

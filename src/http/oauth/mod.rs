@@ -156,7 +156,7 @@ impl OAuth {
             return Err(Refusal::Scope);
         }
         let who = claims.get(&self.claim).and_then(|v| v.as_str()).unwrap_or_default();
-        if !super::tokens::principal_name_ok(who) {
+        if !principal_name_ok(who) {
             return Err(Refusal::Invalid(format!(
                 "the token's {} claim is not a principal name (1-64 letters, digits, '.', '_' or '-')",
                 self.claim
@@ -239,6 +239,11 @@ fn metadata_url(resource: &str) -> Result<String, String> {
     let mut m = u.clone();
     m.set_path(&format!("{PRM_PATH}{path}"));
     Ok(m.to_string())
+}
+
+/// The rule for principal names, from the tokens file and from OAuth claims alike.
+pub(in crate::http) fn principal_name_ok(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
 }
 
 #[cfg(test)]
