@@ -231,41 +231,7 @@ impl Manager {
     ) -> Result<Attachment, String> {
         let mut slot = self.proxy.lock().await;
         let proxy = self.ensure_proxy(&mut slot, image).await?;
-        let network = format!("pyberth-{}-{session}-net{}", self.owner.instance, next_serial());
-        let mut labels = self.labels("network");
-        labels.insert(LABEL_SESSION.to_owned(), session.to_owned());
-        labels.insert(LABEL_OWNER.to_owned(), principal.to_owned());
-        let req = NetworkCreateRequest {
-            name: network.clone(),
-            driver: Some("bridge".into()),
-            internal: Some(true),
-            labels: Some(labels),
-            // An internal network still gives the host's bridge its gateway address, and the
-            // session a default route to it: every host service listening on 0.0.0.0 (and the
-            // host's other addresses) answered through it (egress::a_session_reaches_nothing_
-            // but_the_proxy). Without an address on the bridge, nothing on the host does.
-            options: Some(HashMap::from([("com.docker.network.bridge.inhibit_ipv4".to_owned(), "true".to_owned())])),
-            ..Default::default()
-        };
-        self.docker.create_network(req).await.map_err(|e| format!("cannot create the session's network: {e}"))?;
-        let joined = async {
-            let req = NetworkConnectRequest { container: proxy.id.clone(), endpoint_config: None };
-            self.docker.connect_network(&network, req).await.map_err(|e| e.to_string())?;
-            let c = self.docker.inspect_container(&proxy.id, None).await.map_err(|e| e.to_string())?;
-            c.network_settings
-                .and_then(|s| s.networks)
-                .and_then(|mut n| n.remove(&network))
-                .and_then(|e| e.ip_address)
-                .and_then(|ip| ip.parse::<IpAddr>().ok())
-                .ok_or_else(|| "the proxy got no address on the session's network".to_owned())
-        };
-        let local = match joined.await {
-            Ok(ip) => ip,
-            Err(e) => {
-                self.remove_network(&network, Some(&proxy.id)).await;
-                return Err(format!("cannot attach the egress proxy to the session's network: {e}"));
-            }
-        };
+        let (network, local) = self.session_network(&proxy.id, principal, session).await?;
         // Keyed by peer, the session's own address is its key: its policy goes in once its
         // pod has one ([`Binder`]); until then no connection of it is served.
         let key_ip = if self.by_peer { IpAddr::from([0, 0, 0, 0]) } else { local };
@@ -305,6 +271,45 @@ impl Manager {
             rules: shared,
             binder,
         })
+    }
+
+    /// The session's own network, the proxy (container `proxy`) on it, and its address there.
+    async fn session_network(&self, proxy: &str, principal: &str, session: &str) -> Result<(String, IpAddr), String> {
+        let network = format!("pyberth-{}-{session}-net{}", self.owner.instance, next_serial());
+        let mut labels = self.labels("network");
+        labels.insert(LABEL_SESSION.to_owned(), session.to_owned());
+        labels.insert(LABEL_OWNER.to_owned(), principal.to_owned());
+        let req = NetworkCreateRequest {
+            name: network.clone(),
+            driver: Some("bridge".into()),
+            internal: Some(true),
+            labels: Some(labels),
+            // An internal network still gives the host's bridge its gateway address, and the
+            // session a default route to it: every host service listening on 0.0.0.0 (and the
+            // host's other addresses) answered through it (egress::a_session_reaches_nothing_
+            // but_the_proxy). Without an address on the bridge, nothing on the host does.
+            options: Some(HashMap::from([("com.docker.network.bridge.inhibit_ipv4".to_owned(), "true".to_owned())])),
+            ..Default::default()
+        };
+        self.docker.create_network(req).await.map_err(|e| format!("cannot create the session's network: {e}"))?;
+        let joined = async {
+            let req = NetworkConnectRequest { container: proxy.to_owned(), endpoint_config: None };
+            self.docker.connect_network(&network, req).await.map_err(|e| e.to_string())?;
+            let c = self.docker.inspect_container(proxy, None).await.map_err(|e| e.to_string())?;
+            c.network_settings
+                .and_then(|s| s.networks)
+                .and_then(|mut n| n.remove(&network))
+                .and_then(|e| e.ip_address)
+                .and_then(|ip| ip.parse::<IpAddr>().ok())
+                .ok_or_else(|| "the proxy got no address on the session's network".to_owned())
+        };
+        match joined.await {
+            Ok(ip) => Ok((network, ip)),
+            Err(e) => {
+                self.remove_network(&network, Some(proxy)).await;
+                Err(format!("cannot attach the egress proxy to the session's network: {e}"))
+            }
+        }
     }
 
     /// The attachment of a session a stopped server left running, from its record: its
