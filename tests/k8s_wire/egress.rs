@@ -123,13 +123,17 @@ async fn egress_sessions_reach_their_list_told_apart_by_their_pods_addresses() {
     let extra = format!("pool_size = 0\nk8s_egress_image = {:?}\n", pyberth::docker::image::sandbox_tag());
     let tables = format!(
         "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n\"other.test\" = \"{ip}\"\n\"denied.test\" = \"{ip}\"\n\
-         [environments.net]\negress = [\"upstream.test:8000\", \"other.test:8000\"]\n[environments.plain]\n"
+         [environments.net]\negress = [\"upstream.test:8000\", \"other.test:8000\"]\n[environments.plain]\n\
+         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"k8s-egress-test-0123456789\"\n"
     );
     let s = Served::start_tables(&sim, &dir, "egress", &extra, &tables).await;
 
     // Allowed names are reached; a name not on the list is refused, naming why.
     let a = out(&s, "a", "net", &fetch("http://upstream.test:8000/a")).await;
     assert!(ok(&a), "{a}\n{}", s.log());
+    // The CA bundle (the server's egress CA, for hosts with headers) is where the variables say.
+    let code = "import os\np = os.environ['SSL_CERT_FILE']\nprint(p, 'BEGIN CERTIFICATE' in open(p).read())";
+    assert_eq!(out(&s, "a", "net", code).await.trim(), "/tmp/.pyberth-egress/ca.pem True");
     let d = out(&s, "a", "net", &fetch("http://denied.test:8000/")).await;
     assert!(denied(&d) && d.contains("denied.test"), "{d}");
     // No way around the proxy: the upstream's address straight, without the proxy.
@@ -159,6 +163,8 @@ async fn egress_sessions_reach_their_list_told_apart_by_their_pods_addresses() {
     s.stop().await;
     assert!(pods(&sim).is_empty(), "pods left: {:?}", pods(&sim));
     assert_eq!(node_containers(&sim).await, 0, "containers left on the node");
+    let attached = docker_cli(&["network", "inspect", "-f", "{{len .Containers}}", &world.network]);
+    assert_eq!(attached, "0", "nothing left on the egress network");
     let _ = std::fs::remove_dir_all(&dir);
     sim.stop().await;
 }
