@@ -135,6 +135,19 @@ pub(super) fn apply(state: &Shared, c: Command) {
 mod tests {
     use super::*;
 
+    /// Keying by peer is the server's word only: a Config without it (Docker's) keeps keying by
+    /// the proxy's own address; with it, the state says so for every connection.
+    #[test]
+    fn keying_by_peer_only_when_the_config_says_so() {
+        let state: Shared = Arc::default();
+        let docker = r#"{"op":"config","pinned":{},"own":[],"max_conns":4}"#;
+        apply(&state, serde_json::from_str(docker).expect("a config without by_peer"));
+        assert!(!state.read().expect("state").by_peer);
+        let k8s = r#"{"op":"config","pinned":{},"own":[],"max_conns":4,"by_peer":true}"#;
+        apply(&state, serde_json::from_str(k8s).expect("config"));
+        assert!(state.read().expect("state").by_peer);
+    }
+
     /// The burst is answered at once, the next refusal is not, and the rate refills it.
     #[test]
     fn refusals_past_the_burst_are_over_the_rate_until_it_refills() {
