@@ -6,6 +6,8 @@
 //! container per server, made from the sandbox image with the executable uploaded into it:
 //! no image build, no registry. The server speaks to it over the container's attached
 //! stdin/stdout (policies in, connection records out), so the proxy has no control port.
+//! On Kubernetes the proxy is a pod and a session network a record (`k8s/engine/egress.rs`);
+//! sessions are then told apart by their own address ([`Binder`]).
 
 mod account;
 /// Sandbox text as a log field, cut and escaped (also the bridge's audit lines).
