@@ -98,6 +98,10 @@ fn default_warm_pool() -> u32 {
     2
 }
 
+fn default_egress_image() -> String {
+    "pyberth:latest".into()
+}
+
 /// Which tools the MCP server offers (`--tools`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -157,6 +161,12 @@ pub struct SandboxConfig {
     /// Kubernetes: `runtimeClassName` of session pods (e.g. `gvisor`). Default: the cluster's.
     #[arg(long, env = "PYBERTH_K8S_RUNTIME_CLASS")]
     pub k8s_runtime_class: Option<String>,
+
+    /// Kubernetes: the image of the egress proxy pod, which must carry this server's
+    /// executable at /usr/local/bin/pyberth: the server's own image (deploy/kubernetes/).
+    #[arg(long, env = "PYBERTH_K8S_EGRESS_IMAGE", default_value = "pyberth:latest")]
+    #[serde(default = "default_egress_image")]
+    pub k8s_egress_image: String,
 
     /// OTLP/HTTP endpoint to export traces to (opt-in; `serve` only), e.g.
     /// http://127.0.0.1:4318 (`/v1/traces` is added to a URL without a path). Plain http: a

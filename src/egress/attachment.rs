@@ -17,6 +17,8 @@ pub struct Attachment {
     /// The allow-list in force (narrowed by `set_network`), for the session's record: a
     /// restarted server that adopts the session puts exactly this back.
     pub rules: Arc<Mutex<Vec<String>>>,
+    /// Sessions keyed by their own address (Kubernetes): puts the policy in after start.
+    pub binder: Option<Arc<super::Binder>>,
 }
 
 impl Attachment {
@@ -69,6 +71,9 @@ impl Attachment {
         use bollard::exec::{CreateExecOptions, StartExecResults};
         use futures::StreamExt;
         use tokio::io::AsyncWriteExt;
+        if let Some(b) = &self.binder {
+            b.bind(docker, id).await.map_err(|e| bollard::errors::Error::IOError { err: std::io::Error::other(e) })?;
+        }
         let Some(ca) = &self.ca else { return Ok(()) };
         let script = format!(
             "umask 022 && mkdir -p {dir} && {{ {system} cat; }} > {dir}/.ca.tmp && chmod 0444 {dir}/.ca.tmp && mv {dir}/.ca.tmp {CA_PATH}",

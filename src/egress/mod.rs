@@ -6,11 +6,14 @@
 //! container per server, made from the sandbox image with the executable uploaded into it:
 //! no image build, no registry. The server speaks to it over the container's attached
 //! stdin/stdout (policies in, connection records out), so the proxy has no control port.
+//! On Kubernetes the proxy is a pod and a session network a record (`k8s/engine/egress.rs`);
+//! sessions are then told apart by their own address ([`Binder`]).
 
 mod account;
 /// Sandbox text as a log field, cut and escaped (also the bridge's audit lines).
 pub(crate) use account::Shown;
 mod attachment;
+mod bind;
 mod installer_net;
 pub mod policy;
 pub mod proxy;
@@ -18,6 +21,7 @@ mod proxy_container;
 mod totals;
 
 pub use attachment::Attachment;
+pub use bind::Binder;
 pub use installer_net::InstallerNet;
 pub use totals::Totals;
 
@@ -98,10 +102,10 @@ pub struct Manager {
     ca: Option<Arc<Vec<u8>>>,
     /// The per-server CA's key: it goes to the proxy only (stdin), never to a sandbox.
     ca_key: Option<proxy::SecretPem>,
-    proxy: tokio::sync::Mutex<Option<Proxy>>,
+    proxy: Arc<tokio::sync::Mutex<Option<Proxy>>>,
     /// The image the proxy was last started from, to start it again if it goes.
     image: Mutex<Option<String>>,
-    sessions: Mutex<HashMap<(String, String), SessionNet>>,
+    sessions: Arc<Mutex<HashMap<(String, String), SessionNet>>>,
     /// Adopted sessions whose egress could not be taken over: their network (removed when
     /// they end) and why, said in each of their runs' notices.
     lost: Mutex<HashMap<(String, String), (String, String)>>,
@@ -116,6 +120,10 @@ pub struct Manager {
     idle_installers: Mutex<Vec<(InstallerNet, String, std::time::Instant)>>,
     /// The server's metrics: the proxy's connection records are counted there.
     metrics: Arc<crate::metrics::Metrics>,
+    /// Sessions are told apart by their own address (Kubernetes: one proxy pod at one
+    /// address for all); `local` of a session is then its pod's address, known once its
+    /// pod runs ([`Binder`]), the unspecified address until then.
+    by_peer: bool,
 }
 
 impl std::fmt::Debug for Manager {
@@ -171,16 +179,24 @@ impl Manager {
             roots: ca.map(Arc::new),
             ca: trusted,
             ca_key,
-            proxy: tokio::sync::Mutex::new(None),
+            proxy: Arc::new(tokio::sync::Mutex::new(None)),
             image: Mutex::new(None),
-            sessions: Mutex::new(HashMap::new()),
+            sessions: Arc::default(),
             lost: Mutex::new(HashMap::new()),
             totals: Arc::default(),
             exe: None,
             seccomp: None,
             idle_installers: Mutex::new(Vec::new()),
             metrics: Arc::default(),
+            by_peer: false,
         }
+    }
+
+    /// Sessions told apart by their own address, not the proxy's on their network: the
+    /// Kubernetes engine's (its networks are records; NetworkPolicy keeps pods apart).
+    pub fn keyed_by_peer(mut self, yes: bool) -> Self {
+        self.by_peer = yes;
+        self
     }
 
     /// Runs `exe` (a pyberth binary) as the proxy instead of this executable: for a program
@@ -217,6 +233,50 @@ impl Manager {
     ) -> Result<Attachment, String> {
         let mut slot = self.proxy.lock().await;
         let proxy = self.ensure_proxy(&mut slot, image).await?;
+        let (network, local) = self.session_network(&proxy.id, principal, session).await?;
+        // Keyed by peer, the session's own address is its key: its policy goes in once its
+        // pod has one ([`Binder`]); until then no connection of it is served.
+        let key_ip = if self.by_peer { IpAddr::from([0, 0, 0, 0]) } else { local };
+        if !self.by_peer {
+            let allow = rules.iter().map(|r| r.text().to_owned()).collect();
+            let set = Command::Set {
+                local,
+                session: session.to_owned(),
+                principal: principal.to_owned(),
+                allow,
+                headers: headers.clone(),
+            };
+            if let Err(e) = self.send(proxy, &set).await {
+                self.remove_network(&network, Some(&proxy.id)).await;
+                return Err(e);
+            }
+            self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
+        }
+        let key = (principal.to_owned(), session.to_owned());
+        let shared = Arc::new(Mutex::new(rules.iter().map(|r| r.text().to_owned()).collect()));
+        let net = SessionNet { network: network.clone(), local: key_ip, rules, headers, shared: shared.clone() };
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, net);
+        let binder = self.by_peer.then(|| {
+            Arc::new(Binder {
+                proxy: self.proxy.clone(),
+                sessions: self.sessions.clone(),
+                totals: self.totals.clone(),
+                principal: principal.to_owned(),
+                session: session.to_owned(),
+            })
+        });
+        Ok(Attachment {
+            network,
+            proxy_ip: local,
+            ca: self.ca.clone(),
+            system_roots: self.roots.is_none(),
+            rules: shared,
+            binder,
+        })
+    }
+
+    /// The session's own network, the proxy (container `proxy`) on it, and its address there.
+    async fn session_network(&self, proxy: &str, principal: &str, session: &str) -> Result<(String, IpAddr), String> {
         let network = format!("pyberth-{}-{session}-net{}", self.owner.instance, next_serial());
         let mut labels = self.labels("network");
         labels.insert(LABEL_SESSION.to_owned(), session.to_owned());
@@ -235,9 +295,9 @@ impl Manager {
         };
         self.docker.create_network(req).await.map_err(|e| format!("cannot create the session's network: {e}"))?;
         let joined = async {
-            let req = NetworkConnectRequest { container: proxy.id.clone(), endpoint_config: None };
+            let req = NetworkConnectRequest { container: proxy.to_owned(), endpoint_config: None };
             self.docker.connect_network(&network, req).await.map_err(|e| e.to_string())?;
-            let c = self.docker.inspect_container(&proxy.id, None).await.map_err(|e| e.to_string())?;
+            let c = self.docker.inspect_container(proxy, None).await.map_err(|e| e.to_string())?;
             c.network_settings
                 .and_then(|s| s.networks)
                 .and_then(|mut n| n.remove(&network))
@@ -245,39 +305,13 @@ impl Manager {
                 .and_then(|ip| ip.parse::<IpAddr>().ok())
                 .ok_or_else(|| "the proxy got no address on the session's network".to_owned())
         };
-        let local = match joined.await {
-            Ok(ip) => ip,
+        match joined.await {
+            Ok(ip) => Ok((network, ip)),
             Err(e) => {
-                self.remove_network(&network, Some(&proxy.id)).await;
-                return Err(format!("cannot attach the egress proxy to the session's network: {e}"));
+                self.remove_network(&network, Some(proxy)).await;
+                Err(format!("cannot attach the egress proxy to the session's network: {e}"))
             }
-        };
-        let allow = rules.iter().map(|r| r.text().to_owned()).collect();
-        let set = Command::Set {
-            local,
-            session: session.to_owned(),
-            principal: principal.to_owned(),
-            allow,
-            headers: headers.clone(),
-        };
-        if let Err(e) = self.send(proxy, &set).await {
-            self.remove_network(&network, Some(&proxy.id)).await;
-            return Err(e);
         }
-        self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
-        let key = (principal.to_owned(), session.to_owned());
-        let shared = Arc::new(Mutex::new(rules.iter().map(|r| r.text().to_owned()).collect()));
-        self.sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, SessionNet { network: network.clone(), local, rules, headers, shared: shared.clone() });
-        Ok(Attachment {
-            network,
-            proxy_ip: local,
-            ca: self.ca.clone(),
-            system_roots: self.roots.is_none(),
-            rules: shared,
-        })
     }
 
     /// The attachment of a session a stopped server left running, from its record: its
@@ -290,6 +324,7 @@ impl Manager {
             ca: self.ca.clone(),
             system_roots: self.roots.is_none(),
             rules: Arc::new(Mutex::new(allow)),
+            binder: None,
         }
     }
 
@@ -367,7 +402,10 @@ impl Manager {
             allow: allow.clone(),
             headers,
         };
-        self.send(proxy, &set).await?;
+        // Not bound yet (keyed by peer): the list below is what its binding puts in.
+        if !local.is_unspecified() {
+            self.send(proxy, &set).await?;
+        }
         if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {
             n.rules = rules;
             *n.shared.lock().unwrap_or_else(|e| e.into_inner()) = allow.clone();

@@ -8,22 +8,7 @@ impl Manager {
     /// Sends a command and waits until the proxy has it in force: a narrowed list holds for
     /// the very next connection.
     pub(super) async fn send(&self, proxy: &mut Proxy, c: &Command) -> Result<(), String> {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static SEQ: AtomicU64 = AtomicU64::new(1);
-        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        let mut lines = serde_json::to_vec(c).map_err(|e| e.to_string())?;
-        lines.push(b'\n');
-        lines.extend(serde_json::to_vec(&Command::Sync { seq }).map_err(|e| e.to_string())?);
-        lines.push(b'\n');
-        let gone = |e: std::io::Error| format!("the egress proxy is not listening: {e}");
-        proxy.input.write_all(&lines).await.map_err(gone)?;
-        proxy.input.flush().await.map_err(gone)?;
-        let applied = proxy.applied.wait_for(|a| *a >= seq);
-        match tokio::time::timeout(Duration::from_secs(10), applied).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(_)) => Err("the egress proxy stopped".into()),
-            Err(_) => Err("the egress proxy did not confirm a policy change within 10 s".into()),
-        }
+        super::bind::send(proxy, c).await
     }
 
     /// The proxy, started (or started again, if it is gone) from `image`.
@@ -69,6 +54,15 @@ impl Manager {
     /// in again under it. Should the address differ, that session's requests are refused
     /// at once (nothing listens at the old address) and the server log says why.
     pub(super) async fn readopt(&self, proxy: &mut Proxy) {
+        if self.by_peer {
+            // A new proxy pod has a new address, which the open sessions' variables do not
+            // name: they reach nothing now (docs/kubernetes.md, "Not yet").
+            let n = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).len();
+            if n > 0 {
+                tracing::warn!(target: "pyberth::egress", sessions = n, "the egress proxy pod was made again: open sessions lost their egress");
+            }
+            return;
+        }
         #[allow(clippy::type_complexity)]
         let nets: Vec<((String, String), String, IpAddr, Vec<String>, Headers)> = self
             .sessions
@@ -271,6 +265,9 @@ impl Manager {
         bound: &[Rule],
         headers: Headers,
     ) -> Result<(), String> {
+        if self.by_peer {
+            return Err("an adopted session's egress is not taken over on Kubernetes yet".into());
+        }
         let allow = att.allow();
         // Never wider than the environment allows now (its config may have been narrowed).
         let rules = policy::narrow(bound, &allow)?;
@@ -363,6 +360,7 @@ impl Manager {
             max_conns: self.cfg.egress_max_conns,
             ca_key: self.ca_key.clone(),
             roots: self.roots.as_ref().map(|r| String::from_utf8_lossy(r).into_owned()),
+            by_peer: self.by_peer,
         }
     }
 }

@@ -13,12 +13,15 @@
 //! - volumes are records: the workspace is part of the pod (a memory emptyDir of the size its
 //!   volume was asked with);
 //! - a heartbeat container is a record, alive while its attach is held;
-//! - every other helper container (package installs, snapshot copies, the egress proxy),
-//!   networks, image builds and pulls are refused with a "not supported on Kubernetes yet"
+//! - the egress proxy is a pod of its own driven over an exec (`egress.rs`); a session network
+//!   is a record, and a pod's address its `podIP`;
+//! - every other helper container (package installs, snapshot copies), image builds and pulls
+//!   are refused with a "not supported on Kubernetes yet"
 //!   error, which reaches the caller as a tool error.
 
 mod beats;
 mod claimed;
+mod egress;
 mod oom;
 mod seam;
 mod shelf;
@@ -98,6 +101,10 @@ struct Records {
     oom_seen: HashMap<String, u64>,
     volumes: BTreeMap<String, Vol>,
     execs: HashMap<String, ExecRec>,
+    /// Egress proxy containers (pods), with the command their exec runs.
+    proxies: HashMap<String, Vec<String>>,
+    /// Session networks (records), with their labels.
+    networks: BTreeMap<String, HashMap<String, String>>,
     serial: u64,
 }
 
@@ -111,6 +118,8 @@ pub struct KubeEngine {
     claimed: Option<Arc<claimed::Claimed>>,
     /// Where snapshot volumes are kept (`shelf.rs`); `None`: snapshots are refused.
     shelf: Option<shelf::Shelf>,
+    /// The egress proxy pod's image (`k8s_egress_image`); `None`: the session's image.
+    egress_image: Option<String>,
 }
 
 /// A Docker-style error (the owners read its status codes).
@@ -158,7 +167,20 @@ impl KubeEngine {
     /// Reaches the cluster (`at`); session pods get `runtime_class`.
     pub async fn connect(at: &Connect, runtime_class: Option<String>) -> Result<Self, cluster::Error> {
         let cluster = Cluster::connect(at).await?;
-        Ok(Self { cluster, settings: pod_settings(runtime_class), records: Arc::default(), claimed: None, shelf: None })
+        Ok(Self {
+            cluster,
+            settings: pod_settings(runtime_class),
+            records: Arc::default(),
+            claimed: None,
+            shelf: None,
+            egress_image: None,
+        })
+    }
+
+    /// The egress proxy pod runs `image`, which carries the executable (`pod::PROXY_EXE`).
+    pub fn with_egress_image(mut self, image: String) -> Self {
+        self.egress_image = Some(image);
+        self
     }
 
     /// Keeps snapshot volumes under `dir` (made, mode 0700): on a cluster, a volume claim
@@ -231,8 +253,10 @@ impl KubeEngine {
             self.records().helpers.insert(name.clone(), volume);
             return Ok(name);
         }
-        if labels.contains_key(crate::egress::LABEL_EGRESS) {
-            return Err(unsupported("egress (a session network with an allow-list, through the egress proxy)"));
+        match labels.get(crate::egress::LABEL_EGRESS).map(String::as_str) {
+            Some("proxy") => return self.create_proxy(&name, &body).await.map(|()| name),
+            Some(_) => return Err(unsupported("an egress helper container (package installs through the proxy)")),
+            None => {}
         }
         if !labels.contains_key(LABEL_SESSION) {
             return Err(unsupported(&format!(
@@ -306,6 +330,7 @@ impl KubeEngine {
             let mut r = self.records();
             r.execs.retain(|_, e| e.container != name);
             r.oom_seen.remove(name);
+            r.proxies.remove(name);
             if r.helpers.remove(name).is_some() {
                 return Ok(());
             }

@@ -111,14 +111,35 @@ fn what_a_pod_cannot_carry_is_refused_with_a_reason() {
     };
     let e = session_pod("c", &body(&LABELS, vec![bind], "none"), None, &PodSettings::default()).expect_err("bind");
     assert!(e.to_string().contains("host folders"), "{e}");
-    let e = session_pod("c", &body(&LABELS, Vec::new(), "pyberth-net-1"), None, &PodSettings::default())
-        .expect_err("network");
-    assert!(e.to_string().contains("egress") && e.to_string().contains("not supported on Kubernetes yet"), "{e}");
     let e = session_pod("c", &body(&LABELS[..3], Vec::new(), "none"), None, &PodSettings::default()).expect_err("uid");
     assert!(e.to_string().contains("uid"), "{e}");
     // The layer store's volume mount is no host folder: it is left out, not refused.
     let store = Mount { target: Some("/opt/store".into()), typ: Some(MountType::VOLUME), ..Default::default() };
     assert!(session_pod("c", &body(&LABELS, vec![store], "none"), None, &PodSettings::default()).is_ok());
+}
+
+/// A session network becomes the label the NetworkPolicy lets reach the proxy, and the egress
+/// variables the owner added stay, once; the fixed ones are not doubled.
+#[test]
+fn a_session_network_is_the_egress_label_and_its_variables() {
+    let mut b = body(&LABELS, Vec::new(), "pyberth-net-1");
+    b.env.get_or_insert_with(Vec::new).extend(["HTTPS_PROXY=http://10.1.2.3:3128".to_owned(), "NO_PROXY=".to_owned()]);
+    let pod = session_pod("c", &b, None, &PodSettings::default()).expect("a pod");
+    assert_eq!(
+        pod.metadata.labels.as_ref().and_then(|l| l.get(crate::k8s::pod::LABEL_EGRESS)).map(String::as_str),
+        Some("proxy")
+    );
+    let env = pod.spec.and_then(|s| s.containers.into_iter().next()).and_then(|c| c.env).unwrap_or_default();
+    let named =
+        |k: &str| env.iter().filter(|e| e.name == k).map(|e| e.value.clone().unwrap_or_default()).collect::<Vec<_>>();
+    assert_eq!(named("HTTPS_PROXY"), vec!["http://10.1.2.3:3128".to_owned()]);
+    assert_eq!(named("NO_PROXY"), vec![String::new()]);
+    assert_eq!(named("PYBERTH_ORPHAN_AFTER_S"), vec!["42".to_owned()], "the fixed ones once");
+    let plain = session_pod("c", &body(&LABELS, Vec::new(), "none"), None, &PodSettings::default()).expect("a pod");
+    assert_eq!(
+        plain.metadata.labels.as_ref().and_then(|l| l.get(crate::k8s::pod::LABEL_EGRESS)).map(String::as_str),
+        Some("none")
+    );
 }
 
 #[test]

@@ -220,6 +220,23 @@ fn sandboxes_are_denied_all_traffic_but_the_proxy() {
     assert!(to[0].ip_block.is_none() && to[0].namespace_selector.is_none(), "only pods of this namespace");
     let ports = rules[0].ports.clone().expect("ports");
     assert_eq!(ports.len(), 1, "the proxy port only: no DNS");
+    // The proxy pod is reached by those sandboxes only (it keys sessions by their address).
+    let inbound = policies
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some("egress-proxy-from-sandboxes"))
+        .and_then(|p| p.spec.clone())
+        .expect("the proxy's ingress rule");
+    let selected = inbound.pod_selector.clone().and_then(|s| s.match_labels).unwrap_or_default();
+    assert_eq!(selected.get(crate::k8s::pod::LABEL_APP).map(String::as_str), Some(crate::k8s::pod::PROXY_APP));
+    assert_eq!(inbound.policy_types, Some(vec!["Ingress".to_owned()]));
+    let rules = inbound.ingress.expect("ingress rules");
+    assert_eq!(rules.len(), 1);
+    let from = rules[0].from.clone().expect("a peer");
+    let labels = from[0].pod_selector.clone().and_then(|s| s.match_labels).unwrap_or_default();
+    assert_eq!((labels["pyberth.io/sandbox"].as_str(), labels["pyberth.io/egress"].as_str()), ("true", "proxy"));
+    assert!(from.len() == 1 && from[0].namespace_selector.is_none() && from[0].ip_block.is_none());
+    let ports = rules[0].ports.clone().expect("ports");
+    assert_eq!(ports.len(), 1, "the proxy port only");
 }
 
 #[test]

@@ -199,6 +199,70 @@ pub fn pod(
     })
 }
 
+/// Label (the NetworkPolicy `sandbox-egress-to-proxy` selects on it) and value of the egress
+/// proxy's pod.
+pub const LABEL_APP: &str = "app.kubernetes.io/name";
+/// Its value on the proxy pod.
+pub const PROXY_APP: &str = "pyberth-egress-proxy";
+/// Where the proxy pod's image carries the pyberth executable (the server's image does).
+pub const PROXY_EXE: &str = "/usr/local/bin/pyberth";
+/// The proxy's uid: nobody.
+const PROXY_UID: u32 = 65534;
+
+/// The egress proxy's pod `name` of image `image` (carrying [`PROXY_EXE`]): hardened like a
+/// sandbox pod (non-root, read-only root, no capabilities, no token), labelled [`PROXY_APP`],
+/// not `pyberth.io/sandbox` (the default-deny policy would cut it off). PID 1 idles; the
+/// proxy is an exec whose stdin and stdout the server holds, as on Docker its attach.
+pub fn proxy_pod(settings: &PodSettings, image: &str, name: &str, labels: &BTreeMap<String, String>) -> Pod {
+    let (mut labels, annotations) = super::labels::split(labels);
+    labels.insert(LABEL_APP.into(), PROXY_APP.into());
+    let limits = BTreeMap::from([
+        ("cpu".to_owned(), cpu(1.0)),
+        ("memory".to_owned(), mib(256)),
+        ("ephemeral-storage".to_owned(), mib(64)),
+    ]);
+    let (pod_security, container_security) = security(PROXY_UID, &settings.seccomp);
+    let container = Container {
+        name: CONTAINER.into(),
+        image: Some(image.to_owned()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["sleep".into(), "infinity".into()]),
+        env: Some(vec![EnvVar {
+            name: "PATH".into(),
+            value: Some("/usr/local/bin:/usr/bin:/bin".into()),
+            value_from: None,
+        }]),
+        ports: Some(vec![k8s_openapi::api::core::v1::ContainerPort {
+            container_port: i32::from(crate::egress::proxy::PORT),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+        resources: Some(ResourceRequirements { limits: Some(limits.clone()), requests: Some(limits), claims: None }),
+        security_context: Some(container_security),
+        volume_mounts: Some(vec![mount("tmp", "/tmp")]),
+        ..Default::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: Some(labels),
+            annotations: (!annotations.is_empty()).then_some(annotations),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![container],
+            restart_policy: Some("Never".into()),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            security_context: Some(pod_security),
+            volumes: Some(vec![memory_dir("tmp", 16)]),
+            termination_grace_period_seconds: Some(0),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
 /// Whether a pod spec someone else made (agent-sandbox's controller, from a template anyone
 /// with write access to templates could have changed) still carries the hardening of ours,
 /// field by field; the first field that does not, said. A pod that fails is never exec'd into.

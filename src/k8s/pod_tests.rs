@@ -223,3 +223,22 @@ fn a_weakened_pod_is_said_not_hardened() {
         assert!(hardened(&s).is_err(), "{what}: refused");
     }
 }
+
+/// The egress proxy's pod carries the hardening of a sandbox pod (the same check the claimed
+/// pods pass), the label the NetworkPolicy lets sandboxes reach, and not the sandbox label
+/// (whose default-deny policy would cut it off).
+#[test]
+fn the_proxy_pod_is_hardened_and_reachable_by_label() {
+    let labels = BTreeMap::from([("pyberth.egress".to_owned(), "proxy".to_owned())]);
+    let p = proxy_pod(&PodSettings::default(), "pyberth:latest", "pyberth-i1-egress-1", &labels);
+    let spec = p.spec.clone().expect("spec");
+    assert_eq!(hardened(&spec), Ok(()));
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    let l = p.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(l.get(LABEL_APP).map(String::as_str), Some(PROXY_APP));
+    assert!(!l.contains_key(LABEL_SANDBOX), "{l:?}");
+    assert_eq!(l.get("pyberth.egress").map(String::as_str), Some("proxy"), "our labels, for the sweeps");
+    let c = &spec.containers[0];
+    assert_eq!(c.security_context.as_ref().and_then(|s| s.run_as_user), Some(65534));
+    assert_eq!(c.command.as_deref(), Some(&["sleep".to_owned(), "infinity".to_owned()][..]), "the proxy is an exec");
+}

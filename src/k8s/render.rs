@@ -196,7 +196,7 @@ fn runtime_class(class: &str) -> Doc {
 /// template); an environment the engine refuses says why.
 pub fn environment_pod(env: &Environment, cfg: &SandboxConfig) -> Result<Pod, String> {
     if !env.egress.is_empty() {
-        return Err("its sessions have egress, not supported on Kubernetes yet".into());
+        return Err("its sessions have egress, which agent-sandbox mode does not have yet".into());
     }
     let blueprint = crate::sandbox::Blueprint::new(env.cfg.clone(), &Default::default(), &env.mounts, None);
     let image = env.cfg.image.clone().unwrap_or_else(|| crate::docker::image::tag_for(&*env.cfg));

@@ -48,7 +48,7 @@ fn check_stream(cfg: &SandboxConfig, ns: &str) -> Vec<Value> {
     for kind in ["Namespace", "ServiceAccount", "RoleBinding", "Deployment", "Service", "ConfigMap"] {
         assert_eq!(of_kind(&docs, kind).len(), 1, "one {kind}");
     }
-    assert_eq!(of_kind(&docs, "NetworkPolicy").len(), 2);
+    assert_eq!(of_kind(&docs, "NetworkPolicy").len(), 3, "sandboxes: deny, to the proxy; the proxy: from them");
     let maps = of_kind(&docs, "ConfigMap");
     let toml = maps[0]["data"][CONFIG_KEY].as_str().expect("pyberth.toml");
     let back: SandboxConfig = toml::from_str(toml).unwrap_or_else(|e| panic!("{e}\n{toml}"));

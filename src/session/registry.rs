@@ -160,7 +160,8 @@ impl Registry {
         let egress =
             crate::egress::Manager::new(docker.clone(), instance.owner.clone(), cfg.clone(), index.ca_bundle.clone())
                 .with_sandboxing(&sandboxing)
-                .with_metrics(metrics.clone());
+                .with_metrics(metrics.clone())
+                .keyed_by_peer(cfg.engine == crate::config::EngineKind::Kubernetes);
         let ledger = crate::durable::ledger::Ledger::of(&cfg);
         let demand = Arc::new(Mutex::new(pool::Demand::new(cfg.pool_size, cfg.pool_max, Instant::now())));
         let snapshots = crate::durable::catalogue::Catalogue::new(ledger.clone(), instance.owner.instance.clone());

@@ -54,6 +54,13 @@ pub(crate) struct Options {
     pub(crate) label_delay: std::time::Duration,
     /// The controller's pods may escalate privileges (a template loosened after pyberth made it).
     pub(crate) weaken: bool,
+    /// The node's model of the NetworkPolicies: this `internal` Docker network (the test's)
+    /// holds the pods labelled `pyberth.io/egress=proxy` and the egress proxy pod; every
+    /// other pod has no network.
+    pub(crate) egress_network: Option<String>,
+    /// The executable the proxy pod's image carries at `pod::PROXY_EXE` (bind-mounted: the
+    /// simulator's stand-in for the server's image).
+    pub(crate) proxy_exe: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -72,6 +79,8 @@ impl Default for Options {
             warm_pool: false,
             label_delay: std::time::Duration::ZERO,
             weaken: false,
+            egress_network: None,
+            proxy_exe: None,
         }
     }
 }
@@ -267,11 +276,19 @@ impl State {
     }
 
     pub(crate) fn set_phase(&self, name: &str, phase: &str, container: Option<String>) {
+        self.set_phase_at(name, phase, container, None);
+    }
+
+    /// The same, with the pod's address (`podIP`).
+    pub(crate) fn set_phase_at(&self, name: &str, phase: &str, container: Option<String>, ip: Option<String>) {
         let mut pods = self.pods.lock().expect("pods");
         let Some(stored) = pods.get_mut(name) else { return };
         let mut pod = stored.pod.clone();
         let status = pod.status.get_or_insert_with(Default::default);
         status.phase = Some(phase.into());
+        if ip.is_some() {
+            status.pod_ip = ip;
+        }
         stored.pod = self.record("MODIFIED", pod);
         if container.is_some() {
             stored.container = container;
@@ -323,8 +340,8 @@ pub(crate) fn make_pod(state: &Arc<State>, mut pod: Pod) -> Result<Pod, Box<Resp
     tokio::spawn(async move {
         tokio::time::sleep(node.opts.start_delay).await;
         let container = format!("{}-{name}", node.sim);
-        match docker_pod::start(&node.docker, &started, &container, &node.sim).await {
-            Ok(id) => node.set_phase(&name, "Running", Some(id)),
+        match docker_pod::start(&node.docker, &started, &container, &node.sim, &node.opts).await {
+            Ok((id, ip)) => node.set_phase_at(&name, "Running", Some(id), ip),
             Err(e) => {
                 eprintln!("simulated node: pod {name} failed: {e}");
                 node.set_phase(&name, "Failed", None);

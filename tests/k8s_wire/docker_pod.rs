@@ -5,9 +5,12 @@
 use std::collections::HashMap;
 
 use bollard::Docker;
-use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::models::{ContainerCreateBody, HostConfig, NetworkConnectRequest};
 use bollard::query_parameters::{CreateContainerOptionsBuilder, RemoveContainerOptionsBuilder};
 use k8s_openapi::api::core::v1::Pod;
+use pyberth::k8s::pod::{LABEL_APP, LABEL_EGRESS, PROXY_APP, PROXY_EXE};
+
+use super::apiserver::Options;
 
 /// Label on every container the simulator starts, with the simulator's own id: its cleanup
 /// (and nobody else's) removes them.
@@ -34,10 +37,24 @@ pub(crate) fn nano_cpus(q: &str) -> Option<i64> {
     }
 }
 
+/// Where a pod's container is attached, as the NetworkPolicies of deploy/kubernetes/ allow
+/// (the CNI's enforcement, modelled): the egress proxy on the default bridge (its way out),
+/// joined to the egress network after create; a sandbox labelled `egress=proxy` on the
+/// egress network only; everything else on none (default deny).
+fn network_of(pod: &Pod, opts: &Options) -> (String, bool) {
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    let proxy = labels.get(LABEL_APP).is_some_and(|v| v == PROXY_APP);
+    match &opts.egress_network {
+        Some(_) if proxy => ("bridge".into(), true),
+        Some(net) if labels.get(LABEL_EGRESS).is_some_and(|v| v == "proxy") => (net.clone(), false),
+        _ => ("none".into(), false),
+    }
+}
+
 /// The container of `pod`: its first container's image, command, uid, environment and
-/// security context; each memory emptyDir a tmpfs of its size limit; no network (the
-/// default-deny NetworkPolicy of a sandbox pod without egress).
-pub(crate) fn container(pod: &Pod, sim: &str) -> Result<ContainerCreateBody, String> {
+/// security context; each memory emptyDir a tmpfs of its size limit; its network as
+/// [`network_of`] says.
+pub(crate) fn container(pod: &Pod, sim: &str, opts: &Options) -> Result<ContainerCreateBody, String> {
     let spec = pod.spec.as_ref().ok_or("a pod without spec")?;
     let c = spec.containers.first().ok_or("a pod without containers")?;
     let psc = spec.security_context.clone().unwrap_or_default();
@@ -60,6 +77,11 @@ pub(crate) fn container(pod: &Pod, sim: &str) -> Result<ContainerCreateBody, Str
     let drop = sc.capabilities.and_then(|c| c.drop).unwrap_or_default();
     let env = c.env.iter().flatten().map(|e| format!("{}={}", e.name, e.value.clone().unwrap_or_default())).collect();
     let memory = limits.get("memory").and_then(|q| bytes(&q.0));
+    let (network, proxy) = network_of(pod, opts);
+    let binds = match (&opts.proxy_exe, proxy) {
+        (Some(exe), true) => vec![format!("{}:{PROXY_EXE}:ro", exe.display())],
+        _ => Vec::new(),
+    };
     Ok(ContainerCreateBody {
         image: c.image.clone(),
         cmd: c.command.clone(),
@@ -67,9 +89,10 @@ pub(crate) fn container(pod: &Pod, sim: &str) -> Result<ContainerCreateBody, Str
         working_dir: c.working_dir.clone(),
         env: Some(env),
         labels: Some(HashMap::from([(LABEL_SIM.to_owned(), sim.to_owned())])),
-        network_disabled: Some(true),
+        network_disabled: Some(network == "none"),
         host_config: Some(HostConfig {
-            network_mode: Some("none".into()),
+            network_mode: Some(network),
+            binds: Some(binds),
             readonly_rootfs: sc.read_only_root_filesystem,
             cap_drop: Some(drop),
             security_opt: Some(security_opt),
@@ -83,13 +106,29 @@ pub(crate) fn container(pod: &Pod, sim: &str) -> Result<ContainerCreateBody, Str
     })
 }
 
-/// Starts the container of `pod` under `name`; returns its id.
-pub(crate) async fn start(docker: &Docker, pod: &Pod, name: &str, sim: &str) -> Result<String, String> {
-    let body = container(pod, sim)?;
-    let opts = CreateContainerOptionsBuilder::default().name(name).build();
-    let id = docker.create_container(Some(opts), body).await.map_err(|e| e.to_string())?.id;
+/// Starts the container of `pod` under `name`; returns its id and, on the egress network,
+/// its address there (the pod's `podIP`).
+pub(crate) async fn start(
+    docker: &Docker,
+    pod: &Pod,
+    name: &str,
+    sim: &str,
+    opts: &Options,
+) -> Result<(String, Option<String>), String> {
+    let body = container(pod, sim, opts)?;
+    let (network, proxy) = network_of(pod, opts);
+    let create = CreateContainerOptionsBuilder::default().name(name).build();
+    let id = docker.create_container(Some(create), body).await.map_err(|e| e.to_string())?.id;
+    let net = opts.egress_network.clone().filter(|n| proxy || *n == network);
+    if let Some(n) = net.as_ref().filter(|_| proxy) {
+        let req = NetworkConnectRequest { container: id.clone(), endpoint_config: None };
+        docker.connect_network(n, req).await.map_err(|e| e.to_string())?;
+    }
     docker.start_container(&id, None).await.map_err(|e| e.to_string())?;
-    Ok(id)
+    let Some(net) = net else { return Ok((id, None)) };
+    let c = docker.inspect_container(&id, None).await.map_err(|e| e.to_string())?;
+    let ip = c.network_settings.and_then(|s| s.networks).and_then(|mut n| n.remove(&net)).and_then(|e| e.ip_address);
+    Ok((id, ip.filter(|ip| !ip.is_empty())))
 }
 
 /// Removes a container, killing it; gone already is fine.

@@ -10,6 +10,7 @@ mod controller;
 mod crds;
 mod docker_pod;
 mod durable;
+mod egress;
 mod exec;
 mod oom;
 mod sandbox_mode;

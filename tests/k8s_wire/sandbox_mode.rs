@@ -82,6 +82,10 @@ async fn a_session_lives_on_a_claimed_sandbox() {
     let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x + 1)" })).await;
     assert_eq!(sc["stdout"], "42\n", "{sc}");
     assert!(s.whole_log().contains("pool_size is off"), "{}", s.log());
+    // Egress is Pods mode's only: a tool error that says so, and nothing made for it.
+    let r = s.call("run_python", json!({ "session": "n", "environment": "net", "code": "1" })).await;
+    let said = super::serve::text(&r);
+    assert!(r.is_error == Some(true) && said.contains("egress in agent-sandbox mode"), "{said}");
 
     // One claim; its pod is named by the controller, not after the claim.
     let claims = names(&sim, "sandboxclaims");

@@ -67,7 +67,11 @@ async fn resolve(state: &Shared, host: &str, port: u16) -> Result<SocketAddr, St
 /// Serves one connection accepted on the proxy's address `local`-side, until it ends.
 pub(super) async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared, reports: Reports) {
     let started = Instant::now();
+    let by_peer = state.read().unwrap_or_else(|e| e.into_inner()).by_peer;
+    // The session's key: the proxy's own address on the session's network (Docker), or the
+    // session pod's address (Kubernetes, one proxy address for all).
     let local = match sock.local_addr() {
+        Ok(_) if by_peer => peer.ip().to_canonical(),
         Ok(a) => a.ip(),
         Err(_) => return,
     };

@@ -251,6 +251,7 @@ mod tests {
                     max_conns: 1,
                     ca_key: Some(key.clone()),
                     roots: None,
+                    by_peer: false,
                 }
             )
             .contains("PRIVATE")

@@ -5,7 +5,9 @@
 //! A connection is told apart by the proxy's own address it arrived on: each session has an
 //! `internal` network holding only itself and the proxy, so that address names the session,
 //! and no session can reach another's (it has no route off its network, and no capability to
-//! forge one).
+//! forge one). On Kubernetes (`Config.by_peer`) every session reaches the one proxy pod at
+//! one address, so a connection is told apart by its source, the session pod's address, which
+//! a pod without NET_RAW/NET_ADMIN cannot forge either.
 //!
 //! Its parts: [`wire`] what it and the server say, [`state`] the policies in force, [`conn`]
 //! one connection from its head to its record, [`head`] request heads, [`mitm`] TLS

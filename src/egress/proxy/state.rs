@@ -75,6 +75,8 @@ pub(super) struct State {
     pub(super) own: Vec<IpAddr>,
     pub(super) max_conns: usize,
     pub(super) mitm: Option<Arc<Mitm>>,
+    /// Policies are keyed by the connection's source address ([`Command::Config`]).
+    pub(super) by_peer: bool,
 }
 
 /// The state, read by every connection, written by the control loop.
@@ -84,7 +86,7 @@ pub(super) type Shared = Arc<RwLock<State>>;
 pub(super) fn apply(state: &Shared, c: Command) {
     let mut s = state.write().unwrap_or_else(|e| e.into_inner());
     match c {
-        Command::Config { pinned, own, max_conns, ca_key, roots } => {
+        Command::Config { pinned, own, max_conns, ca_key, roots, by_peer } => {
             s.mitm = match ca_key.map(|k| Mitm::new(&k, roots.as_deref())) {
                 Some(Ok(m)) => Some(Arc::new(m)),
                 Some(Err(e)) => {
@@ -97,6 +99,7 @@ pub(super) fn apply(state: &Shared, c: Command) {
             s.pinned = pinned;
             s.own = own;
             s.max_conns = max_conns.max(1);
+            s.by_peer = by_peer;
         }
         Command::Set { local, session, principal, allow, headers } => {
             let rules = allow.iter().filter_map(|a| Rule::parse(a).ok()).collect();
@@ -131,6 +134,19 @@ pub(super) fn apply(state: &Shared, c: Command) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keying by peer is the server's word only: a Config without it (Docker's) keeps keying by
+    /// the proxy's own address; with it, the state says so for every connection.
+    #[test]
+    fn keying_by_peer_only_when_the_config_says_so() {
+        let state: Shared = Arc::default();
+        let docker = r#"{"op":"config","pinned":{},"own":[],"max_conns":4}"#;
+        apply(&state, serde_json::from_str(docker).expect("a config without by_peer"));
+        assert!(!state.read().expect("state").by_peer);
+        let k8s = r#"{"op":"config","pinned":{},"own":[],"max_conns":4,"by_peer":true}"#;
+        apply(&state, serde_json::from_str(k8s).expect("config"));
+        assert!(state.read().expect("state").by_peer);
+    }
 
     /// The burst is answered at once, the next refusal is not, and the rate refills it.
     #[test]

@@ -25,10 +25,16 @@ pub enum Command {
         /// CAs trusted for upstreams (the server's `--ca-bundle`, PEM); none: the image's.
         #[serde(default)]
         roots: Option<String>,
+        /// Sessions are told apart by the connection's source address (`local` of each
+        /// command names the session's own address), not by the proxy's address it arrived
+        /// on: on Kubernetes every session reaches the one proxy pod at one address, and a pod
+        /// cannot forge its source (no NET_RAW, NET_ADMIN).
+        #[serde(default)]
+        by_peer: bool,
     },
     /// The policy of the session whose network reaches the proxy at `local`.
     Set {
-        /// The proxy's address on the session's network.
+        /// The proxy's address on the session's network (keyed by peer: the session's address).
         local: IpAddr,
         /// Session name.
         session: String,
@@ -87,7 +93,7 @@ pub enum Report {
 /// One connection's account.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
-    /// The proxy's address it arrived on (names the session).
+    /// The proxy's address it arrived on, or its source when keyed by peer (names the session).
     pub local: IpAddr,
     /// Session.
     pub session: String,

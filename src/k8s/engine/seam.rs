@@ -115,14 +115,13 @@ impl Engine for KubeEngine {
             let selector = translate::selector(filters.as_ref());
             let mut found: Vec<ContainerSummary> = match &self.claimed {
                 Some(c) => c.list(&selector).await?,
-                None => self
-                    .cluster
-                    .list_pods(&selector)
-                    .await
-                    .map_err(from_cluster)?
-                    .iter()
-                    .map(translate::summary)
-                    .collect(),
+                None => {
+                    // Session pods and egress proxy pods (the latter not `sandbox`-labelled).
+                    let mut pods = self.cluster.list_pods(&selector).await.map_err(from_cluster)?;
+                    let proxies = translate::proxy_selector(filters.as_ref());
+                    pods.extend(self.cluster.list_pods(&proxies).await.map_err(from_cluster)?);
+                    pods.iter().map(translate::summary).collect()
+                }
             };
             let mine: Vec<String> = self.records().virtuals.keys().cloned().collect();
             found.extend(self.beat_list(filters.as_ref(), &mine).await?);
@@ -174,7 +173,7 @@ impl Engine for KubeEngine {
                 return c.inspect(name).await;
             }
             match self.cluster.get_pod(&pod_name(name)).await.map_err(from_cluster)? {
-                Some(pod) => Ok(translate::inspect(&pod)),
+                Some(pod) => Ok(self.with_address(name, &pod, translate::inspect(&pod))),
                 None => Err(status(404, format!("No such container: {name}"))),
             }
         })
@@ -185,9 +184,12 @@ impl Engine for KubeEngine {
     fn attach_container<'a>(
         &'a self,
         name: &'a str,
-        _: Option<q::AttachContainerOptions>,
+        options: Option<q::AttachContainerOptions>,
     ) -> Fut<'a, AttachContainerResults> {
         Box::pin(async move {
+            if let Some(cmd) = self.proxy_cmd(name, &options) {
+                return self.attach_proxy(name, cmd).await;
+            }
             // A heartbeat's attach lasts until it is removed; nothing else is attached to.
             let gone = self.records().virtuals.get(name).map(|v| v.gone.clone());
             let Some(gone) = gone else { return Err(unsupported("attaching to a container")) };
@@ -221,6 +223,10 @@ impl Engine for KubeEngine {
             let helper = self.records().helpers.get(name).cloned();
             if let (Some(volume), Some(shelf)) = (helper, self.shelf.clone()) {
                 return onto_shelf(shelf, volume, tar).await;
+            }
+            // The proxy pod's image carries the executable Docker's proxy gets uploaded.
+            if self.records().proxies.contains_key(name) {
+                return Ok(());
             }
             let dir = options.map(|o| o.path).unwrap_or_else(|| "/".into());
             match self.cluster.upload_tar(&self.pod_of(name).await?, &dir, tar).await.map_err(from_cluster)? {
@@ -346,20 +352,22 @@ impl Engine for KubeEngine {
             Ok(VolumeListResponse { volumes: Some(volumes), warnings: None })
         })
     }
-    fn create_network(&self, _: NetworkCreateRequest) -> Fut<'_, NetworkCreateResponse> {
-        ready(Err(unsupported("egress (a session network with an allow-list)")))
+    fn create_network(&self, req: NetworkCreateRequest) -> Fut<'_, NetworkCreateResponse> {
+        ready(self.network_create(req))
     }
     fn remove_network<'a>(&'a self, name: &'a str) -> Fut<'a, ()> {
-        ready(Err(status(404, format!("No such network: {name}"))))
+        ready(self.network_known(name, true))
     }
-    fn list_networks(&self, _: Option<q::ListNetworksOptions>) -> Fut<'_, Vec<Network>> {
-        ready(Ok(Vec::new()))
+    fn list_networks(&self, options: Option<q::ListNetworksOptions>) -> Fut<'_, Vec<Network>> {
+        let filters = options.and_then(|o| o.filters);
+        ready(Ok(self.network_list(filters.as_ref())))
     }
-    fn connect_network<'a>(&'a self, _: &'a str, _: NetworkConnectRequest) -> Fut<'a, ()> {
-        ready(Err(unsupported("egress (a session network with an allow-list)")))
+    /// Every pod reaches the proxy pod already (as the NetworkPolicy allows): joining is a check.
+    fn connect_network<'a>(&'a self, name: &'a str, _: NetworkConnectRequest) -> Fut<'a, ()> {
+        ready(self.network_known(name, false))
     }
     fn disconnect_network<'a>(&'a self, name: &'a str, _: NetworkDisconnectRequest) -> Fut<'a, ()> {
-        ready(Err(status(404, format!("No such network: {name}"))))
+        ready(self.network_known(name, false))
     }
     /// Every image is there: the nodes have it (the operator's job, docs/kubernetes.md); a
     /// missing one fails the pod, and its start says so.

@@ -71,7 +71,8 @@ pub enum Refused {
 
 /// The session pod for a container body: its limits, uid, labels and environment, as
 /// `container::make` wrote them; `workspace_mb` is the size of its workspace volume, when
-/// bounded. Host folders and networks are refused (not supported on Kubernetes yet).
+/// bounded. Host folders are refused (not supported on Kubernetes yet); a session network
+/// becomes the `pyberth.io/egress=proxy` label and the egress variables.
 pub fn session_pod(
     name: &str,
     body: &ContainerCreateBody,
@@ -81,11 +82,18 @@ pub fn session_pod(
     let labels = body.labels.clone().unwrap_or_default();
     let uid: u32 = labels.get(LABEL_UID).and_then(|u| u.parse().ok()).ok_or(Refused::Malformed("no uid label"))?;
     let hc = body.host_config.clone().unwrap_or_default();
-    if hc.network_mode.as_deref().is_some_and(|n| n != "none") {
-        return Err(Refused::Unsupported(
-            "egress (a session network with an allow-list) is not supported on Kubernetes yet: use an environment without `egress`".into(),
-        ));
-    }
+    // A session network (egress): the pod is labelled to reach the proxy pod (NetworkPolicy),
+    // and keeps the proxy and CA variables the egress owner added to the fixed ones.
+    let network = hc.network_mode.clone().filter(|n| n != "none").map(|network| {
+        let fixed: Vec<&str> = crate::docker::ENV
+            .iter()
+            .chain(&crate::docker::CACHE_ENV)
+            .filter_map(|kv| kv.split_once('=').map(|(k, _)| k))
+            .chain([crate::docker::tether::ORPHAN_ENV])
+            .collect();
+        let env = body.env.iter().flatten().filter(|kv| kv.split_once('=').is_some_and(|(k, _)| !fixed.contains(&k)));
+        crate::docker::container::NetworkJoin { network, dns: Vec::new(), env: env.cloned().collect() }
+    });
     let mounts: Vec<_> = hc.mounts.unwrap_or_default().into_iter().filter(|m| m.typ == Some(MountType::BIND)).collect();
     let tmp = hc.tmpfs.as_ref().and_then(|t| t.get("/tmp")).and_then(|o| size_mb(o));
     let orphan = body
@@ -105,7 +113,7 @@ pub fn session_pod(
         uid_range: Default::default(),
         sandboxing: Sandboxing::default(),
         mounts,
-        network: None,
+        network,
         orphan_after: Duration::from_secs(orphan.unwrap_or(600)),
     };
     let ours: BTreeMap<String, String> = labels.into_iter().collect();
@@ -200,8 +208,18 @@ pub fn inspect_as(pod: &Pod, name: &str) -> ContainerInspectResponse {
 /// Docker's `label` filters (`key` or `key=value`) as a label selector over our session pods;
 /// values made valid as the pods' labels were, so a hashed principal is still found.
 pub fn selector(filters: Option<&HashMap<String, Vec<String>>>) -> String {
+    selector_of(&format!("{LABEL_SANDBOX}=true"), filters)
+}
+
+/// The same over our egress proxy pods.
+pub fn proxy_selector(filters: Option<&HashMap<String, Vec<String>>>) -> String {
+    use crate::k8s::pod::{LABEL_APP, PROXY_APP};
+    selector_of(&format!("{LABEL_APP}={PROXY_APP}"), filters)
+}
+
+fn selector_of(kind: &str, filters: Option<&HashMap<String, Vec<String>>>) -> String {
     let wanted = filters.and_then(|f| f.get("label")).map(Vec::as_slice).unwrap_or_default();
-    let mut terms = vec![format!("{LABEL_SANDBOX}=true")];
+    let mut terms = vec![kind.to_owned()];
     for w in wanted {
         terms.push(match w.split_once('=') {
             Some((k, v)) => format!("{k}={}", value(v)),

@@ -1,0 +1,115 @@
+//! Egress on the Kubernetes engine (Pods mode): the proxy is a pod of its own whose PID 1
+//! idles and whose `pyberth egress-proxy` is an exec, its stdin and stdout the server's as the
+//! Docker container's attach is; a session "network" is a record (NetworkPolicy, the CNI's,
+//! keeps sandbox pods apart and lets labelled ones reach the proxy), and every pod's address
+//! is its `podIP`, which the proxy tells sessions apart by (`egress::Binder`).
+
+use std::collections::HashMap;
+
+use bollard::models::{ContainerCreateBody, ContainerInspectResponse, EndpointSettings, NetworkSettings};
+use bollard::query_parameters::AttachContainerOptions;
+use k8s_openapi::api::core::v1::Pod;
+
+use super::translate::pod_name;
+use super::{EngineError, ExecRec, KubeEngine, START_LIMIT, from_cluster, said, status, unsupported};
+use crate::docker::seam::types::{AttachContainerResults, Network, NetworkCreateRequest, NetworkCreateResponse};
+
+/// What agent-sandbox mode cannot do.
+pub(super) fn not_claimed() -> EngineError {
+    unsupported("egress in agent-sandbox mode (sessions of environments with `egress` need k8s_mode = \"pods\")")
+}
+
+impl KubeEngine {
+    /// The proxy's pod, from the Docker body the egress owner made: its image is the
+    /// configured one (the server's, carrying the executable), else the body's.
+    pub(super) async fn create_proxy(&self, name: &str, body: &ContainerCreateBody) -> Result<(), EngineError> {
+        if self.claimed.is_some() {
+            return Err(not_claimed());
+        }
+        let image = self.egress_image.clone().or_else(|| body.image.clone()).ok_or_else(|| said("no proxy image"))?;
+        // The body names where Docker uploads the executable; the pod's image has it here.
+        let mut cmd = body.cmd.clone().unwrap_or_default();
+        match cmd.first_mut() {
+            Some(exe) => *exe = crate::k8s::pod::PROXY_EXE.to_owned(),
+            None => return Err(said("the egress proxy has no command")),
+        }
+        let labels = body.labels.clone().unwrap_or_default().into_iter().collect();
+        let pod = crate::k8s::pod::proxy_pod(&self.settings, &image, &pod_name(name), &labels);
+        self.cluster.create_pod(&pod).await.map_err(from_cluster)?;
+        self.records().proxies.insert(name.to_owned(), cmd);
+        Ok(())
+    }
+
+    /// The proxy's exec, once its pod runs: its stdout and stderr as an attach's output.
+    pub(super) async fn attach_proxy(
+        &self,
+        name: &str,
+        cmd: Vec<String>,
+    ) -> Result<AttachContainerResults, EngineError> {
+        self.cluster.wait_running(&pod_name(name), START_LIMIT).await.map_err(from_cluster)?;
+        let id = {
+            let mut r = self.records();
+            r.serial += 1;
+            let id = format!("k8s-exec-{}", r.serial);
+            r.execs.insert(id.clone(), ExecRec { container: name.to_owned(), cmd, stdin: true, end: None });
+            id
+        };
+        match self.start(&id).await? {
+            bollard::exec::StartExecResults::Attached { output, input } => Ok(AttachContainerResults { output, input }),
+            bollard::exec::StartExecResults::Detached => Err(said("the egress proxy's exec came back detached")),
+        }
+    }
+
+    /// An attach the engine serves: the proxy's, or `None`.
+    pub(super) fn proxy_cmd(&self, name: &str, _: &Option<AttachContainerOptions>) -> Option<Vec<String>> {
+        self.records().proxies.get(name).cloned()
+    }
+
+    /// A pod's address as Docker shows a container's: the proxy has it on every session
+    /// network (all reach the one pod), a session pod on its own.
+    pub(super) fn with_address(
+        &self,
+        name: &str,
+        pod: &Pod,
+        mut c: ContainerInspectResponse,
+    ) -> ContainerInspectResponse {
+        let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.clone()).filter(|ip| !ip.is_empty()) else {
+            return c;
+        };
+        let r = self.records();
+        let names: Vec<String> =
+            if r.proxies.contains_key(name) { r.networks.keys().cloned().collect() } else { vec!["pod".into()] };
+        let endpoint = EndpointSettings { ip_address: Some(ip), ..Default::default() };
+        let networks: HashMap<String, EndpointSettings> = names.into_iter().map(|n| (n, endpoint.clone())).collect();
+        c.network_settings = Some(NetworkSettings { networks: Some(networks), ..Default::default() });
+        c
+    }
+
+    pub(super) fn network_create(&self, req: NetworkCreateRequest) -> Result<NetworkCreateResponse, EngineError> {
+        if self.claimed.is_some() {
+            return Err(not_claimed());
+        }
+        let mut r = self.records();
+        if r.networks.contains_key(&req.name) {
+            return Err(status(409, format!("network with name {} already exists", req.name)));
+        }
+        r.networks.insert(req.name.clone(), req.labels.unwrap_or_default());
+        Ok(NetworkCreateResponse { id: req.name, warning: String::new() })
+    }
+
+    /// Whether network `name` is a record of ours, else a 404 as Docker says it.
+    pub(super) fn network_known(&self, name: &str, remove: bool) -> Result<(), EngineError> {
+        let mut r = self.records();
+        let known = if remove { r.networks.remove(name).is_some() } else { r.networks.contains_key(name) };
+        if known { Ok(()) } else { Err(status(404, format!("No such network: {name}"))) }
+    }
+
+    pub(super) fn network_list(&self, filters: Option<&HashMap<String, Vec<String>>>) -> Vec<Network> {
+        let r = self.records();
+        r.networks
+            .iter()
+            .filter(|(_, l)| crate::docker::seam::matches_labels(l, filters))
+            .map(|(n, l)| Network { name: Some(n.clone()), labels: Some(l.clone()), ..Default::default() })
+            .collect()
+    }
+}

@@ -1,0 +1,180 @@
+//! Egress on the Kubernetes engine, attack view: the real binary over the simulated API
+//! server, its proxy a pod, its sessions told apart by their pods' addresses. The simulator
+//! models the NetworkPolicies with an `internal` Docker network of this test's: labelled
+//! sandbox pods and the proxy pod on it, every other pod on none (the CNI's job on a cluster).
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::apiserver::{Options, Sim};
+use super::docker;
+use super::serve::{Served, node_containers, pods, text};
+
+/// Label on what this test makes outside the simulator (its network, its upstream).
+const LABEL_TEST: &str = "pyberth-test.k8s-egress";
+
+const UPSTREAM: &str = r#"
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("upstream ok " + self.path + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"#;
+
+fn docker_cli(args: &[&str]) -> String {
+    let out = std::process::Command::new("docker").args(args).output().expect("docker");
+    assert!(out.status.success(), "docker {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// An HTTP upstream on the default bridge (where the proxy pod's way out is), answering every
+/// GET with its path, and the test's internal network; both removed when dropped.
+struct World {
+    network: String,
+    upstream: String,
+    ip: String,
+}
+
+impl World {
+    async fn start(tag: &str) -> World {
+        let network = format!("pyberth-test-k8s-egress-{}-{tag}", std::process::id());
+        docker_cli(&["network", "create", "--internal", "--label", LABEL_TEST, &network]);
+        let upstream = format!("pyberth-test-k8s-upstream-{}-{tag}", std::process::id());
+        let mut world = World { network, upstream: upstream.clone(), ip: String::new() };
+        let image = pyberth::docker::image::sandbox_tag();
+        let run = ["run", "-d", "--rm", "--name", &upstream, "--label", LABEL_TEST, "--cap-drop", "ALL"];
+        let args = ["--user", "65534:65534", "--memory", "128m", &image, "python3", "-c", UPSTREAM];
+        docker_cli(&[&run[..], &args[..]].concat());
+        let format = "{{.NetworkSettings.Networks.bridge.IPAddress}}";
+        world.ip = docker_cli(&["inspect", "-f", format, &upstream]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let addr = format!("{}:8000", world.ip).parse().expect("addr");
+        while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).is_err() {
+            assert!(Instant::now() < deadline, "the upstream did not listen");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        world
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("docker").args(["rm", "-f", &self.upstream]).output();
+        let _ = std::process::Command::new("docker").args(["network", "rm", &self.network]).output();
+    }
+}
+
+/// Python that fetches `url` (through the proxy its variables name, if any) and prints the
+/// status and body, or the error.
+fn fetch(url: &str) -> String {
+    format!(
+        r#"
+import urllib.request, urllib.error
+try:
+    r = urllib.request.urlopen({url:?}, timeout=8)
+    print(r.status, r.read().decode())
+except urllib.error.HTTPError as e:
+    print(e.code, e.read().decode())
+except Exception as e:
+    print("ERR", repr(e))
+"#
+    )
+}
+
+/// [`fetch`] through the proxies `proxies` (a Python dict; `{}`: straight), whatever the
+/// session's variables say.
+fn through(proxies: &str, url: &str) -> String {
+    let opener = format!("urllib.request.build_opener(urllib.request.ProxyHandler({proxies})).open(");
+    format!("import urllib.request\n{}", fetch(url).replace("urllib.request.urlopen(", &opener))
+}
+
+async fn out(s: &Served, session: &str, env: &str, code: &str) -> String {
+    let sc = s.ok("run_python", json!({ "session": session, "environment": env, "code": code, "timeout_s": 60 })).await;
+    sc["stdout"].as_str().unwrap_or_default().to_owned()
+}
+
+fn ok(out: &str) -> bool {
+    out.starts_with("200 upstream ok")
+}
+
+fn denied(out: &str) -> bool {
+    out.starts_with("403 pyberth egress:")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_sessions_reach_their_list_told_apart_by_their_pods_addresses() {
+    let world = World::start("e").await;
+    let opts = Options {
+        egress_network: Some(world.network.clone()),
+        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
+        ..Default::default()
+    };
+    let sim = Sim::start(opts, docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-egress-{}", std::process::id()));
+    let ip = &world.ip;
+    // The proxy pod's image: the sandbox image, the executable bind-mounted by the node.
+    let extra = format!("pool_size = 0\nk8s_egress_image = {:?}\n", pyberth::docker::image::sandbox_tag());
+    let tables = format!(
+        "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n\"other.test\" = \"{ip}\"\n\"denied.test\" = \"{ip}\"\n\
+         [environments.net]\negress = [\"upstream.test:8000\", \"other.test:8000\"]\n[environments.plain]\n\
+         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"k8s-egress-test-0123456789\"\n"
+    );
+    let s = Served::start_tables(&sim, &dir, "egress", &extra, &tables).await;
+
+    // Allowed names are reached; a name not on the list is refused, naming why.
+    let a = out(&s, "a", "net", &fetch("http://upstream.test:8000/a")).await;
+    assert!(ok(&a), "{a}\n{}", s.log());
+    // The CA bundle (the server's egress CA, for hosts with headers) is where the variables say.
+    let code = "import os\np = os.environ['SSL_CERT_FILE']\nprint(p, 'BEGIN CERTIFICATE' in open(p).read())";
+    assert_eq!(out(&s, "a", "net", code).await.trim(), "/tmp/.pyberth-egress/ca.pem True");
+    let d = out(&s, "a", "net", &fetch("http://denied.test:8000/")).await;
+    assert!(denied(&d) && d.contains("denied.test"), "{d}");
+    // No way around the proxy: the upstream's address straight, without the proxy.
+    let direct = out(&s, "a", "net", &through("{}", &format!("http://{ip}:8000/"))).await;
+    assert!(direct.starts_with("ERR"), "{direct}");
+
+    // A second session narrowed to another name: its pod's address keys its own list.
+    assert!(ok(&out(&s, "b", "net", &fetch("http://upstream.test:8000/b")).await));
+    let r = s.call("set_network", json!({ "session": "b", "allow_hosts": ["other.test:8000"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let b = out(&s, "b", "net", &fetch("http://upstream.test:8000/b")).await;
+    assert!(denied(&b), "narrowed: {b}");
+    assert!(ok(&out(&s, "b", "net", &fetch("http://other.test:8000/b")).await));
+    assert!(ok(&out(&s, "a", "net", &fetch("http://upstream.test:8000/a")).await), "the first keeps its list");
+
+    // A session without egress reaches nothing: not the upstream, not the proxy pod.
+    let proxy_ip = proxy_ip(&sim).expect("the proxy pod has an address");
+    let c = out(&s, "c", "plain", &fetch(&format!("http://{ip}:8000/"))).await;
+    assert!(c.starts_with("ERR"), "{c}");
+    let via = format!("{{'http': 'http://{proxy_ip}:3128'}}");
+    let c = out(&s, "c", "plain", &through(&via, "http://upstream.test:8000/")).await;
+    assert!(c.starts_with("ERR"), "{c}");
+
+    // The stop removes the sessions' pods and the proxy's; nothing is left on the node.
+    let before: Vec<String> = pods(&sim);
+    assert_eq!(before.len(), 4, "three sessions and the proxy: {before:?}");
+    s.stop().await;
+    assert!(pods(&sim).is_empty(), "pods left: {:?}", pods(&sim));
+    assert_eq!(node_containers(&sim).await, 0, "containers left on the node");
+    let attached = docker_cli(&["network", "inspect", "-f", "{{len .Containers}}", &world.network]);
+    assert_eq!(attached, "0", "nothing left on the egress network");
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}
+
+/// The proxy pod's address, as its status says.
+fn proxy_ip(sim: &Sim) -> Option<String> {
+    let pods = sim.state.pods.lock().expect("pods");
+    pods.values().find_map(|p| {
+        let labels = p.pod.metadata.labels.clone().unwrap_or_default();
+        let proxy = labels.get(pyberth::k8s::pod::LABEL_APP).map(String::as_str) == Some(pyberth::k8s::pod::PROXY_APP);
+        proxy.then(|| p.pod.status.as_ref().and_then(|s| s.pod_ip.clone())).flatten()
+    })
+}
