@@ -168,7 +168,26 @@ pub fn pod(
         tty: Some(false),
         ..Default::default()
     };
-    Ok(Pod {
+    let volumes = vec![memory_dir("workspace", workspace_mb), memory_dir("tmp", spec.tmp_mb), memory_dir("shm", 64)];
+    let mut pod = one_container(name, labels, annotations, container, pod_security, volumes);
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.runtime_class_name.clone_from(&settings.runtime_class);
+    }
+    Ok(pod)
+}
+
+/// A pod of one container, with what every pod of ours carries: no restart, no service
+/// account token or service links, no namespace of the node shared, `pod_security`, and
+/// no grace at deletion (nothing in it needs a graceful stop).
+fn one_container(
+    name: &str,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+    container: Container,
+    pod_security: PodSecurityContext,
+    volumes: Vec<Volume>,
+) -> Pod {
+    Pod {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
             labels: Some(labels),
@@ -184,19 +203,13 @@ pub fn pod(
             host_pid: Some(false),
             host_ipc: Some(false),
             share_process_namespace: Some(false),
-            runtime_class_name: settings.runtime_class.clone(),
             security_context: Some(pod_security),
-            volumes: Some(vec![
-                memory_dir("workspace", workspace_mb),
-                memory_dir("tmp", spec.tmp_mb),
-                memory_dir("shm", 64),
-            ]),
-            // A deleted sandbox goes at once: nothing in it needs a graceful stop.
+            volumes: Some(volumes),
             termination_grace_period_seconds: Some(0),
             ..Default::default()
         }),
         status: None,
-    })
+    }
 }
 
 /// Label (the NetworkPolicy `sandbox-egress-to-proxy` selects on it) and value of the egress
@@ -242,25 +255,7 @@ pub fn proxy_pod(settings: &PodSettings, image: &str, name: &str, labels: &BTree
         volume_mounts: Some(vec![mount("tmp", "/tmp")]),
         ..Default::default()
     };
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.to_owned()),
-            labels: Some(labels),
-            annotations: (!annotations.is_empty()).then_some(annotations),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![container],
-            restart_policy: Some("Never".into()),
-            automount_service_account_token: Some(false),
-            enable_service_links: Some(false),
-            security_context: Some(pod_security),
-            volumes: Some(vec![memory_dir("tmp", 16)]),
-            termination_grace_period_seconds: Some(0),
-            ..Default::default()
-        }),
-        status: None,
-    }
+    one_container(name, labels, annotations, container, pod_security, vec![memory_dir("tmp", 16)])
 }
 
 /// Whether a pod spec someone else made (agent-sandbox's controller, from a template anyone
