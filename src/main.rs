@@ -172,7 +172,7 @@ fn parse() -> anyhow::Result<Cli> {
     }
     let mut cli = Cli::from_arg_matches(&matches)?;
     let Some(path) = cli.config.clone() else { return Ok(cli) };
-    let file = config::read_file(&path).map_err(anyhow::Error::msg)?;
+    let file = config::file::read_file(&path).map_err(anyhow::Error::msg)?;
     // The settings live in the innermost subcommand (`image build`, `layers prune`).
     let mut sub = &matches;
     while let Some((_, m)) = sub.subcommand() {
@@ -192,13 +192,13 @@ fn parse() -> anyhow::Result<Cli> {
     };
     let with_path = |e: String| anyhow::anyhow!("in {}: {e}", path.display());
     if let Some(cfg) = cfg {
-        known.extend(config::apply_file(cfg, sub, &file).map_err(with_path)?);
+        known.extend(config::file::apply_file(cfg, sub, &file).map_err(with_path)?);
     }
     if let Some(http) = http {
-        known.extend(config::apply_file(http, sub, &file).map_err(with_path)?);
+        known.extend(config::file::apply_file(http, sub, &file).map_err(with_path)?);
     }
     // Keys of either kind are fine in any command (one file serves them all); others are typos.
-    let all = config::keys_of(&HttpArgs::default()).into_iter().chain(SandboxConfig::keys());
+    let all = config::file::keys_of(&HttpArgs::default()).into_iter().chain(SandboxConfig::keys());
     known.extend(all);
     if let Some(unknown) = file.keys().find(|k| !known.contains(*k)) {
         anyhow::bail!("{}: unknown key `{unknown}` (keys are long flags with _ for -, e.g. memory_mb)", path.display());

@@ -448,7 +448,7 @@ mod tests {
         let m = Cli::command().try_get_matches_from(["x"]).expect("defaults");
         let mut cli = Cli::from_arg_matches(&m).expect("defaults");
         let table: toml::Table = file.parse().expect("toml");
-        crate::config::apply_file(&mut cli.cfg, &m, &table).expect("applies");
+        crate::config::file::apply_file(&mut cli.cfg, &m, &table).expect("applies");
         cli.cfg
     }
 

@@ -1,14 +1,20 @@
 //! Configuration: flags, environment variables and a TOML file.
 //!
 //! Precedence is flag > environment variable > file > default: clap resolves the first two
-//! and the default, then [`apply_file`] fills in what clap took from a default. Every value is
+//! and the default, then [`file::apply_file`] fills in what clap took from a default. Every value is
 //! validated by [`SandboxConfig::validate`] before the server touches Docker.
 //!
-//! Why this file passes 500 lines: one struct is the flag, the variable and the file key of
-//! every setting, each with its check; splitting it would split each setting from its check.
+//! The struct is the flag, the variable and the file key of every setting; their checks are in
+//! `validate.rs`, the file's reading in `file.rs`. Why this file still passes 500 lines: that
+//! one struct, each setting with its documentation, is 340 of them.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+pub mod file;
+#[cfg(test)]
+mod tests;
+pub mod validate;
 
 pub use crate::docker::engine::SeccompMode;
 pub use crate::docker::image::{DEFAULT_BASE, DEFAULT_RELEASE};
@@ -452,168 +458,7 @@ pub struct SandboxConfig {
     pub instance: Option<String>,
 }
 
-/// A setting out of range.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid setting {key} (`{}` in the config file): {why}", key.trim_start_matches('-').replace('-', "_"))]
-pub struct Invalid {
-    key: &'static str,
-    why: String,
-}
-
-fn check(ok: bool, key: &'static str, why: impl Into<String>) -> Result<(), Invalid> {
-    if ok { Ok(()) } else { Err(Invalid { key, why: why.into() }) }
-}
-
 impl SandboxConfig {
-    /// Checks every value; the error names the flag.
-    pub fn validate(&self) -> Result<(), Invalid> {
-        self.validate_limits()?;
-        self.validate_egress()?;
-        self.validate_packages()?;
-        if let Some(endpoint) = &self.otlp_endpoint {
-            crate::telemetry::traces_url(endpoint).map_err(|why| Invalid { key: "--otlp-endpoint", why })?;
-        }
-        check(
-            self.k8s_namespace.len() <= 63
-                && !self.k8s_namespace.is_empty()
-                && self.k8s_namespace.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
-            "--k8s-namespace",
-            "must be a Kubernetes namespace name: 1 to 63 lowercase letters, digits or dashes",
-        )?;
-        check(
-            (1..=100).contains(&self.k8s_warm_pool),
-            "--k8s-warm-pool",
-            "must be 1 to 100 (sandboxes kept ready per environment; a claim must name a warm pool)",
-        )?;
-        if let Some(instance) = &self.instance {
-            check(
-                !instance.is_empty()
-                    && instance.len() <= 40
-                    && instance.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'),
-                "--instance",
-                "must be 1 to 40 letters, digits or dashes",
-            )?;
-        }
-        Ok(())
-    }
-
-    /// The limits of a session and of its runs.
-    fn validate_limits(&self) -> Result<(), Invalid> {
-        check(self.memory_mb >= 64, "--memory-mb", "must be at least 64")?;
-        check(self.cpus > 0.0 && self.cpus <= 1024.0, "--cpus", "must be above 0")?;
-        check(self.pids >= 16, "--pids", "must be at least 16")?;
-        check(self.tmp_mb >= 1 && self.tmp_mb < self.memory_mb, "--tmp-mb", "must be between 1 and --memory-mb")?;
-        check(
-            match self.workspace_mb {
-                WorkspaceSize::Mb(mb) => mb >= 1 && mb < self.memory_mb,
-                WorkspaceSize::Auto | WorkspaceSize::Disk => true,
-            },
-            "--workspace-mb",
-            "must be auto, disk (or 0), or between 1 and --memory-mb (its pages count against the session's memory)",
-        )?;
-        check(self.timeout_s >= 1, "--timeout-s", "must be at least 1")?;
-        // Name the flag that is set past the other, with both values: raising a default is the
-        // more likely intent than lowering the maximum.
-        check(
-            self.timeout_s <= self.max_timeout_s,
-            "--timeout-s",
-            format!(
-                "{} is over --max-timeout-s ({}): give a smaller --timeout-s, or raise --max-timeout-s",
-                self.timeout_s, self.max_timeout_s
-            ),
-        )?;
-        check(
-            self.interrupt_grace_s > 0.0 && self.interrupt_grace_s <= 60.0,
-            "--interrupt-grace-s",
-            "must be between 0 and 60",
-        )?;
-        check(self.idle_ttl_s >= 1, "--idle-ttl-s", "must be at least 1")?;
-        check(self.leftover_grace_s >= 1, "--leftover-grace-s", "must be at least 1")?;
-        check(self.max_sessions >= 1, "--max-sessions", "must be at least 1")?;
-        check(self.audit_log_mb >= 1, "--audit-log-mb", "must be at least 1")?;
-        check(self.max_sessions_total >= 1, "--max-sessions-total", "must be at least 1")?;
-        check(
-            self.output_cap >= 1024 && self.output_cap <= 4 << 20,
-            "--output-cap",
-            "must be between 1024 and 4 MiB (a result must fit one MCP message; write more to a file)",
-        )?;
-        check(
-            self.text_budget >= 2000 && self.text_budget <= 1_000_000,
-            "--text-budget",
-            "must be between 2000 and 1000000 characters",
-        )?;
-        check(self.code_cap >= 1 && self.code_cap <= 16 << 20, "--code-cap", "must be between 1 and 16 MiB")?;
-        check(
-            DEBIAN_SUITES.contains(&self.fallback_release.as_str()),
-            "--fallback-release",
-            format!(
-                "{:?} is not a Debian suite pyberth knows: use one of {}",
-                self.fallback_release,
-                DEBIAN_SUITES.join(", ")
-            ),
-        )?;
-        check(self.file_cap >= 1024 && self.file_cap <= 8 << 20, "--file-cap", "must be between 1 KiB and 8 MiB")?;
-        check(self.install_timeout_s >= 10, "--install-timeout-s", "must be at least 10")?;
-        check(self.max_packages >= 1, "--max-packages", "must be at least 1")?;
-        Ok(())
-    }
-
-    /// The egress settings: budgets, pins, resolvers.
-    fn validate_egress(&self) -> Result<(), Invalid> {
-        check(self.egress_max_conns >= 1, "--egress-max-conns", "must be at least 1")?;
-        for (name, addr) in &self.egress_pin {
-            check(
-                crate::egress::policy::normalize_host(name).is_some() && addr.parse::<std::net::IpAddr>().is_ok(),
-                "egress_pin",
-                format!("{name:?} = {addr:?}: give a host name and an IP address"),
-            )?;
-        }
-        check(self.egress_dns.len() <= 3, "--egress-dns", "at most 3 servers (the C library asks no more)")?;
-        for ip in &self.egress_dns {
-            check(
-                ip.parse::<std::net::IpAddr>()
-                    .is_ok_and(|a| !a.is_loopback() && !a.is_unspecified() && !a.is_multicast()),
-                "--egress-dns",
-                format!(
-                    "{ip:?} is not an address the proxy can ask: give IP addresses the proxy's container reaches \
-                     (a loopback address would be the container's own)"
-                ),
-            )?;
-        }
-        Ok(())
-    }
-
-    /// The package settings: sdists, the installer, the index, its CA bundle.
-    fn validate_packages(&self) -> Result<(), Invalid> {
-        for p in &self.allow_sdist {
-            check(
-                p == ":all:" || crate::deps::parse(p).is_ok_and(|r| r.canonical == r.name),
-                "--allow-sdist",
-                format!("{p:?} is not a package name (or :all:)"),
-            )?;
-        }
-        check(
-            self.installer_uv == "none"
-                || crate::deps::parse(&self.installer_uv).is_ok_and(|r| r.name == "uv" && !r.canonical.contains(';')),
-            "--installer-uv",
-            "must be none, or a requirement on uv such as uv or uv==0.13.9",
-        )?;
-        for (key, url) in [("--index-url", self.index_url()), ("--extra-index-url", self.extra_index_url())] {
-            if let Some(url) = url {
-                check(
-                    (url.starts_with("https://") || url.starts_with("http://"))
-                        && !url.chars().any(|c| c.is_whitespace() || c.is_control()),
-                    key,
-                    "must be an http(s) URL",
-                )?;
-            }
-        }
-        if let Some(ca) = self.ca_bundle() {
-            check(ca.is_file(), "--ca-bundle", format!("{} is not a readable file", ca.display()))?;
-        }
-        Ok(())
-    }
-
     /// The workspace's bound in MiB, or `None` for a workspace on the volume disk.
     pub fn workspace_bound_mb(&self) -> Option<u64> {
         match self.workspace_mb {
@@ -734,10 +579,6 @@ impl SandboxConfig {
     }
 }
 
-/// Debian suites debootstrap can make a base of (codenames and their aliases).
-const DEBIAN_SUITES: [&str; 10] =
-    ["buster", "bullseye", "bookworm", "trixie", "forky", "sid", "oldstable", "stable", "testing", "unstable"];
-
 /// Where distributions keep the system's CA bundle: Debian and Ubuntu, Fedora and RHEL,
 /// openSUSE, Alpine and macOS.
 pub(crate) const SYSTEM_CA_BUNDLES: [&str; 4] = [
@@ -789,199 +630,4 @@ pub(crate) fn from_flags(args: &[&str]) -> SandboxConfig {
 
 fn env_any(names: &[&str]) -> Option<String> {
     names.iter().find_map(|n| std::env::var(n).ok().filter(|v| !v.is_empty()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_state_dir_of_someone_else_or_open_to_others_is_refused() {
-        use std::os::unix::fs::PermissionsExt as _;
-        let base = std::env::temp_dir().join(format!("pyberth-statedir-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&base);
-        let uid = rustix::process::geteuid().as_raw();
-        let fresh = base.join("a/b");
-        secure_dir(&fresh, uid).expect("created");
-        let mode = std::fs::metadata(&fresh).expect("meta").permissions().mode() & 0o777;
-        assert_eq!(mode, 0o700);
-        let e = secure_dir(&fresh, uid + 1).expect_err("another user's");
-        assert!(e.contains("belongs to uid"), "{e}");
-        std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o777)).expect("chmod");
-        assert!(secure_dir(&fresh, uid).expect_err("world-writable").contains("others may write"));
-        let link = base.join("link");
-        std::os::unix::fs::symlink(&fresh, &link).expect("symlink");
-        assert!(secure_dir(&link, uid).expect_err("a symlink").contains("not a directory"));
-        let _ = std::fs::remove_dir_all(&base);
-    }
-
-    fn parse(args: &[&str]) -> SandboxConfig {
-        from_flags(args)
-    }
-
-    #[test]
-    fn defaults_are_valid() {
-        let c = parse(&[]);
-        c.validate().expect("defaults");
-        assert_eq!(c.timeout_s, 60);
-        assert_eq!(c.output_cap, 1 << 20);
-        assert_eq!(c.idle_ttl_s, 86400);
-        assert_eq!(c.hibernate_after_s, 600);
-    }
-
-    #[test]
-    fn errors_name_the_flag() {
-        let e = parse(&["--memory-mb", "8"]).validate().expect_err("too small");
-        assert!(e.to_string().contains("--memory-mb"), "{e}");
-        let e = parse(&["--timeout-s", "100", "--max-timeout-s", "10"]).validate().expect_err("max");
-        assert!(e.to_string().contains("--max-timeout-s"), "{e}");
-        let e = parse(&["--instance", "a b"]).validate().expect_err("instance");
-        assert!(e.to_string().contains("--instance"), "{e}");
-        let e = parse(&["--fallback-release", "../x"]).validate().expect_err("release");
-        assert!(e.to_string().contains("--fallback-release"), "{e}");
-    }
-
-    #[test]
-    fn egress_dns_takes_up_to_three_addresses_the_proxy_can_reach() {
-        let c = parse(&["--egress-dns", "10.0.0.53,2001:db8::53"]);
-        c.validate().expect("two addresses");
-        assert_eq!(c.egress_dns, ["10.0.0.53", "2001:db8::53"]);
-        for bad in ["dns.example.com", "127.0.0.53", "::1", "0.0.0.0", "224.0.0.1", "1.1.1.1,8.8.8.8,9.9.9.9,1.0.0.1"] {
-            let e = parse(&["--egress-dns", bad]).validate().expect_err(bad);
-            assert!(e.to_string().contains("egress_dns"), "{bad}: {e}");
-        }
-    }
-}
-
-/// The keys a settings struct takes in the config file.
-pub fn keys_of<T: serde::Serialize>(value: &T) -> Vec<String> {
-    match serde_json::to_value(value) {
-        Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
-        _ => Vec::new(),
-    }
-}
-
-impl SandboxConfig {
-    /// The keys [`SandboxConfig`] takes in the config file: its clap ids, which are its fields.
-    pub fn keys() -> Vec<String> {
-        use clap::Args as _;
-        let mut keys: Vec<String> =
-            Self::augment_args(clap::Command::new("keys")).get_arguments().map(|a| a.get_id().to_string()).collect();
-        keys.push("environments".into());
-        keys.push("upstreams".into());
-        keys.push("principals".into());
-        keys
-    }
-}
-
-/// Reads a TOML configuration file into a table, with errors that name the file.
-pub fn read_file(path: &std::path::Path) -> Result<toml::Table, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("cannot read the config file {}: {e}", path.display()))?;
-    text.parse::<toml::Table>().map_err(|e| format!("{} is not valid TOML: {e}", path.display()))
-}
-
-/// Fills the fields of `target` that clap took from a default with the file's values; keys set
-/// by a flag or an environment variable keep those. Returns the keys `target` knows, so the
-/// caller can refuse keys nothing knows. Each key is checked alone, so an error names it.
-pub fn apply_file<T>(target: &mut T, matches: &clap::ArgMatches, file: &toml::Table) -> Result<Vec<String>, String>
-where
-    T: serde::Serialize + serde::de::DeserializeOwned,
-{
-    use clap::parser::ValueSource;
-    let mut current = serde_json::to_value(&*target).map_err(|e| e.to_string())?;
-    let Some(fields) = current.as_object_mut() else { return Err("settings are not a table".into()) };
-    let mut known = Vec::new();
-    for (key, value) in file {
-        if !fields.contains_key(key) {
-            continue;
-        }
-        known.push(key.clone());
-        let explicit = matches!(
-            matches.try_get_raw(key).ok().and_then(|_| matches.value_source(key)),
-            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-        );
-        if explicit {
-            continue;
-        }
-        fields.insert(key.clone(), serde_json::to_value(value).map_err(|e| format!("config key `{key}`: {e}"))?);
-        if let Err(e) = serde_json::from_value::<T>(serde_json::Value::Object(fields.clone())) {
-            return Err(format!("config key `{key}`: {e}"));
-        }
-    }
-    *target = serde_json::from_value(current).map_err(|e| e.to_string())?;
-    Ok(known)
-}
-
-#[cfg(test)]
-mod file_tests {
-    use super::*;
-    use clap::{CommandFactory as _, FromArgMatches as _, Parser};
-
-    #[derive(Debug, Parser)]
-    struct Cli {
-        #[command(flatten)]
-        cfg: SandboxConfig,
-    }
-
-    fn load(args: &[&str], file: &str) -> Result<SandboxConfig, String> {
-        let matches = Cli::command().try_get_matches_from(args).map_err(|e| e.to_string())?;
-        let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.to_string())?;
-        let table: toml::Table = file.parse().map_err(|e: toml::de::Error| e.to_string())?;
-        apply_file(&mut cli.cfg, &matches, &table)?;
-        Ok(cli.cfg)
-    }
-
-    #[test]
-    fn flags_beat_the_file_and_the_file_beats_defaults() {
-        let cfg = load(&["x", "--memory-mb", "300"], "memory_mb = 1024\npids = 99\n").expect("valid");
-        assert_eq!(cfg.memory_mb, 300, "the flag wins");
-        assert_eq!(cfg.pids, 99, "the file beats the default");
-        assert_eq!(cfg.tmp_mb, 64, "untouched keys keep their default");
-    }
-
-    #[test]
-    fn bad_values_name_their_key() {
-        let e = load(&["x"], "memory_mb = \"lots\"\n").expect_err("a string for a number");
-        assert!(e.to_string().contains("memory_mb"), "{e}");
-        let cfg = load(&["x"], "memory_mb = 10\n").expect("parses");
-        let e = cfg.validate().expect_err("below the minimum");
-        assert!(e.to_string().contains("memory_mb"), "{e}");
-    }
-
-    #[test]
-    fn the_workspace_is_bounded_by_default_and_disk_is_an_explicit_choice() {
-        let cfg = load(&["x"], "").expect("defaults");
-        assert_eq!(cfg.workspace_mb, WorkspaceSize::Auto);
-        assert_eq!(cfg.workspace_bound_mb(), Some(256), "half of the default 512 MiB");
-        let cfg = load(&["x", "--memory-mb", "2048"], "").expect("valid");
-        assert_eq!(cfg.workspace_bound_mb(), Some(1024), "half of the session's memory");
-        for (args, file, want) in [
-            (&["x", "--workspace-mb", "disk"][..], "", None),
-            (&["x", "--workspace-mb", "0"][..], "", None),
-            (&["x"][..], "workspace_mb = \"disk\"\n", None),
-            (&["x"][..], "workspace_mb = 0\n", None),
-            (&["x"][..], "workspace_mb = 64\n", Some(64)),
-            (&["x", "--workspace-mb", "100"][..], "workspace_mb = \"disk\"\n", Some(100)),
-        ] {
-            let cfg = load(args, file).expect("valid");
-            cfg.validate().expect("valid values");
-            assert_eq!(cfg.workspace_bound_mb(), want, "{args:?} {file:?}");
-        }
-        assert!(load(&["x", "--workspace-mb", "lots"], "").is_err());
-        let cfg = load(&["x", "--workspace-mb", "512"], "").expect("parses");
-        let e = cfg.validate().expect_err("as large as the memory");
-        assert!(e.to_string().contains("workspace_mb"), "{e}");
-    }
-
-    #[test]
-    fn the_uid_range_has_a_free_default_and_is_checked() {
-        let cfg = load(&["x"], "").expect("defaults");
-        assert_eq!(cfg.uid_range, crate::docker::identity::UidRange::default());
-        let cfg = load(&["x"], "uid_range = \"200000-300000\"\n").expect("from the file");
-        assert_eq!((cfg.uid_range.first, cfg.uid_range.last), (200_000, 300_000));
-        let e = load(&["x"], "uid_range = \"1000-2000\"\n").expect_err("users' uids");
-        assert!(e.contains("uid_range"), "{e}");
-        assert!(load(&["x", "--uid-range", "1000-1000"], "").is_err());
-    }
 }
