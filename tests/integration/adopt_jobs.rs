@@ -126,7 +126,8 @@ async fn a_graceful_stop_loses_no_line_of_a_job_printing_fast() {
     let first = Server::start("job-detach", &state, &[]).await;
     let alice = first.client().await;
     // Lines of ~500 bytes every 5 ms: a stream in flight holds many of them.
-    let code = "import time\nfor i in range(600):\n    print('n', i, 'x' * 500, flush=True)\n    time.sleep(0.005)\n'end'";
+    let code =
+        "import time\nfor i in range(600):\n    print('n', i, 'x' * 500, flush=True)\n    time.sleep(0.005)\n'end'";
     let job = background(&alice, "s1", code).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
