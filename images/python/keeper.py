@@ -20,7 +20,10 @@ When the agent exits, the keeper exits. It runs as the code's uid, like everythi
 exec: killing the code's processes kills it too, and the next attach starts a fresh one.
 
 Frames, both ways: one byte of kind, four bytes of length (big-endian), the bytes. Kinds:
-`0` stdin (relay to keeper), `1` stdout, `2` stderr, `x` the agent's exit status (ASCII).
+`0` stdin (relay to keeper), `1` stdout, `2` stderr, `x` the agent's exit status (ASCII);
+`d` (relay to keeper, empty) at the relay's stdin end: the keeper finishes the frame it is
+sending, puts the frames not begun back for the next relay, sends `D` (empty) and lets go of
+that relay, which writes out what it holds and exits 0 (docs/design.md D12, a graceful leave).
 Only the standard library; run with `python3 -I -S`.
 
 Past 500 lines because it is one script the image copies whole; the orphan's save (no relay
@@ -222,6 +225,9 @@ def serve(sock_path, listener, source, pid, in_w):
     alone_for = orphan_after()
     alone_since = time.monotonic()  # when the last relay left (or the keeper started)
     orphaned = False  # the save and the end were sent
+    # The relay asked to go (`d`): b"line" while the end of a line it has the start of is
+    # awaited, b"D" once its `D` is queued; nothing else is queued for it meanwhile.
+    detaching = None
 
     def enqueue(kind, data):
         nonlocal queued
@@ -231,29 +237,65 @@ def serve(sock_path, listener, source, pid, in_w):
 
     def drop_relay():
         """Forgets the relay; output it never took goes back to the buffers for the next."""
-        nonlocal relay, queued, mid_line, alone_since
+        nonlocal relay, alone_since, detaching
         if relay is not None:
             relay.close()
             alone_since = time.monotonic()
         relay = None
+        detaching = None
         incoming.buf.clear()
+        put_back(list(queue))
+        queue.clear()
+
+    def detach():
+        """The relay's `d`: the frame it is being sent is finished, the others wait for the
+        next relay, and `D` tells it that nothing more comes; it is dropped once sent."""
+        nonlocal detaching
+        begun = 1 if queue and queue[0][2] else 0
+        put_back(list(queue)[begun:])
+        while len(queue) > begun:
+            queue.pop()
+        # A line the relay has the start of is finished first: the server reads whole
+        # lines, and the next relay would skip the rest of it.
+        half = queue[0][1][-1:] != b"\n" if begun and queue[0][0] == b"1" else mid_line
+        if half:
+            detaching = b"line"
+            finish_detach()
+        else:
+            detaching = b"D"
+            enqueue(b"D", b"")
+
+    def finish_detach():
+        """Queues the end of the relay's half line once it is here (or the agent ended), then `D`."""
+        nonlocal detaching
+        end = out_buf.find(b"\n")
+        if end < 0 and not source.done():
+            return
+        if end >= 0:
+            enqueue(b"1", bytes(out_buf[: end + 1]))
+            del out_buf[: end + 1]
+        detaching = b"D"
+        enqueue(b"D", b"")
+
+    def put_back(frames):
+        """Output of FRAMES the relay did not take goes back to the front of the buffers."""
+        nonlocal queued, mid_line
         back = {b"1": bytearray(), b"2": bytearray()}
-        for kind, f, sent in queue:
-            if kind == b"h":
+        for kind, f, sent in frames:
+            queued -= len(f) - sent
+            if kind not in back:
                 continue
             taken = max(0, sent - HEADER.size)
             payload = f[HEADER.size:]
             back[kind] += payload[taken:]
             if kind == b"1" and taken:
                 mid_line = payload[taken - 1:taken] != b"\n"
-        queue.clear()
-        queued = 0
         out_buf[:0] = back[b"1"]
         err_buf[:0] = back[b"2"]
 
     def frame_buffered():
         """Frames buffered output for the relay, a chunk of each stream at a time."""
-        if relay is None or queued >= CHUNK:
+        if relay is None or detaching or queued >= CHUNK:
             return
         if out_buf:
             piece = bytes(out_buf[:CHUNK])
@@ -392,6 +434,8 @@ def serve(sock_path, listener, source, pid, in_w):
                 out_buf += data
                 if skip_line:
                     skip_to_line_end()
+                if detaching == b"line":
+                    finish_detach()
         if relay is not None and relay in readable:
             try:
                 data = relay.recv(CHUNK)
@@ -410,6 +454,8 @@ def serve(sock_path, listener, source, pid, in_w):
                             break
                         if got[0] == b"0" and in_w is not None:
                             to_agent += got[1]
+                        elif got[0] == b"d" and detaching is None:
+                            detach()
                 except ValueError:
                     drop_relay()
         # Written now, not after one more select: a warm run's request and each of its
@@ -418,6 +464,9 @@ def serve(sock_path, listener, source, pid, in_w):
         if relay is not None:
             frame_buffered()
             if queue and not send_some():
+                drop_relay()
+            elif detaching == b"D" and not queue:
+                # Its `D` is sent: what was not sent stays queued for the next relay.
                 drop_relay()
         if in_w is not None and to_agent:
             if not write_some(in_w, to_agent):
@@ -493,6 +542,7 @@ def relay(sock):
     to_fd = {1: bytearray(), 2: bytearray()}
     incoming = Frames()
     stdin_open = True
+    detaching = False
     status = None
     while True:
         pending_out = len(to_fd[1]) + len(to_fd[2])
@@ -511,9 +561,13 @@ def relay(sock):
         if 0 in readable:
             data = read_some(0)
             if data == b"":
-                # The server closed its end: it is gone. The agent stays with the keeper.
-                os._exit(0)
-            if data:
+                # The server closed its end (or it broke): the keeper finishes the frame it
+                # sends, then lets go of us; what it did not send waits for the next relay.
+                # The agent stays with the keeper.
+                stdin_open = False
+                detaching = True
+                to_sock += frame(b"d", b"")
+            elif data:
                 to_sock += frame(b"0", data)
         if sock in readable:
             try:
@@ -524,7 +578,8 @@ def relay(sock):
                 data = b""
             if data == b"":
                 # The keeper is gone (killed, or replaced us with a newer relay).
-                status = 1 if status is None else status
+                if status is None:
+                    status = 0 if detaching else 1
                 continue
             if data:
                 incoming.push(data)
@@ -542,6 +597,9 @@ def relay(sock):
                             status = int(payload) & 0xFF
                         except ValueError:
                             status = 1
+                    elif kind == b"D" and status is None:
+                        # The keeper let go of us: nothing more comes.
+                        status = 0
         if sock in writable:
             try:
                 n = sock.send(to_sock[:CHUNK])
@@ -549,7 +607,10 @@ def relay(sock):
             except BlockingIOError:
                 pass
             except OSError:
-                os._exit(1)
+                # The keeper is gone: during a detach, nothing more comes, the rest is written.
+                if not detaching:
+                    os._exit(1)
+                to_sock.clear()
         for fd, buf in to_fd.items():
             if fd in writable and not write_some(fd, buf):
                 # The server's end of the stream is gone.

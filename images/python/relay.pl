@@ -8,6 +8,8 @@
 # Essential in Debian) about a fifth of it. It does what keeper.py's relay()
 # does, byte for byte: stdin goes to the keeper in frames of kind `0`; frames `1` and `2` go
 # to stdout and stderr; frame `x` is the agent's exit status, ours once the output is written.
+# At stdin's end (the server leaves in order) it asks the keeper to let go, frame `d`, and
+# forwards what comes until the keeper's `D` (or its end): then it exits 0, all written.
 # Frames: one byte of kind, four bytes of length (big-endian), the bytes.
 # Only modules of perl-base; no PERL5OPT or PERL5LIB in its environment (the exec's is fixed).
 
@@ -64,11 +66,13 @@ my ($to_sock, $incoming) = ('', '');
 my %to_fd = (1 => '', 2 => '');
 my %handle = (1 => \*STDOUT, 2 => \*STDERR);
 my $status;
+my $stdin_open = 1;
+my $detaching = 0;
 while (1) {
     my $pending_out = length($to_fd{1}) + length($to_fd{2});
     exit $status if defined $status && !$pending_out;
     my ($rin, $win) = ('', '');
-    vec($rin, 0, 1) = 1 if length($to_sock) < $LIMIT;
+    vec($rin, 0, 1) = 1 if $stdin_open && length($to_sock) < $LIMIT;
     # Little held here: what a killed relay held is lost, what the keeper holds is not.
     vec($rin, $sfd, 1) = 1 if !defined $status && $pending_out < $CHUNK;
     vec($win, $sfd, 1) = 1 if length $to_sock;
@@ -81,9 +85,16 @@ while (1) {
     if (vec($rout, 0, 1)) {
         my $n = sysread(STDIN, my $data, $CHUNK);
         if (defined $n || !again()) {
-            # The server closed its end (or it broke): it is gone. The agent stays with the keeper.
-            exit 0 unless $n;
-            $to_sock .= pack('aN', '0', $n) . $data;
+            if ($n) {
+                $to_sock .= pack('aN', '0', $n) . $data;
+            } else {
+                # The server closed its end (or it broke): the keeper finishes the frame it
+                # sends, then lets go of us; what it did not send waits for the next relay.
+                # The agent stays with the keeper.
+                $stdin_open = 0;
+                $detaching = 1;
+                $to_sock .= pack('aN', 'd', 0);
+            }
         }
     }
     if (vec($rout, $sfd, 1)) {
@@ -91,7 +102,7 @@ while (1) {
         if (defined $n || !again()) {
             if (!$n) {
                 # The keeper is gone (killed, or replaced us with a newer relay).
-                $status = 1 unless defined $status;
+                $status = ($detaching ? 0 : 1) unless defined $status;
                 next;
             }
             $incoming .= $data;
@@ -105,6 +116,9 @@ while (1) {
                     $to_fd{$kind} .= $payload;
                 } elsif ($kind eq 'x') {
                     $status = $payload =~ /\A\s*([-+]?[0-9]{1,18})\s*\z/ ? ($1 & 0xFF) : 1;
+                } elsif ($kind eq 'D') {
+                    # The keeper let go of us: nothing more comes.
+                    $status = 0 unless defined $status;
                 }
             }
         }
@@ -116,7 +130,9 @@ while (1) {
         if (defined $n) {
             substr($to_sock, 0, $n) = '';
         } elsif (!again()) {
-            exit 1;
+            # The keeper is gone: during a detach, nothing more comes, the rest is written.
+            exit 1 unless $detaching;
+            $to_sock = '';
         }
     }
     for my $out (1, 2) {

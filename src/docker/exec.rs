@@ -131,3 +131,7 @@ impl std::fmt::Debug for Attached {
         f.debug_struct("Attached").finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+#[path = "relay_tests.rs"]
+mod relay_tests;

@@ -245,6 +245,13 @@ impl Agent {
         self.input.flush().await
     }
 
+    /// Ends the agent's stdin, the relay's: the relay lets go of its keeper in order, and the
+    /// stream ends once it has written out all the keeper sent it (docs/design.md D12, a
+    /// graceful leave). What the keeper did not send waits for the next relay.
+    pub(super) async fn close_input(&mut self) -> std::io::Result<()> {
+        self.input.shutdown().await
+    }
+
     /// Next event; `Ok(None)` when the agent's output ended (it exited). Cancel-safe: bytes
     /// already read stay in the decoder.
     pub(super) async fn next_event(&mut self) -> Result<Option<Event>, ReadError> {

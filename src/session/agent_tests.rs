@@ -145,7 +145,7 @@ async fn run_code(
     let mut run = Gathered::new(empty_outcome(), None);
     let id = agent.next_id();
     let spec = RunSpec { code: code.to_owned(), ..Default::default() };
-    let stop = Stop { timeout, grace: GRACE, ct, sandbox: None };
+    let stop = Stop { timeout, grace: GRACE, ct, sandbox: None, detach: None };
     let ending = tokio::time::timeout(STEP + timeout, drive(agent, id, &spec, stop, &mut run, observer, "test"))
         .await
         .expect("the run neither ended nor was stopped");

@@ -21,6 +21,8 @@ use crate::durable::ledger::Ledger;
 
 #[path = "jobs_kept.rs"]
 mod kept;
+#[path = "jobs_leave.rs"]
+mod leaving;
 
 /// Finished jobs kept at most this long.
 pub(crate) const KEEP_FINISHED: Duration = Duration::from_secs(3600);
@@ -251,13 +253,18 @@ impl Jobs {
                     files.set_run(id, &session.container_id());
                 }
             };
-            let run = session.run_with(spec, timeout, &job.cancel, &observer, &on_id);
+            let detach = job.durable.is_some().then_some(&leave);
+            let run = session.run_with(spec, timeout, &job.cancel, detach, &observer, &on_id);
             let result = tokio::select! {
                 r = run => r,
                 // The server stops and leaves the session (and this run) to the next one,
-                // which follows the job from its record.
-                () = leave.cancelled(), if job.durable.is_some() => return,
+                // which follows the job from its record: its stream is first read to its end
+                // (`jobs_leave.rs`), within a bound.
+                () = leaving::given_up(&leave), if detach.is_some() => return,
             };
+            if matches!(result, Err(super::Error::Left)) {
+                return;
+            }
             drop(slot); // the caller's run slot is free before anyone can see the job ended
             let egress = match egress {
                 Some(tally) => tally.await,
@@ -372,39 +379,19 @@ impl Jobs {
         let leave = self.leave.clone();
         self.tasks.spawn(async move {
             let observer = |s: Stream, b: &[u8]| job.observe(s, b);
+            let detach = job.durable.is_some().then_some(&leave);
             let result = tokio::select! {
-                r = session.resume(id, timeout, &job.cancel, &observer) => r,
-                () = leave.cancelled(), if job.durable.is_some() => return,
+                r = session.resume(id, timeout, &job.cancel, detach, &observer) => r,
+                () = leaving::given_up(&leave), if detach.is_some() => return,
             };
+            if matches!(result, Err(super::Error::Left)) {
+                return;
+            }
             job.finish(match result {
                 Ok(outcome) => Finished::Outcome(Box::new(outcome)),
                 Err(e) => Finished::Failed(e.to_string()),
             });
         });
-    }
-
-    /// The server stops and leaves its sessions running: jobs that a next server can take
-    /// over are left to it (their runs go on), the others are cancelled. Waits for both.
-    /// A finished job's record stays while `live(principal, session)` (the next server keeps
-    /// that session), and goes with a session that is gone.
-    pub async fn leave(&self, live: &(dyn Fn(&str, &str) -> bool + Sync)) {
-        self.leave.cancel();
-        if let Ok(jobs) = self.jobs.lock() {
-            for j in jobs.values().filter(|j| j.durable.is_none()) {
-                j.cancel.cancel();
-            }
-        }
-        self.tasks.close();
-        self.tasks.wait().await;
-        self.drop_records(|j| j.is_finished() && !live(&j.principal, &j.session));
-    }
-
-    /// Removes the state-dir files of the jobs `which` picks.
-    fn drop_records(&self, which: impl Fn(&Job) -> bool) {
-        let Ok(jobs) = self.jobs.lock() else { return };
-        for files in jobs.values().filter(|j| which(j)).filter_map(|j| j.durable.as_ref()) {
-            files.remove();
-        }
     }
 
     /// A job of this principal; another principal's job behaves as a missing one.
@@ -467,19 +454,6 @@ impl Jobs {
             }
             kept::bound_records(&list);
         }
-    }
-
-    /// Cancels every job and waits for them to stop; their records go (nothing is left for
-    /// a next server).
-    pub async fn shutdown(&self) {
-        if let Ok(jobs) = self.jobs.lock() {
-            for j in jobs.values() {
-                j.cancel.cancel();
-            }
-        }
-        self.tasks.close();
-        self.tasks.wait().await;
-        self.drop_records(|_| true);
     }
 }
 

@@ -109,6 +109,9 @@ pub enum Error {
     /// workspace, ...); the message is the agent's.
     #[error("{0}")]
     Refused(String),
+    /// The server left the run to its next server (a graceful leave): it goes on, unread here.
+    #[error("the server stopped and left the run to the next server of its state dir")]
+    Left,
 }
 
 /// A file request's answer.

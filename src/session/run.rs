@@ -113,6 +113,9 @@ pub(super) struct Stop<'a> {
     /// The sandbox whose death ends the run, when the engine can tell (`None` in tests
     /// without Docker).
     pub(super) sandbox: Option<&'a Sandbox>,
+    /// Cancelled when the server leaves the run to its next server: the stream is closed in
+    /// order and read to its end, and the run ends as [`Ending::Left`].
+    pub(super) detach: Option<&'a CancellationToken>,
 }
 
 /// What a run gathers across the streams it is read from: its outcome, and its code-mode
@@ -196,6 +199,8 @@ pub(super) enum Ending {
     Stuck,
     /// A run followed after a restart had ended, but its `done` was lost with the old stream.
     Vanished,
+    /// The server left the run to its next server, and its stream ended in order.
+    Left,
 }
 
 /// A child process of the run was killed for memory; the interpreter lives on.
@@ -253,16 +258,18 @@ impl Session {
         ct: &CancellationToken,
         observer: &Observer<'_>,
     ) -> Result<RunOutcome, Error> {
-        self.run_with(spec, timeout, ct, observer, &|_| {}).await
+        self.run_with(spec, timeout, ct, None, observer, &|_| {}).await
     }
 
     /// [`Session::run`], telling `on_id` the run's request id before it is sent. Audited
     /// (its start and end, with a hash of what it ran) and charged to its principal's quotas.
+    /// Once `detach` is cancelled the run is left to the next server: [`Error::Left`].
     pub(super) async fn run_with(
         &self,
         spec: RunSpec,
         timeout: Duration,
         ct: &CancellationToken,
+        detach: Option<&CancellationToken>,
         observer: &Observer<'_>,
         on_id: &OnId<'_>,
     ) -> Result<RunOutcome, Error> {
@@ -276,7 +283,11 @@ impl Session {
         };
         watch.audit.emit(event("run_started"));
         let started = Instant::now();
-        let result = self.run_body(spec, timeout, ct, observer, on_id).await;
+        let result = self.run_body(spec, timeout, ct, detach, observer, on_id).await;
+        if matches!(result, Err(Error::Left)) {
+            // Not ended: the next server follows it, and audits its end.
+            return result;
+        }
         let wall = started.elapsed();
         let outcome = match &result {
             Ok(o) => o.status.to_string(),
@@ -302,6 +313,7 @@ impl Session {
         spec: RunSpec,
         timeout: Duration,
         ct: &CancellationToken,
+        detach: Option<&CancellationToken>,
         observer: &Observer<'_>,
         on_id: &OnId<'_>,
     ) -> Result<RunOutcome, Error> {
@@ -311,16 +323,11 @@ impl Session {
             return Err(Error::Busy(MAX_QUEUED));
         }
         let mut inner = self.inner.lock().await;
+        not_left(detach)?;
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
         let ensured = self.ensure_agent(&mut inner).await?;
-        // What happened since the last call comes first.
-        let mut notices = std::mem::take(&mut inner.pending);
-        let mut state_lost_before = std::mem::take(&mut inner.pending_lost);
-        if let Some(n) = ensured {
-            notices.push(n);
-            state_lost_before = true;
-        }
+        let (mut notices, state_lost_before) = since_last(&mut inner, ensured);
         let started = Instant::now();
         let outcome = RunOutcome { state_lost: state_lost_before, ..RunOutcome::new(self.cfg.output_cap) };
         let mut env = self.env.lock().map(|e| e.clone()).unwrap_or_default();
@@ -330,7 +337,7 @@ impl Session {
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
         let grant = spec.bridge.clone();
         let mut run = Gathered::new(outcome, grant.as_deref());
-        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox), detach };
         let mut sent = tokio::time::Instant::now();
         let run_id = std::sync::atomic::AtomicU64::new(0);
         let on_id = |id: u64| {
@@ -365,6 +372,10 @@ impl Session {
                 None => break,
             };
         }
+        // Left to the next server (by the first drive, the second or a reattach's follow).
+        if matches!(ending, Ending::Left) {
+            return Err(Error::Left);
+        }
         let mut outcome = run.finish();
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
@@ -384,9 +395,11 @@ impl Session {
         id: u64,
         timeout: Duration,
         ct: &CancellationToken,
+        detach: Option<&CancellationToken>,
         observer: &Observer<'_>,
     ) -> Result<RunOutcome, Error> {
         let mut inner = self.inner.lock().await;
+        not_left(detach)?;
         self.touch();
         let ensured = self.ensure_agent(&mut inner).await?;
         let started = Instant::now();
@@ -404,7 +417,7 @@ impl Session {
         }
         let run_started = std::time::SystemTime::now();
         let sandbox = Sandbox { docker: self.docker.clone(), id: inner.container.id.clone(), since: run_started };
-        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox) };
+        let stop = Stop { timeout, grace: self.cfg.grace(), ct, sandbox: Some(&sandbox), detach };
         let sent = tokio::time::Instant::now();
         // A job's run followed after a restart: its code-mode calls went with the old server.
         let mut run = Gathered::new(outcome, None);
@@ -420,6 +433,9 @@ impl Session {
             }
             None => Ending::Broken("no agent".into()),
         };
+        if matches!(ending, Ending::Left) {
+            return Err(Error::Left);
+        }
         let mut outcome = run.finish();
         self.conclude(&mut inner, ending, &mut outcome, &mut notices, sent + timeout, run_started).await;
         outcome.duration = started.elapsed();
@@ -486,7 +502,8 @@ impl Session {
                 outcome.status = RunStatus::Oom;
                 notices.push(child_oom_notice(self.cfg.memory_mb));
             }
-            Ending::Done => {}
+            // The callers return before: the run is the next server's.
+            Ending::Done | Ending::Left => {}
             Ending::Vanished => {
                 outcome.status = RunStatus::Error;
                 notices.push(
@@ -602,24 +619,15 @@ async fn follow(
     name: &str,
     probe: Option<u64>,
 ) -> Ending {
-    for line in run.sent.lines() {
-        // A failed write is seen by the next read.
-        if agent.send_line(line).await.is_err() {
-            break;
-        }
-    }
+    resend(agent, &run.sent).await;
     let Gathered { outcome, calls, sent } = run;
-    let Stop { timeout, grace, ct, sandbox } = stop;
+    let Stop { timeout, grace, ct, sandbox, detach } = stop;
+    let detach = cancelled(detach);
+    tokio::pin!(detach);
+    // Set once the server leaves: the stream is read to its end, which is the run's end here.
+    let mut leaving = false;
     let deadline = tokio::time::Instant::now() + timeout;
-    let died = async {
-        match sandbox {
-            Some(s) => {
-                tokio::time::sleep(WATCH_AFTER).await;
-                s.died().await;
-            }
-            None => std::future::pending().await,
-        }
-    };
+    let died = died(sandbox);
     tokio::pin!(died);
     // Set once we have asked the code to stop: why, and when to kill it if it has not.
     let mut stopping: Option<(RunStatus, tokio::time::Instant)> = None;
@@ -646,30 +654,102 @@ async fn follow(
                     }
                 }
                 Ok(Some(other)) => tracing::debug!(session = %name, event = ?other, "event outside the run ignored"),
+                Ok(None) | Err(ReadError::Fatal(_)) if leaving => return left(name),
                 Ok(None) => return Ending::Died(stopping.map(|s| s.0)),
                 Err(ReadError::Skippable(e)) => tracing::warn!(session = %name, error = %e, "unreadable agent line skipped"),
                 Err(ReadError::Fatal(e)) => return Ending::Broken(e),
             },
+            () = &mut detach, if !leaving => {
+                leaving = true;
+                if !let_go(agent, name).await {
+                    return Ending::Left;
+                }
+            },
             reply = calls.next() => answer(agent, sent, reply).await,
-            _ = tokio::time::sleep_until(deadline), if stopping.is_none() => {
+            _ = tokio::time::sleep_until(deadline), if stopping.is_none() && !leaving => {
                 calls.close();
                 stopping = Some((RunStatus::Timeout, tokio::time::Instant::now() + grace));
                 let _ = agent.send(&Request::Interrupt { id }).await;
             }
-            _ = ct.cancelled(), if stopping.is_none() => {
+            _ = ct.cancelled(), if stopping.is_none() && !leaving => {
                 calls.close();
                 stopping = Some((RunStatus::Cancelled, tokio::time::Instant::now() + grace));
                 let _ = agent.send(&Request::Interrupt { id }).await;
             }
-            () = &mut died => {
+            () = &mut died, if !leaving => {
                 tracing::info!(session = %name, "the sandbox died during the run");
                 return Ending::Died(stopping.map(|s| s.0));
             }
-            _ = tokio::time::sleep_until(kill_at), if stopping.is_some() => {
+            // Leaving, the next server stops it: its record keeps the time limit.
+            _ = tokio::time::sleep_until(kill_at), if stopping.is_some() && !leaving => {
                 return Ending::Killed(stopping.map(|s| s.0).unwrap_or(RunStatus::Timeout));
             }
         }
     }
+}
+
+/// What happened since the last call, told first: its notices (`ensured`, a new interpreter's,
+/// last), and whether the interpreter's state was lost meanwhile.
+fn since_last(inner: &mut Inner, ensured: Option<String>) -> (Vec<String>, bool) {
+    let mut notices = std::mem::take(&mut inner.pending);
+    let lost = std::mem::take(&mut inner.pending_lost) || ensured.is_some();
+    notices.extend(ensured);
+    (notices, lost)
+}
+
+/// The latest code-mode replies, sent again on a new stream. A failed write is seen by the
+/// next read.
+async fn resend(agent: &mut Agent, sent: &crate::bridge::Recent) {
+    for line in sent.lines() {
+        if agent.send_line(line).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// Resolves once the engine tells the sandbox died ([`WATCH_AFTER`] into the run at the
+/// earliest); never without a sandbox.
+async fn died(sandbox: Option<&Sandbox>) {
+    match sandbox {
+        Some(s) => {
+            tokio::time::sleep(WATCH_AFTER).await;
+            s.died().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves when `token` is cancelled; never without one.
+async fn cancelled(token: Option<&CancellationToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// [`Error::Left`] once the server has left its runs to the next one: a run queued behind a
+/// left one is never sent here, the next server says what became of it.
+fn not_left(detach: Option<&CancellationToken>) -> Result<(), Error> {
+    if detach.is_some_and(CancellationToken::is_cancelled) { Err(Error::Left) } else { Ok(()) }
+}
+
+/// The server leaves: the stream's input is closed, so the relay lets go of its keeper in
+/// order and writes out all it was sent (docs/design.md D12, a graceful leave); the keeper
+/// keeps the rest for the next relay. False when the input cannot be closed.
+async fn let_go(agent: &mut Agent, name: &str) -> bool {
+    match agent.close_input().await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(session = %name, error = %e, "cannot close the stream's input; the run is left as it is");
+            false
+        }
+    }
+}
+
+/// A left run's stream ended: the run is the next server's.
+fn left(name: &str) -> Ending {
+    tracing::debug!(session = %name, "the stream ended in order; the run is left to the next server");
+    Ending::Left
 }
 
 /// A chunk of the run's output: to the observer, and kept in the outcome.

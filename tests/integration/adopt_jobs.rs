@@ -115,3 +115,59 @@ async fn a_finished_job_is_kept_across_restarts() {
     status(&alice, &again, 30).await;
     close_and_check(third, alice, "s1", &state, &[first_instance, second_instance]).await;
 }
+
+/// A graceful stop while a job prints fast: what the old server's stream held when it left
+/// (the relay's buffers, the exec's pipes and sockets) was lost before the orderly detach
+/// (docs/design.md D12, "A graceful leave"). The next server reads the job to its end: every
+/// line once, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_graceful_stop_loses_no_line_of_a_job_printing_fast() {
+    let state = StateDir::new("job-detach");
+    let first = Server::start("job-detach", &state, &[]).await;
+    let alice = first.client().await;
+    // Lines of ~500 bytes every 5 ms: a stream in flight holds many of them.
+    let code =
+        "import time\nfor i in range(600):\n    print('n', i, 'x' * 500, flush=True)\n    time.sleep(0.005)\n'end'";
+    let job = background(&alice, "s1", code).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        // A few dozen lines in: the stop comes while it prints.
+        let (_, sc) = call(&alice, "job_status", json!({ "job": job, "stdout_offset": 20 * 500 })).await;
+        assert_eq!(sc["status"], "running", "the job is still running when the server stops: {sc}");
+        if sc["stdout"].as_str().is_some_and(|o| !o.is_empty()) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the job never printed: {sc}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = alice.cancel().await;
+    let old = first.signal("-TERM").await;
+
+    let second = Server::start("job-detach", &state, &[]).await;
+    let alice = second.client().await;
+    let sc = status(&alice, &job, 60).await;
+    assert_eq!(sc["status"], "ok", "followed to its end by the next server: {sc}");
+    let out = stdout_of(&alice, &job).await;
+    let lines: Vec<&str> = out.lines().collect();
+    let pad = "x".repeat(500);
+    let want: Vec<String> = (0..600).map(|i| format!("n {i} {pad}")).collect();
+    let missing: Vec<usize> = (0..600).filter(|&i| !lines.contains(&want[i].as_str())).collect();
+    assert!(missing.is_empty(), "lines lost across the stop: {missing:?}");
+    assert!(lines == want, "every line once, in order: {} lines", lines.len());
+    close_and_check(second, alice, "s1", &state, &[old]).await;
+}
+
+/// The whole stdout of a finished `job`, read page by page.
+async fn stdout_of(client: &Client, job: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let args = json!({ "job": job, "stdout_offset": out.len() });
+        let (r, sc) = call(client, "job_status", args).await;
+        assert_eq!(r.is_error, Some(false), "{}", text(&r));
+        let page = sc["stdout"].as_str().unwrap_or_default();
+        if page.is_empty() {
+            return out;
+        }
+        out.push_str(page);
+    }
+}

@@ -93,6 +93,8 @@ async fn survives(tag: &str, how: Stop) {
             first.stop().await;
             let said = std::fs::read_to_string(log).unwrap_or_default();
             assert!(said.contains("sessions left for the next server"), "{said}");
+            // The running job's exec was detached in order: its stdin closed (v5), its end read.
+            assert!(said.contains("the stream ended in order"), "{said}");
         }
         Stop::Term => {
             let pid = first.child.id().expect("a pid").to_string();
@@ -101,6 +103,7 @@ async fn survives(tag: &str, how: Stop) {
             let ended = tokio::time::timeout(Duration::from_secs(30), first.child.wait()).await;
             assert!(ended.is_ok(), "the server did not stop within 30 s of SIGTERM");
             assert!(first.whole_log().contains("sessions left for the next server"), "{}", first.log());
+            assert!(first.whole_log().contains("the stream ended in order"), "{}", first.log());
         }
         Stop::Kill => {
             first.child.start_kill().expect("SIGKILL");
