@@ -82,10 +82,19 @@ impl Blueprint {
         spec.mounts.insert(0, store);
         let made = container::create(docker, &spec, image, owner, label, principal).await?;
         if let Err(e) = self.tether_and_egress(docker, &made.id, &spec).await {
-            container::destroy(docker, &made).await;
+            self.remove(docker, &made).await;
             return Err(e);
         }
         Ok(made)
+    }
+
+    /// Removes a container made from this blueprint, its egress policy out of the proxy first:
+    /// on Kubernetes the pod's address may be the next pod's (`egress::Attachment::unbind`).
+    pub async fn remove(&self, docker: &dyn Engine, made: &Created) {
+        if let Some(egress) = &self.egress {
+            egress.unbind().await;
+        }
+        container::destroy(docker, made).await;
     }
 
     /// A started container tethered to this server, never able to outlive it for good
@@ -128,6 +137,9 @@ impl Blueprint {
             self.tether_and_egress(docker, &made.id, &spec).await
         };
         if let Err(e) = finish.await {
+            if let Some(egress) = &self.egress {
+                egress.unbind().await;
+            }
             container::remove_container(docker, &made.id).await;
             return Err(e);
         }

@@ -62,6 +62,15 @@ impl Attachment {
         self.env().into_iter().filter(|e| e.to_ascii_lowercase().contains("proxy=")).collect()
     }
 
+    /// Before the session's container is removed, or once it is found gone: a session keyed
+    /// by its own address (Kubernetes) has its policy taken out of the proxy, as the address
+    /// may be the next pod's. Nothing for a session with a network of its own (Docker).
+    pub async fn unbind(&self) {
+        if let Some(b) = &self.binder {
+            b.unbind().await;
+        }
+    }
+
     /// After the container starts, before any code runs: the CA bundle into
     /// [`CA_PATH`] on the container's own `/tmp`, written by root (no capabilities) through
     /// a short exec. Root's file in a root-owned directory under the sticky `/tmp`: the code

@@ -1,5 +1,6 @@
 //! Sending commands to the proxy, and the late binding of sessions told apart by their own
-//! address (Kubernetes): their policy goes in once their pod has one, before any code runs.
+//! address (Kubernetes): their policy goes in once their pod has one, before any code runs,
+//! and out before that pod goes, since the cluster may give its address to the next pod.
 
 use super::*;
 
@@ -81,5 +82,87 @@ impl Binder {
         }
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).entry(ip).or_default();
         Ok(())
+    }
+
+    /// Before the session's pod is deleted: see [`unbind`].
+    pub(super) async fn unbind(&self) {
+        unbind(&self.proxy, &self.sessions, &self.totals, &self.principal, &self.session).await;
+    }
+}
+
+impl Manager {
+    /// Before a session's container is removed (or once it is found gone): on Kubernetes its
+    /// policy out of the proxy, keyed by an address the next pod may get ([`unbind`]).
+    /// Docker's sessions keep theirs: their network holds only them and the proxy.
+    pub async fn unbind(&self, principal: &str, session: &str) {
+        if self.by_peer {
+            unbind(&self.proxy, &self.sessions, &self.totals, principal, session).await;
+        }
+    }
+}
+
+/// Takes a session keyed by its own address out of the proxy before its pod (and so that
+/// address) goes: the cluster may give the address to any next pod, which must not be served
+/// with this session's list and headers. Its totals so far are flushed, as at its end; the
+/// next start binds it again. Nothing to do when it is not bound.
+pub(super) async fn unbind(
+    proxy: &tokio::sync::Mutex<Option<Proxy>>,
+    sessions: &Mutex<HashMap<(String, String), SessionNet>>,
+    totals: &Mutex<HashMap<IpAddr, Totals>>,
+    principal: &str,
+    session: &str,
+) {
+    // The proxy's lock first, as `bind` holds it from its Set until it records the address:
+    // a binding under way is either wholly before this or after.
+    let mut slot = proxy.lock().await;
+    let key = (principal.to_owned(), session.to_owned());
+    let old = {
+        let mut s = sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(n) = s.get_mut(&key) else { return };
+        std::mem::replace(&mut n.local, IpAddr::from([0, 0, 0, 0]))
+    };
+    if old.is_unspecified() {
+        return;
+    }
+    // No proxy: nothing holds the policy (a proxy made again starts empty on Kubernetes).
+    if let Some(p) = slot.as_mut()
+        && let Err(e) = send(p, &Command::Drop { local: old }).await
+    {
+        tracing::warn!(target: "pyberth::egress", session, error = %e, "cannot take a session's policy out of the proxy");
+    }
+    drop(slot);
+    if let Some(t) = totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&old) {
+        t.log.flush(principal, session);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The address a session was bound at is forgotten, with its totals; a second unbind (the
+    /// close of a session unbound at its hibernation) finds nothing to do.
+    #[tokio::test]
+    async fn unbinding_forgets_the_address_and_its_totals() {
+        let ip: IpAddr = [10, 1, 2, 3].into();
+        let proxy = tokio::sync::Mutex::new(None);
+        let net = SessionNet {
+            network: "n".into(),
+            local: ip,
+            rules: Vec::new(),
+            headers: Headers::default(),
+            shared: Arc::default(),
+        };
+        let key = ("p".to_owned(), "s".to_owned());
+        let sessions = Mutex::new(HashMap::from([(key.clone(), net)]));
+        let totals = Mutex::new(HashMap::from([(ip, Totals::default())]));
+        for _ in 0..2 {
+            unbind(&proxy, &sessions, &totals, "p", "s").await;
+            let local = sessions.lock().map(|s| s[&key].local).ok();
+            assert_eq!(local, Some(IpAddr::from([0, 0, 0, 0])), "no address keyed any more");
+            assert!(totals.lock().map(|t| t.is_empty()).unwrap_or(false), "its totals flushed");
+        }
+        unbind(&proxy, &sessions, &totals, "p", "other").await;
+        assert_eq!(sessions.lock().map(|s| s.len()).ok(), Some(1), "another session: nothing");
     }
 }

@@ -356,7 +356,10 @@ impl Manager {
         let mut slot = self.proxy.lock().await;
         let id = match slot.as_mut() {
             Some(p) => {
-                let _ = self.send(p, &Command::Drop { local: net.local }).await;
+                // Unspecified: never bound, or unbound already (`unbind`).
+                if !net.local.is_unspecified() {
+                    let _ = self.send(p, &Command::Drop { local: net.local }).await;
+                }
                 Some(p.id.clone())
             }
             None => None,

@@ -330,7 +330,7 @@ impl Prepared {
         match greet(docker, &created, label).await {
             Ok((agent, python)) => Ok(Self { inner: Inner::new(created, agent), python }),
             Err(e) => {
-                container::destroy(docker, &created).await;
+                blueprint.remove(docker, &created).await;
                 Err(e)
             }
         }
@@ -534,7 +534,8 @@ impl Session {
             tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
         inner.reattach_pid = None;
-        container::destroy(&self.docker, &inner.container).await;
+        // Its egress policy goes too: on Kubernetes, once found gone at the latest.
+        self.blueprint.remove(&self.docker, &inner.container).await;
         inner.lease = None;
         inner.container =
             make_container(&self.docker, &self.blueprint, &self.image, &self.owner, &self.name, &self.principal)
@@ -781,7 +782,7 @@ impl Session {
         let created = self.container.lock().map(|c| c.clone()).ok();
         self.write_through();
         if let Some(c) = created {
-            container::destroy(&self.docker, &c).await;
+            self.blueprint.remove(&self.docker, &c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
         }
         if let Some(stored) = self.asleep_store() {

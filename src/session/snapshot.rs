@@ -21,7 +21,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::{Error, Inner, Prepared, Session, agent};
-use crate::docker::container;
 use crate::docker::snapshot::{self as store, Bounds, Summary};
 use crate::protocol::{Event, Lost, Request};
 
@@ -519,7 +518,8 @@ impl Session {
             lost = saved.lost.len(),
             "session hibernated"
         );
-        container::destroy(&self.docker, &inner.container).await;
+        // Its pod's address is free from now until the wake: its egress policy goes first.
+        self.blueprint.remove(&self.docker, &inner.container).await;
         inner.agent = None;
         inner.lease = None;
         if let Ok(mut asleep) = self.asleep.lock() {

@@ -61,6 +61,22 @@ pub(crate) struct Options {
     /// The executable the proxy pod's image carries at `pod::PROXY_EXE` (bind-mounted: the
     /// simulator's stand-in for the server's image).
     pub(crate) proxy_exe: Option<std::path::PathBuf>,
+    /// Run as a pod is deleted, once its container is gone and before the answer (the
+    /// deleting client still waits): what happens at once on a cluster after a deletion.
+    pub(crate) on_delete: Option<OnDelete>,
+}
+
+/// A hook given the deleted pod's name and address (blocking code: it runs on its own thread).
+#[derive(Clone)]
+pub(crate) struct OnDelete(pub(crate) Arc<DeleteHook>);
+
+/// Given the pod's name and its address, if it had one.
+pub(crate) type DeleteHook = dyn Fn(&str, Option<&str>) + Send + Sync;
+
+impl std::fmt::Debug for OnDelete {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnDelete")
+    }
 }
 
 impl Default for Options {
@@ -81,6 +97,7 @@ impl Default for Options {
             weaken: false,
             egress_network: None,
             proxy_exe: None,
+            on_delete: None,
         }
     }
 }
@@ -426,6 +443,11 @@ pub(crate) async fn delete(state: Arc<State>, name: &str) -> Response<Body> {
     };
     if let Some(id) = &stored.container {
         docker_pod::remove(&state.docker, id).await;
+    }
+    if let Some(hook) = state.opts.on_delete.clone() {
+        let ip = stored.pod.status.as_ref().and_then(|s| s.pod_ip.clone());
+        let name = name.to_owned();
+        let _ = tokio::task::spawn_blocking(move || (hook.0)(&name, ip.as_deref())).await;
     }
     let pod = state.record("DELETED", stored.pod);
     full(StatusCode::OK, serde_json::to_value(&pod).unwrap_or_default())

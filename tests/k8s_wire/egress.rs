@@ -3,11 +3,12 @@
 //! models the NetworkPolicies with an `internal` Docker network of this test's: labelled
 //! sandbox pods and the proxy pod on it, every other pod on none (the CNI's job on a cluster).
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::apiserver::{Options, Sim};
+use super::apiserver::{OnDelete, Options, Sim};
 use super::docker;
 use super::serve::{Served, node_containers, pods, text};
 
@@ -18,7 +19,7 @@ const UPSTREAM: &str = r#"
 import http.server
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = ("upstream ok " + self.path + "\n").encode()
+        body = ("upstream ok " + self.path + " key=" + str(self.headers.get("X-Api-Key")) + "\n").encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -34,8 +35,12 @@ fn docker_cli(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// The operator's secret header for `upstream.test`, which the upstream echoes.
+const KEY: &str = "k8s-egress-test-0123456789";
+
 /// An HTTP upstream on the default bridge (where the proxy pod's way out is), answering every
-/// GET with its path, and the test's internal network; both removed when dropped.
+/// GET with its path and the `X-Api-Key` it got, and the test's internal network; both removed
+/// when dropped.
 struct World {
     network: String,
     upstream: String,
@@ -124,7 +129,7 @@ async fn egress_sessions_reach_their_list_told_apart_by_their_pods_addresses() {
     let tables = format!(
         "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n\"other.test\" = \"{ip}\"\n\"denied.test\" = \"{ip}\"\n\
          [environments.net]\negress = [\"upstream.test:8000\", \"other.test:8000\"]\n[environments.plain]\n\
-         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"k8s-egress-test-0123456789\"\n"
+         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n"
     );
     let s = Served::start_tables(&sim, &dir, "egress", &extra, &tables).await;
 
@@ -177,4 +182,106 @@ fn proxy_ip(sim: &Sim) -> Option<String> {
         let proxy = labels.get(pyberth::k8s::pod::LABEL_APP).map(String::as_str) == Some(pyberth::k8s::pod::PROXY_APP);
         proxy.then(|| p.pod.status.as_ref().and_then(|s| s.pod_ip.clone())).flatten()
     })
+}
+
+/// Another egress-labelled pod of the namespace (a session of another server, say), as the
+/// test's container on the egress network: the address Docker gave it, then what the proxy at
+/// `proxy` serves it for `upstream.test`.
+fn intruder(network: &str, proxy: &str) -> (String, String) {
+    let via = format!("{{'http': 'http://{proxy}:3128'}}");
+    let code = format!(
+        "import socket\nprint(socket.gethostbyname(socket.gethostname()))\n{}",
+        through(&via, "http://upstream.test:8000/stolen")
+    );
+    let image = pyberth::docker::image::sandbox_tag();
+    let run = ["run", "--rm", "--network", network, "--label", LABEL_TEST, "--cap-drop", "ALL", "--user", "65534"];
+    let out = docker_cli(&[&run[..], &[image.as_str(), "python3", "-c", &code][..]].concat());
+    let (ip, served) = out.split_once('\n').unwrap_or((&out, ""));
+    (ip.trim().to_owned(), served.trim().to_owned())
+}
+
+/// The address of the one session pod.
+fn session_ip(sim: &Sim) -> Option<String> {
+    let proxy = proxy_ip(sim);
+    let pods = sim.state.pods.lock().expect("pods");
+    pods.values()
+        .find_map(|p| p.pod.status.as_ref().and_then(|s| s.pod_ip.clone()).filter(|ip| Some(ip) != proxy.as_ref()))
+}
+
+/// Attack view: a session's policy (its list and the operator's secret header) is keyed by its
+/// pod's address only while that pod has it. The next pod the cluster gives that address (here
+/// the test's own container on the egress network: Docker hands out the lowest free address,
+/// so it gets the one just freed) is not served with it: not while the session sleeps
+/// (hibernated, its pod deleted until its next call), nor as its pod is deleted at its close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_policy_never_outlives_its_pods_address() {
+    let world = World::start("u").await;
+    let network = world.network.clone();
+    // Armed with the proxy's address: every pod deletion from then on lets the intruder in at
+    // once, while the server still waits for the deletion's answer.
+    let armed: Arc<Mutex<Option<String>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<(String, String, String)>>> = Arc::default();
+    let hook = {
+        let (armed, seen) = (armed.clone(), seen.clone());
+        OnDelete(Arc::new(move |_: &str, ip: Option<&str>| {
+            let proxy = armed.lock().expect("armed").clone();
+            if let (Some(proxy), Some(ip)) = (proxy, ip) {
+                let (got, served) = intruder(&network, &proxy);
+                seen.lock().expect("seen").push((ip.to_owned(), got, served));
+            }
+        }))
+    };
+    let opts = Options {
+        egress_network: Some(world.network.clone()),
+        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
+        on_delete: Some(hook),
+        ..Default::default()
+    };
+    let sim = Sim::start(opts, docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-unbind-{}", std::process::id()));
+    let ip = &world.ip;
+    let extra = format!(
+        "pool_size = 0\nhibernate_after_s = 3\nk8s_egress_image = {:?}\n",
+        pyberth::docker::image::sandbox_tag()
+    );
+    let tables = format!(
+        "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n[environments.net]\negress = [\"upstream.test:8000\"]\n\
+         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n"
+    );
+    let s = Served::start_tables(&sim, &dir, "unbind", &extra, &tables).await;
+    let a = out(&s, "a", "net", &fetch("http://upstream.test:8000/a")).await;
+    // (The header comes back masked in the session's output.)
+    assert!(ok(&a) && !a.contains("key=None"), "the session reaches the upstream, its header added: {a}\n{}", s.log());
+    let before = session_ip(&sim).expect("the session's pod has an address");
+    let proxy = proxy_ip(&sim).expect("the proxy pod has an address");
+
+    // Hibernated: its pod is gone; the intruder gets its address and nothing from the proxy.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let held =
+        || docker_cli(&["network", "inspect", "-f", "{{range .Containers}}{{.IPv4Address}} {{end}}", &world.network]);
+    while !s.whole_log().contains("session hibernated session=a") || held().contains(&format!("{before}/")) {
+        assert!(Instant::now() < deadline, "not hibernated: {:?}\n{}", pods(&sim), s.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (got, served) = intruder(&world.network, &proxy);
+    assert_eq!(got, before, "the intruder got another address than the sleeping session's: nothing shown");
+    assert!(!served.contains("upstream ok"), "served with the sleeping session's policy: {served}");
+
+    // Woken: its list is in force again for its new pod. Then the pod's deletion (its close,
+    // or a hibernation first on a slow machine) lets the intruder in before the server goes on.
+    *armed.lock().expect("armed") = Some(proxy.clone());
+    let a = out(&s, "a", "net", &fetch("http://upstream.test:8000/again")).await;
+    assert!(ok(&a) && !a.contains("key=None"), "woken, it reaches the upstream again: {a}\n{}", s.log());
+    s.ok("close_session", json!({ "session": "a" })).await;
+    *armed.lock().expect("armed") = None;
+    let seen = seen.lock().expect("seen").clone();
+    assert!(!seen.is_empty(), "no pod was deleted: {:?}", pods(&sim));
+    for (was, got, served) in seen {
+        assert_eq!(got, was, "the intruder got another address than the deleted pod's");
+        assert!(!served.contains("upstream ok"), "served with the deleted pod's policy: {served}");
+    }
+    s.stop().await;
+    assert_eq!(pods(&sim).len(), 0, "pods left: {:?}", pods(&sim));
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
 }

@@ -127,6 +127,12 @@ impl Registry {
             self.jobs.shutdown().await;
         }
         if leave {
+            // Their pods outlive this server, whose proxy goes with it; a next server does not
+            // take their egress over on Kubernetes. Out of the proxy now all the same.
+            let keys: Vec<Key> = self.slots().keys().cloned().collect();
+            for (principal, name) in &keys {
+                self.egress.unbind(principal, name).await;
+            }
             // Snapshots and sessions are recorded already, as they changed.
             let left = self.slots().drain().filter(|(_, slot)| slot.initialized()).count();
             self.instance.keep_lock_files();
