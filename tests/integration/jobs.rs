@@ -229,7 +229,8 @@ async fn out_of_memory_is_reported_and_the_interpreter_restarts() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_caller_has_a_bounded_number_of_runs_going() {
     let s = Server::start("runlimit", &[("PYBERTH_MAX_RUNS_PER_CALLER", "2")]).await;
-    let sleep = "import time\ntime.sleep(3)";
+    // Long enough to outlast making the other sessions on a loaded machine; cancelled below.
+    let sleep = "import time\ntime.sleep(60)";
     for session in ["a", "b"] {
         let (_, sc) = s.run_with(json!({ "code": sleep, "session": session, "background": true })).await;
         assert_eq!(sc["status"], "running");
