@@ -68,13 +68,7 @@ impl Binder {
             send(proxy, &Command::Drop { local: old }).await?;
             self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&old);
         }
-        let set = Command::Set {
-            local: ip,
-            session: self.session.clone(),
-            principal: self.principal.clone(),
-            allow,
-            headers,
-        };
+        let set = Command::set(ip, &self.principal, &self.session, allow, headers);
         send(proxy, &set).await?;
         drop(slot);
         if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {

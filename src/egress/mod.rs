@@ -239,13 +239,7 @@ impl Manager {
         let key_ip = if self.by_peer { IpAddr::from([0, 0, 0, 0]) } else { local };
         if !self.by_peer {
             let allow = rules.iter().map(|r| r.text().to_owned()).collect();
-            let set = Command::Set {
-                local,
-                session: session.to_owned(),
-                principal: principal.to_owned(),
-                allow,
-                headers: headers.clone(),
-            };
+            let set = Command::set(local, principal, session, allow, headers.clone());
             if let Err(e) = self.send(proxy, &set).await {
                 self.remove_network(&network, Some(&proxy.id)).await;
                 return Err(e);
@@ -398,13 +392,7 @@ impl Manager {
         let mut slot = self.proxy.lock().await;
         self.revive(&mut slot).await;
         let proxy = slot.as_mut().ok_or("the egress proxy is not running")?;
-        let set = Command::Set {
-            local,
-            session: session.to_owned(),
-            principal: principal.to_owned(),
-            allow: allow.clone(),
-            headers,
-        };
+        let set = Command::set(local, principal, session, allow.clone(), headers);
         // Not bound yet (keyed by peer): the list below is what its binding puts in.
         if !local.is_unspecified() {
             self.send(proxy, &set).await?;

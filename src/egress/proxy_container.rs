@@ -288,13 +288,7 @@ impl Manager {
         };
         let set = match joined {
             Ok(local) => {
-                let set = Command::Set {
-                    local,
-                    session: session.to_owned(),
-                    principal: principal.to_owned(),
-                    allow,
-                    headers: headers.clone(),
-                };
+                let set = Command::set(local, principal, session, allow, headers.clone());
                 self.send(proxy, &set).await.map(|()| local)
             }
             Err(e) => Err(e),

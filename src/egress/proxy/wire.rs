@@ -69,6 +69,19 @@ pub enum Command {
 #[derive(Clone, Serialize, Deserialize)]
 pub struct SecretPem(pub String);
 
+impl Command {
+    /// The policy of session `session` of `principal`, keyed by `local`.
+    pub fn set(
+        local: IpAddr,
+        principal: &str,
+        session: &str,
+        allow: Vec<String>,
+        headers: HashMap<String, Vec<(String, String)>>,
+    ) -> Self {
+        Self::Set { local, session: session.to_owned(), principal: principal.to_owned(), allow, headers }
+    }
+}
+
 impl std::fmt::Debug for SecretPem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("SecretPem(..)")
