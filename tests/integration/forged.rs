@@ -26,7 +26,7 @@ use crate::common::{Server, docker, state_dir, text};
 /// busy, writing the time into `canary` every 0.1 s. `prelude` runs first.
 fn forge_and_spin(prelude: &str) -> String {
     format!(
-        r#"import time
+        r#"import os, time
 {prelude}
 agent = display.__self__
 agent.channel.send({{"ev": "done", "id": agent.current, "status": "ok", "result": "'forged'", "wall_ms": 1.0, "cpu_ms": 1.0}})
@@ -34,8 +34,10 @@ last = 0
 while True:
     now = time.time()
     if now - last > 0.1:
-        with open('canary', 'w') as f:
+        # Written whole, then renamed: a kill between the open and the write leaves no empty file.
+        with open('canary.new', 'w') as f:
             f.write(repr(now))
+        os.replace('canary.new', 'canary')
         last = now
 "#
     )
