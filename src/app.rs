@@ -104,6 +104,7 @@ async fn kubernetes(cfg: &SandboxConfig) -> Result<crate::k8s::engine::KubeEngin
         .await
         .map_err(|e| Error::Engine(e.to_string()))?
         .with_egress_image(cfg.k8s_egress_image.clone())
+        .with_layer_claim(cfg.k8s_layer_claim.clone())
         .with_snapshots(shelf.clone())
         .map_err(|e| Error::Settings(format!("cannot use {} for snapshots: {e}", shelf.display())))?;
     Ok(match cfg.k8s_mode {

@@ -164,6 +164,11 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_K8S_SNAPSHOT_DIR")]
     pub k8s_snapshot_dir: Option<PathBuf>,
 
+    /// Kubernetes: the ReadWriteMany PersistentVolumeClaim of the namespace that holds the
+    /// layer store (deploy/kubernetes/25-layers.yaml). Unset: package installs are refused.
+    #[arg(long, env = "PYBERTH_K8S_LAYER_CLAIM")]
+    pub k8s_layer_claim: Option<String>,
+
     /// Kubernetes: `runtimeClassName` of session pods (e.g. `gvisor`). Default: the cluster's.
     #[arg(long, env = "PYBERTH_K8S_RUNTIME_CLASS")]
     pub k8s_runtime_class: Option<String>,

@@ -16,9 +16,28 @@ pub struct InstallerNet {
     /// The hosts it may reach.
     pub allow: Vec<String>,
     pub(super) key: String,
+    /// Keyed by its own address (Kubernetes): its policy goes in once its pod has one.
+    pub(super) binder: Option<Arc<Binder>>,
 }
 
 impl InstallerNet {
+    /// Once the installer's container (a pod) has its address and before its command runs:
+    /// the installer's policy in force for that address. Nothing to do on Docker.
+    pub async fn bind(&self, docker: &dyn crate::docker::Engine, id: &str) -> Result<(), String> {
+        match &self.binder {
+            Some(b) => b.bind(docker, id).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Before the installer's pod goes: its policy out of the proxy, as a session's
+    /// (`Manager::unbind`: the cluster may give the address to the next pod).
+    pub async fn unbind(&self) {
+        if let Some(b) = &self.binder {
+            b.unbind().await;
+        }
+    }
+
     /// Puts an installer container on its network: call on the body before creating it.
     pub fn apply(&self, body: &mut ContainerCreateBody) {
         body.network_disabled = Some(false);
@@ -55,6 +74,7 @@ impl Manager {
             dns: vec![att.proxy_ip.to_string()],
             allow,
             key,
+            binder: att.binder.clone(),
         })
     }
 

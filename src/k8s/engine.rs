@@ -22,6 +22,7 @@
 mod beats;
 mod claimed;
 mod egress;
+mod helpers;
 mod oom;
 mod seam;
 mod shelf;
@@ -105,6 +106,10 @@ struct Records {
     proxies: HashMap<String, Vec<String>>,
     /// Session networks (records), with their labels.
     networks: BTreeMap<String, HashMap<String, String>>,
+    /// Helper containers (installer, marker check, the store's writer and reader): pods.
+    helper_pods: HashMap<String, helpers::HelperRec>,
+    /// The layer store's volume, when it is the claim (`helpers.rs`).
+    store: Option<String>,
     serial: u64,
 }
 
@@ -120,6 +125,8 @@ pub struct KubeEngine {
     shelf: Option<shelf::Shelf>,
     /// The egress proxy pod's image (`k8s_egress_image`); `None`: the session's image.
     egress_image: Option<String>,
+    /// Set once the layer claim's `sets/` is made (`helpers.rs`).
+    store_ready: Arc<tokio::sync::OnceCell<()>>,
 }
 
 /// A Docker-style error (the owners read its status codes).
@@ -174,12 +181,19 @@ impl KubeEngine {
             claimed: None,
             shelf: None,
             egress_image: None,
+            store_ready: Arc::default(),
         })
     }
 
     /// The egress proxy pod runs `image`, which carries the executable (`pod::PROXY_EXE`).
     pub fn with_egress_image(mut self, image: String) -> Self {
         self.egress_image = Some(image);
+        self
+    }
+
+    /// Keeps the layer store on the PersistentVolumeClaim `claim` (`helpers.rs`).
+    pub fn with_layer_claim(mut self, claim: Option<String>) -> Self {
+        self.settings.layer_claim = claim;
         self
     }
 
@@ -209,6 +223,9 @@ impl KubeEngine {
 
     /// The pod of container `name`: named after it (Pods), or its claim's (agent-sandbox).
     pub async fn pod_of(&self, name: &str) -> Result<String, EngineError> {
+        if self.is_helper(name) {
+            return Ok(translate::pod_name(name));
+        }
         match &self.claimed {
             Some(c) => c.pod_of(name).await,
             None => Ok(translate::pod_name(name)),
@@ -259,12 +276,13 @@ impl KubeEngine {
             None => {}
         }
         if !labels.contains_key(LABEL_SESSION) {
-            return Err(unsupported(&format!(
-                "a helper container ({name}: package installs, snapshots, the layer store's copies)"
-            )));
+            return self.create_helper(&name, &body).await.map(|()| name);
         }
         let pod = translate::session_pod(&name, &body, self.workspace_mb(&body), &self.settings)
             .map_err(|e| said(e.to_string()))?;
+        if let (true, Some(image)) = (crate::k8s::pod::uses_store(&pod), body.image.as_deref()) {
+            self.store_set_up(image).await?;
+        }
         match &self.claimed {
             Some(c) => c.create(&name, &labels, &pod).await?,
             None => drop(self.cluster.create_pod(&pod).await.map_err(from_cluster)?),
@@ -334,7 +352,14 @@ impl KubeEngine {
             if r.helpers.remove(name).is_some() {
                 return Ok(());
             }
-            r.virtuals.remove(name).inspect(|v| v.gone.cancel()).is_some()
+            if r.helper_pods.contains_key(name) {
+                None
+            } else {
+                Some(r.virtuals.remove(name).inspect(|v| v.gone.cancel()).is_some())
+            }
+        };
+        let Some(ours) = ours else {
+            return self.remove_helper(name).await.map(|_| ());
         };
         // Our heartbeat's Lease goes now, not only when its renewing task gets to it: a
         // server's stop may end the process first.
@@ -342,6 +367,9 @@ impl KubeEngine {
             return Ok(());
         }
         if let Some(c) = &self.claimed {
+            if self.remove_stray_helper(name).await? {
+                return Ok(());
+            }
             return c.remove(name).await;
         }
         let pod = translate::pod_name(name);

@@ -96,6 +96,15 @@ pub(crate) fn check_sandbox_pod(at: &str, spec: &PodSpec) {
         }
     }
     for v in spec.volumes.iter().flatten() {
+        // The layer store: read-only, in the source and in every mount, and only its `sets/`.
+        if let Some(claim) = &v.persistent_volume_claim {
+            assert_eq!(claim.read_only, Some(true), "{at}: {} is read-only", v.name);
+            let mounts = spec.containers.iter().flat_map(|c| c.volume_mounts.iter().flatten());
+            for m in mounts.filter(|m| m.name == v.name) {
+                assert_eq!((m.read_only, m.sub_path.as_deref()), (Some(true), Some("sets")), "{at}: {}", v.name);
+            }
+            continue;
+        }
         let d = v.empty_dir.as_ref().unwrap_or_else(|| panic!("{at}: volume {} is an emptyDir", v.name));
         assert_eq!(d.medium.as_deref(), Some("Memory"), "{at}: {}", v.name);
         assert!(d.size_limit.is_some(), "{at}: {} has a size limit", v.name);
@@ -299,4 +308,18 @@ fn snapshots_go_to_a_volume_claim_of_the_server() {
     let pvc =
         docs.iter().find(|(_, d)| d["kind"] == "PersistentVolumeClaim" && d["metadata"]["name"] == claim.as_str());
     assert!(pvc.is_some(), "the claim {claim} is in deploy/kubernetes/");
+}
+
+/// The layer store the served configuration names (`render::served`) is a claim of the
+/// manifests that every node can mount: ReadWriteMany.
+#[test]
+fn the_layer_store_is_a_claim_every_node_mounts() {
+    let docs = docs();
+    let pvc = docs.iter().find(|(_, d)| {
+        d["kind"] == "PersistentVolumeClaim" && d["metadata"]["name"] == crate::k8s::render::LAYER_CLAIM
+    });
+    let (at, d) = pvc.expect("the layer store's claim is in deploy/kubernetes/");
+    let pvc: PersistentVolumeClaim = typed(at, d);
+    let modes = pvc.spec.and_then(|s| s.access_modes).unwrap_or_default();
+    assert_eq!(modes, ["ReadWriteMany"], "{at}");
 }

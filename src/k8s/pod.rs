@@ -9,8 +9,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, EnvVar, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
-    SeccompProfile, SecurityContext, Volume, VolumeMount,
+    Capabilities, Container, EmptyDirVolumeSource, EnvVar, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext,
+    PodSpec, ResourceRequirements, SeccompProfile, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -45,7 +45,23 @@ pub struct PodSettings {
     pub seccomp: Seccomp,
     /// Bound on the pod's disk (image layers' writable part, logs): `ephemeral-storage`, MiB.
     pub ephemeral_mb: u64,
+    /// The layer store's PersistentVolumeClaim (`k8s_layer_claim`); `None`: no store, and
+    /// package installs are refused.
+    pub layer_claim: Option<String>,
 }
+
+/// The uid (and gid) of the layer store's writer and reader pods, owner of its `sets/`
+/// directory: below every `--uid-range` (which starts at 65536 or above), so no session's code
+/// runs as it, and not root (Pod Security `restricted` admits no root pod).
+pub const STORE_UID: u32 = 65533;
+/// The directory of the store's claim that holds the sets, mode 0711 and the store uid's:
+/// sessions mount only it (`subPath`), so none can list the sets.
+pub const STORE_SETS: &str = "sets";
+/// Label on helper pods (installer, marker check, the store's writer and reader): plain pods in
+/// agent-sandbox mode too, where sweeps find them by it.
+pub const LABEL_HELPER: &str = "pyberth.io/helper";
+/// The pod volume name of the layer store.
+const STORE_VOLUME: &str = "layers";
 
 /// Why a spec has no pod.
 #[derive(Debug, thiserror::Error)]
@@ -210,6 +226,118 @@ fn one_container(
         }),
         status: None,
     }
+}
+
+/// The layer store's claim as a pod volume, read-only in the volume source where `read_only`:
+/// the kubelet then applies no fsGroup to it, so a session's start never re-groups the store.
+pub fn store_volume(claim: &str, read_only: bool) -> Volume {
+    let source = PersistentVolumeClaimVolumeSource { claim_name: claim.to_owned(), read_only: Some(read_only) };
+    Volume { name: STORE_VOLUME.into(), persistent_volume_claim: Some(source), ..Default::default() }
+}
+
+/// The store's `sets/` read-only at `path` in a session pod (a sandbox pod mounts nothing else
+/// of the claim, so it cannot list the sets: `sets/` is 0711).
+pub fn with_store(pod: &mut Pod, claim: &str, path: &str) {
+    let Some(spec) = pod.spec.as_mut() else { return };
+    spec.volumes.get_or_insert_with(Vec::new).push(store_volume(claim, true));
+    let m = VolumeMount { sub_path: Some(STORE_SETS.into()), read_only: Some(true), ..mount(STORE_VOLUME, path) };
+    for c in &mut spec.containers {
+        c.volume_mounts.get_or_insert_with(Vec::new).push(m.clone());
+    }
+}
+
+/// Whether `pod` mounts the layer store's claim.
+pub fn uses_store(pod: &Pod) -> bool {
+    pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()).any(|v| v.name == STORE_VOLUME)
+}
+
+/// How a helper pod mounts the layer store's claim.
+#[derive(Debug, Clone)]
+pub struct StoreMount {
+    /// Where.
+    pub path: String,
+    /// `Some("sets")` (writers and readers) or `None`, the claim's root (its one-time set-up).
+    pub sub_path: Option<String>,
+    /// Read-write (the claim's source too, so fsGroup applies and the store uid may write).
+    pub writable: bool,
+}
+
+/// A short-lived helper pod of ours: the package installer, the marker check, the layer
+/// store's writer and reader. It carries the sandbox pod's hardening; its PID 1 idles and its
+/// command is an exec (`engine/helpers.rs`), so it still runs when its files are read out.
+#[derive(Debug, Clone, Default)]
+pub struct Helper {
+    pub name: String,
+    pub image: String,
+    pub uid: u32,
+    /// `KEY=value` strings.
+    pub env: Vec<String>,
+    pub working_dir: Option<String>,
+    pub memory_mb: u64,
+    /// `None`: no CPU limit (a wheels-only install uses every core, as on Docker).
+    pub cpus: Option<f64>,
+    pub tmp_mb: u64,
+    /// Its own volumes: disk emptyDirs of a size, MiB, at a path.
+    pub scratch: Vec<(String, u64)>,
+    pub store: Option<StoreMount>,
+    /// May reach the egress proxy (the installer).
+    pub egress: bool,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The pod of helper `h`: labelled a sandbox (the default-deny policy holds it), with the
+/// egress label only for the installer; the store only with a layer claim (the engine refuses
+/// a helper that mounts the store without one).
+pub fn helper_pod(settings: &PodSettings, h: &Helper) -> Pod {
+    let (mut labels, annotations) = super::labels::split(&h.labels);
+    labels.insert(LABEL_SANDBOX.into(), "true".into());
+    labels.insert(LABEL_EGRESS.into(), if h.egress { "proxy" } else { "none" }.into());
+    labels.insert(LABEL_HELPER.into(), "true".into());
+    let scratch_mb: u64 = h.scratch.iter().map(|(_, mb)| mb).sum();
+    let mut limits = BTreeMap::from([
+        ("memory".to_owned(), mib(h.memory_mb)),
+        ("ephemeral-storage".to_owned(), mib(settings.ephemeral_mb.max(1) + scratch_mb)),
+    ]);
+    if let Some(cpus) = h.cpus {
+        limits.insert("cpu".to_owned(), cpu(cpus));
+    }
+    let (mut pod_security, container_security) = security(h.uid, &settings.seccomp);
+    pod_security.fs_group_change_policy = Some("OnRootMismatch".into());
+    let env = h.env.iter().filter_map(|kv| kv.split_once('='));
+    let env = env.map(|(k, v)| EnvVar { name: k.to_owned(), value: Some(v.to_owned()), value_from: None });
+    let mut mounts = vec![mount("tmp", "/tmp")];
+    let mut volumes = vec![memory_dir("tmp", h.tmp_mb)];
+    for (i, (path, mb)) in h.scratch.iter().enumerate() {
+        let name = format!("scratch-{i}");
+        mounts.push(mount(&name, path));
+        let dir = EmptyDirVolumeSource { medium: None, size_limit: Some(mib(*mb)) };
+        volumes.push(Volume { name, empty_dir: Some(dir), ..Default::default() });
+    }
+    if let (Some(s), Some(claim)) = (&h.store, &settings.layer_claim) {
+        volumes.push(store_volume(claim, !s.writable));
+        mounts.push(VolumeMount {
+            sub_path: s.sub_path.clone(),
+            read_only: Some(!s.writable),
+            ..mount(STORE_VOLUME, &s.path)
+        });
+    }
+    let container = Container {
+        name: CONTAINER.into(),
+        image: Some(h.image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["sleep".into(), "infinity".into()]),
+        working_dir: h.working_dir.clone(),
+        env: Some(env.collect()),
+        resources: Some(ResourceRequirements { limits: Some(limits.clone()), requests: Some(limits), claims: None }),
+        security_context: Some(container_security),
+        volume_mounts: Some(mounts),
+        ..Default::default()
+    };
+    let mut pod = one_container(&h.name, labels, annotations, container, pod_security, volumes);
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.runtime_class_name.clone_from(&settings.runtime_class);
+    }
+    pod
 }
 
 /// Label (the NetworkPolicy `sandbox-egress-to-proxy` selects on it) and value of the egress

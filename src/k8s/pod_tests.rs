@@ -242,3 +242,59 @@ fn the_proxy_pod_is_hardened_and_reachable_by_label() {
     assert_eq!(c.security_context.as_ref().and_then(|s| s.run_as_user), Some(65534));
     assert_eq!(c.command.as_deref(), Some(&["sleep".to_owned(), "infinity".to_owned()][..]), "the proxy is an exec");
 }
+
+/// Helper pods (installer, store writer) carry a sandbox pod's hardening; the installer may
+/// reach the proxy and has its scratch room; the writer runs as the store's uid with the
+/// claim's `sets/` writable; without a claim, no store volume at all.
+#[test]
+fn helper_pods_are_hardened_and_only_the_writer_writes_the_store() {
+    let claimed = PodSettings { layer_claim: Some("pyberth-layers".into()), ephemeral_mb: 256, ..Default::default() };
+    let installer = Helper {
+        name: "pyberth-i1-install-1".into(),
+        image: "pyberth-sandbox:x".into(),
+        uid: 1_879_048_300,
+        env: vec!["PB_UV=uv".into(), "not a variable".into()],
+        memory_mb: 2048,
+        cpus: None,
+        tmp_mb: 1024,
+        scratch: vec![("/workspace".into(), 4096)],
+        egress: true,
+        ..Default::default()
+    };
+    let p = helper_pod(&claimed, &installer);
+    let spec = p.spec.clone().expect("spec");
+    assert_eq!(hardened(&spec), Ok(()));
+    let labels = p.metadata.labels.clone().unwrap_or_default();
+    assert_eq!((labels[LABEL_SANDBOX].as_str(), labels[LABEL_EGRESS].as_str()), ("true", "proxy"));
+    assert!(!uses_store(&p), "the installer never mounts the store");
+    let c = &spec.containers[0];
+    let limits = c.resources.as_ref().and_then(|r| r.limits.clone()).unwrap_or_default();
+    assert_eq!(limits.get("ephemeral-storage").map(|q| q.0.as_str()), Some("4352Mi"), "its scratch room counted");
+    assert!(!limits.contains_key("cpu"), "wheels only: every core");
+    assert_eq!(c.env.as_ref().map(Vec::len), Some(1), "only KEY=value strings");
+    assert_eq!(c.command.as_deref(), Some(&["sleep".to_owned(), "infinity".to_owned()][..]), "its command is an exec");
+
+    let writer = Helper {
+        uid: STORE_UID,
+        store: Some(StoreMount { path: "/store".into(), sub_path: Some(STORE_SETS.into()), writable: true }),
+        ..installer.clone()
+    };
+    let p = helper_pod(&claimed, &writer);
+    let spec = p.spec.clone().expect("spec");
+    assert_eq!(hardened(&spec), Ok(()));
+    let v = spec.volumes.iter().flatten().find_map(|v| v.persistent_volume_claim.clone()).expect("the claim");
+    assert_eq!((v.claim_name.as_str(), v.read_only), ("pyberth-layers", Some(false)));
+    let m = spec.containers[0].volume_mounts.iter().flatten().find(|m| m.mount_path == "/store").expect("mounted");
+    assert_eq!((m.sub_path.as_deref(), m.read_only), (Some("sets"), Some(false)));
+    assert_eq!(spec.security_context.as_ref().and_then(|s| s.fs_group), Some(i64::from(STORE_UID)));
+    assert!(!uses_store(&helper_pod(&PodSettings::default(), &writer)), "no claim, no store");
+
+    // A session pod mounts `sets/` read-only, in the source too (no fsGroup change of the store).
+    let mut session = pod(&self::spec(), &claimed, "img", "s", 1_879_048_301, &BTreeMap::new()).expect("pod");
+    with_store(&mut session, "pyberth-layers", "/opt/pyberth/layers");
+    let s = session.spec.expect("spec");
+    let v = s.volumes.iter().flatten().find_map(|v| v.persistent_volume_claim.clone()).expect("the claim");
+    assert_eq!(v.read_only, Some(true));
+    let m = s.containers[0].volume_mounts.iter().flatten().find(|m| m.name == "layers").expect("mounted");
+    assert_eq!((m.sub_path.as_deref(), m.read_only), (Some("sets"), Some(true)));
+}

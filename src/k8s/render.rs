@@ -25,6 +25,8 @@ use crate::environment::{Environment, Environments};
 pub const STATE_DIR: &str = "/var/lib/pyberth/state";
 /// The ConfigMap the Deployment mounts at `/etc/pyberth` (`20-pyberth.yaml`).
 pub const CONFIG_MAP: &str = "pyberth";
+/// The layer store's claim (`20-pyberth.yaml`), when the configuration names none.
+pub const LAYER_CLAIM: &str = "pyberth-layers";
 /// Its key: the file `serve --config /etc/pyberth/pyberth.toml` reads.
 pub const CONFIG_KEY: &str = "pyberth.toml";
 /// The checked-in example template, replaced by the generated ones.
@@ -118,6 +120,7 @@ pub fn served(cfg: &SandboxConfig) -> SandboxConfig {
     if c.state_dir.is_none() {
         c.state_dir = Some(STATE_DIR.into());
     }
+    c.k8s_layer_claim.get_or_insert_with(|| LAYER_CLAIM.into());
     c
 }
 
@@ -201,8 +204,12 @@ pub fn environment_pod(env: &Environment, cfg: &SandboxConfig) -> Result<Pod, St
     let blueprint = crate::sandbox::Blueprint::new(env.cfg.clone(), &Default::default(), &env.mounts, None);
     let image = env.cfg.image.clone().unwrap_or_else(|| crate::docker::image::tag_for(&*env.cfg));
     let settings = super::engine::pod_settings(cfg.k8s_runtime_class.clone());
-    pod::pod(&blueprint.spec, &settings, &image, "template", cfg.uid_range.first, &BTreeMap::new())
-        .map_err(|e| e.to_string())
+    let mut made = pod::pod(&blueprint.spec, &settings, &image, "template", cfg.uid_range.first, &BTreeMap::new())
+        .map_err(|e| e.to_string())?;
+    if let Some(claim) = &served(cfg).k8s_layer_claim {
+        pod::with_store(&mut made, claim, crate::packages::STORE_DIR);
+    }
+    Ok(made)
 }
 
 /// Each environment's template and warm pool, one per distinct template (environments whose

@@ -139,18 +139,25 @@ fn the_engines_pod_from_a_container_body_has_the_same_template() {
         let uid = cfg.uid_range.first + 7;
         let labels = HashMap::from([(crate::docker::identity::LABEL_UID.to_owned(), uid.to_string())]);
         let image = env.cfg.image.clone().unwrap_or_else(|| crate::docker::image::tag_for(&*env.cfg));
+        let mut hc = crate::docker::container::host_config(&spec, "vol");
+        // Every session mounts the layer store (`session::create`).
+        let store = crate::packages::Store::for_test("pyberth-layers").session_mount();
+        hc.mounts.get_or_insert_with(Vec::new).push(store);
         let body = bollard::models::ContainerCreateBody {
             image: Some(image),
             env: Some(ENV.iter().chain(&CACHE_ENV).map(|s| (*s).to_owned()).chain([orphan]).collect()),
             labels: Some(labels),
-            host_config: Some(crate::docker::container::host_config(&spec, "vol")),
+            host_config: Some(hc),
             ..Default::default()
         };
-        let settings = crate::k8s::engine::pod_settings(cfg.k8s_runtime_class.clone());
+        let mut settings = crate::k8s::engine::pod_settings(cfg.k8s_runtime_class.clone());
+        settings.layer_claim = served(&cfg).k8s_layer_claim;
+        assert!(settings.layer_claim.is_some(), "the manifests' claim, in the served settings");
         let engine_pod =
             crate::k8s::engine::translate::session_pod("pyberth-x-s-1", &body, spec.workspace_mb, &settings)
                 .expect("a pod");
         let printed = environment_pod(&env, &cfg).expect("a pod");
+        assert!(crate::k8s::pod::uses_store(&engine_pod) && crate::k8s::pod::uses_store(&printed), "{name}");
         let (a, b) = (claims::template_of(&engine_pod, 10_000), claims::template_of(&printed, 10_000));
         assert_eq!(a.0, b.0, "{name}: {}", serde_json::to_string(&(a.1, b.1)).unwrap_or_default());
     }

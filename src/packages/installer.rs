@@ -224,12 +224,17 @@ async fn install_as(
                 return Err(e);
             }
             (Ok(f), Err(e)) => {
+                net.unbind().await;
                 container::remove_container(docker, &f.id).await;
                 spec.egress.detach_installer(net).await;
                 return Err(e);
             }
         };
-        let installer_gone = container::remove_container(docker, &finished.id);
+        // Its policy leaves the proxy before its pod does (Kubernetes: `InstallerNet::unbind`).
+        let installer_gone = async {
+            net.unbind().await;
+            container::remove_container(docker, &finished.id).await;
+        };
         let built = if finished.code != 0 {
             let refused = spec.egress.installer_refused(&net).await;
             installer_gone.await;

@@ -95,9 +95,26 @@ pub(super) async fn run_job(docker: &dyn Engine, sandbox: &container::Spec, job:
         docker.create_container(Some(CreateContainerOptionsBuilder::default().name(job.name).build()), body).await?;
     let id = created.id;
     super::lap("run_job: create", &mut t);
-    match watch(docker, &id, job).await {
+    let network = job.network;
+    // Keyed by its own address (Kubernetes), the installer's policy goes into the proxy now:
+    // its pod runs and has one, and its command has not started.
+    let bound = match network {
+        Some(net) => net
+            .bind(docker, &id)
+            .await
+            .map_err(|e| Error::Failed(format!("install failed: the installer's network could not be set up: {e}"))),
+        None => Ok(()),
+    };
+    let watched = match bound {
+        Ok(()) => watch(docker, &id, job).await,
+        Err(e) => Err(e),
+    };
+    match watched {
         Ok((code, stdout, tail)) => Ok(Finished { id, code, stdout, tail }),
         Err(e) => {
+            if let Some(net) = network {
+                net.unbind().await;
+            }
             container::remove_container(docker, &id).await;
             Err(e)
         }

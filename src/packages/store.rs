@@ -100,6 +100,12 @@ impl Store {
         Ok(store)
     }
 
+    /// A store of volume `volume` with a fixed secret, for tests that need its mounts.
+    #[cfg(test)]
+    pub fn for_test(volume: &str) -> Store {
+        Store { volume: volume.to_owned(), secret: b"test".to_vec() }
+    }
+
     /// The store this process opened last, else opened now.
     pub async fn get(docker: &dyn Engine) -> Result<Store, Error> {
         let known = OPENED.lock().ok().and_then(|o| o.clone()).filter(|s| s.volume == store_name());

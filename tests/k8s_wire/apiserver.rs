@@ -64,6 +64,9 @@ pub(crate) struct Options {
     /// Run as a pod is deleted, once its container is gone and before the answer (the
     /// deleting client still waits): what happens at once on a cluster after a deletion.
     pub(crate) on_delete: Option<OnDelete>,
+    /// The namespace's PersistentVolumeClaims, each bound to a folder of the test's (its
+    /// PersistentVolume), which the node bind-mounts (`docker_pod::claim_bind`).
+    pub(crate) claims: BTreeMap<String, std::path::PathBuf>,
 }
 
 /// A hook given the deleted pod's name and address (blocking code: it runs on its own thread).
@@ -98,6 +101,7 @@ impl Default for Options {
             egress_network: None,
             proxy_exe: None,
             on_delete: None,
+            claims: BTreeMap::new(),
         }
     }
 }

@@ -63,9 +63,14 @@ pub(crate) fn container(pod: &Pod, sim: &str, opts: &Options) -> Result<Containe
     let gid = sc.run_as_group.or(psc.run_as_group).unwrap_or(uid);
     let limits = c.resources.as_ref().and_then(|r| r.limits.clone()).unwrap_or_default();
     let mut tmpfs = HashMap::new();
+    let mut binds = Vec::new();
     for m in c.volume_mounts.iter().flatten() {
         let v = spec.volumes.iter().flatten().find(|v| v.name == m.name).ok_or("a mount of no volume")?;
-        let dir = v.empty_dir.as_ref().ok_or("the simulated node has emptyDir volumes only")?;
+        if let Some(claim) = &v.persistent_volume_claim {
+            binds.push(claim_bind(claim, m, psc.fs_group, opts)?);
+            continue;
+        }
+        let dir = v.empty_dir.as_ref().ok_or("the simulated node has emptyDir and claim volumes only")?;
         let size = dir.size_limit.as_ref().and_then(|q| bytes(&q.0)).ok_or("an emptyDir without a size")?;
         // Kubernetes makes emptyDirs world-writable, group fsGroup; the tmpfs mode says the same.
         tmpfs.insert(m.mount_path.clone(), format!("rw,nosuid,nodev,size={size},mode=1777"));
@@ -78,10 +83,9 @@ pub(crate) fn container(pod: &Pod, sim: &str, opts: &Options) -> Result<Containe
     let env = c.env.iter().flatten().map(|e| format!("{}={}", e.name, e.value.clone().unwrap_or_default())).collect();
     let memory = limits.get("memory").and_then(|q| bytes(&q.0));
     let (network, proxy) = network_of(pod, opts);
-    let binds = match (&opts.proxy_exe, proxy) {
-        (Some(exe), true) => vec![format!("{}:{PROXY_EXE}:ro", exe.display())],
-        _ => Vec::new(),
-    };
+    if let (Some(exe), true) = (&opts.proxy_exe, proxy) {
+        binds.push(format!("{}:{PROXY_EXE}:ro", exe.display()));
+    }
     Ok(ContainerCreateBody {
         image: c.image.clone(),
         cmd: c.command.clone(),
@@ -104,6 +108,63 @@ pub(crate) fn container(pod: &Pod, sim: &str, opts: &Options) -> Result<Containe
         }),
         ..Default::default()
     })
+}
+
+/// The bind of a claim's volume (`Options::claims`: its PersistentVolume is a folder of the
+/// test's), as the kubelet mounts one: read-only when the source or the mount says so; a
+/// `subPath` made when missing (root's, 0755), as the kubelet does; and, on a writable source
+/// with `fsGroup` whose root is not yet that group's (`OnRootMismatch`), every file given to
+/// the group, group-writable, directories setgid.
+fn claim_bind(
+    claim: &k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource,
+    m: &k8s_openapi::api::core::v1::VolumeMount,
+    fs_group: Option<i64>,
+    opts: &Options,
+) -> Result<String, String> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let root = opts.claims.get(&claim.claim_name).ok_or(format!(
+        "persistentvolumeclaim \"{}\" not found (a real node keeps the pod Pending)",
+        claim.claim_name
+    ))?;
+    let read_only = claim.read_only == Some(true) || m.read_only == Some(true);
+    if let Some(gid) = fs_group.filter(|_| claim.read_only != Some(true)).and_then(|g| u32::try_from(g).ok()) {
+        let meta = std::fs::metadata(root).map_err(|e| e.to_string())?;
+        if meta.gid() != gid {
+            regroup(root, gid).map_err(|e| format!("fsGroup on {}: {e}", root.display()))?;
+        }
+    }
+    let path = match &m.sub_path {
+        Some(sub) if !sub.is_empty() => {
+            let p = root.join(sub);
+            if !p.exists() {
+                std::fs::create_dir(&p).map_err(|e| e.to_string())?;
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+            }
+            p
+        }
+        _ => root.clone(),
+    };
+    Ok(format!("{}:{}{}", path.display(), m.mount_path, if read_only { ":ro" } else { "" }))
+}
+
+/// The kubelet's fsGroup ownership change: group `gid`, group read-write (and search on
+/// directories, which are setgid), recursively.
+fn regroup(path: &std::path::Path, gid: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::symlink_metadata(path)?;
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    std::os::unix::fs::lchown(path, None, Some(gid))?;
+    let mode = meta.permissions().mode() & 0o7777;
+    let add = if meta.is_dir() { 0o2070 } else { 0o060 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode | add))?;
+    if meta.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            regroup(&entry?.path(), gid)?;
+        }
+    }
+    Ok(())
 }
 
 /// Starts the container of `pod` under `name`; returns its id and, on the egress network,

@@ -13,6 +13,7 @@ mod durable;
 mod egress;
 mod exec;
 mod oom;
+mod packages;
 mod sandbox_mode;
 mod serve;
 

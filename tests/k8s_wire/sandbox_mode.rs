@@ -73,12 +73,17 @@ async fn none_left(sim: &Sim, plural: &str, s: Option<&Served>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_lives_on_a_claimed_sandbox() {
-    let opts = Options { controller: true, start_delay: Duration::from_millis(300), ..Default::default() };
+    // The layer store's claim (as the manifests' served settings name it): in the template.
+    let claim = std::env::temp_dir().join(format!("pyberth-k8s-sb-claim-{}", std::process::id()));
+    std::fs::create_dir_all(&claim).expect("claim folder");
+    let claims = [("pyberth-layers".to_owned(), claim.clone())].into();
+    let opts = Options { controller: true, start_delay: Duration::from_millis(300), claims, ..Default::default() };
     let sim = Sim::start(opts, docker()).await;
     // pool_size 2 is turned off: agent-sandbox's pools keep sandboxes ready, not ours.
-    let s = Served::start_cfg(&sim, "sb-life", 2, MODE).await;
-    let sc = s.ok("run_python", json!({ "session": "k", "code": "import os\nx = 41\nprint(os.getuid() > 0)" })).await;
-    assert_eq!(sc["stdout"], "True\n", "{sc}");
+    let s = Served::start_cfg(&sim, "sb-life", 2, &format!("{MODE}k8s_layer_claim = \"pyberth-layers\"\n")).await;
+    let code = "import os\nx = 41\nprint(os.getuid() > 0, os.path.ismount('/opt/pyberth/layers'))";
+    let sc = s.ok("run_python", json!({ "session": "k", "code": code })).await;
+    assert_eq!(sc["stdout"], "True True\n", "{sc}");
     let sc = s.ok("run_python", json!({ "session": "k", "code": "print(x + 1)" })).await;
     assert_eq!(sc["stdout"], "42\n", "{sc}");
     assert!(s.whole_log().contains("pool_size is off"), "{}", s.log());
@@ -127,6 +132,7 @@ async fn a_session_lives_on_a_claimed_sandbox() {
     assert!(pods(&sim).is_empty() && names(&sim, "sandboxes").is_empty(), "{:?}", pods(&sim));
     assert_eq!(node_containers(&sim).await, 0);
     sim.stop().await;
+    let _ = std::fs::remove_dir_all(&claim);
 }
 
 /// Session b's claim is said bound to a's Sandbox (`opts` says how): b's call is refused and

@@ -175,11 +175,11 @@ async fn refusals(s: &Served) {
     let said = text(&r);
     assert!(said.contains("egress proxy"), "{said}");
     assert!(!said.contains("Docker responded"), "the engine's own words, not Docker's: {said}");
-    // Installs and snapshots need helper containers: tool errors that say so.
+    // Installs need the layer store's claim, which this server was not given: said so.
     let r = s.call("install_packages", json!({ "session": "k", "packages": ["six"] })).await;
     assert_eq!(r.is_error, Some(true), "{}", text(&r));
     assert!(
-        text(&r).contains("package installs") && text(&r).contains("not supported on Kubernetes yet"),
+        text(&r).contains("package installs on Kubernetes need the layer store: set k8s_layer_claim"),
         "{}",
         text(&r)
     );

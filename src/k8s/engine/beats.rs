@@ -32,6 +32,7 @@ use super::{KubeEngine, from_cluster, said, status};
 use crate::audit::time::rfc3339;
 use crate::docker::heartbeat::{LABEL_BEAT, LABEL_HEARTBEAT, parse_time};
 use crate::k8s::labels;
+use crate::packages::store::LABEL_STORE;
 
 /// How long a Lease holds without renewal.
 pub(super) const LEASE: Duration = Duration::from_secs(15);
@@ -227,7 +228,8 @@ impl KubeEngine {
     pub(super) async fn mark_get(&self, name: &str) -> Result<Option<Volume>, EngineError> {
         let got = self.leases().get_opt(&pod_name(name)).await;
         let got = got.map_err(|e| from_cluster(self.cluster.error("get leases")(e)))?;
-        Ok(got.filter(|l| named(l) == name).map(|l| mark_volume(&l)).filter(|v| v.labels.contains_key(LABEL_BEAT)))
+        let mark = |v: &Volume| v.labels.contains_key(LABEL_BEAT) || v.labels.contains_key(LABEL_STORE);
+        Ok(got.filter(|l| named(l) == name).map(|l| mark_volume(&l)).filter(mark))
     }
 
     /// The marks that match `filters`, as volumes.

@@ -14,6 +14,7 @@ use crate::docker::seam::types::*;
 use crate::docker::seam::{Engine, matches_labels, once, ready};
 use crate::docker::snapshot::LABEL_SNAPSHOT;
 use crate::k8s::cluster;
+use crate::packages::store::LABEL_STORE;
 
 /// A volume as Docker describes one: `driver` says where it lives (a record, the shelf).
 fn model(
@@ -114,7 +115,12 @@ impl Engine for KubeEngine {
             let (all, filters) = options.map(|o| (o.all, o.filters)).unwrap_or_default();
             let selector = translate::selector(filters.as_ref());
             let mut found: Vec<ContainerSummary> = match &self.claimed {
-                Some(c) => c.list(&selector).await?,
+                Some(c) => {
+                    // Claims, and helper pods (plain pods in either mode), so sweeps find them.
+                    let mut found = c.list(&selector).await?;
+                    found.extend(self.list_helpers(&selector).await?);
+                    found
+                }
                 None => {
                     // Session pods and egress proxy pods (the latter not `sandbox`-labelled).
                     let mut pods = self.cluster.list_pods(&selector).await.map_err(from_cluster)?;
@@ -144,6 +150,9 @@ impl Engine for KubeEngine {
     }
     fn start_container<'a>(&'a self, name: &'a str, _: Option<q::StartContainerOptions>) -> Fut<'a, ()> {
         Box::pin(async move {
+            if self.is_helper(name) {
+                return self.start_helper(name).await;
+            }
             if let Some(v) = self.records().virtuals.get_mut(name) {
                 v.running = true;
                 return Ok(());
@@ -169,7 +178,7 @@ impl Engine for KubeEngine {
             if let Some(beat) = self.beat_inspect(name).await? {
                 return Ok(beat);
             }
-            if let Some(c) = &self.claimed {
+            if let (Some(c), false) = (&self.claimed, self.is_helper(name)) {
                 return c.inspect(name).await;
             }
             match self.cluster.get_pod(&pod_name(name)).await.map_err(from_cluster)? {
@@ -178,8 +187,11 @@ impl Engine for KubeEngine {
             }
         })
     }
-    fn wait_container(&self, _: &str, _: Option<q::WaitContainerOptions>) -> Items<'static, ContainerWaitResponse> {
-        once(Err(unsupported("waiting for a helper container")))
+    fn wait_container(&self, name: &str, _: Option<q::WaitContainerOptions>) -> Items<'static, ContainerWaitResponse> {
+        if self.is_helper(name) {
+            return self.wait_helper(name);
+        }
+        once(Err(unsupported("waiting for a container that is not a helper")))
     }
     fn attach_container<'a>(
         &'a self,
@@ -189,6 +201,9 @@ impl Engine for KubeEngine {
         Box::pin(async move {
             if let Some(cmd) = self.proxy_cmd(name, &options) {
                 return self.attach_proxy(name, cmd).await;
+            }
+            if self.is_helper(name) {
+                return self.attach_helper(name);
             }
             // A heartbeat's attach lasts until it is removed; nothing else is attached to.
             let gone = self.records().virtuals.get(name).map(|v| v.gone.clone());
@@ -290,6 +305,11 @@ impl Engine for KubeEngine {
         if labels.contains_key(LABEL_BEAT) {
             let Some(name) = config.name else { return ready(Err(said("a heartbeat mark needs a name"))) };
             return Box::pin(async move { self.mark_create(&name, &labels).await });
+        }
+        // The layer store, on the claim: its secret in a Lease (`helpers.rs`).
+        if labels.contains_key(LABEL_STORE) && self.settings.layer_claim.is_some() {
+            let Some(name) = config.name else { return ready(Err(said("the layer store needs a name"))) };
+            return Box::pin(async move { self.create_store(&name, &labels).await });
         }
         if let Some(shelf) = self.shelf.as_ref().filter(|_| labels.contains_key(LABEL_SNAPSHOT)) {
             let Some(name) = config.name else { return ready(Err(said("a snapshot volume needs a name"))) };

@@ -16,6 +16,7 @@ use crate::docker::container::{Sandboxing, Spec};
 use crate::docker::identity::LABEL_UID;
 use crate::k8s::labels::{ORIGINAL_PREFIX, value};
 use crate::k8s::pod::{LABEL_SANDBOX, PodSettings};
+use crate::packages::STORE_DIR;
 
 /// Annotation that keeps the container name a pod was made for (its name had to be made valid).
 pub const ANNOTATION_NAME: &str = "pyberth.io/container-name";
@@ -72,7 +73,8 @@ pub enum Refused {
 /// The session pod for a container body: its limits, uid, labels and environment, as
 /// `container::make` wrote them; `workspace_mb` is the size of its workspace volume, when
 /// bounded. Host folders are refused (not supported on Kubernetes yet); a session network
-/// becomes the `pyberth.io/egress=proxy` label and the egress variables.
+/// becomes the `pyberth.io/egress=proxy` label and the egress variables; the layer store the
+/// claim's `sets/` (`settings.layer_claim`; without one, no store).
 pub fn session_pod(
     name: &str,
     body: &ContainerCreateBody,
@@ -94,7 +96,10 @@ pub fn session_pod(
         let env = body.env.iter().flatten().filter(|kv| kv.split_once('=').is_some_and(|(k, _)| !fixed.contains(&k)));
         crate::docker::container::NetworkJoin { network, dns: Vec::new(), env: env.cloned().collect() }
     });
-    let mounts: Vec<_> = hc.mounts.unwrap_or_default().into_iter().filter(|m| m.typ == Some(MountType::BIND)).collect();
+    let mounts = hc.mounts.unwrap_or_default();
+    // The layer store, which every session mounts: on a cluster the claim's `sets/`.
+    let store = mounts.iter().any(|m| m.typ == Some(MountType::VOLUME) && m.target.as_deref() == Some(STORE_DIR));
+    let mounts: Vec<_> = mounts.into_iter().filter(|m| m.typ == Some(MountType::BIND)).collect();
     let tmp = hc.tmpfs.as_ref().and_then(|t| t.get("/tmp")).and_then(|o| size_mb(o));
     let orphan = body
         .env
@@ -121,6 +126,9 @@ pub fn session_pod(
     let mut pod = crate::k8s::pod::pod(&spec, settings, &image, &pod_name(name), uid, &ours)
         .map_err(|e| Refused::Unsupported(e.to_string()))?;
     pod.metadata.annotations.get_or_insert_with(BTreeMap::new).insert(ANNOTATION_NAME.into(), name.to_owned());
+    if let (true, Some(claim)) = (store, &settings.layer_claim) {
+        crate::k8s::pod::with_store(&mut pod, claim, STORE_DIR);
+    }
     Ok(pod)
 }
 
