@@ -88,7 +88,12 @@ pub(crate) fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Twelve random hex digits.
 pub(crate) fn random_id() -> std::io::Result<String> {
-    let mut bytes = [0u8; 6];
+    random_hex(6)
+}
+
+/// `n` random bytes from the kernel, as hex.
+pub(crate) fn random_hex(n: usize) -> std::io::Result<String> {
+    let mut bytes = vec![0u8; n];
     File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -19,6 +19,8 @@ pub struct Attachment {
     pub rules: Arc<Mutex<Vec<String>>>,
     /// Sessions keyed by their own address (Kubernetes): puts the policy in after start.
     pub binder: Option<Arc<super::Binder>>,
+    /// Keyed by peer: the session's pass, in its proxy URL (`pyberth:<pass>@`).
+    pub pass: Option<Arc<str>>,
 }
 
 impl Attachment {
@@ -31,9 +33,10 @@ impl Attachment {
 impl Attachment {
     /// The proxy variables, and the CA bundle's, for every library that reads them.
     pub fn env(&self) -> Vec<String> {
+        let user = self.pass.as_ref().map(|p| format!("pyberth:{p}@")).unwrap_or_default();
         let url = match self.proxy_ip {
-            IpAddr::V6(ip) => format!("http://[{ip}]:{}", proxy::PORT),
-            ip => format!("http://{ip}:{}", proxy::PORT),
+            IpAddr::V6(ip) => format!("http://{user}[{ip}]:{}", proxy::PORT),
+            ip => format!("http://{user}{ip}:{}", proxy::PORT),
         };
         let mut env: Vec<String> =
             ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"].iter().map(|k| format!("{k}={url}")).collect();

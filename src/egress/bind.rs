@@ -57,10 +57,15 @@ impl Binder {
             .filter(|ip| !ip.is_unspecified())
             .ok_or("the session's pod has no address: the proxy cannot tell its connections apart")?;
         let key = (self.principal.clone(), self.session.clone());
-        let (old, allow, headers) = {
+        let (old, allow, headers, pass) = {
             let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
             let n = s.get(&key).ok_or("the session's egress is gone")?;
-            (n.local, n.rules.iter().map(|r| r.text().to_owned()).collect::<Vec<_>>(), n.headers.clone())
+            (
+                n.local,
+                n.rules.iter().map(|r| r.text().to_owned()).collect::<Vec<_>>(),
+                n.headers.clone(),
+                n.pass.clone(),
+            )
         };
         let mut slot = self.proxy.lock().await;
         let proxy = slot.as_mut().ok_or("the egress proxy is not running")?;
@@ -68,7 +73,7 @@ impl Binder {
             send(proxy, &Command::Drop { local: old }).await?;
             self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&old);
         }
-        let set = Command::set(ip, &self.principal, &self.session, allow, headers);
+        let set = Command::set(ip, &self.principal, &self.session, allow, headers).with_pass(pass.as_deref());
         send(proxy, &set).await?;
         drop(slot);
         if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {
@@ -146,6 +151,7 @@ mod tests {
             rules: Vec::new(),
             headers: Headers::default(),
             shared: Arc::default(),
+            pass: None,
         };
         let key = ("p".to_owned(), "s".to_owned());
         let sessions = Mutex::new(HashMap::from([(key.clone(), net)]));

@@ -80,6 +80,8 @@ struct SessionNet {
     headers: Headers,
     /// The same list as text, shared with the session's [`Attachment`] (its record).
     shared: Arc<Mutex<Vec<String>>>,
+    /// Keyed by peer: the secret its connections carry (its proxy URL's credentials).
+    pass: Option<Arc<str>>,
 }
 
 /// The running proxy.
@@ -248,7 +250,20 @@ impl Manager {
         }
         let key = (principal.to_owned(), session.to_owned());
         let shared = Arc::new(Mutex::new(rules.iter().map(|r| r.text().to_owned()).collect()));
-        let net = SessionNet { network: network.clone(), local: key_ip, rules, headers, shared: shared.clone() };
+        // Keyed by peer, the address names the pod only while it lives: the pass, in the
+        // pod's proxy URL, names it after (`proxy::Command::with_pass`).
+        let pass: Option<Arc<str>> = match self.by_peer {
+            true => Some(crate::state_dir::random_hex(16).map_err(|e| format!("cannot make a pass: {e}"))?.into()),
+            false => None,
+        };
+        let net = SessionNet {
+            network: network.clone(),
+            local: key_ip,
+            rules,
+            headers,
+            shared: shared.clone(),
+            pass: pass.clone(),
+        };
         self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, net);
         let binder = self.by_peer.then(|| {
             Arc::new(Binder {
@@ -266,6 +281,7 @@ impl Manager {
             system_roots: self.roots.is_none(),
             rules: shared,
             binder,
+            pass,
         })
     }
 
@@ -319,6 +335,7 @@ impl Manager {
             system_roots: self.roots.is_none(),
             rules: Arc::new(Mutex::new(allow)),
             binder: None,
+            pass: None,
         }
     }
 
@@ -375,7 +392,7 @@ impl Manager {
     /// Narrows the session's list to `asked` (each entry within the list in force).
     pub async fn narrow(&self, principal: &str, session: &str, asked: &[String]) -> Result<Vec<String>, String> {
         let key = (principal.to_owned(), session.to_owned());
-        let (local, rules, headers) = {
+        let (local, rules, headers, pass) = {
             let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
             if asked.is_empty() && !s.contains_key(&key) {
                 return Ok(Vec::new()); // already offline
@@ -386,13 +403,13 @@ impl Manager {
             let n = s.get(&key).ok_or_else(|| {
                 format!("session {session:?} has no network: its environment allows no egress, so there is nothing to narrow")
             })?;
-            (n.local, policy::narrow(&n.rules, asked)?, n.headers.clone())
+            (n.local, policy::narrow(&n.rules, asked)?, n.headers.clone(), n.pass.clone())
         };
         let allow: Vec<String> = rules.iter().map(|r| r.text().to_owned()).collect();
         let mut slot = self.proxy.lock().await;
         self.revive(&mut slot).await;
         let proxy = slot.as_mut().ok_or("the egress proxy is not running")?;
-        let set = Command::set(local, principal, session, allow.clone(), headers);
+        let set = Command::set(local, principal, session, allow.clone(), headers).with_pass(pass.as_deref());
         // Not bound yet (keyed by peer): the list below is what its binding puts in.
         if !local.is_unspecified() {
             self.send(proxy, &set).await?;

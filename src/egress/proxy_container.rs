@@ -88,7 +88,7 @@ impl Manager {
             };
             match joined {
                 Ok(ip) if ip == old => {
-                    let set = Command::Set { local: ip, session: session.clone(), principal, allow, headers };
+                    let set = Command::set(ip, &principal, &session, allow, headers);
                     let ok =
                         self.send(proxy, &set).await.and(self.send(proxy, &Command::Budget { local: ip, bytes }).await);
                     if let Err(e) = ok {
@@ -307,7 +307,7 @@ impl Manager {
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
         self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(
             (principal.to_owned(), session.to_owned()),
-            SessionNet { network, local, rules, headers, shared: att.rules.clone() },
+            SessionNet { network, local, rules, headers, shared: att.rules.clone(), pass: None },
         );
         // This server's CA is new: without it the session would refuse every intercepted host.
         if let Err(e) = att.after_start(&self.docker, container).await {

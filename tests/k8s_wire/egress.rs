@@ -285,3 +285,47 @@ async fn egress_policy_never_outlives_its_pods_address() {
     let _ = std::fs::remove_dir_all(&dir);
     sim.stop().await;
 }
+
+/// Attack view: a session's pod that ends on its own (evicted, its node lost: here its node
+/// container removed behind the server's back) leaves its address keyed in the proxy until
+/// the server notices. The next pod given that address is still not served: it lacks the
+/// session's pass, which the session's proxy URL carries. Without the pass it was served,
+/// the operator's header added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_given_a_dead_sessions_address_lacks_its_pass() {
+    let world = World::start("p").await;
+    let opts = Options {
+        egress_network: Some(world.network.clone()),
+        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
+        ..Default::default()
+    };
+    let sim = Sim::start(opts, docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-pass-{}", std::process::id()));
+    let ip = &world.ip;
+    let extra = format!("pool_size = 0\nk8s_egress_image = {:?}\n", pyberth::docker::image::sandbox_tag());
+    let tables = format!(
+        "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n[environments.net]\negress = [\"upstream.test:8000\"]\n\
+         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n"
+    );
+    let s = Served::start_tables(&sim, &dir, "pass", &extra, &tables).await;
+    let a = out(&s, "a", "net", &fetch("http://upstream.test:8000/a")).await;
+    assert!(ok(&a) && !a.contains("key=None"), "the session reaches the upstream with its pass: {a}\n{}", s.log());
+    let proxy_url = out(&s, "a", "net", "import os\nprint(os.environ['HTTP_PROXY'])").await;
+    assert!(proxy_url.trim().starts_with("http://pyberth:"), "the pass is in the proxy URL: {proxy_url}");
+    let before = session_ip(&sim).expect("the session's pod has an address");
+    let proxy = proxy_ip(&sim).expect("the proxy pod has an address");
+
+    // The pod's container goes behind the server's back; the intruder gets its address.
+    let node = sim.state.pods.lock().expect("pods").values().find_map(|p| {
+        let ip = p.pod.status.as_ref().and_then(|s| s.pod_ip.clone());
+        (ip.as_deref() == Some(before.as_str())).then(|| p.container.clone()).flatten()
+    });
+    docker_cli(&["rm", "-f", &node.expect("the session pod's node container")]);
+    let (got, served) = intruder(&world.network, &proxy);
+    assert_eq!(got, before, "the intruder got another address than the dead pod's: nothing shown");
+    assert!(!served.contains("upstream ok"), "served with the dead pod's policy: {served}");
+    assert!(served.starts_with("407 pyberth egress:") && served.contains("pass"), "{served}");
+    s.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}

@@ -86,6 +86,15 @@ pub(super) async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared,
         Ok(Err(e)) => return deny(&mut sock, "400 Bad Request", &e).await,
         Err(_) => return deny(&mut sock, "408 Request Timeout", "no request head within 10 s").await,
     };
+    // Keyed by peer, the address alone is not the session: a pod the cluster gave a gone
+    // pod's address has not that pod's pass.
+    if let Some(wanted) = &policy.pass
+        && !head.proxy_auth.as_deref().is_some_and(|given| super::head::same_secret(given, wanted))
+    {
+        let why = "this address's session pass is missing or wrong: connections must use the proxy URL of \
+                   the session's HTTP_PROXY, credentials included";
+        return deny(&mut sock, "407 Proxy Authentication Required", why).await;
+    }
     let record = Record {
         local,
         session: policy.session.clone(),

@@ -23,6 +23,29 @@ pub(super) struct Head {
     pub(super) headers: Vec<String>,
     /// Bytes read past the head (the start of a body, or of the tunnel).
     pub(super) rest: Vec<u8>,
+    /// The request's `Proxy-Authorization`, for the proxy only (never sent on).
+    pub(super) proxy_auth: Option<String>,
+}
+
+/// The `Proxy-Authorization` value of the pass `pass` (user `pyberth`), as clients send a
+/// proxy URL's credentials.
+pub(super) fn basic_auth(pass: &str) -> String {
+    use base64::Engine as _;
+    format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(format!("pyberth:{pass}")))
+}
+
+/// Whether `given` is `wanted`, in time that does not depend on where they differ.
+pub(super) fn same_secret(given: &str, wanted: &str) -> bool {
+    let (a, b) = (given.as_bytes(), wanted.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The value of header `name` (lowercase) in a head's text.
+fn header_value(text: &str, name: &str) -> Option<String> {
+    text.split("\r\n").skip(1).find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        (n.trim().eq_ignore_ascii_case(name)).then(|| v.trim().to_owned())
+    })
 }
 
 /// The head's text and the bytes read past it.
@@ -126,17 +149,19 @@ pub(super) async fn read_inner_head<R: tokio::io::AsyncRead + Unpin>(
         host_header: host_header(host, port, default_port),
         headers,
         rest,
+        proxy_auth: None,
     })
 }
 
 pub(super) async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
     let (text, rest) = read_raw(sock).await?;
     let ((method, target, version), headers) = split_head(&text)?;
+    let proxy_auth = header_value(&text, "proxy-authorization");
     if method == "CONNECT" {
         let (host, port) = policy::split_host_port(target)?;
         let port = port.ok_or("CONNECT needs host:port")?;
-        let host_header = String::new();
-        return Ok(Head { connect: true, host, port, line: String::new(), host_header, headers: Vec::new(), rest });
+        let (line, host_header, headers) = (String::new(), String::new(), Vec::new());
+        return Ok(Head { connect: true, host, port, line, host_header, headers, rest, proxy_auth });
     }
     let Some(after) = target.strip_prefix("http://") else {
         return Err("only CONNECT and absolute http:// URLs are proxied (set HTTP_PROXY, not a Host header)".into());
@@ -151,7 +176,8 @@ pub(super) async fn read_head(sock: &mut TcpStream) -> Result<Head, String> {
     let (host, port) = policy::split_host_port(authority)?;
     let port = port.unwrap_or(80);
     let line = format!("{method} {path} {version}");
-    Ok(Head { connect: false, host_header: host_header(&host, port, 80), host, port, line, headers, rest })
+    let host_header = host_header(&host, port, 80);
+    Ok(Head { connect: false, host_header, host, port, line, headers, rest, proxy_auth })
 }
 
 pub(super) fn header_name(line: &str) -> String {
@@ -169,6 +195,7 @@ impl Head {
             host_header: self.host_header.clone(),
             headers: self.headers.clone(),
             rest: self.rest.clone(),
+            proxy_auth: self.proxy_auth.clone(),
         }
     }
 }
@@ -275,6 +302,7 @@ mod tests {
             host_header: "api.test".into(),
             headers,
             rest: Vec::new(),
+            proxy_auth: None,
         };
         let inject = [("Authorization".to_owned(), "Bearer s".to_owned())];
         let out = String::from_utf8(head.forward(&inject)).expect("text");
@@ -303,11 +331,29 @@ mod tests {
             host_header: "h".into(),
             headers: vec!["X-A: 1".into(), "accept-encoding: gzip".into(), "authorization: forged".into()],
             rest: Vec::new(),
+            proxy_auth: None,
         };
         let out = String::from_utf8(head.forward(&[("Authorization".into(), "Bearer real".into())])).expect("utf-8");
         assert_eq!(
             out,
             "GET / HTTP/1.0\r\nHost: h\r\nX-A: 1\r\nAccept-Encoding: identity\r\nAuthorization: Bearer real\r\nConnection: close\r\n\r\n"
         );
+    }
+
+    /// The pass a session's connections carry is read off the head, kept from the upstream
+    /// (proxy headers never go on), and compared whole.
+    #[test]
+    fn the_pass_is_read_from_the_head_and_never_sent_on() {
+        let wanted = basic_auth("0123abcd");
+        assert_eq!(wanted, "Basic cHliZXJ0aDowMTIzYWJjZA==", "as clients encode pyberth:0123abcd");
+        let text = format!("GET http://h.test/x HTTP/1.1\r\nHost: h.test\r\nProxy-Authorization: {wanted}\r\n\r\n");
+        assert_eq!(header_value(&text, "proxy-authorization").as_deref(), Some(wanted.as_str()));
+        let ((_, _, _), headers) = split_head(&text).expect("head");
+        assert!(!headers.iter().any(|h| h.to_ascii_lowercase().starts_with("proxy-")), "{headers:?}");
+        assert!(same_secret(&wanted, &basic_auth("0123abcd")));
+        for other in [basic_auth("0123abce"), basic_auth("0123abc"), String::new(), wanted.to_lowercase()] {
+            assert!(!same_secret(&other, &wanted), "{other}");
+        }
+        assert_eq!(header_value("CONNECT a:1 HTTP/1.1\r\nX: y\r\n\r\n", "proxy-authorization"), None);
     }
 }

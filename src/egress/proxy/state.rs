@@ -41,6 +41,8 @@ pub(super) struct Policy {
     pub(super) conns: Arc<Semaphore>,
     pub(super) budget: Arc<Budget>,
     pub(super) refusals: Arc<RefusalRate>,
+    /// Keyed by peer: the `Proxy-Authorization` its connections must carry.
+    pub(super) pass: Option<String>,
 }
 
 /// A session's refusals: a token bucket of [`REFUSAL_BURST`] filled at [`REFUSAL_RATE`].
@@ -101,7 +103,7 @@ pub(super) fn apply(state: &Shared, c: Command) {
             s.max_conns = max_conns.max(1);
             s.by_peer = by_peer;
         }
-        Command::Set { local, session, principal, allow, headers } => {
+        Command::Set { local, session, principal, allow, headers, pass } => {
             let rules = allow.iter().filter_map(|a| Rule::parse(a).ok()).collect();
             // The connection slots, the budget and the refusal rate survive a new list.
             let (conns, budget, refusals) = match s.policies.get(&local) {
@@ -116,7 +118,8 @@ pub(super) fn apply(state: &Shared, c: Command) {
                 headers.values().flatten().filter(|(_, v)| !v.is_empty()).flat_map(|(_, v)| secret_forms(v)).collect();
             secrets.sort();
             secrets.dedup();
-            let policy = Policy { session, principal, rules, headers, secrets, conns, budget, refusals };
+            let pass = pass.map(|p| super::head::basic_auth(&p.0));
+            let policy = Policy { session, principal, rules, headers, secrets, conns, budget, refusals, pass };
             s.policies.insert(local, Arc::new(policy));
         }
         Command::Budget { local, bytes } => {

@@ -45,6 +45,11 @@ pub enum Command {
         /// Headers added to plain HTTP requests, by host (replacing the sandbox's own).
         #[serde(default)]
         headers: HashMap<String, Vec<(String, String)>>,
+        /// Keyed by peer: the secret its connections must carry (`Proxy-Authorization: Basic`
+        /// of `pyberth:<pass>`, from the proxy URL in its variables). An address outlives its
+        /// pod on a cluster; the pass does not follow it to the next pod.
+        #[serde(default)]
+        pass: Option<SecretPem>,
     },
     /// Bytes the session may still move (both ways) until the next budget.
     Budget {
@@ -65,7 +70,7 @@ pub enum Command {
     },
 }
 
-/// A private key in PEM whose `Debug` does not show it.
+/// A secret (a private key in PEM, a session's pass) whose `Debug` does not show it.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct SecretPem(pub String);
 
@@ -78,7 +83,15 @@ impl Command {
         allow: Vec<String>,
         headers: HashMap<String, Vec<(String, String)>>,
     ) -> Self {
-        Self::Set { local, session: session.to_owned(), principal: principal.to_owned(), allow, headers }
+        Self::Set { local, session: session.to_owned(), principal: principal.to_owned(), allow, headers, pass: None }
+    }
+
+    /// The same, its connections required to carry `pass` (`None`: none required).
+    pub fn with_pass(mut self, pass: Option<&str>) -> Self {
+        if let Self::Set { pass: p, .. } = &mut self {
+            *p = pass.map(|s| SecretPem(s.to_owned()));
+        }
+        self
     }
 }
 
