@@ -74,11 +74,13 @@ impl Binder {
             self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&old);
         }
         let set = Command::set(ip, &self.principal, &self.session, allow, headers).with_pass(pass.as_deref());
-        send(proxy, &set).await?;
-        drop(slot);
+        // Recorded before it is sent: a Set the proxy took but did not confirm in time is
+        // still taken out by the unbinding that precedes the pod's deletion.
         if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {
             n.local = ip;
         }
+        send(proxy, &set).await?;
+        drop(slot);
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).entry(ip).or_default();
         Ok(())
     }

@@ -105,6 +105,10 @@ impl Manager {
         // A fresh account: what the proxy refuses from now on is this install's.
         let key = (INSTALLER.to_owned(), net.key.clone());
         let local = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|n| n.local)?;
+        // Keyed by peer it is unbound (its pod is gone): its next binding makes its account.
+        if local.is_unspecified() {
+            return Some(net);
+        }
         let old = self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
         if let Some(old) = old {
             old.log.flush(INSTALLER, &net.key);

@@ -125,8 +125,8 @@ pub struct KubeEngine {
     shelf: Option<shelf::Shelf>,
     /// The egress proxy pod's image (`k8s_egress_image`); `None`: the session's image.
     egress_image: Option<String>,
-    /// Set once the layer claim's `sets/` is made (`helpers.rs`).
-    store_ready: Arc<tokio::sync::OnceCell<()>>,
+    /// The layer claim's set-up, once (`helpers.rs`): its outcome, kept.
+    store_ready: Arc<tokio::sync::OnceCell<Result<(), String>>>,
 }
 
 /// A Docker-style error (the owners read its status codes).
@@ -218,6 +218,10 @@ impl KubeEngine {
     /// In agent-sandbox mode: warm pools of `replicas` sandboxes, whose pods run as `uid`.
     pub fn agent_sandbox(mut self, replicas: u32, uid: u32) -> Self {
         self.claimed = Some(claimed::Claimed::new(&self.cluster, replicas, uid));
+        // No installs there (their installer needs the egress proxy, which this mode lacks),
+        // so no store in the templates: a warm pool's pods would mount `sets/` before any
+        // set-up, and the kubelet would make it, root's, with the claim root's mode.
+        self.settings.layer_claim = None;
         self
     }
 
@@ -278,10 +282,13 @@ impl KubeEngine {
         if !labels.contains_key(LABEL_SESSION) {
             return self.create_helper(&name, &body).await.map(|()| name);
         }
-        let pod = translate::session_pod(&name, &body, self.workspace_mb(&body), &self.settings)
+        let mut pod = translate::session_pod(&name, &body, self.workspace_mb(&body), &self.settings)
             .map_err(|e| said(e.to_string()))?;
-        if let (true, Some(image)) = (crate::k8s::pod::uses_store(&pod), body.image.as_deref()) {
-            self.store_set_up(image).await?;
+        // A store that could not be set up is left out: the session runs, installs say why.
+        if let (true, Some(image)) = (crate::k8s::pod::uses_store(&pod), body.image.as_deref())
+            && self.store_set_up(image).await.is_err()
+        {
+            crate::k8s::pod::without_store(&mut pod);
         }
         match &self.claimed {
             Some(c) => c.create(&name, &labels, &pod).await?,

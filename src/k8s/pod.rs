@@ -251,6 +251,15 @@ pub fn uses_store(pod: &Pod) -> bool {
     pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()).any(|v| v.name == STORE_VOLUME)
 }
 
+/// `pod` without the layer store (its claim could not be set up).
+pub fn without_store(pod: &mut Pod) {
+    let Some(spec) = pod.spec.as_mut() else { return };
+    spec.volumes.iter_mut().for_each(|v| v.retain(|v| v.name != STORE_VOLUME));
+    for c in &mut spec.containers {
+        c.volume_mounts.iter_mut().for_each(|m| m.retain(|m| m.name != STORE_VOLUME));
+    }
+}
+
 /// How a helper pod mounts the layer store's claim.
 #[derive(Debug, Clone)]
 pub struct StoreMount {

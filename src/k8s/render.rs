@@ -25,8 +25,11 @@ use crate::environment::{Environment, Environments};
 pub const STATE_DIR: &str = "/var/lib/pyberth/state";
 /// The ConfigMap the Deployment mounts at `/etc/pyberth` (`20-pyberth.yaml`).
 pub const CONFIG_MAP: &str = "pyberth";
-/// The layer store's claim (`20-pyberth.yaml`), when the configuration names none.
+/// The layer store's claim in `25-layers.yaml`, printed (named as configured) when the
+/// configuration names one (`k8s_layer_claim`).
 pub const LAYER_CLAIM: &str = "pyberth-layers";
+/// That file.
+const LAYERS: &str = "25-layers.yaml";
 /// Its key: the file `serve --config /etc/pyberth/pyberth.toml` reads.
 pub const CONFIG_KEY: &str = "pyberth.toml";
 /// The checked-in example template, replaced by the generated ones.
@@ -44,6 +47,15 @@ pub fn manifests(cfg: &SandboxConfig) -> Result<String, String> {
     let ns = cfg.k8s_namespace.as_str();
     let mut docs = Vec::new();
     for (file, text) in FILES.iter().filter(|(f, _)| *f != EXAMPLE) {
+        if *file == LAYERS {
+            let Some(claim) = &cfg.k8s_layer_claim else { continue };
+            let mut layers = checked_in(file, text, ns)?;
+            for d in &mut layers {
+                d.body["metadata"]["name"] = json!(claim);
+            }
+            docs.extend(layers);
+            continue;
+        }
         if file.starts_with("20-") {
             docs.push(Doc {
                 comment: "# The configuration `serve` reads in the cluster.\n".into(),
@@ -120,7 +132,6 @@ pub fn served(cfg: &SandboxConfig) -> SandboxConfig {
     if c.state_dir.is_none() {
         c.state_dir = Some(STATE_DIR.into());
     }
-    c.k8s_layer_claim.get_or_insert_with(|| LAYER_CLAIM.into());
     c
 }
 
@@ -203,13 +214,10 @@ pub fn environment_pod(env: &Environment, cfg: &SandboxConfig) -> Result<Pod, St
     }
     let blueprint = crate::sandbox::Blueprint::new(env.cfg.clone(), &Default::default(), &env.mounts, None);
     let image = env.cfg.image.clone().unwrap_or_else(|| crate::docker::image::tag_for(&*env.cfg));
+    // No layer store in agent-sandbox mode (`KubeEngine::agent_sandbox`).
     let settings = super::engine::pod_settings(cfg.k8s_runtime_class.clone());
-    let mut made = pod::pod(&blueprint.spec, &settings, &image, "template", cfg.uid_range.first, &BTreeMap::new())
-        .map_err(|e| e.to_string())?;
-    if let Some(claim) = &served(cfg).k8s_layer_claim {
-        pod::with_store(&mut made, claim, crate::packages::STORE_DIR);
-    }
-    Ok(made)
+    pod::pod(&blueprint.spec, &settings, &image, "template", cfg.uid_range.first, &BTreeMap::new())
+        .map_err(|e| e.to_string())
 }
 
 /// Each environment's template and warm pool, one per distinct template (environments whose

@@ -67,6 +67,15 @@ fn the_default_configuration_gives_the_checked_in_objects() {
     let deployment = of_kind(&docs, "Deployment")[0];
     let volumes = deployment.pointer("/spec/template/spec/volumes").expect("volumes").to_string();
     assert!(volumes.contains("\"name\":\"pyberth\""), "it reads the ConfigMap: {volumes}");
+    let claims = |docs: &[Value]| -> Vec<String> {
+        let pvcs = of_kind(docs, "PersistentVolumeClaim");
+        pvcs.iter().map(|d| d["metadata"]["name"].as_str().unwrap_or_default().to_owned()).collect()
+    };
+    assert_eq!(claims(&docs), ["pyberth-snapshots"], "no layer store unless configured");
+    // With a layer store named as the operator likes: its claim, so named, in the stream.
+    let cfg = from_flags(&["--k8s-layer-claim", "team-store"]);
+    let docs = check_stream(&cfg, "pyberth");
+    assert_eq!(claims(&docs), ["pyberth-snapshots", "team-store"]);
 }
 
 /// Agent-sandbox mode, namespace `team-a`, gVisor, environments `small` and `big` as well as
@@ -150,14 +159,12 @@ fn the_engines_pod_from_a_container_body_has_the_same_template() {
             host_config: Some(hc),
             ..Default::default()
         };
-        let mut settings = crate::k8s::engine::pod_settings(cfg.k8s_runtime_class.clone());
-        settings.layer_claim = served(&cfg).k8s_layer_claim;
-        assert!(settings.layer_claim.is_some(), "the manifests' claim, in the served settings");
+        // Agent-sandbox mode has no layer store, whatever the claim (`KubeEngine::agent_sandbox`).
+        let settings = crate::k8s::engine::pod_settings(cfg.k8s_runtime_class.clone());
         let engine_pod =
             crate::k8s::engine::translate::session_pod("pyberth-x-s-1", &body, spec.workspace_mb, &settings)
                 .expect("a pod");
         let printed = environment_pod(&env, &cfg).expect("a pod");
-        assert!(crate::k8s::pod::uses_store(&engine_pod) && crate::k8s::pod::uses_store(&printed), "{name}");
         let (a, b) = (claims::template_of(&engine_pod, 10_000), claims::template_of(&printed, 10_000));
         assert_eq!(a.0, b.0, "{name}: {}", serde_json::to_string(&(a.1, b.1)).unwrap_or_default());
     }

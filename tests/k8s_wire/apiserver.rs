@@ -67,6 +67,9 @@ pub(crate) struct Options {
     /// The namespace's PersistentVolumeClaims, each bound to a folder of the test's (its
     /// PersistentVolume), which the node bind-mounts (`docker_pod::claim_bind`).
     pub(crate) claims: BTreeMap<String, std::path::PathBuf>,
+    /// The claims' volumes apply `fsGroup` (a CSI driver with `fsGroupPolicy: File`); off, as
+    /// most ReadWriteMany drivers are by default (`ReadWriteOnceWithFSType`).
+    pub(crate) fs_group: bool,
 }
 
 /// A hook given the deleted pod's name and address (blocking code: it runs on its own thread).
@@ -102,6 +105,7 @@ impl Default for Options {
             proxy_exe: None,
             on_delete: None,
             claims: BTreeMap::new(),
+            fs_group: false,
         }
     }
 }

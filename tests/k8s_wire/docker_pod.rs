@@ -112,9 +112,11 @@ pub(crate) fn container(pod: &Pod, sim: &str, opts: &Options) -> Result<Containe
 
 /// The bind of a claim's volume (`Options::claims`: its PersistentVolume is a folder of the
 /// test's), as the kubelet mounts one: read-only when the source or the mount says so; a
-/// `subPath` made when missing (root's, 0755), as the kubelet does; and, on a writable source
-/// with `fsGroup` whose root is not yet that group's (`OnRootMismatch`), every file given to
-/// the group, group-writable, directories setgid.
+/// `subPath` made when missing, root's, with the claim root's mode (the kubelet's
+/// `SafeMakeDir(subPath, root, GetMode(root))`); and, when the volume applies fsGroup
+/// (`Options::fs_group`), on a writable source with `fsGroup` whose root is not yet that
+/// group's (`OnRootMismatch`), every file given to the group, group-writable, directories
+/// setgid.
 fn claim_bind(
     claim: &k8s_openapi::api::core::v1::PersistentVolumeClaimVolumeSource,
     m: &k8s_openapi::api::core::v1::VolumeMount,
@@ -127,7 +129,8 @@ fn claim_bind(
         claim.claim_name
     ))?;
     let read_only = claim.read_only == Some(true) || m.read_only == Some(true);
-    if let Some(gid) = fs_group.filter(|_| claim.read_only != Some(true)).and_then(|g| u32::try_from(g).ok()) {
+    let applies = opts.fs_group && claim.read_only != Some(true);
+    if let Some(gid) = fs_group.filter(|_| applies).and_then(|g| u32::try_from(g).ok()) {
         let meta = std::fs::metadata(root).map_err(|e| e.to_string())?;
         if meta.gid() != gid {
             regroup(root, gid).map_err(|e| format!("fsGroup on {}: {e}", root.display()))?;
@@ -137,8 +140,9 @@ fn claim_bind(
         Some(sub) if !sub.is_empty() => {
             let p = root.join(sub);
             if !p.exists() {
+                let mode = std::fs::metadata(root).map_err(|e| e.to_string())?.permissions().mode() & 0o7777;
                 std::fs::create_dir(&p).map_err(|e| e.to_string())?;
-                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).map_err(|e| e.to_string())?;
             }
             p
         }

@@ -90,6 +90,8 @@ async fn installs_run_in_a_pod_through_the_proxy_into_the_claims_store() {
         egress_network: Some(world.network.clone()),
         proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
         claims: [("pyberth-layers".to_owned(), world.claim.clone())].into(),
+        // The volume applies fsGroup: the server makes `sets/` itself.
+        fs_group: true,
         on_delete: Some(hook),
         ..Default::default()
     };
@@ -172,6 +174,59 @@ async fn installs_run_in_a_pod_through_the_proxy_into_the_claims_store() {
     s.stop().await;
     assert!(pods(&sim).is_empty(), "pods left: {:?}", pods(&sim));
     assert_eq!(node_containers(&sim).await, 0, "containers left on the node");
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}
+
+/// A claim whose volume applies no fsGroup (most ReadWriteMany drivers) and whose root the
+/// store uid cannot write: the set-up fails once, the server says so, sessions run without the
+/// store and an install says what to do. The operator does it (`sets/`, the store uid's,
+/// 0711); the next server installs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_store_cannot_use_is_said_and_sessions_run_without_it() {
+    let tag = std::process::id();
+    let world = World {
+        network: format!("pyberth-test-k8s-nofsg-{tag}"),
+        claim: std::env::temp_dir().join(format!("pyberth-k8s-nofsg-claim-{tag}")),
+    };
+    docker_cli(&["network", "create", "--internal", "--label", LABEL_TEST, &world.network]);
+    std::fs::create_dir_all(&world.claim).expect("claim folder");
+    std::fs::set_permissions(&world.claim, std::fs::Permissions::from_mode(0o755)).expect("mode");
+    let opts = Options {
+        egress_network: Some(world.network.clone()),
+        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
+        claims: [("pyberth-layers".to_owned(), world.claim.clone())].into(),
+        ..Default::default()
+    };
+    let sim = Sim::start(opts, docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-nofsg-{tag}"));
+    let extra = format!(
+        "pool_size = 0\nk8s_layer_claim = \"pyberth-layers\"\nk8s_egress_image = {:?}\n",
+        pyberth::docker::image::sandbox_tag()
+    );
+    let s = Served::start_tables(&sim, &dir, "nofsg", &extra, "").await;
+    let got = run(&s, "a", "import os\nx = 1\nprint(os.path.ismount('/opt/pyberth/layers'))").await;
+    assert_eq!(got.trim(), "False", "the session runs, without the store: {got}\n{}", s.log());
+    let r = s.call("install_packages", json!({ "session": "a", "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(true), "{}", text(&r));
+    let said = text(&r);
+    assert!(said.contains("unusable") && said.contains("owned by uid 65533, mode 0711"), "{said}");
+    assert_eq!(run(&s, "a", "print(x)").await.trim(), "1", "the session and its state survive");
+    assert!(!world.claim.join("sets").exists(), "nothing made on a claim the store uid cannot write");
+    s.stop().await;
+
+    // The operator's remedy, then a new server: installs work.
+    let sets = world.claim.join("sets");
+    std::fs::create_dir(&sets).expect("sets/");
+    let store_uid = pyberth::k8s::pod::STORE_UID;
+    std::os::unix::fs::chown(&sets, Some(store_uid), Some(store_uid)).expect("chown");
+    std::fs::set_permissions(&sets, std::fs::Permissions::from_mode(0o711)).expect("mode");
+    let s = Served::start_tables(&sim, &dir, "nofsg2", &extra, "").await;
+    let r = s.call("install_packages", json!({ "session": "b", "packages": ["six"] })).await;
+    assert_eq!(r.is_error, Some(false), "{}\n{}", text(&r), s.log());
+    assert_eq!(run(&s, "b", "import six\nprint(six.PY3)").await.trim(), "True");
+    s.stop().await;
+    assert!(pods(&sim).is_empty(), "pods left: {:?}", pods(&sim));
     let _ = std::fs::remove_dir_all(&dir);
     sim.stop().await;
 }

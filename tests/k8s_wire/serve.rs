@@ -179,7 +179,9 @@ async fn refusals(s: &Served) {
     let r = s.call("install_packages", json!({ "session": "k", "packages": ["six"] })).await;
     assert_eq!(r.is_error, Some(true), "{}", text(&r));
     assert!(
-        text(&r).contains("package installs on Kubernetes need the layer store: set k8s_layer_claim"),
+        text(&r).contains(
+            "package installs on Kubernetes need k8s_mode = \"pods\" and the layer store: set k8s_layer_claim"
+        ),
         "{}",
         text(&r)
     );

@@ -65,8 +65,8 @@ fn tmp_mb(body: &ContainerCreateBody) -> u64 {
 
 fn no_store() -> EngineError {
     said(
-        "package installs on Kubernetes need the layer store: set k8s_layer_claim to a ReadWriteMany \
-         PersistentVolumeClaim of the namespace (deploy/kubernetes/20-pyberth.yaml)",
+        "package installs on Kubernetes need k8s_mode = \"pods\" and the layer store: set k8s_layer_claim \
+         to a ReadWriteMany PersistentVolumeClaim of the namespace (deploy/kubernetes/25-layers.yaml)",
     )
 }
 
@@ -104,9 +104,10 @@ impl KubeEngine {
             return Err(no_store());
         }
         // The store's writer runs as root on Docker (its files are root's); here as the
-        // store's uid, which owns `sets/`. No other helper runs as root.
+        // store's uid, which owns `sets/`: any pod writing the claim gets that uid as its
+        // fsGroup too, so no other uid ever re-groups the store. No helper runs as root.
         let uid = match uid_of(body) {
-            Some(0) if store.is_some() => STORE_UID,
+            _ if store.is_some() => STORE_UID,
             Some(uid) if uid > 0 => uid,
             _ => return Err(said(format!("helper container {name} names no uid, or root: no pod runs as root"))),
         };
@@ -187,10 +188,29 @@ impl KubeEngine {
         }
     }
 
-    /// How a helper's command ended, once its output was read to the end.
+    /// How a helper's command ended, once its output was read to the end. Then, as a Docker
+    /// container's end would, whatever the command left running (a build's daemon) is killed:
+    /// only the idle PID 1 stays, for the files to be read out.
     pub(super) fn wait_helper(&self, name: &str) -> Items<'static, ContainerWaitResponse> {
-        let (records, name) = (self.records.clone(), name.to_owned());
+        let (engine, name) = (self.clone(), name.to_owned());
         futures::stream::once(async move {
+            let ended = engine.helper_end(&name).await;
+            if ended.is_ok() {
+                let pod = pod_name(&name);
+                let killed = engine.cluster.exec(&pod, &["sh", "-c", "kill -KILL -1"], false).await;
+                if let Ok(exec) = killed {
+                    let _ = tokio::time::timeout(Duration::from_secs(10), exec.end).await;
+                }
+            }
+            ended
+        })
+        .boxed()
+    }
+
+    /// How a helper's command ended, once its end is recorded (within 30 s).
+    async fn helper_end(&self, name: &str) -> Result<ContainerWaitResponse, EngineError> {
+        let (records, name) = (self.records.clone(), name.to_owned());
+        {
             let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             loop {
                 let end = {
@@ -210,8 +230,7 @@ impl KubeEngine {
                     None => tokio::time::sleep(Duration::from_millis(20)).await,
                 }
             }
-        })
-        .boxed()
+        }
     }
 
     /// Deletes a helper's pod: true when `name` was one.
@@ -259,21 +278,23 @@ impl KubeEngine {
     }
 
     /// Before the first pod of this process that mounts the store's `sets/` (of `image`): the
-    /// claim's `sets/` made, once.
+    /// claim's `sets/` checked or made, once. Its outcome is kept: a claim that cannot hold the
+    /// store (Pending: no ReadWriteMany storage; `sets/` not the store uid's) fails once, and
+    /// sessions then run without the store while installs say why.
     pub(super) async fn store_set_up(&self, image: &str) -> Result<(), EngineError> {
         let Some(claim) = self.settings.layer_claim.clone() else { return Err(no_store()) };
-        self.store_ready.get_or_try_init(|| self.set_up_store(&claim, image)).await.map(|_| ())
+        let outcome = self.store_ready.get_or_init(|| self.set_up_store(claim, image.to_owned())).await;
+        outcome.clone().map_err(said)
     }
 
-    /// Makes `sets/` of the claim, mode 0711, the store uid's: a pod of that uid mounting the
-    /// claim's root (fsGroup lets it write there), and one exec.
-    async fn set_up_store(&self, claim: &str, image: &str) -> Result<(), EngineError> {
+    /// Checks or makes `sets/` of the claim, mode 0711, the store uid's: a pod of that uid
+    /// mounting the claim's root, one exec, within [`SET_UP_LIMIT`].
+    async fn set_up_store(&self, claim: String, image: String) -> Result<(), String> {
         // Unique in the namespace: several servers' processes may share a pid.
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        let name = format!("pyberth-store-setup-{}-{nanos}", std::process::id());
         let helper = Helper {
-            name: pod_name(&name),
-            image: image.to_owned(),
+            name: pod_name(&format!("pyberth-store-setup-{}-{nanos}", std::process::id())),
+            image,
             uid: STORE_UID,
             env: vec!["PATH=/usr/local/bin:/usr/bin:/bin".into()],
             memory_mb: 64,
@@ -284,29 +305,46 @@ impl KubeEngine {
             ..Default::default()
         };
         let pod = crate::k8s::pod::helper_pod(&self.settings, &helper);
-        self.cluster.create_pod(&pod).await.map_err(from_cluster)?;
-        let made = async {
-            self.cluster.wait_running(&helper.name, START_LIMIT).await?;
-            let script = format!("mkdir -p /store/{STORE_SETS} && chmod 0711 /store/{STORE_SETS}");
-            let mut exec = self.cluster.exec(&helper.name, &["sh", "-c", &script], false).await?;
-            let out = std::mem::replace(&mut exec.stderr, Box::pin(tokio::io::empty()));
+        self.cluster.create_pod(&pod).await.map_err(|e| e.to_string())?;
+        let made = tokio::time::timeout(SET_UP_LIMIT, async {
+            self.cluster.wait_running(&helper.name, SET_UP_LIMIT).await?;
+            let mut exec = self.cluster.exec(&helper.name, &["sh", "-c", SET_UP_SH], false).await?;
+            let err = std::mem::replace(&mut exec.stderr, Box::pin(tokio::io::empty()));
             let mut why = String::new();
             let _ =
-                tokio::io::AsyncReadExt::read_to_string(&mut tokio::io::AsyncReadExt::take(out, 4096), &mut why).await;
-            Ok::<_, crate::k8s::cluster::Error>((tokio::time::timeout(Duration::from_secs(30), exec.end).await, why))
-        }
+                tokio::io::AsyncReadExt::read_to_string(&mut tokio::io::AsyncReadExt::take(err, 4096), &mut why).await;
+            Ok::<_, crate::k8s::cluster::Error>((exec.end.await, why))
+        })
         .await;
         let _ = self.cluster.delete_pod(&helper.name).await;
-        match made.map_err(from_cluster)? {
-            (Ok(ExecEnd::Exited(0)), _) => Ok(()),
-            (end, why) => Err(said(format!(
-                "cannot set up the layer store on claim {claim} ({end:?}): {}; the store uid {STORE_UID} must be able \
-                 to write the claim's root (fsGroup)",
-                why.trim()
-            ))),
+        let failed = |what: String| {
+            let text = format!(
+                "the layer store on claim {claim} is unusable ({what}): package installs are refused and sessions run \
+                 without it. Give the claim ReadWriteMany storage and a sets/ directory owned by uid {STORE_UID}, \
+                 mode 0711 (or a volume that applies fsGroup), then restart the server (docs/kubernetes.md, \
+                 \"Package installs\")"
+            );
+            tracing::warn!(target: "pyberth::layers", "{text}");
+            Err(text)
+        };
+        match made {
+            Ok(Ok((ExecEnd::Exited(0), _))) => Ok(()),
+            Ok(Ok((end, why))) => failed(format!("{end:?}: {}", why.trim())),
+            Ok(Err(e)) => failed(e.to_string()),
+            Err(_) => failed(format!("its set-up pod did not finish within {} s", SET_UP_LIMIT.as_secs())),
         }
     }
 }
+
+/// Bound on the store's set-up: a claim that binds to nothing leaves its pod Pending for ever.
+const SET_UP_LIMIT: Duration = Duration::from_secs(60);
+
+/// `sets/` made if missing (the root must be the store uid's to write, by fsGroup or by the
+/// operator), then it must be the store uid's (`-O`), mode 0711.
+const SET_UP_SH: &str = "cd /store || exit 2
+[ -d sets ] || mkdir sets || { echo 'cannot make sets/ in the claim root (not writable by this uid)' >&2; exit 3; }
+[ -O sets ] || { echo \"sets/ is not this uid's: $(ls -ldn sets)\" >&2; exit 4; }
+chmod 0711 sets";
 
 #[cfg(test)]
 mod tests {
