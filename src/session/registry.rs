@@ -232,8 +232,9 @@ impl Registry {
         let (session, created) =
             self.get_or_create_with(principal, name, environment, &packages, allow_hosts, progress).await?;
         let mut installed = if created {
-            // A new session starts from the layer holding them all.
-            Installed { added: packages, present: Vec::new(), layer: None, skipped: Vec::new() }
+            // A new session starts from the layer holding them all (cached or installed now).
+            let layer = if packages.is_empty() { None } else { session.layers().pop() };
+            Installed { added: packages, present: Vec::new(), layer, skipped: Vec::new() }
         } else {
             self.install(&session, &packages, progress).await?
         };

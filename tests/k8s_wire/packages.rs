@@ -167,6 +167,8 @@ async fn installs_run_in_a_pod_through_the_proxy_into_the_claims_store() {
     assert!(before >= 1, "the first install ran an installer pod: {:?}", deleted.lock().expect("deleted"));
     let r = s.call("install_packages", json!({ "session": "b", "packages": ["six"] })).await;
     assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = r.structured_content.clone().unwrap_or_default();
+    assert_eq!(sc["cached"], json!(true), "a new session's set from the store says so: {sc}");
     assert_eq!(run(&s, "b", "import six\nprint(six.PY3)").await.trim(), "True");
     assert_eq!(installers(&deleted), before, "no installer for a stored set");
     assert!(!pods(&sim).iter().any(|p| p.contains("-install-") || p.contains("-store-")), "{:?}", pods(&sim));
