@@ -55,12 +55,7 @@ impl Manager {
     /// at once (nothing listens at the old address) and the server log says why.
     pub(super) async fn readopt(&self, proxy: &mut Proxy) {
         if self.by_peer {
-            // A new proxy pod has a new address, which the open sessions' variables do not
-            // name: they reach nothing now (docs/kubernetes.md, "Not yet").
-            let n = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).len();
-            if n > 0 {
-                tracing::warn!(target: "pyberth::egress", sessions = n, "the egress proxy pod was made again: open sessions lost their egress");
-            }
+            self.rebind(proxy).await;
             return;
         }
         #[allow(clippy::type_complexity)]
@@ -102,6 +97,38 @@ impl Manager {
                     new = %ip,
                     "the new egress proxy got another address on this session's network: its requests are refused"
                 ),
+                Err(e) => {
+                    tracing::warn!(target: "pyberth::egress", session, error = %e, "session not back on the proxy")
+                }
+            }
+        }
+    }
+
+    /// Keyed by peer (Kubernetes), a new proxy pod is reached at the same address, its
+    /// Service's, which the sessions' variables name: the bound sessions' policies (their pod
+    /// addresses and passes) go into it as they were.
+    async fn rebind(&self, proxy: &mut Proxy) {
+        #[allow(clippy::type_complexity)]
+        let bound: Vec<((String, String), IpAddr, Vec<String>, Headers, Option<Arc<str>>)> = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, n)| !n.local.is_unspecified())
+            .map(|(k, n)| {
+                let allow = n.rules.iter().map(|r| r.text().to_owned()).collect();
+                (k.clone(), n.local, allow, n.headers.clone(), n.pass.clone())
+            })
+            .collect();
+        let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
+        for ((principal, session), local, allow, headers, pass) in bound {
+            let set = Command::set(local, &principal, &session, allow, headers).with_pass(pass.as_deref());
+            let sent = match self.send(proxy, &set).await {
+                Ok(()) => self.send(proxy, &Command::Budget { local, bytes }).await,
+                Err(e) => Err(e),
+            };
+            match sent {
+                Ok(()) => tracing::info!(target: "pyberth::egress", session, "session back on the new egress proxy"),
                 Err(e) => {
                     tracing::warn!(target: "pyberth::egress", session, error = %e, "session not back on the proxy")
                 }

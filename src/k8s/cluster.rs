@@ -200,6 +200,11 @@ impl Cluster {
         Self { pods: Api::namespaced(client, namespace), namespace: namespace.to_owned() }
     }
 
+    /// The Services of our namespace (the egress proxy's).
+    pub fn services(&self) -> Api<k8s_openapi::api::core::v1::Service> {
+        Api::namespaced(self.pods.clone().into_client(), &self.namespace)
+    }
+
     /// The Leases of our namespace (heartbeats and their marks).
     pub fn leases(&self) -> Api<k8s_openapi::api::coordination::v1::Lease> {
         Api::namespaced(self.pods.clone().into_client(), &self.namespace)

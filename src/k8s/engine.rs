@@ -104,6 +104,8 @@ struct Records {
     execs: HashMap<String, ExecRec>,
     /// Egress proxy containers (pods), with the command their exec runs.
     proxies: HashMap<String, Vec<String>>,
+    /// The proxy's Service (`egress.rs`): its name and address, which outlive a proxy pod.
+    proxy_service: Option<(String, String)>,
     /// Session networks (records), with their labels.
     networks: BTreeMap<String, HashMap<String, String>>,
     /// Helper containers (installer, marker check, the store's writer and reader): pods.
@@ -383,7 +385,10 @@ impl KubeEngine {
         if self.cluster.get_pod(&pod).await.map_err(from_cluster)?.is_none() {
             return Err(status(404, format!("No such container: {name}")));
         }
-        self.cluster.delete_pod(&pod).await.map_err(from_cluster)
+        self.cluster.delete_pod(&pod).await.map_err(from_cluster)?;
+        // A proxy's: its Service goes too when nothing else uses it.
+        self.proxy_service_done().await;
+        Ok(())
     }
 }
 

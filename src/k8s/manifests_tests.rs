@@ -185,10 +185,15 @@ pub(crate) fn check_role(at: &str, d: &Value) {
         "leases:delete",
         "leases:list",
     ];
-    for must in ["pods:create", "pods:delete", "pods:watch", "pods/exec:create"].into_iter().chain(agent_sandbox) {
+    let egress = ["services:create", "services:get", "services:delete"];
+    let pods = ["pods:create", "pods:delete", "pods:watch", "pods/exec:create"];
+    for must in pods.into_iter().chain(egress).chain(agent_sandbox) {
         assert!(granted.iter().any(|g| g == must), "{must} missing from {granted:?}");
     }
     assert!(!granted.iter().any(|g| g.starts_with("pods:update") || g.starts_with("pods:patch")), "{granted:?}");
+    // Services: made and deleted (the proxy's), never changed or listed.
+    let service_verbs = ["services:create", "services:get", "services:delete"];
+    assert!(granted.iter().filter(|g| g.starts_with("services:")).all(|g| service_verbs.contains(&g.as_str())));
     // Templates and pools are ours to make and update, never to delete (another release's
     // sessions may still claim from them); Sandboxes are agent-sandbox's, only read.
     assert!(

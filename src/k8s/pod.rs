@@ -354,6 +354,8 @@ pub fn helper_pod(settings: &PodSettings, h: &Helper) -> Pod {
 pub const LABEL_APP: &str = "app.kubernetes.io/name";
 /// Its value on the proxy pod.
 pub const PROXY_APP: &str = "pyberth-egress-proxy";
+/// Label on a server's proxy pods, which its proxy Service selects (`engine/egress.rs`).
+pub const LABEL_PROXY_OF: &str = "pyberth.io/proxy-of";
 /// Where the proxy pod's image carries the pyberth executable (the server's image does).
 pub const PROXY_EXE: &str = "/usr/local/bin/pyberth";
 /// The proxy's uid: nobody.

@@ -67,6 +67,9 @@ pub(crate) struct Options {
     /// The namespace's PersistentVolumeClaims, each bound to a folder of the test's (its
     /// PersistentVolume), which the node bind-mounts (`docker_pod::claim_bind`).
     pub(crate) claims: BTreeMap<String, std::path::PathBuf>,
+    /// The addresses Services get (`services.rs`): on the egress network, whose subnet the
+    /// test chose; none given: Services get addresses nothing answers at.
+    pub(crate) service_ips: Vec<String>,
     /// The claims' volumes apply `fsGroup` (a CSI driver with `fsGroupPolicy: File`); off, as
     /// most ReadWriteMany drivers are by default (`ReadWriteOnceWithFSType`).
     pub(crate) fs_group: bool,
@@ -105,6 +108,7 @@ impl Default for Options {
             proxy_exe: None,
             on_delete: None,
             claims: BTreeMap::new(),
+            service_ips: Vec::new(),
             fs_group: false,
         }
     }
@@ -246,6 +250,9 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         let fallback = status(StatusCode::NOT_FOUND, "NotFound", &format!("the server could not find {path}"));
         return Ok(super::crds::handle(&state, &parts, req).await.unwrap_or(fallback));
     }
+    if let Some(rest) = parts.strip_prefix(&["api", "v1", "namespaces", "pyberth", "services"]) {
+        return Ok(super::services::handle(&state, rest, req).await);
+    }
     let Some(rest) = parts.strip_prefix(&["api", "v1", "namespaces", "pyberth", "pods"]) else {
         return Ok(status(StatusCode::NOT_FOUND, "NotFound", &format!("the server could not find {path}")));
     };
@@ -365,7 +372,8 @@ pub(crate) fn make_pod(state: &Arc<State>, mut pod: Pod) -> Result<Pod, Box<Resp
     tokio::spawn(async move {
         tokio::time::sleep(node.opts.start_delay).await;
         let container = format!("{}-{name}", node.sim);
-        match docker_pod::start(&node.docker, &started, &container, &node.sim, &node.opts).await {
+        let service_ip = super::services::address_of(&node, &started);
+        match docker_pod::start(&node.docker, &started, &container, &node.sim, &node.opts, service_ip).await {
             Ok((id, ip)) => node.set_phase_at(&name, "Running", Some(id), ip),
             Err(e) => {
                 eprintln!("simulated node: pod {name} failed: {e}");

@@ -179,6 +179,7 @@ pub(crate) async fn start(
     name: &str,
     sim: &str,
     opts: &Options,
+    service_ip: Option<String>,
 ) -> Result<(String, Option<String>), String> {
     let body = container(pod, sim, opts)?;
     let (network, proxy) = network_of(pod, opts);
@@ -186,7 +187,13 @@ pub(crate) async fn start(
     let id = docker.create_container(Some(create), body).await.map_err(|e| e.to_string())?.id;
     let net = opts.egress_network.clone().filter(|n| proxy || *n == network);
     if let Some(n) = net.as_ref().filter(|_| proxy) {
-        let req = NetworkConnectRequest { container: id.clone(), endpoint_config: None };
+        // A Service selecting the pod: its address is the pod's on the egress network (the
+        // model of kube-proxy: the same address for the pods it selects, one after another).
+        let endpoint_config = service_ip.map(|ip| bollard::models::EndpointSettings {
+            ipam_config: Some(bollard::models::EndpointIpamConfig { ipv4_address: Some(ip), ..Default::default() }),
+            ..Default::default()
+        });
+        let req = NetworkConnectRequest { container: id.clone(), endpoint_config };
         docker.connect_network(n, req).await.map_err(|e| e.to_string())?;
     }
     docker.start_container(&id, None).await.map_err(|e| e.to_string())?;

@@ -35,6 +35,18 @@ fn docker_cli(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// Makes the test's `internal` egress network `name` (labelled `label`) on a subnet of its
+/// own; returns the address its Services get (the proxy's, `services.rs`), which Docker's own
+/// allocation, from the subnet's low end, never hands out first.
+pub(super) fn egress_network(name: &str, label: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let third = (std::process::id().wrapping_mul(7) + N.fetch_add(1, Ordering::Relaxed)) % 250;
+    let subnet = format!("10.231.{third}.0/24");
+    docker_cli(&["network", "create", "--internal", "--subnet", &subnet, "--label", label, name]);
+    format!("10.231.{third}.250")
+}
+
 /// The operator's secret header for `upstream.test`, which the upstream echoes.
 const KEY: &str = "k8s-egress-test-0123456789";
 
@@ -45,14 +57,16 @@ struct World {
     network: String,
     upstream: String,
     ip: String,
+    /// The address of the proxy's Service on the network.
+    service_ip: String,
 }
 
 impl World {
     async fn start(tag: &str) -> World {
         let network = format!("pyberth-test-k8s-egress-{}-{tag}", std::process::id());
-        docker_cli(&["network", "create", "--internal", "--label", LABEL_TEST, &network]);
+        let service_ip = egress_network(&network, LABEL_TEST);
         let upstream = format!("pyberth-test-k8s-upstream-{}-{tag}", std::process::id());
-        let mut world = World { network, upstream: upstream.clone(), ip: String::new() };
+        let mut world = World { network, upstream: upstream.clone(), ip: String::new(), service_ip };
         let image = pyberth::docker::image::sandbox_tag();
         let run = ["run", "-d", "--rm", "--name", &upstream, "--label", LABEL_TEST, "--cap-drop", "ALL"];
         let args = ["--user", "65534:65534", "--memory", "128m", &image, "python3", "-c", UPSTREAM];
@@ -118,6 +132,7 @@ async fn egress_sessions_reach_their_list_told_apart_by_their_pods_addresses() {
     let world = World::start("e").await;
     let opts = Options {
         egress_network: Some(world.network.clone()),
+        service_ips: vec![world.service_ip.clone()],
         proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
         ..Default::default()
     };
@@ -233,6 +248,7 @@ async fn egress_policy_never_outlives_its_pods_address() {
     };
     let opts = Options {
         egress_network: Some(world.network.clone()),
+        service_ips: vec![world.service_ip.clone()],
         proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
         on_delete: Some(hook),
         ..Default::default()
@@ -296,6 +312,7 @@ async fn a_pod_given_a_dead_sessions_address_lacks_its_pass() {
     let world = World::start("p").await;
     let opts = Options {
         egress_network: Some(world.network.clone()),
+        service_ips: vec![world.service_ip.clone()],
         proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
         ..Default::default()
     };
@@ -326,6 +343,64 @@ async fn a_pod_given_a_dead_sessions_address_lacks_its_pass() {
     assert!(!served.contains("upstream ok"), "served with the dead pod's policy: {served}");
     assert!(served.starts_with("407 pyberth egress:") && served.contains("pass"), "{served}");
     s.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}
+
+/// The proxy pod dies behind the server's back (its node container removed): the server makes
+/// another at a run, behind the same Service address, which the open session's variables
+/// name, and puts the session's policy (address and pass) into it: the session reaches its
+/// upstream again, header added, without being made again. The stop deletes the Service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_pod_made_again_keeps_the_sessions_egress() {
+    let world = World::start("r").await;
+    let opts = Options {
+        egress_network: Some(world.network.clone()),
+        service_ips: vec![world.service_ip.clone()],
+        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
+        ..Default::default()
+    };
+    let sim = Sim::start(opts, docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-reproxy-{}", std::process::id()));
+    let ip = &world.ip;
+    let extra = format!("pool_size = 0\nk8s_egress_image = {:?}\n", pyberth::docker::image::sandbox_tag());
+    let tables = format!(
+        "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n[environments.net]\negress = [\"upstream.test:8000\"]\n\
+         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n"
+    );
+    let s = Served::start_tables(&sim, &dir, "reproxy", &extra, &tables).await;
+    let a = out(&s, "a", "net", &format!("x = 7\n{}", fetch("http://upstream.test:8000/a"))).await;
+    assert!(ok(&a), "{a}\n{}", s.log());
+    let url = out(&s, "a", "net", "import os\nprint(os.environ['HTTP_PROXY'])").await;
+    assert!(url.trim().ends_with(&format!("@{}:3128", world.service_ip)), "the Service's address: {url}");
+    let services =
+        |sim: &Sim| sim.state.objects.lock().expect("objects").keys().filter(|(p, _)| p == "services").count();
+    assert_eq!(services(&sim), 1);
+
+    let proxy_pod = |sim: &Sim| {
+        let pods = sim.state.pods.lock().expect("pods");
+        pods.iter()
+            .filter(|(n, _)| n.contains("-egress-"))
+            .find_map(|(n, p)| p.container.clone().map(|c| (n.clone(), c)))
+    };
+    let (first, container) = proxy_pod(&sim).expect("the proxy pod runs");
+    docker_cli(&["rm", "-f", &container]);
+    // A run finds the proxy gone and makes another; a run racing its end may miss it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let again = out(&s, "a", "net", &format!("print(x)\n{}", fetch("http://upstream.test:8000/again"))).await;
+        if again.starts_with("7\n200 upstream ok /again") && !again.contains("key=None") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the session never reached its upstream again: {again}\n{}", s.log());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (second, _) = proxy_pod(&sim).expect("a proxy pod runs");
+    assert_ne!(first, second, "another proxy pod");
+    assert!(s.whole_log().contains("session back on the new egress proxy"), "{}", s.log());
+    s.stop().await;
+    assert_eq!(services(&sim), 0, "the stop deleted the Service");
+    assert!(pods(&sim).is_empty(), "pods left: {:?}", pods(&sim));
     let _ = std::fs::remove_dir_all(&dir);
     sim.stop().await;
 }

@@ -16,6 +16,7 @@ mod oom;
 mod packages;
 mod sandbox_mode;
 mod serve;
+mod services;
 
 use std::collections::BTreeMap;
 use std::pin::Pin;

@@ -28,6 +28,13 @@ struct World {
     claim: std::path::PathBuf,
 }
 
+impl World {
+    /// Its network made, on a subnet of its own: the address of the proxy's Service there.
+    fn network(&self) -> String {
+        super::egress::egress_network(&self.network, LABEL_TEST)
+    }
+}
+
 impl Drop for World {
     fn drop(&mut self) {
         let _ = std::process::Command::new("docker").args(["network", "rm", &self.network]).output();
@@ -68,7 +75,7 @@ async fn installs_run_in_a_pod_through_the_proxy_into_the_claims_store() {
         network: format!("pyberth-test-k8s-packages-{tag}"),
         claim: std::env::temp_dir().join(format!("pyberth-k8s-claim-{tag}")),
     };
-    docker_cli(&["network", "create", "--internal", "--label", LABEL_TEST, &world.network]);
+    let service_ip = world.network();
     std::fs::create_dir_all(&world.claim).expect("claim folder");
     std::fs::set_permissions(&world.claim, std::fs::Permissions::from_mode(0o755)).expect("mode");
     let armed: Arc<Mutex<Option<String>>> = Arc::default();
@@ -88,6 +95,7 @@ async fn installs_run_in_a_pod_through_the_proxy_into_the_claims_store() {
     };
     let opts = Options {
         egress_network: Some(world.network.clone()),
+        service_ips: vec![service_ip],
         proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
         claims: [("pyberth-layers".to_owned(), world.claim.clone())].into(),
         // The volume applies fsGroup: the server makes `sets/` itself.
@@ -191,11 +199,12 @@ async fn a_claim_the_store_cannot_use_is_said_and_sessions_run_without_it() {
         network: format!("pyberth-test-k8s-nofsg-{tag}"),
         claim: std::env::temp_dir().join(format!("pyberth-k8s-nofsg-claim-{tag}")),
     };
-    docker_cli(&["network", "create", "--internal", "--label", LABEL_TEST, &world.network]);
+    let service_ip = world.network();
     std::fs::create_dir_all(&world.claim).expect("claim folder");
     std::fs::set_permissions(&world.claim, std::fs::Permissions::from_mode(0o755)).expect("mode");
     let opts = Options {
         egress_network: Some(world.network.clone()),
+        service_ips: vec![service_ip],
         proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
         claims: [("pyberth-layers".to_owned(), world.claim.clone())].into(),
         ..Default::default()

@@ -4,15 +4,17 @@
 //! keeps sandbox pods apart and lets labelled ones reach the proxy), and every pod's address
 //! is its `podIP`, which the proxy tells sessions apart by (`egress::Binder`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bollard::models::{ContainerCreateBody, ContainerInspectResponse, EndpointSettings, NetworkSettings};
 use bollard::query_parameters::AttachContainerOptions;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{DeleteParams, PostParams};
 
 use super::translate::pod_name;
 use super::{EngineError, ExecRec, KubeEngine, START_LIMIT, from_cluster, said, status, unsupported};
 use crate::docker::seam::types::{AttachContainerResults, Network, NetworkCreateRequest, NetworkCreateResponse};
+use crate::k8s::pod::{LABEL_APP, LABEL_PROXY_OF, PROXY_APP};
 
 /// What agent-sandbox mode cannot do.
 pub(super) fn not_claimed() -> EngineError {
@@ -33,11 +35,64 @@ impl KubeEngine {
             Some(exe) => *exe = crate::k8s::pod::PROXY_EXE.to_owned(),
             None => return Err(said("the egress proxy has no command")),
         }
-        let labels = body.labels.clone().unwrap_or_default().into_iter().collect();
+        let mut labels: BTreeMap<String, String> = body.labels.clone().unwrap_or_default().into_iter().collect();
+        // This server's proxy pods, whichever is the current one: its Service selects them.
+        let of = pod_name(name.rsplit_once("-egress-").map_or(name, |(base, _)| base));
+        labels.insert(LABEL_PROXY_OF.into(), of.clone());
+        // The Service first: the proxy is reached at its address from the start.
+        self.proxy_service(&of, &labels).await?;
         let pod = crate::k8s::pod::proxy_pod(&self.settings, &image, &pod_name(name), &labels);
         self.cluster.create_pod(&pod).await.map_err(from_cluster)?;
         self.records().proxies.insert(name.to_owned(), cmd);
         Ok(())
+    }
+
+    /// The proxy's Service `pyberth-egress-<of>`, made once: a ClusterIP that stays when a
+    /// proxy pod is made again, so the sessions' variables (which name it) keep reaching one.
+    /// Connections keep their source address through it (kube-proxy translates only the
+    /// destination), which the proxy tells sessions apart by, with their pass.
+    async fn proxy_service(&self, of: &str, labels: &BTreeMap<String, String>) -> Result<(), EngineError> {
+        if self.records().proxy_service.is_some() {
+            return Ok(());
+        }
+        let name = pod_name(&format!("{of}-svc"));
+        let (ours, _) = crate::k8s::labels::split(labels);
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": { "name": name, "labels": ours },
+            "spec": {
+                "type": "ClusterIP",
+                "selector": { LABEL_APP: PROXY_APP, LABEL_PROXY_OF: of },
+                "ports": [{ "name": "proxy", "port": crate::egress::proxy::PORT, "targetPort": crate::egress::proxy::PORT, "protocol": "TCP" }],
+            },
+        }))
+        .map_err(|e| said(format!("the proxy's Service did not serialize: {e}")))?;
+        let api = self.cluster.services();
+        let made = match api.create(&PostParams::default(), &svc).await {
+            Ok(s) => s,
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                api.get(&name).await.map_err(|e| from_cluster(self.cluster.error("get services")(e)))?
+            }
+            Err(e) => return Err(from_cluster(self.cluster.error("create services")(e))),
+        };
+        let ip = made.spec.and_then(|s| s.cluster_ip).filter(|ip| !ip.is_empty() && ip != "None");
+        let ip = ip.ok_or_else(|| said(format!("the proxy's Service {name} got no cluster address")))?;
+        self.records().proxy_service = Some((name, ip));
+        Ok(())
+    }
+
+    /// Deletes the proxy's Service once nothing uses it: no proxy pod and no session network
+    /// (a proxy made again while sessions are open keeps it, and so its address).
+    pub(super) async fn proxy_service_done(&self) {
+        let done = {
+            let mut r = self.records();
+            if r.proxies.is_empty() && r.networks.is_empty() { r.proxy_service.take() } else { None }
+        };
+        if let Some((name, _)) = done
+            && let Err(e) = self.cluster.services().delete(&name, &DeleteParams::default()).await
+        {
+            tracing::warn!(service = %name, error = %e, "cannot delete the egress proxy's Service");
+        }
     }
 
     /// The proxy's exec, once its pod runs: its stdout and stderr as an attach's output.
@@ -77,6 +132,11 @@ impl KubeEngine {
             return c;
         };
         let r = self.records();
+        // The proxy is reached at its Service's address.
+        let ip = match (&r.proxy_service, r.proxies.contains_key(name)) {
+            (Some((_, service)), true) => service.clone(),
+            _ => ip,
+        };
         let names: Vec<String> =
             if r.proxies.contains_key(name) { r.networks.keys().cloned().collect() } else { vec!["pod".into()] };
         let endpoint = EndpointSettings { ip_address: Some(ip), ..Default::default() };

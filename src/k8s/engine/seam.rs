@@ -376,7 +376,11 @@ impl Engine for KubeEngine {
         ready(self.network_create(req))
     }
     fn remove_network<'a>(&'a self, name: &'a str) -> Fut<'a, ()> {
-        ready(self.network_known(name, true))
+        Box::pin(async move {
+            self.network_known(name, true)?;
+            self.proxy_service_done().await;
+            Ok(())
+        })
     }
     fn list_networks(&self, options: Option<q::ListNetworksOptions>) -> Fut<'_, Vec<Network>> {
         let filters = options.and_then(|o| o.filters);
