@@ -83,6 +83,32 @@ impl World {
     }
 }
 
+impl World {
+    /// The simulator's options for this world: its egress network, the proxy's Service address
+    /// there, and the test's binary as the proxy pod's executable.
+    fn options(&self) -> Options {
+        Options {
+            egress_network: Some(self.network.clone()),
+            service_ips: vec![self.service_ip.clone()],
+            proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
+            ..Default::default()
+        }
+    }
+
+    /// A server's config with `extra`: environment `net` allows `upstream.test` (pinned to the
+    /// upstream), with the operator's secret header; as `Served::start_tables` takes it.
+    fn header_config(&self, extra: &str) -> (String, String) {
+        let image = pyberth::docker::image::sandbox_tag();
+        let extra = format!("pool_size = 0\n{extra}k8s_egress_image = {image:?}\n");
+        let tables = format!(
+            "[egress_pin]\n\"upstream.test\" = \"{}\"\n[environments.net]\negress = [\"upstream.test:8000\"]\n\
+             [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n",
+            self.ip
+        );
+        (extra, tables)
+    }
+}
+
 impl Drop for World {
     fn drop(&mut self) {
         let _ = std::process::Command::new("docker").args(["rm", "-f", &self.upstream]).output();
@@ -130,13 +156,7 @@ fn denied(out: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn egress_sessions_reach_their_list_told_apart_by_their_pods_addresses() {
     let world = World::start("e").await;
-    let opts = Options {
-        egress_network: Some(world.network.clone()),
-        service_ips: vec![world.service_ip.clone()],
-        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
-        ..Default::default()
-    };
-    let sim = Sim::start(opts, docker()).await;
+    let sim = Sim::start(world.options(), docker()).await;
     let dir = std::env::temp_dir().join(format!("pyberth-k8s-egress-{}", std::process::id()));
     let ip = &world.ip;
     // The proxy pod's image: the sandbox image, the executable bind-mounted by the node.
@@ -246,24 +266,9 @@ async fn egress_policy_never_outlives_its_pods_address() {
             }
         }))
     };
-    let opts = Options {
-        egress_network: Some(world.network.clone()),
-        service_ips: vec![world.service_ip.clone()],
-        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
-        on_delete: Some(hook),
-        ..Default::default()
-    };
-    let sim = Sim::start(opts, docker()).await;
+    let sim = Sim::start(Options { on_delete: Some(hook), ..world.options() }, docker()).await;
     let dir = std::env::temp_dir().join(format!("pyberth-k8s-unbind-{}", std::process::id()));
-    let ip = &world.ip;
-    let extra = format!(
-        "pool_size = 0\nhibernate_after_s = 3\nk8s_egress_image = {:?}\n",
-        pyberth::docker::image::sandbox_tag()
-    );
-    let tables = format!(
-        "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n[environments.net]\negress = [\"upstream.test:8000\"]\n\
-         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n"
-    );
+    let (extra, tables) = world.header_config("hibernate_after_s = 3\n");
     let s = Served::start_tables(&sim, &dir, "unbind", &extra, &tables).await;
     let a = out(&s, "a", "net", &fetch("http://upstream.test:8000/a")).await;
     // (The header comes back masked in the session's output.)
@@ -310,20 +315,9 @@ async fn egress_policy_never_outlives_its_pods_address() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_given_a_dead_sessions_address_lacks_its_pass() {
     let world = World::start("p").await;
-    let opts = Options {
-        egress_network: Some(world.network.clone()),
-        service_ips: vec![world.service_ip.clone()],
-        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
-        ..Default::default()
-    };
-    let sim = Sim::start(opts, docker()).await;
+    let sim = Sim::start(world.options(), docker()).await;
     let dir = std::env::temp_dir().join(format!("pyberth-k8s-pass-{}", std::process::id()));
-    let ip = &world.ip;
-    let extra = format!("pool_size = 0\nk8s_egress_image = {:?}\n", pyberth::docker::image::sandbox_tag());
-    let tables = format!(
-        "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n[environments.net]\negress = [\"upstream.test:8000\"]\n\
-         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n"
-    );
+    let (extra, tables) = world.header_config("");
     let s = Served::start_tables(&sim, &dir, "pass", &extra, &tables).await;
     let a = out(&s, "a", "net", &fetch("http://upstream.test:8000/a")).await;
     assert!(ok(&a) && !a.contains("key=None"), "the session reaches the upstream with its pass: {a}\n{}", s.log());
@@ -354,20 +348,9 @@ async fn a_pod_given_a_dead_sessions_address_lacks_its_pass() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_proxy_pod_made_again_keeps_the_sessions_egress() {
     let world = World::start("r").await;
-    let opts = Options {
-        egress_network: Some(world.network.clone()),
-        service_ips: vec![world.service_ip.clone()],
-        proxy_exe: Some(env!("CARGO_BIN_EXE_pyberth").into()),
-        ..Default::default()
-    };
-    let sim = Sim::start(opts, docker()).await;
+    let sim = Sim::start(world.options(), docker()).await;
     let dir = std::env::temp_dir().join(format!("pyberth-k8s-reproxy-{}", std::process::id()));
-    let ip = &world.ip;
-    let extra = format!("pool_size = 0\nk8s_egress_image = {:?}\n", pyberth::docker::image::sandbox_tag());
-    let tables = format!(
-        "[egress_pin]\n\"upstream.test\" = \"{ip}\"\n[environments.net]\negress = [\"upstream.test:8000\"]\n\
-         [environments.net.egress_headers.\"upstream.test\"]\nX-Api-Key = \"{KEY}\"\n"
-    );
+    let (extra, tables) = world.header_config("");
     let s = Served::start_tables(&sim, &dir, "reproxy", &extra, &tables).await;
     let a = out(&s, "a", "net", &format!("x = 7\n{}", fetch("http://upstream.test:8000/a"))).await;
     assert!(ok(&a), "{a}\n{}", s.log());

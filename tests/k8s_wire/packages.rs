@@ -29,9 +29,18 @@ struct World {
 }
 
 impl World {
-    /// Its network made, on a subnet of its own: the address of the proxy's Service there.
-    fn network(&self) -> String {
-        super::egress::egress_network(&self.network, LABEL_TEST)
+    /// Its network (on a subnet of its own) and its claim folder (root's, 0755) made; with the
+    /// address of the proxy's Service on the network.
+    fn make(tag: &str) -> (World, String) {
+        let pid = std::process::id();
+        let world = World {
+            network: format!("pyberth-test-k8s-{tag}-{pid}"),
+            claim: std::env::temp_dir().join(format!("pyberth-k8s-{tag}-claim-{pid}")),
+        };
+        let service_ip = super::egress::egress_network(&world.network, LABEL_TEST);
+        std::fs::create_dir_all(&world.claim).expect("claim folder");
+        std::fs::set_permissions(&world.claim, std::fs::Permissions::from_mode(0o755)).expect("mode");
+        (world, service_ip)
     }
 }
 
@@ -71,13 +80,7 @@ async fn run(s: &Served, session: &str, code: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn installs_run_in_a_pod_through_the_proxy_into_the_claims_store() {
     let tag = std::process::id();
-    let world = World {
-        network: format!("pyberth-test-k8s-packages-{tag}"),
-        claim: std::env::temp_dir().join(format!("pyberth-k8s-claim-{tag}")),
-    };
-    let service_ip = world.network();
-    std::fs::create_dir_all(&world.claim).expect("claim folder");
-    std::fs::set_permissions(&world.claim, std::fs::Permissions::from_mode(0o755)).expect("mode");
+    let (world, service_ip) = World::make("packages");
     let armed: Arc<Mutex<Option<String>>> = Arc::default();
     let seen: Arc<Mutex<Vec<(String, String, String)>>> = Arc::default();
     let deleted: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -195,13 +198,7 @@ async fn installs_run_in_a_pod_through_the_proxy_into_the_claims_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_the_store_cannot_use_is_said_and_sessions_run_without_it() {
     let tag = std::process::id();
-    let world = World {
-        network: format!("pyberth-test-k8s-nofsg-{tag}"),
-        claim: std::env::temp_dir().join(format!("pyberth-k8s-nofsg-claim-{tag}")),
-    };
-    let service_ip = world.network();
-    std::fs::create_dir_all(&world.claim).expect("claim folder");
-    std::fs::set_permissions(&world.claim, std::fs::Permissions::from_mode(0o755)).expect("mode");
+    let (world, service_ip) = World::make("nofsg");
     let opts = Options {
         egress_network: Some(world.network.clone()),
         service_ips: vec![service_ip],
