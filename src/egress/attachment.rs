@@ -4,7 +4,7 @@
 use super::*;
 
 /// What a session container needs for egress: its network and the proxy's address there.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Attachment {
     /// The session's own `internal` network.
     pub network: String,
@@ -21,6 +21,17 @@ pub struct Attachment {
     pub binder: Option<Arc<super::Binder>>,
     /// Keyed by peer: the session's pass, in its proxy URL (`pyberth:<pass>@`).
     pub pass: Option<Arc<str>>,
+}
+
+/// Without the pass (which its `Debug` would show, and a log would keep).
+impl std::fmt::Debug for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attachment")
+            .field("network", &self.network)
+            .field("proxy_ip", &self.proxy_ip)
+            .field("rules", &self.rules)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Attachment {

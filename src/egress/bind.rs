@@ -75,9 +75,28 @@ impl Binder {
         }
         let set = Command::set(ip, &self.principal, &self.session, allow, headers).with_pass(pass.as_deref());
         // Recorded before it is sent: a Set the proxy took but did not confirm in time is
-        // still taken out by the unbinding that precedes the pod's deletion.
-        if let Some(n) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&key) {
-            n.local = ip;
+        // still taken out by the unbinding that precedes the pod's deletion. The address is
+        // this session's alone now: another that still held it (its pod gone unseen) lets it
+        // go, so its later unbinding cannot drop this one's policy, nor a rebind replay it.
+        let stale: Vec<(String, String)> = {
+            let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+            let stale = s
+                .iter_mut()
+                .filter(|(k, n)| **k != key && n.local == ip)
+                .map(|(k, n)| {
+                    n.local = IpAddr::from([0, 0, 0, 0]);
+                    k.clone()
+                })
+                .collect();
+            if let Some(n) = s.get_mut(&key) {
+                n.local = ip;
+            }
+            stale
+        };
+        if let Some(t) = self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&ip) {
+            for (principal, session) in &stale {
+                t.log.flush(principal, session);
+            }
         }
         send(proxy, &set).await?;
         drop(slot);

@@ -5,7 +5,6 @@ use super::*;
 
 /// The package installer's way out: its own network with the proxy, allowing only the index
 /// hosts (`Manager::attach_installer`).
-#[derive(Debug)]
 pub struct InstallerNet {
     /// The network to create the installer container on (`HostConfig.network_mode`).
     pub network: String,
@@ -18,6 +17,16 @@ pub struct InstallerNet {
     pub(super) key: String,
     /// Keyed by its own address (Kubernetes): its policy goes in once its pod has one.
     pub(super) binder: Option<Arc<Binder>>,
+}
+
+/// Without its variables (the proxy URL carries its pass).
+impl std::fmt::Debug for InstallerNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InstallerNet")
+            .field("network", &self.network)
+            .field("allow", &self.allow)
+            .finish_non_exhaustive()
+    }
 }
 
 impl InstallerNet {

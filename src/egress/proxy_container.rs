@@ -225,7 +225,7 @@ impl Manager {
             .await
             .map_err(|e| format!("cannot attach to the egress proxy: {e}"))?;
         self.docker.start_container(id, None).await.map_err(|e| format!("cannot start the egress proxy: {e}"))?;
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<bool, String>>();
         let totals = self.totals.clone();
         let (applied_tx, applied) = tokio::sync::watch::channel(0u64);
         let reader = tokio::spawn(read_reports(attached.output, (totals, self.metrics.clone()), ready_tx, applied_tx));
@@ -235,7 +235,16 @@ impl Manager {
             Err(why)
         };
         let stderr = match ready {
-            Ok(Ok(Ok(()))) => None,
+            // Keyed by peer, a proxy that does not check passes tells sessions apart by their
+            // address alone, which a pod given a gone pod's address shares.
+            Ok(Ok(Ok(false))) if self.by_peer => {
+                return fail(
+                    "the egress proxy's image (k8s_egress_image) is older than this server: it does not check \
+                     session passes; run this server's own image"
+                        .into(),
+                );
+            }
+            Ok(Ok(Ok(_))) => None,
             Ok(Ok(Err(s))) => Some(s),
             Ok(Err(_)) => Some(String::new()),
             Err(_) => return fail("the egress proxy did not start within 30 s".into()),
@@ -391,7 +400,7 @@ impl Manager {
 async fn read_reports(
     mut output: std::pin::Pin<Box<dyn futures::Stream<Item = Result<LogOutput, bollard::errors::Error>> + Send>>,
     (totals, metrics): (Arc<Mutex<HashMap<IpAddr, Totals>>>, Arc<crate::metrics::Metrics>),
-    ready_tx: tokio::sync::oneshot::Sender<Result<(), String>>,
+    ready_tx: tokio::sync::oneshot::Sender<Result<bool, String>>,
     applied_tx: tokio::sync::watch::Sender<u64>,
 ) {
     let mut ready = Some(ready_tx);
@@ -403,9 +412,9 @@ async fn read_reports(
                 while let Some(i) = out.iter().position(|b| *b == b'\n') {
                     let line: Vec<u8> = out.drain(..=i).collect();
                     match serde_json::from_slice::<Report>(&line) {
-                        Ok(Report::Ready) => {
+                        Ok(Report::Ready { passes }) => {
                             if let Some(r) = ready.take() {
-                                let _ = r.send(Ok(()));
+                                let _ = r.send(Ok(passes));
                             }
                         }
                         Ok(Report::Conn(r)) => {

@@ -382,13 +382,13 @@ impl KubeEngine {
             return c.remove(name).await;
         }
         let pod = translate::pod_name(name);
-        if self.cluster.get_pod(&pod).await.map_err(from_cluster)?.is_none() {
-            return Err(status(404, format!("No such container: {name}")));
+        let found = self.cluster.get_pod(&pod).await.map_err(from_cluster)?.is_some();
+        if found {
+            self.cluster.delete_pod(&pod).await.map_err(from_cluster)?;
         }
-        self.cluster.delete_pod(&pod).await.map_err(from_cluster)?;
-        // A proxy's: its Service goes too when nothing else uses it.
+        // A proxy's (gone already or not): its Service goes too when nothing else uses it.
         self.proxy_service_done().await;
-        Ok(())
+        if found { Ok(()) } else { Err(status(404, format!("No such container: {name}"))) }
     }
 }
 

@@ -16,7 +16,7 @@ use super::scrub::Scrubber;
 use super::splice::splice;
 use super::state::{Policy, REFUSAL_PENALTY, REFUSAL_RATE, Shared};
 use super::wire::Record;
-use super::wire::deny;
+use super::wire::{AUTH_REQUIRED, deny};
 use super::{CONNECT_TIMEOUT, HEAD_TIMEOUT};
 use crate::egress::policy::{self, Rule};
 
@@ -86,15 +86,6 @@ pub(super) async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared,
         Ok(Err(e)) => return deny(&mut sock, "400 Bad Request", &e).await,
         Err(_) => return deny(&mut sock, "408 Request Timeout", "no request head within 10 s").await,
     };
-    // Keyed by peer, the address alone is not the session: a pod the cluster gave a gone
-    // pod's address has not that pod's pass.
-    if let Some(wanted) = &policy.pass
-        && !head.proxy_auth.as_deref().is_some_and(|given| super::head::same_secret(given, wanted))
-    {
-        let why = "this address's session pass is missing or wrong: connections must use the proxy URL of \
-                   the session's HTTP_PROXY, credentials included";
-        return deny(&mut sock, "407 Proxy Authentication Required", why).await;
-    }
     let record = Record {
         local,
         session: policy.session.clone(),
@@ -112,6 +103,17 @@ pub(super) async fn handle(mut sock: TcpStream, peer: SocketAddr, state: Shared,
         .or_else(|| head.host.parse::<IpAddr>().ok().map(|ip| ip.to_string()))
         .unwrap_or_default();
     let mut c = Conn { sock, policy, record, started, reports };
+    // Keyed by peer, the address alone is not the session: a pod the cluster gave a gone
+    // pod's address has not that pod's pass (and a policy without one serves nobody).
+    let passed = match &c.policy.pass {
+        Some(wanted) => head.proxy_auth.as_deref().is_some_and(|given| super::head::same_secret(given, wanted)),
+        None => !by_peer,
+    };
+    if !passed {
+        let why = "this address's session pass is missing or wrong: connections must use the proxy URL of the \
+                   session's HTTP_PROXY, credentials included";
+        return c.refuse(AUTH_REQUIRED, "no session pass".into(), why).await;
+    }
     let rule = match verdict(&c.policy, &head, &host, &c.record.host) {
         Ok(r) => r,
         Err(why) => return c.refuse("403 Forbidden", why.clone(), &why).await,

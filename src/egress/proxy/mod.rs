@@ -60,7 +60,7 @@ pub async fn run() -> Result<(), Error> {
     let listener = TcpListener::bind(("0.0.0.0", PORT)).await.map_err(Error::Listen)?;
     let state: Shared = Arc::new(RwLock::new(State { max_conns: 32, ..Default::default() }));
     let (reports, writer) = report::start();
-    reports.control(Report::Ready).await;
+    reports.control(Report::Ready { passes: true }).await;
     tokio::select! {
         () = accept(listener, state.clone(), reports.clone()) => {}
         () = control(&state, &reports) => {}

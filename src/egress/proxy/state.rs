@@ -151,6 +151,26 @@ mod tests {
         assert!(state.read().expect("state").by_peer);
     }
 
+    /// A server knows whether the proxy checks passes from its Ready: an older proxy's says
+    /// nothing (and is refused keyed by peer); a Set's pass becomes the header it expects, and
+    /// a Set without one (Docker's, or an older server's) expects none.
+    #[test]
+    fn ready_says_passes_and_a_set_keeps_its_pass_as_the_header_it_wants() {
+        use super::super::wire::Report;
+        let old: Report = serde_json::from_str(r#"{"ev":"ready"}"#).expect("an older proxy's Ready");
+        assert!(matches!(old, Report::Ready { passes: false }));
+        let now = serde_json::to_string(&Report::Ready { passes: true }).expect("json");
+        assert!(matches!(serde_json::from_str(&now).expect("ready"), Report::Ready { passes: true }));
+        let state: Shared = Arc::default();
+        let set =
+            |pass: Option<&str>| Command::set([10, 0, 0, 9].into(), "p", "s", vec![], HashMap::new()).with_pass(pass);
+        apply(&state, set(Some("0123abcd")));
+        let wanted = state.read().expect("state").policies[&IpAddr::from([10, 0, 0, 9])].pass.clone();
+        assert_eq!(wanted.as_deref(), Some("Basic cHliZXJ0aDowMTIzYWJjZA=="));
+        apply(&state, set(None));
+        assert!(state.read().expect("state").policies[&IpAddr::from([10, 0, 0, 9])].pass.is_none());
+    }
+
     /// The burst is answered at once, the next refusal is not, and the rate refills it.
     #[test]
     fn refusals_past_the_burst_are_over_the_rate_until_it_refills() {

@@ -106,7 +106,12 @@ impl std::fmt::Debug for SecretPem {
 #[serde(tag = "ev", rename_all = "snake_case")]
 pub enum Report {
     /// Listening; policies may come.
-    Ready,
+    Ready {
+        /// It checks sessions' passes (`Command::Set::pass`): an older proxy's image does not
+        /// say so, and keyed by peer it must not be used.
+        #[serde(default)]
+        passes: bool,
+    },
     /// One connection, when it ends (a denied one at once).
     Conn(Record),
     /// Every command before [`Command::Sync`] `seq` is in force.
@@ -143,12 +148,19 @@ pub struct Record {
     #[serde(default)]
     pub cut: bool,
 }
+
+/// The status of a connection without its session's pass.
+pub(super) const AUTH_REQUIRED: &str = "407 Proxy Authentication Required";
+
 /// Answers the sandbox with `status` and a one-line body saying why, and closes.
 pub(super) async fn deny<W: tokio::io::AsyncWrite + Unpin>(sock: &mut W, status: &str, body: &str) {
     use tokio::io::AsyncWriteExt as _;
     let body = format!("pyberth egress: {body}\n");
+    // A 407 names its scheme, as HTTP asks: clients that send credentials only when
+    // challenged then send them.
+    let challenge = if status == AUTH_REQUIRED { "Proxy-Authenticate: Basic realm=\"pyberth\"\r\n" } else { "" };
     let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Pyberth-Egress: denied\r\n\r\n",
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\n{challenge}Connection: close\r\nX-Pyberth-Egress: denied\r\n\r\n",
         body.len()
     );
     let _ = sock.write_all(head.as_bytes()).await;

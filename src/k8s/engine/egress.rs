@@ -47,7 +47,7 @@ impl KubeEngine {
         Ok(())
     }
 
-    /// The proxy's Service `pyberth-egress-<of>`, made once: a ClusterIP that stays when a
+    /// The proxy's Service `<of>-svc`, made once: a ClusterIP that stays when a
     /// proxy pod is made again, so the sessions' variables (which name it) keep reaching one.
     /// Connections keep their source address through it (kube-proxy translates only the
     /// destination), which the proxy tells sessions apart by, with their pass.
@@ -71,7 +71,20 @@ impl KubeEngine {
         let made = match api.create(&PostParams::default(), &svc).await {
             Ok(s) => s,
             Err(kube::Error::Api(e)) if e.code == 409 => {
-                api.get(&name).await.map_err(|e| from_cluster(self.cluster.error("get services")(e)))?
+                let found = api.get(&name).await.map_err(|e| from_cluster(self.cluster.error("get services")(e)))?;
+                // Whoever may make Services could have made this one first, sending the
+                // sessions' traffic (their passes with it) to pods of theirs.
+                let selector = found.spec.as_ref().and_then(|s| s.selector.clone()).unwrap_or_default();
+                let ours = BTreeMap::from([
+                    (LABEL_APP.to_owned(), PROXY_APP.to_owned()),
+                    (LABEL_PROXY_OF.to_owned(), of.to_owned()),
+                ]);
+                if selector != ours {
+                    return Err(said(format!(
+                        "Service {name} exists and selects other pods than this server's egress proxy: delete it"
+                    )));
+                }
+                found
             }
             Err(e) => return Err(from_cluster(self.cluster.error("create services")(e))),
         };
@@ -132,15 +145,15 @@ impl KubeEngine {
             return c;
         };
         let r = self.records();
-        // The proxy is reached at its Service's address.
-        let ip = match (&r.proxy_service, r.proxies.contains_key(name)) {
-            (Some((_, service)), true) => service.clone(),
-            _ => ip,
-        };
-        let names: Vec<String> =
-            if r.proxies.contains_key(name) { r.networks.keys().cloned().collect() } else { vec!["pod".into()] };
-        let endpoint = EndpointSettings { ip_address: Some(ip), ..Default::default() };
-        let networks: HashMap<String, EndpointSettings> = names.into_iter().map(|n| (n, endpoint.clone())).collect();
+        let at = |ip: String| EndpointSettings { ip_address: Some(ip), ..Default::default() };
+        // Every pod on "pod" at its own address; the proxy also on each session network, at
+        // its Service's address, where sessions reach it (both are its own, which it refuses
+        // to connect to).
+        let mut networks: HashMap<String, EndpointSettings> = HashMap::from([("pod".to_owned(), at(ip.clone()))]);
+        if r.proxies.contains_key(name) {
+            let reached = r.proxy_service.as_ref().map_or(ip, |(_, service)| service.clone());
+            networks.extend(r.networks.keys().map(|n| (n.clone(), at(reached.clone()))));
+        }
         c.network_settings = Some(NetworkSettings { networks: Some(networks), ..Default::default() });
         c
     }
