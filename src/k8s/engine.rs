@@ -382,10 +382,13 @@ impl KubeEngine {
             return c.remove(name).await;
         }
         let pod = translate::pod_name(name);
-        let found = self.cluster.get_pod(&pod).await.map_err(from_cluster)?.is_some();
-        if found {
+        let found = self.cluster.get_pod(&pod).await.map_err(from_cluster)?;
+        if let Some(p) = &found {
             self.cluster.delete_pod(&pod).await.map_err(from_cluster)?;
+            // Another server's proxy (a sweep of a dead one's leftovers): its Service too.
+            self.proxy_service_of_dead(p).await;
         }
+        let found = found.is_some();
         // A proxy's (gone already or not): its Service goes too when nothing else uses it.
         self.proxy_service_done().await;
         if found { Ok(()) } else { Err(status(404, format!("No such container: {name}"))) }

@@ -387,3 +387,35 @@ async fn a_proxy_pod_made_again_keeps_the_sessions_egress() {
     let _ = std::fs::remove_dir_all(&dir);
     sim.stop().await;
 }
+
+/// A server killed with an egress session open leaves its session pod, its proxy pod and the
+/// proxy's Service; the next server's sweep (once the dead server's heartbeat lapsed) deletes
+/// the pods, and with the proxy pod its Service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_servers_proxy_service_goes_with_its_leftovers() {
+    let world = World::start("k").await;
+    let sim = Sim::start(world.options(), docker()).await;
+    let dir = std::env::temp_dir().join(format!("pyberth-k8s-killsvc-{}", std::process::id()));
+    let (extra, tables) = world.header_config("");
+    let mut first = Served::start_tables(&sim, &dir, "killsvc", &extra, &tables).await;
+    assert!(ok(&out(&first, "a", "net", &fetch("http://upstream.test:8000/a")).await), "{}", first.log());
+    let services =
+        |sim: &Sim| sim.state.objects.lock().expect("objects").keys().filter(|(p, _)| p == "services").count();
+    assert_eq!((pods(&sim).len(), services(&sim)), (2, 1), "a session pod, the proxy pod, its Service");
+    first.child.start_kill().expect("SIGKILL");
+    let _ = first.child.wait().await;
+
+    let next_dir = dir.join("next");
+    let (extra, tables) = world.header_config("leftover_grace_s = 1\n");
+    let next = Served::start_tables(&sim, &next_dir, "killsvc-next", &extra, &tables).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !pods(&sim).is_empty() || services(&sim) > 0 {
+        assert!(Instant::now() < deadline, "left: {:?}, {} Service(s)\n{}", pods(&sim), services(&sim), next.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(next.whole_log().contains("deleted a stopped server's egress proxy Service"), "{}", next.log());
+    next.stop().await;
+    drop(first);
+    let _ = std::fs::remove_dir_all(&dir);
+    sim.stop().await;
+}

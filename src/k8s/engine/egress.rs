@@ -94,6 +94,26 @@ impl KubeEngine {
         Ok(())
     }
 
+    /// After another server's proxy pod `pod` was deleted (a sweep of a dead server's
+    /// leftovers): its Service, which only that server's proxy pods used.
+    pub(super) async fn proxy_service_of_dead(&self, pod: &Pod) {
+        let of = pod.metadata.labels.as_ref().and_then(|l| l.get(LABEL_PROXY_OF)).cloned();
+        // Believed only when it names the pod's own server (its name's), as a container name is.
+        let own = pod.metadata.name.as_deref().and_then(|n| n.rsplit_once("-egress-")).map(|(base, _)| pod_name(base));
+        let Some(of) = of.filter(|of| own.as_ref() == Some(of)) else { return };
+        let name = pod_name(&format!("{of}-svc"));
+        if self.records().proxy_service.as_ref().is_some_and(|(own, _)| *own == name) {
+            return;
+        }
+        match self.cluster.services().delete(&name, &DeleteParams::default()).await {
+            Ok(_) => tracing::info!(service = %name, "deleted a stopped server's egress proxy Service"),
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => {
+                tracing::warn!(service = %name, error = %e, "cannot delete a stopped server's egress proxy Service")
+            }
+        }
+    }
+
     /// Deletes the proxy's Service once nothing uses it: no proxy pod and no session network
     /// (a proxy made again while sessions are open keeps it, and so its address).
     pub(super) async fn proxy_service_done(&self) {
