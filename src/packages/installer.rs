@@ -29,6 +29,9 @@ use crate::docker::identity::{self};
 use crate::docker::image::Progress;
 use crate::docker::next_serial;
 
+/// Label on an installer's own volume (and its container).
+pub const LABEL_INSTALLER: &str = "pyberth.installer";
+
 /// Where installers mount the shared volume. An image path that is mode 1777 in every base
 /// (Debian's, the official Python images'): a new volume takes the mode of the path it is
 /// first mounted at, so the installers' uid can write to it with no root step.
@@ -175,7 +178,7 @@ async fn install_as(
     let mut t = std::time::Instant::now();
     let wheels_only = sdist_allowed(cfg, spec.requirements).is_empty();
     let mut labels = labels(owner, uid);
-    labels.insert("pyberth.installer".to_owned(), "1".to_owned());
+    labels.insert(LABEL_INSTALLER.to_owned(), "1".to_owned());
     docker
         .create_volume(VolumeCreateRequest {
             name: Some(name.to_owned()),

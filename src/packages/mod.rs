@@ -30,7 +30,9 @@ pub mod store;
 mod tree;
 
 pub use cache::{LayerInfo, list_by_use, over, prune, prune_old_images};
+pub use installer::LABEL_INSTALLER;
 pub use markers::evaluate_markers;
+pub use shared::LABEL_INSTALLER_VOLUME;
 pub use store::{STORE_DIR, Store};
 
 use crate::config::SandboxConfig;

@@ -16,7 +16,7 @@ use crate::docker::container::{self};
 use crate::docker::identity::{self, LABEL_UID};
 
 /// Label on the shared installer volumes.
-const LABEL_INSTALLER_VOLUME: &str = "pyberth.installer-volume";
+pub const LABEL_INSTALLER_VOLUME: &str = "pyberth.installer-volume";
 /// Label holding the id of the image a shared installer volume serves.
 const LABEL_BASE_ID: &str = "pyberth.base-id";
 /// Label holding the image tag an installer volume serves.

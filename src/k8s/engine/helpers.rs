@@ -31,7 +31,7 @@ use crate::packages::store::LABEL_STORE;
 
 /// Label of the installer's own volume, and of its shared one (uv, the download cache): on a
 /// cluster each is an emptyDir of the installer's pod.
-const SCRATCH_LABELS: [&str; 2] = ["pyberth.installer", "pyberth.installer-volume"];
+const SCRATCH_LABELS: [&str; 2] = [crate::packages::LABEL_INSTALLER, crate::packages::LABEL_INSTALLER_VOLUME];
 /// The size bound of a helper's emptyDir, MiB: the largest tree an install may make.
 const SCRATCH_MB: u64 = 4096;
 
