@@ -1,20 +1,22 @@
 # pyberth relay (docs/design.md D12): the long-lived end of the exec the server holds.
 #
 # `relay.pl attach DIR -- CMD...` is what the server execs (through `sh`, for images without
-# perl): when a keeper listens on DIR's socket it relays to it at once; when none answers, it
-# becomes `keeper.py attach`, which starts one (under its lock) and execs `relay.pl FD` with
-# the socket's fd. A reattach thus starts perl alone, not a Python interpreter first (~25-60 ms
-# here). A Python relay would cost ~4.7 MiB private for each idle session, perl (perl-base is
-# Essential in Debian) about a fifth of it. It does what keeper.py's relay()
-# does, byte for byte: stdin goes to the keeper in frames of kind `0`; frames `1` and `2` go
-# to stdout and stderr; frame `x` is the agent's exit status, ours once the output is written.
+# perl): when a keeper listens on DIR's socket it relays to it at once; when none answers and
+# CMD is our agent, it starts the agent as its own keeper (under keeper.py's lock) and relays
+# to it; otherwise it becomes `keeper.py attach`, which starts one and execs `relay.pl FD` with
+# the socket's fd. Neither a reattach nor a session's first attach starts a Python interpreter
+# before the agent (~40-100 ms here). A Python relay would cost ~4.7 MiB private for each
+# idle session, perl (perl-base is Essential in Debian) about a fifth of it. It does what
+# keeper.py's relay() does, byte for byte: stdin goes to the keeper in frames of kind `0`;
+# frames `1` and `2` go to stdout and stderr; frame `x` is the agent's exit status, ours once
+# the output is written.
 # At stdin's end (the server leaves in order) it asks the keeper to let go, frame `d`, and
 # forwards what comes until the keeper's `D` (or its end): then it exits 0, all written.
 # Frames: one byte of kind, four bytes of length (big-endian), the bytes.
 # Only modules of perl-base; no PERL5OPT or PERL5LIB in its environment (the exec's is fixed).
 
 use strict;
-use Fcntl qw(F_GETFL F_SETFL O_NONBLOCK);
+use Fcntl qw(F_GETFL F_SETFL F_SETFD O_NONBLOCK O_RDWR O_CREAT O_NOFOLLOW LOCK_EX);
 use Errno qw(EAGAIN EWOULDBLOCK EINTR);
 
 # A reader gone is an error from write, not a signal that kills us before we tell.
@@ -24,22 +26,84 @@ my $LIMIT = 1 << 20;
 my $CHUNK = 1 << 16;
 # Longest frame the keeper may send; its are at most CHUNK.
 my $MAX_FRAME = 1 << 20;
+# How long an attach waits for a keeper it started to listen (keeper.py START_TIMEOUT).
+my $START_TIMEOUT = 10;
 
 my $KEEPER = '/opt/pyberth/keeper.py';
+# How the agent keeps itself (keeper.py BOOT, with the agent's directory): imported from its
+# directory as a module `agent`, which then leaves sys.path and sys.modules.
+my $AGENT_BOOT = "import sys; sys.path[:] = ['%s'] + [p for p in sys.path if p]; import agent; "
+    . "del sys.path[0]; del sys.modules['agent']; agent.main(sys.argv[1:])";
 
-# The keeper's socket in DIR, connected; or, when no keeper answers there, keeper.py attach
-# in our place (it starts one). DIR must be a private directory of this uid, as keeper.py
-# checks it (never one planted by anyone else); when it is not, keeper.py says so. Perl's own
-# socket and connect, not the Socket module (which costs ~17 ms of CPU to load here): AF_UNIX
-# and SOCK_STREAM are 1 on Linux (SOCK_STREAM is 2 on MIPS, where connect fails and
-# keeper.py takes over), the address is the family as a native short, then the path.
+# PATH's socket, connected; undef when no keeper answers there. Perl's own socket and connect,
+# not the Socket module (which costs ~17 ms of CPU to load here): AF_UNIX and SOCK_STREAM are
+# 1 on Linux (SOCK_STREAM is 2 on MIPS, where connect fails and keeper.py takes over), the
+# address is the family as a native short, then the path.
+sub reach {
+    my ($path) = @_;
+    my $s;
+    return $s if socket($s, 1, 1, 0) && connect($s, pack('S', 1) . "$path\0");
+    return undef;
+}
+
+# DIR is a directory of this uid that nobody else may enter (never one planted by another).
+sub private { my @st = lstat($_[0]); return @st && -d _ && $st[4] == $< && !($st[2] & 077) }
+
+# Starts our agent as its own keeper (agent.py `keep`) fully detached, as keeper.py's
+# start_keeper does: a grandchild (the agent makes its own session), stdio on /dev/null,
+# nothing of ours open but the ready pipe; waits until it listens, and reaches it.
+sub start_agent {
+    my ($sock_path, $home, @cmd) = @_;
+    pipe(my $ready_r, my $ready_w) or return undef;
+    my $pid = fork();
+    return undef unless defined $pid;
+    if ($pid == 0) {
+        my $again = fork();
+        CORE::exit(1) unless defined $again;
+        CORE::exit(0) if $again;
+        open(STDIN, '<', '/dev/null');
+        open(STDOUT, '>', '/dev/null');
+        open(STDERR, '>', '/dev/null');
+        # Perl opens its own files close-on-exec: only the ready pipe is passed on.
+        fcntl($ready_w, F_SETFD, 0);
+        my $boot = sprintf($AGENT_BOOT, $home);
+        exec { $cmd[0] } @cmd[0 .. $#cmd - 1], '-c', $boot, 'keep', fileno($ready_w), $sock_path;
+        CORE::exit(1);
+    }
+    close($ready_w);
+    waitpid($pid, 0);
+    my ($rin, $got) = ('', '');
+    vec($rin, fileno($ready_r), 1) = 1;
+    sysread($ready_r, $got, 1) if select(my $rout = $rin, undef, undef, $START_TIMEOUT) > 0;
+    close($ready_r);
+    return undef unless $got eq '1';
+    return reach($sock_path);
+}
+
+# The keeper's socket in DIR, connected; when no keeper answers there, our agent started as
+# keeper.py attach would start it, under the same lock (so no Python interpreter runs first:
+# ~40 ms); any other command, or a DIR that is not private, is keeper.py attach's (it starts
+# the keeper, or says what is wrong).
 sub attach {
     my ($dir, $sep, @cmd) = @_;
     exit 2 unless defined $dir && defined $sep && $sep eq '--' && @cmd;
-    my @st = lstat($dir);
-    if (@st && -d _ && $st[4] == $< && !($st[2] & 077) && length("$dir/sock") < 108) {
-        my $s;
-        return $s if socket($s, 1, 1, 0) && connect($s, pack('S', 1) . "$dir/sock\0");
+    my $sock_path = "$dir/sock";
+    my $fits = length($sock_path) < 108;
+    if ($fits && private($dir)) {
+        my $s = reach($sock_path);
+        return $s if $s;
+    }
+    my ($home) = $cmd[-1] =~ m{\A(/[A-Za-z0-9_./-]*)/agent\.py\z};
+    if ($fits && defined $home && $cmd[0] =~ m{\A[A-Za-z0-9_./-]+\z}) {
+        mkdir($dir, 0700);
+        my $lock;
+        if (private($dir) && sysopen($lock, "$dir/lock", O_RDWR | O_CREAT | O_NOFOLLOW, 0600) && flock($lock, LOCK_EX)) {
+            my $s = reach($sock_path) // start_agent($sock_path, $home, @cmd);
+            close($lock);
+            return $s if $s;
+            print STDERR "keeper: the keeper did not start\n";
+            exit 1;
+        }
     }
     exec('python3', '-I', '-S', '-B', $KEEPER, 'attach', $dir, '--', @cmd);
     exit 1;

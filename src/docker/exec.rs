@@ -1,8 +1,8 @@
 //! Execs: the one long-lived attached exec that reaches the agent, and the short one that kills
 //! runaway code (Docker has no API to kill an exec: moby#9098).
 //!
-//! The attached exec is a relay (`images/python/keeper.py attach`, which execs `relay.pl` once
-//! connected): the agent runs detached under a keeper inside the container and outlives the
+//! The attached exec is a relay (`images/python/relay.pl attach`, which starts the agent when
+//! no keeper listens yet; `keeper.py attach` in an image without perl): the agent runs detached under a keeper inside the container and outlives the
 //! exec's stream, so a dropped stream (a server restart, a network blip to a remote engine)
 //! loses no state; the next attach reaches the same interpreter (docs/design.md D12).
 
@@ -25,7 +25,7 @@ pub type Input = Pin<Box<dyn AsyncWrite + Send>>;
 
 /// Command line of the relay, then of the agent its keeper runs: `relay.pl attach`, which
 /// relays to a keeper already listening at once (a reattach starts no Python interpreter)
-/// and otherwise becomes `keeper.py attach`, which starts one; `sh` runs `keeper.py attach`
+/// and otherwise starts our agent as its own keeper; `sh` runs `keeper.py attach`
 /// itself in an image without perl. A fixed script: its arguments are constants. `-I` keeps
 /// PYTHON* variables and the script's directory off the path, `-u` unbuffers, `-B` keeps
 /// `__pycache__` out of the workspace; the keeper needs no `site` (`-S`). Its socket lives in

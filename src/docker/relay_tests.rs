@@ -82,3 +82,102 @@ fn a_relay_whose_stdin_ends_delivers_what_it_was_sent_and_the_next_gets_the_rest
     assert!(all == want, "every line once, in order ({} read)", all.len());
     drop(scratch);
 }
+
+const AGENT_PY: &str = include_str!("../../images/python/agent.py");
+
+/// A relay of our agent: the process, and its stdout as lines.
+struct AgentRelay {
+    child: Child,
+    lines: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl AgentRelay {
+    fn start(dir: &Path, agent: &Path, workspace: &Path) -> Self {
+        let mut child = Command::new("perl")
+            .args([RELAY_PL, "attach", dir.to_str().unwrap_or_default(), "--", "python3", "-I", "-u", "-B"])
+            .arg(agent)
+            .env("PYBERTH_WORKSPACE", workspace)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("perl runs");
+        let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+        Self { child, lines }
+    }
+
+    /// The next event line, parsed.
+    #[track_caller]
+    fn event(&mut self) -> serde_json::Value {
+        let line = self.lines.next().expect("the relay answers").expect("a line");
+        serde_json::from_str(&line).expect("an event line")
+    }
+
+    /// Runs `code`; its `done` event.
+    #[track_caller]
+    fn run(&mut self, id: u64, code: &str) -> serde_json::Value {
+        use std::io::Write;
+        let line = serde_json::json!({"op": "run", "id": id, "code": code}).to_string() + "\n";
+        self.child.stdin.as_mut().expect("piped").write_all(line.as_bytes()).expect("the relay reads");
+        loop {
+            let ev = self.event();
+            if ev["ev"] == "done" {
+                return ev;
+            }
+        }
+    }
+}
+
+/// Field `n` (1-based, as proc(5) counts them) of /proc/PID/stat.
+fn stat_field(pid: i64, n: usize) -> i64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the process lives");
+    let after = stat.rsplit_once(") ").map(|(_, rest)| rest).expect("a stat line");
+    after.split(' ').nth(n - 3).and_then(|f| f.parse().ok()).expect("a number")
+}
+
+#[test]
+fn relay_pl_starts_our_agent_as_its_own_detached_keeper_and_the_next_relay_finds_it() {
+    let root = std::env::temp_dir().join(format!("pyberth-relay-agent-{}", std::process::id()));
+    let scratch = Scratch(root.clone());
+    let (bin, workspace) = (root.join("bin"), root.join("ws"));
+    for dir in [&bin, &workspace] {
+        std::fs::create_dir_all(dir).expect("scratch");
+    }
+    std::fs::write(bin.join("agent.py"), AGENT_PY).expect("agent.py");
+    std::fs::write(bin.join("keeper.py"), KEEPER_PY).expect("keeper.py");
+    let (agent, dir) = (bin.join("agent.py"), root.join("k"));
+
+    // The first attach starts the agent (no keeper listens yet); its hello names the interpreter.
+    let mut first = AgentRelay::start(&dir, &agent, &workspace);
+    let hello = first.event();
+    assert_eq!(hello["ev"], "hello", "the agent's hello comes first: {hello}");
+    let interpreter = hello["pid"].as_i64().expect("the interpreter's pid");
+    assert_eq!(first.run(1, "x = 41")["status"], "ok");
+    drop(first.child.stdin.take());
+    assert_eq!(first.child.wait().expect("the relay ends").code(), Some(0), "a relay that let go exits 0");
+
+    // The keeper is the interpreter's parent, leads a session of its own (not the test's),
+    // and outlived the relay; the next relay reaches the same interpreter, its state kept.
+    let keeper = stat_field(interpreter, 4);
+    assert_eq!(stat_field(keeper, 6), keeper, "the keeper leads a session of its own");
+    assert_ne!(stat_field(keeper, 6), stat_field(std::process::id().into(), 6), "not the test's session");
+    let mut second = AgentRelay::start(&dir, &agent, &workspace);
+    let hello = second.event();
+    assert_eq!(hello["pid"].as_i64(), Some(interpreter), "the same interpreter: {hello}");
+    assert_eq!(second.run(2, "x + 1")["result"], "42", "its state kept");
+    // The agent ends (and so its keeper): the relay passes its status on.
+    {
+        use std::io::Write;
+        let stdin = second.child.stdin.as_mut().expect("piped");
+        stdin.write_all(b"{\"op\":\"shutdown\"}\n").expect("the relay reads");
+    }
+    assert_eq!(second.child.wait().expect("the relay ends").code(), Some(0), "the agent's status");
+    // Gone, or a zombie its reaper (init here) has not collected yet.
+    let ended = || std::fs::read_to_string(format!("/proc/{keeper}/stat")).map_or(true, |s| s.contains(") Z "));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !ended() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(ended(), "the keeper went with its agent");
+    drop(scratch);
+}
