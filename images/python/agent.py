@@ -36,6 +36,7 @@ import types
 # The C module, not its Python wrapper (which builds enums at import). What runs before the
 # hello is on the path of every new session: importlib, queue, traceback and base64 are left
 # out or loaded when first needed (about 20 ms of a 50 ms start, design D12).
+import _frozen_importlib
 import _signal as signal
 
 PROTOCOL_VERSION = 2
@@ -215,15 +216,32 @@ def stdlib(name):
     working directory). Lazy because importlib.metadata alone holds 5 MiB in every idle
     session, and subprocess 2 MiB."""
     module = sys.modules.get(name)
-    if module is not None:
+    if module is not None and not in_workspace(module):
         return module
+    # A workspace file of that name the code imported (a queue.py, say) stays the code's; the
+    # agent gets the standard one.
+    shadow = sys.modules.pop(name, None)
     saved = list(sys.path)
     sys.path[:] = [p for p in saved if p not in ("", ".", WORKSPACE)]
     try:
-        __import__(name)
-        return sys.modules[name]
+        # What importlib.import_module calls, without loading importlib (nor going through a
+        # builtins.__import__ the code or a library replaced).
+        return _frozen_importlib._gcd_import(name)
     finally:
         sys.path[:] = saved
+        if shadow is not None:
+            sys.modules[name] = shadow
+
+
+def in_workspace(module):
+    """Whether MODULE was loaded from a file in the workspace."""
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return False
+    try:
+        return os.path.realpath(path).startswith(WORKSPACE + os.sep)
+    except (OSError, ValueError):
+        return True
 
 
 def distributions():
@@ -485,11 +503,14 @@ def keep(ready, sock_path):
     forks the interpreter, and serves relays the event stream its forwarder makes. So a
     session idles as one interpreter and its fork, which share what was loaded before it.
     Returns only in the forked interpreter: the pipes its Agent writes."""
-    # A session of its own, as keeper.py's start_keeper makes (relay.pl starts us without).
+    # A session of its own, and nothing open but the ready pipe, as keeper.py's start_keeper
+    # leaves its keeper (relay.pl starts us without either).
     try:
         os.setsid()
     except OSError:
         pass
+    os.closerange(3, ready)
+    os.closerange(ready + 1, 65536)
     keeper = load_keeper()
     listener = keeper.listen(sock_path)
     in_r, in_w = os.pipe()
@@ -539,9 +560,8 @@ def format_exception(exc, compiling=False):
         )
         text = "".join(te.format())
     except Exception:
-        # The code imported a traceback.py of its own first (a workspace file): the error is
-        # still said, without its frames.
-        text = "%s (no traceback: the module traceback is not the standard one)\n" % type(exc).__name__
+        # Formatting failed (memory, a broken exception): the error is still said.
+        text = "%s (its traceback could not be formatted)\n" % type(exc).__name__
     return {
         "type": type(exc).__name__,
         "message": clean(str(exc), 4096),

@@ -50,8 +50,9 @@ CHUNK = 1 << 16
 HEADER = struct.Struct(">cI")
 # Longest frame a peer may send; ours are at most CHUNK.
 MAX_FRAME = 1 << 20
-# How long an attach waits for a keeper it started to listen.
-START_TIMEOUT = 10.0
+# How long an attach waits for a keeper it started to listen: as long as the server waits for
+# the agent's hello (a burst of new sessions on a small machine takes seconds to start each).
+START_TIMEOUT = 30.0
 # Seconds without a relay after which the server is taken to be gone for good: the agent
 # saves its state into the workspace for the next server (docs/design.md D12, orphans) and
 # stops. Set by the server on the container; absent or 0: never.

@@ -17,7 +17,7 @@
 
 use strict;
 use Fcntl qw(F_GETFL F_SETFL F_SETFD O_NONBLOCK O_RDWR O_CREAT O_NOFOLLOW LOCK_EX);
-use Errno qw(EAGAIN EWOULDBLOCK EINTR);
+use Errno qw(EAGAIN EWOULDBLOCK EINTR ENOENT ECONNREFUSED);
 
 # A reader gone is an error from write, not a signal that kills us before we tell.
 $SIG{PIPE} = 'IGNORE';
@@ -26,8 +26,9 @@ my $LIMIT = 1 << 20;
 my $CHUNK = 1 << 16;
 # Longest frame the keeper may send; its are at most CHUNK.
 my $MAX_FRAME = 1 << 20;
-# How long an attach waits for a keeper it started to listen (keeper.py START_TIMEOUT).
-my $START_TIMEOUT = 10;
+# How long an attach waits for a keeper it started to listen (keeper.py START_TIMEOUT): as
+# long as the server waits for the hello, so a loaded machine starts sessions late, not never.
+my $START_TIMEOUT = 30;
 
 my $KEEPER = '/opt/pyberth/keeper.py';
 # How the agent keeps itself (keeper.py BOOT, with the agent's directory): imported from its
@@ -35,15 +36,17 @@ my $KEEPER = '/opt/pyberth/keeper.py';
 my $AGENT_BOOT = "import sys; sys.path[:] = ['%s'] + [p for p in sys.path if p]; import agent; "
     . "del sys.path[0]; del sys.modules['agent']; agent.main(sys.argv[1:])";
 
-# PATH's socket, connected; undef when no keeper answers there. Perl's own socket and connect,
-# not the Socket module (which costs ~17 ms of CPU to load here): AF_UNIX and SOCK_STREAM are
-# 1 on Linux (SOCK_STREAM is 2 on MIPS, where connect fails and keeper.py takes over), the
-# address is the family as a native short, then the path.
+# PATH's socket, connected; or undef, and whether nobody listens there (no socket, or none
+# behind it): only then is a keeper started in its place; any other failure is keeper.py's.
+# Perl's own socket and connect, not the Socket module (which costs ~17 ms of CPU to load
+# here): AF_UNIX and SOCK_STREAM are 1 on Linux (SOCK_STREAM is 2 on MIPS, where connect fails
+# otherwise and keeper.py takes over), the address is the family as a native short, then the
+# path.
 sub reach {
     my ($path) = @_;
     my $s;
-    return $s if socket($s, 1, 1, 0) && connect($s, pack('S', 1) . "$path\0");
-    return undef;
+    return ($s, 0) if socket($s, 1, 1, 0) && connect($s, pack('S', 1) . "$path\0");
+    return (undef, $!{ENOENT} || $!{ECONNREFUSED});
 }
 
 # DIR is a directory of this uid that nobody else may enter (never one planted by another).
@@ -58,12 +61,13 @@ sub start_agent {
     my $pid = fork();
     return undef unless defined $pid;
     if ($pid == 0) {
+        # Out of the exec's process group at once (the agent makes its own session).
+        setpgrp(0, 0);
         my $again = fork();
         CORE::exit(1) unless defined $again;
         CORE::exit(0) if $again;
-        open(STDIN, '<', '/dev/null');
-        open(STDOUT, '>', '/dev/null');
-        open(STDERR, '>', '/dev/null');
+        open(STDIN, '<', '/dev/null') && open(STDOUT, '>', '/dev/null') && open(STDERR, '>', '/dev/null')
+            or CORE::exit(1);
         # Perl opens its own files close-on-exec: only the ready pipe is passed on.
         fcntl($ready_w, F_SETFD, 0);
         my $boot = sprintf($AGENT_BOOT, $home);
@@ -77,7 +81,8 @@ sub start_agent {
     sysread($ready_r, $got, 1) if select(my $rout = $rin, undef, undef, $START_TIMEOUT) > 0;
     close($ready_r);
     return undef unless $got eq '1';
-    return reach($sock_path);
+    my ($s) = reach($sock_path);
+    return $s;
 }
 
 # The keeper's socket in DIR, connected; when no keeper answers there, our agent started as
@@ -90,7 +95,7 @@ sub attach {
     my $sock_path = "$dir/sock";
     my $fits = length($sock_path) < 108;
     if ($fits && private($dir)) {
-        my $s = reach($sock_path);
+        my ($s) = reach($sock_path);
         return $s if $s;
     }
     my ($home) = $cmd[-1] =~ m{\A(/[A-Za-z0-9_./-]*)/agent\.py\z};
@@ -98,11 +103,15 @@ sub attach {
         mkdir($dir, 0700);
         my $lock;
         if (private($dir) && sysopen($lock, "$dir/lock", O_RDWR | O_CREAT | O_NOFOLLOW, 0600) && flock($lock, LOCK_EX)) {
-            my $s = reach($sock_path) // start_agent($sock_path, $home, @cmd);
+            my ($s, $nobody) = reach($sock_path);
+            my $starting = !$s && $nobody;
+            $s = start_agent($sock_path, $home, @cmd) if $starting;
             close($lock);
             return $s if $s;
-            print STDERR "keeper: the keeper did not start\n";
-            exit 1;
+            if ($starting) {
+                print STDERR "keeper: the keeper did not start\n";
+                exit 1;
+            }
         }
     }
     exec('python3', '-I', '-S', '-B', $KEEPER, 'attach', $dir, '--', @cmd);

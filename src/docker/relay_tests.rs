@@ -128,6 +128,17 @@ impl AgentRelay {
     }
 }
 
+/// Kills the agent and its keeper when the test ends, however it ends (they outlive relays).
+struct Ends([i64; 2]);
+
+impl Drop for Ends {
+    fn drop(&mut self) {
+        for pid in self.0 {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).stderr(Stdio::null()).status();
+        }
+    }
+}
+
 /// Field `n` (1-based, as proc(5) counts them) of /proc/PID/stat.
 fn stat_field(pid: i64, n: usize) -> i64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the process lives");
@@ -152,13 +163,14 @@ fn relay_pl_starts_our_agent_as_its_own_detached_keeper_and_the_next_relay_finds
     let hello = first.event();
     assert_eq!(hello["ev"], "hello", "the agent's hello comes first: {hello}");
     let interpreter = hello["pid"].as_i64().expect("the interpreter's pid");
+    let keeper = stat_field(interpreter, 4);
+    let _ends = Ends([interpreter, keeper]);
     assert_eq!(first.run(1, "x = 41")["status"], "ok");
     drop(first.child.stdin.take());
     assert_eq!(first.child.wait().expect("the relay ends").code(), Some(0), "a relay that let go exits 0");
 
     // The keeper is the interpreter's parent, leads a session of its own (not the test's),
     // and outlived the relay; the next relay reaches the same interpreter, its state kept.
-    let keeper = stat_field(interpreter, 4);
     assert_eq!(stat_field(keeper, 6), keeper, "the keeper leads a session of its own");
     assert_ne!(stat_field(keeper, 6), stat_field(std::process::id().into(), 6), "not the test's session");
     let mut second = AgentRelay::start(&dir, &agent, &workspace);

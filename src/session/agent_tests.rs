@@ -218,6 +218,26 @@ async fn a_run_returns_stdout_stderr_and_the_last_value() {
     assert!(!error.traceback.contains("agent.py"), "agent frames leak: {}", error.traceback);
 }
 
+/// The agent loads `traceback` (and `queue`) only when first needed: workspace files named
+/// like them, imported first by the code, stay the code's, and the agent still formats
+/// errors with the standard one.
+#[tokio::test]
+async fn workspace_modules_named_like_the_agents_lazy_ones_stay_the_codes() {
+    let mut local = spawn().await;
+    let plant = "for m in ('traceback', 'queue'):\n    open(m + '.py', 'w').write('MINE = 1\\n')\n\
+                 import traceback, queue\n(traceback.MINE, queue.MINE)";
+    let (ending, out) = run(&mut local.agent, plant).await;
+    assert!(matches!(ending, Ending::Done), "{ending:?}");
+    assert_eq!(out.result.as_deref(), Some("(1, 1)"), "the code's own modules: {:?}", out.error);
+    let (_, out) = run(&mut local.agent, "def g():\n    return 1 / 0\ng()").await;
+    let error = out.error.expect("the exception");
+    assert_eq!(error.kind, "ZeroDivisionError");
+    assert!(error.traceback.contains("line 2, in g"), "formatted by the standard traceback: {}", error.traceback);
+    let (_, out) = run(&mut local.agent, "import traceback; traceback.MINE").await;
+    assert_eq!(out.result.as_deref(), Some("1"), "still the code's after the agent's: {:?}", out.error);
+    drop(local.child);
+}
+
 /// Python that stops the agent's forwarder (the agent's only child) as `f`, so that the
 /// forwarder later finds what the code wrote waiting together with what followed it.
 const STOP_FORWARDER: &str = "import os, signal, subprocess, threading\n\
