@@ -76,6 +76,8 @@ pub struct Registry {
     pool_ready: tokio::sync::Notify,
     /// Recent asks for pooled containers, which set the pool's target (`pool.rs`).
     demand: Arc<Mutex<pool::Demand>>,
+    /// Turns of new sessions' own containers, [`make::COLD_AT_ONCE`] made at once (`make.rs`).
+    cold: tokio::sync::Semaphore,
     /// Snapshots of every principal (issue 18).
     pub(crate) snapshots: crate::durable::catalogue::Catalogue,
     /// Why recently ended sessions ended, and when, for a later call that names one and for
@@ -184,6 +186,7 @@ impl Registry {
             attaching: Mutex::default(),
             pool_ready: tokio::sync::Notify::new(),
             demand,
+            cold: tokio::sync::Semaphore::new(make::COLD_AT_ONCE),
             snapshots,
             ended: Mutex::new(HashMap::new()),
             markers: Mutex::new(HashMap::new()),

@@ -47,6 +47,25 @@ impl Engine for FakeEngine {
         ready(made.map(|id| ContainerCreateResponse { id, warnings: Vec::new() }))
     }
     fn start_container<'a>(&'a self, name: &'a str, _: Option<q::StartContainerOptions>) -> Fut<'a, ()> {
+        if let Some(takes) = self.world().start_takes {
+            return Box::pin(async move {
+                {
+                    let mut w = self.world();
+                    w.starting += 1;
+                    w.most_starting = w.most_starting.max(w.starting);
+                }
+                tokio::time::sleep(takes).await;
+                let mut w = self.world();
+                w.starting -= 1;
+                match w.containers.get_mut(name) {
+                    Some(c) => {
+                        c.running = true;
+                        Ok(())
+                    }
+                    None => Err(no_such("container", name)),
+                }
+            });
+        }
         let mut w = self.world();
         ready(match w.containers.get_mut(name) {
             Some(c) => {

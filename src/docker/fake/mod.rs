@@ -67,6 +67,11 @@ pub(crate) struct World {
     pub(crate) images: BTreeSet<String>,
     /// Calls of the stats API (the CPU watchdog's samples).
     pub(crate) stats_calls: usize,
+    /// How long a container's start takes (none: at once), and the most starts seen under
+    /// way at one time: a test's view of how many containers are made at once.
+    pub(crate) start_takes: Option<std::time::Duration>,
+    pub(crate) starting: usize,
+    pub(crate) most_starting: usize,
     execs: HashMap<String, Exec>,
     serial: u64,
 }

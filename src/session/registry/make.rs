@@ -4,6 +4,12 @@
 use super::*;
 use crate::metrics::Source;
 
+/// Most containers made at once for new sessions the pool did not serve. A burst past the
+/// pool on a small machine then serves its first sessions first, instead of all of them
+/// together and late (100 at once on 2 cores: each took 20 s, and some agents missed the
+/// hello's wait); the pool keeper makes its own beside them ([`pool::AT_ONCE`]).
+pub(crate) const COLD_AT_ONCE: usize = 4;
+
 impl Registry {
     /// Makes a new session: its image, its layer, a pooled container or a new one (on its own
     /// network when it has egress), the layer attached.
@@ -33,6 +39,15 @@ impl Registry {
         } else {
             None
         };
+        // The pool did not serve it: its own container, in its turn (a pooled one may have
+        // come while it waited).
+        let (mut taken, mut turn) = (taken, None);
+        if taken.is_none() && !with_egress {
+            turn = Some(self.cold.acquire().await);
+            if env.name == self.environments.default_name() {
+                taken = self.pool_pop_quiet();
+            }
+        }
         let source = if taken.is_some() { Source::Pool } else { Source::Cold };
         let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
         let session = match taken {
@@ -44,6 +59,7 @@ impl Registry {
                 .await
                 .map_err(Error::from),
         }?;
+        drop(turn);
         if let Some(layer) = layer
             && let Err(e) = session.add_layer(&layer, &all).await
         {
@@ -76,6 +92,7 @@ impl Registry {
         let blueprint = self.blueprint(env, Some(Arc::new(attachment)));
         let owner = self.instance.owner.clone();
         // Never from the pool: a pooled container has no network to put the proxy on.
+        let _turn = self.cold.acquire().await;
         match Session::start(self.docker.clone(), blueprint, image, owner, naming, Vec::new()).await {
             Ok(s) => Ok(s),
             Err(e) => {

@@ -324,6 +324,19 @@ async fn a_burst_of_new_sessions_grows_the_pool_to_its_max_and_a_stop_leaves_not
 }
 
 #[tokio::test]
+async fn new_sessions_the_pool_cannot_serve_make_their_containers_a_few_at_a_time() {
+    let b = Bench::new(&["--pool-size", "0"]);
+    b.fake.world().start_takes = Some(Duration::from_millis(50));
+    let names: Vec<String> = (0..12).map(|i| format!("cold{i}")).collect();
+    let opened = futures::future::join_all(names.iter().map(|n| b.open("alice", n))).await;
+    assert!(opened.iter().all(Result::is_ok), "every session opened");
+    let most = b.fake.world().most_starting;
+    assert_eq!(most, super::make::COLD_AT_ONCE, "containers made at once, in turns");
+    b.reg.shutdown(false).await;
+    assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
+}
+
+#[tokio::test]
 async fn an_idle_session_whose_code_is_quiet_stops_costing_engine_calls() {
     let b = Bench::new(&[]);
     let (s, _) = b.open("alice", "idle").await.expect("opened");

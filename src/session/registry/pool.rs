@@ -140,6 +140,16 @@ impl Registry {
         taken
     }
 
+    /// A pooled container if one is ready, without counting an ask (the session asked
+    /// already); wakes the keeper to refill.
+    pub(super) fn pool_pop_quiet(&self) -> Option<crate::session::Prepared> {
+        let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if taken.is_some() {
+            self.pool_wake.notify_one();
+        }
+        taken
+    }
+
     /// [`Registry::pool_pop`], or else the container the keeper is making that no other new
     /// session waits for yet (see [`Coming`]); `None` when there is none, it went elsewhere,
     /// or it took longer than [`LONGEST_WAIT`].
