@@ -76,8 +76,10 @@ pub struct Registry {
     pool_ready: tokio::sync::Notify,
     /// Recent asks for pooled containers, which set the pool's target (`pool.rs`).
     demand: Arc<Mutex<pool::Demand>>,
-    /// Turns of new sessions' own containers, [`make::COLD_AT_ONCE`] made at once (`make.rs`).
+    /// Turns of new sessions' own containers, [`make::COLD_AT_ONCE`] made at once, and each
+    /// principal's share of them (`make.rs`); entries nobody holds are dropped (`shared`).
     cold: tokio::sync::Semaphore,
+    colds: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// Snapshots of every principal (issue 18).
     pub(crate) snapshots: crate::durable::catalogue::Catalogue,
     /// Why recently ended sessions ended, and when, for a later call that names one and for
@@ -187,6 +189,7 @@ impl Registry {
             pool_ready: tokio::sync::Notify::new(),
             demand,
             cold: tokio::sync::Semaphore::new(make::COLD_AT_ONCE),
+            colds: Mutex::default(),
             snapshots,
             ended: Mutex::new(HashMap::new()),
             markers: Mutex::new(HashMap::new()),
@@ -315,6 +318,7 @@ impl Registry {
         let mut created = false;
         let naming =
             super::Naming { name: name.to_owned(), principal: principal.to_owned(), environment: env.name.clone() };
+        let _unfilled = Unfilled { reg: self, key: &key, slot: &slot };
         let result = slot
             .get_or_try_init(|| async {
                 created = true;
@@ -326,17 +330,7 @@ impl Registry {
             self.record_layers();
             self.audit_created(principal, name, &env.name, result.as_ref().err());
         }
-        match result {
-            Ok(s) => Ok((s, created)),
-            Err(e) => {
-                // Free the slot so the cap counts only live sessions; a retry starts afresh.
-                let mut slots = self.slots();
-                if slots.get(&key).is_some_and(|s| Arc::ptr_eq(s, &slot) && !s.initialized()) {
-                    slots.remove(&key);
-                }
-                Err(e)
-            }
-        }
+        result.map(|s| (s, created))
     }
 
     /// An existing session, unless the caller asked for another environment than its own.
@@ -416,6 +410,25 @@ impl Registry {
 /// drops the entries nobody holds, so the map keeps only what is in use: every holder got its
 /// clone here, under the map's lock, so an entry whose only reference is the map's has no
 /// holder and no waiter, and a fresh one made later is the same.
+/// Frees a session's slot that was never filled when its making ends, however it ends (an
+/// error, or a caller that went away while it waited its turn), so the caps count only live
+/// sessions and a retry starts afresh; not while another call still holds it (and may fill it).
+struct Unfilled<'a> {
+    reg: &'a Registry,
+    key: &'a Key,
+    slot: &'a Slot,
+}
+
+impl Drop for Unfilled<'_> {
+    fn drop(&mut self) {
+        let mut slots = self.reg.slots();
+        let alone = Arc::strong_count(self.slot) == 2; // the map's and this call's
+        if alone && slots.get(self.key).is_some_and(|s| Arc::ptr_eq(s, self.slot) && !s.initialized()) {
+            slots.remove(self.key);
+        }
+    }
+}
+
 fn shared<K: Eq + Hash, V>(map: &mut HashMap<K, Arc<V>>, key: K, make: impl FnOnce() -> V) -> Arc<V> {
     map.retain(|_, v| Arc::strong_count(v) > 1);
     map.entry(key).or_insert_with(|| Arc::new(make())).clone()

@@ -10,6 +10,9 @@ pub enum Error {
         "you have {0} sessions open (the limit per caller): close one with close_session, or wait for idle ones to expire"
     )]
     Capacity(usize),
+    /// The server is stopping: nothing new is made.
+    #[error("the server is stopping: call again once it is back")]
+    Stopping,
     /// The server's session ceiling is reached; says nothing of who holds the sessions.
     #[error("the server has no room for another session right now: try again later, or close one of yours")]
     ServerFull,

@@ -114,6 +114,8 @@ impl Registry {
     /// With `leave`, sessions stay running instead, for the next server of the state dir to
     /// adopt within `--adopt-grace-s` (docs/design.md D12): only the pool and jobs stop.
     pub async fn shutdown(&self, leave: bool) {
+        // Sessions waiting for a turn to make a container make none now.
+        self.cold.close();
         self.attaching.lock().unwrap_or_else(|e| e.into_inner()).abort_all();
         self.drain_pool().await;
         // Nothing to leave: a clean stop, with nothing kept for a next server.

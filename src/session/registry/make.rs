@@ -9,6 +9,13 @@ use crate::metrics::Source;
 /// together and late (100 at once on 2 cores: each took 20 s, and some agents missed the
 /// hello's wait); the pool keeper makes its own beside them ([`pool::AT_ONCE`]).
 pub(crate) const COLD_AT_ONCE: usize = 4;
+/// Of those, most one principal's sessions hold: one caller's burst always leaves a turn to
+/// the others.
+pub(crate) const COLD_PER_PRINCIPAL: usize = 3;
+
+/// A turn to make a new session's own container: one of its principal's, then one of the
+/// server's.
+type Turn<'a> = (tokio::sync::OwnedSemaphorePermit, tokio::sync::SemaphorePermit<'a>);
 
 impl Registry {
     /// Makes a new session: its image, its layer, a pooled container or a new one (on its own
@@ -32,21 +39,20 @@ impl Registry {
         // Packages or not: a set is a directory put on the path, so the pool serves all.
         // Never with egress: a pooled container has no network to put the proxy on (and one
         // popped here would be left running).
-        let taken = if env.name == self.environments.default_name() && !with_egress {
-            let taken = self.pool_pop_or_wait().await;
-            self.metrics.pool_take(taken.is_some());
-            taken
-        } else {
-            None
-        };
-        // The pool did not serve it: its own container, in its turn (a pooled one may have
-        // come while it waited).
-        let (mut taken, mut turn) = (taken, None);
+        let pooled = env.name == self.environments.default_name() && !with_egress;
+        let mut taken = if pooled { self.pool_pop_or_wait().await } else { None };
+        // The pool did not serve it: its own container, in its turn, unless a pooled one comes
+        // meanwhile. Not egress sessions: never pooled, they make their network and bind it
+        // in the proxy with their container, and queue for none of it here (as before).
+        let mut turn = None;
         if taken.is_none() && !with_egress {
-            turn = Some(self.cold.acquire().await);
-            if env.name == self.environments.default_name() {
-                taken = self.pool_pop_quiet();
+            match self.turn_or_pooled(&principal, pooled).await? {
+                Ok(t) => turn = Some(t),
+                Err(p) => taken = Some(p),
             }
+        }
+        if pooled {
+            self.metrics.pool_take(taken.is_some());
         }
         let source = if taken.is_some() { Source::Pool } else { Source::Cold };
         let (docker, owner) = (self.docker.clone(), self.instance.owner.clone());
@@ -78,6 +84,43 @@ impl Registry {
         Ok(session)
     }
 
+    /// A turn to make a new session's own container ([`COLD_PER_PRINCIPAL`], then
+    /// [`COLD_AT_ONCE`]), or a pooled container that came while it waited (`pooled`: the
+    /// session may have one). [`Error::Stopping`] once the server stops.
+    async fn turn_or_pooled(
+        &self,
+        principal: &str,
+        pooled: bool,
+    ) -> Result<Result<Turn<'_>, crate::session::Prepared>, Error> {
+        let share = shared(&mut self.colds.lock().unwrap_or_else(|e| e.into_inner()), principal.to_owned(), || {
+            tokio::sync::Semaphore::new(COLD_PER_PRINCIPAL)
+        });
+        let turn = async {
+            let mine = share.acquire_owned().await.map_err(|_| Error::Stopping)?;
+            let all = self.cold.acquire().await.map_err(|_| Error::Stopping)?;
+            Ok::<_, Error>((mine, all))
+        };
+        tokio::pin!(turn);
+        loop {
+            let came = self.pool_ready.notified();
+            tokio::pin!(came);
+            came.as_mut().enable();
+            if let Some(p) = pooled.then(|| self.pool_pop_quiet()).flatten() {
+                return Ok(Err(p));
+            }
+            tokio::select! {
+                t = &mut turn => {
+                    let t = t?;
+                    return Ok(match pooled.then(|| self.pool_pop_quiet()).flatten() {
+                        Some(p) => Err(p),
+                        None => Ok(t),
+                    });
+                }
+                () = came => {}
+            }
+        }
+    }
+
     /// A new session on a network of its own whose only other member is the egress proxy.
     async fn start_with_egress(
         &self,
@@ -92,7 +135,6 @@ impl Registry {
         let blueprint = self.blueprint(env, Some(Arc::new(attachment)));
         let owner = self.instance.owner.clone();
         // Never from the pool: a pooled container has no network to put the proxy on.
-        let _turn = self.cold.acquire().await;
         match Session::start(self.docker.clone(), blueprint, image, owner, naming, Vec::new()).await {
             Ok(s) => Ok(s),
             Err(e) => {

@@ -3,7 +3,7 @@
 //! records the ledger wrote in the state dir.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -331,9 +331,46 @@ async fn new_sessions_the_pool_cannot_serve_make_their_containers_a_few_at_a_tim
     let opened = futures::future::join_all(names.iter().map(|n| b.open("alice", n))).await;
     assert!(opened.iter().all(Result::is_ok), "every session opened");
     let most = b.fake.world().most_starting;
-    assert_eq!(most, super::make::COLD_AT_ONCE, "containers made at once, in turns");
+    assert_eq!(most, super::make::COLD_PER_PRINCIPAL, "one caller's containers made a few at once, in turns");
     b.reg.shutdown(false).await;
     assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
+}
+
+#[tokio::test]
+async fn one_callers_burst_past_the_pool_leaves_a_turn_to_another() {
+    let b = Bench::new(&["--pool-size", "0"]);
+    b.fake.world().start_takes = Some(Duration::from_millis(60));
+    let done = Mutex::new(Vec::new());
+    let open = |principal: &'static str, name: String| {
+        let (b, done) = (&b, &done);
+        async move {
+            let r = b.open(principal, &name).await;
+            done.lock().unwrap_or_else(|e| e.into_inner()).push(principal);
+            r
+        }
+    };
+    // Alice's nine ask first, then Bob's one.
+    let asks = (0..9).map(|i| open("alice", format!("a{i}"))).chain([open("bob", "b".to_owned())]);
+    let opened = futures::future::join_all(asks).await;
+    assert!(opened.iter().all(Result::is_ok), "every session opened");
+    let order = done.into_inner().unwrap_or_else(|e| e.into_inner());
+    let bob = order.iter().position(|p| *p == "bob").expect("bob's session");
+    assert!(bob < super::make::COLD_AT_ONCE, "Bob's session is among the first made, not behind Alice's: {order:?}");
+    assert_eq!(b.fake.world().most_starting, super::make::COLD_AT_ONCE, "the server's turns all used");
+    b.reg.shutdown(false).await;
+}
+
+#[tokio::test]
+async fn a_caller_that_goes_while_its_session_is_made_leaves_no_slot() {
+    let b = Bench::new(&["--pool-size", "0"]);
+    b.fake.world().start_takes = Some(Duration::from_millis(300));
+    let gone = tokio::time::timeout(Duration::from_millis(50), b.open("alice", "left")).await;
+    assert!(gone.is_err(), "the call went before its session was made");
+    assert!(b.reg.slots().is_empty(), "its slot went with it: the caps count only live sessions");
+    b.fake.world().start_takes = None;
+    let (s, created) = b.open("alice", "left").await.expect("a retry makes it");
+    assert!(created && s.name == "left");
+    b.reg.shutdown(false).await;
 }
 
 #[tokio::test]

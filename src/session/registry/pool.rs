@@ -142,8 +142,13 @@ impl Registry {
 
     /// A pooled container if one is ready, without counting an ask (the session asked
     /// already); wakes the keeper to refill.
+    /// Not one promised to a session waiting for it (`Coming`).
     pub(super) fn pool_pop_quiet(&self) -> Option<crate::session::Prepared> {
-        let taken = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let taken = {
+            let coming = self.coming();
+            let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+            (pool.len() > coming.promised).then(|| pool.pop()).flatten()
+        };
         if taken.is_some() {
             self.pool_wake.notify_one();
         }
