@@ -145,6 +145,7 @@ const SERVER_ONLY: &[(&str, &str)] = &[
     ("max_sessions_total", "it is a server setting"),
     ("pool_size", "it is a server setting"),
     ("pool_max", "it is a server setting"),
+    ("pool_memory_mb", "it is a server setting"),
     ("max_runs_per_caller", "it is a server setting"),
     ("max_snapshots_per_caller", "it is a server setting"),
     ("snapshot_mb_per_caller", "it is a server setting"),

@@ -35,6 +35,7 @@ pub(super) async fn burst(
     let env = [
         ("PYBERTH_POOL_SIZE", cfg.pool_size.to_string()),
         ("PYBERTH_POOL_MAX", cfg.pool_max.to_string()),
+        ("PYBERTH_POOL_MEMORY_MB", cfg.pool_memory_mb.to_string()),
         ("PYBERTH_MAX_SESSIONS", room.to_string()),
         ("PYBERTH_MAX_SESSIONS_TOTAL", room.max(cfg.max_sessions_total).to_string()),
         ("PYBERTH_MAX_RUNS_PER_CALLER", n.to_string()),
@@ -66,7 +67,10 @@ async fn bursts(
     table.text(
         "warm pool after a burst (containers, memory)",
         format!("{held}, {mib:.0} MiB"),
-        format!("floor --pool-size {}, --pool-max {}", cfg.pool_size, cfg.pool_max),
+        format!(
+            "floor --pool-size {}, --pool-max {}, --pool-memory-mb {}",
+            cfg.pool_size, cfg.pool_max, cfg.pool_memory_mb
+        ),
     );
     table.step(&format!("{n} new sessions at once, warm"));
     let mut warm = one_burst(server, "warm", n).await?;

@@ -338,7 +338,7 @@ pub struct SandboxConfig {
     pub max_packages: usize,
 
     /// Started, hardened containers kept ready for new sessions of the default environment
-    /// (0 disables the warm pool).
+    /// (0 disables the warm pools; other environments' pools follow their demand alone).
     #[arg(long, env = "PYBERTH_POOL_SIZE", default_value_t = 2)]
     pub pool_size: usize,
 
@@ -347,6 +347,11 @@ pub struct SandboxConfig {
     /// never below `--pool-size`).
     #[arg(long, env = "PYBERTH_POOL_MAX", default_value_t = 16)]
     pub pool_max: usize,
+
+    /// Most memory the warm pools of all environments hold together, MiB: each environment's
+    /// idle container is measured, and the pools shrink to fit (about 13 MiB each here).
+    #[arg(long, env = "PYBERTH_POOL_MEMORY_MB", default_value_t = 1024)]
+    pub pool_memory_mb: u64,
 
     /// Runs (foreground and jobs) one caller may have going at once, across its sessions.
     #[arg(long, env = "PYBERTH_MAX_RUNS_PER_CALLER", default_value_t = 8)]

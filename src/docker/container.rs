@@ -430,6 +430,18 @@ pub async fn cpu_ns(docker: &dyn Engine, id: &str) -> Option<u64> {
     stats.cpu_stats?.cpu_usage?.total_usage
 }
 
+/// The memory a container's cgroup is charged now, bytes, less its inactive file pages (page
+/// cache the kernel takes back first; the bench's idle-memory row counts the same). `None`
+/// when the engine does not say.
+pub async fn memory_bytes(docker: &dyn Engine, id: &str) -> Option<u64> {
+    use futures::StreamExt as _;
+    let opts = bollard::query_parameters::StatsOptionsBuilder::default().stream(false).one_shot(true).build();
+    let m = docker.stats(id, Some(opts)).next().await?.ok()?.memory_stats?;
+    let stats = m.stats.unwrap_or_default();
+    let inactive = ["total_inactive_file", "inactive_file"].iter().find_map(|n| stats.get(*n).copied());
+    Some(m.usage?.saturating_sub(inactive.unwrap_or(0)))
+}
+
 /// Removes (killing) a container; failures are logged.
 pub async fn remove_container(docker: &dyn Engine, id: &str) {
     super::tether::release(id);

@@ -89,6 +89,7 @@ pub struct Metrics {
     run_duration: Histograms<One>,
     pool_containers: Gauge,
     pool_target: Gauge,
+    pool_bytes: Gauge,
     pool_takes: Family<One, Counter>,
     pool_hit_ratio: Gauge<f64, AtomicU64>,
     installs: Family<One, Counter>,
@@ -143,6 +144,7 @@ impl Metrics {
             run_duration: histograms(&mut r, "run_duration", "Run durations, by status", run_buckets),
             pool_containers: family(&mut r, "pool_containers", "Warm containers ready now", None),
             pool_target: family(&mut r, "pool_target", "Warm containers the pool aims for now (follows demand)", None),
+            pool_bytes: family(&mut r, "pool_memory_bytes", "Memory the warm containers hold (as measured)", None),
             pool_takes: family(&mut r, "pool_takes", "Asks for a pooled container, by result (hit, miss)", None),
             pool_hit_ratio: family(&mut r, "pool_hit_ratio", "Hits over asks for a pooled container since start", None),
             installs: family(
@@ -316,6 +318,7 @@ impl Metrics {
         }
         self.pool_containers.set(now.pool);
         self.pool_target.set(now.pool_target);
+        self.pool_bytes.set(now.pool_bytes);
         self.snapshots.set(now.snapshots);
         self.snapshot_bytes.set(now.snapshot_bytes);
         self.quotas.get_or_init(|| quota::QuotaGauges::new(self)).set(&now.quotas);
@@ -331,6 +334,8 @@ pub(crate) struct State {
     pub(crate) pool: i64,
     /// The pool's target now.
     pub(crate) pool_target: i64,
+    /// What the ready containers hold, bytes (each environment's idle container measured).
+    pub(crate) pool_bytes: i64,
     /// Snapshots kept.
     pub(crate) snapshots: i64,
     /// Their bytes.

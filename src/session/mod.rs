@@ -336,6 +336,11 @@ impl Prepared {
         }
     }
 
+    /// Its container's id.
+    pub(crate) fn container_id(&self) -> &str {
+        &self.inner.container.id
+    }
+
     /// Removes its container and volumes.
     pub async fn destroy(self, docker: &dyn Engine) {
         container::destroy(docker, &self.inner.container).await;

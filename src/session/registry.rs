@@ -1,7 +1,7 @@
 //! All sessions of a server: lookup by (principal, name), creation, the session and run caps
 //! (docs/design.md D9). The rest of the owner sits beside it in `registry/`: `layers.rs`
 //! (dependency layers and images), `lifetime.rs` (reaping, hibernation, sweeps, stop),
-//! `pool.rs` (the warm pool, following demand), `adopt.rs` and `sleepers.rs` (sessions of earlier servers), `snapshots.rs`,
+//! `pool/` (the warm pools, following demand), `adopt.rs` and `sleepers.rs` (sessions of earlier servers), `snapshots.rs`,
 //! `front.rs` (what the fronts ask beyond sessions) and `error.rs`.
 
 use std::collections::HashMap;
@@ -34,6 +34,8 @@ mod oversight;
 #[cfg(test)]
 mod owner_tests;
 mod pool;
+#[cfg(test)]
+mod pool_tests;
 mod sleepers;
 mod snapshots;
 
@@ -62,20 +64,16 @@ pub struct Registry {
     pub jobs: super::jobs::Jobs,
     /// Run slots per principal. Entries nobody holds are dropped (`shared`).
     runs: Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
-    /// The warm pool: started containers of the default environment, each handed out once.
-    /// Shared with sessions that wake from hibernation.
-    pool: Arc<Mutex<Vec<super::Prepared>>>,
+    /// The warm pool of each environment in use, and what it counts (`pool/`). Shared with
+    /// sessions that wake from hibernation.
+    pool: Arc<Mutex<pool::Pools<super::Prepared>>>,
     /// Wakes the pool keeper when a container was asked for.
     pool_wake: Arc<tokio::sync::Notify>,
-    /// Pooled containers being made, and how many new sessions wait for one (`pool.rs`).
-    pool_coming: Mutex<pool::Coming>,
     /// Adopted sessions being reattached ahead of their first call (`adopt.rs`); aborted at
     /// shutdown.
     attaching: Mutex<tokio::task::JoinSet<()>>,
     /// Wakes those waiting sessions when the keeper finished making one.
     pool_ready: tokio::sync::Notify,
-    /// Recent asks for pooled containers, which set the pool's target (`pool.rs`).
-    demand: Arc<Mutex<pool::Demand>>,
     /// Turns of new sessions' own containers, [`make::COLD_AT_ONCE`] made at once, and each
     /// principal's share of them (`make.rs`); entries nobody holds are dropped (`shared`).
     cold: tokio::sync::Semaphore,
@@ -167,7 +165,8 @@ impl Registry {
                 .with_metrics(metrics.clone())
                 .keyed_by_peer(cfg.engine == crate::config::EngineKind::Kubernetes);
         let ledger = crate::durable::ledger::Ledger::of(&cfg);
-        let demand = Arc::new(Mutex::new(pool::Demand::new(cfg.pool_size, cfg.pool_max, Instant::now())));
+        let budget = cfg.pool_memory_mb.saturating_mul(1 << 20);
+        let pools = pool::Pools::new(environments.default_name(), cfg.pool_size, cfg.pool_max, budget, Instant::now());
         let snapshots = crate::durable::catalogue::Catalogue::new(ledger.clone(), instance.owner.instance.clone());
         let quotas = Arc::new(crate::quota::Quotas::load(&cfg, Some(cfg.state_dir())));
         let oversight = crate::audit::Oversight { quotas: Some(quotas.clone()), ..Default::default() };
@@ -182,12 +181,10 @@ impl Registry {
             installs: Mutex::new(HashMap::new()),
             jobs: super::jobs::Jobs::default(),
             runs: Mutex::new(HashMap::new()),
-            pool: Arc::default(),
+            pool: Arc::new(Mutex::new(pools)),
             pool_wake: Arc::default(),
-            pool_coming: Mutex::default(),
             attaching: Mutex::default(),
             pool_ready: tokio::sync::Notify::new(),
-            demand,
             cold: tokio::sync::Semaphore::new(make::COLD_AT_ONCE),
             colds: Mutex::default(),
             snapshots,

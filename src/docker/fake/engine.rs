@@ -149,7 +149,9 @@ impl Engine for FakeEngine {
         }
         let usage = bollard::models::ContainerCpuUsage { total_usage: Some(0), ..Default::default() };
         let cpu = bollard::models::ContainerCpuStats { cpu_usage: Some(usage), ..Default::default() };
-        futures::stream::iter([Ok(ContainerStatsResponse { cpu_stats: Some(cpu), ..Default::default() })]).boxed()
+        let memory = bollard::models::ContainerMemoryStats { usage: w.idle_bytes, ..Default::default() };
+        let stats = ContainerStatsResponse { cpu_stats: Some(cpu), memory_stats: Some(memory), ..Default::default() };
+        futures::stream::iter([Ok(stats)]).boxed()
     }
     fn top_processes<'a>(&'a self, _: &'a str, _: Option<q::TopOptions>) -> Fut<'a, ContainerTopResponse> {
         ready(Err(status(500, "the fake engine has no processes to list".into())))

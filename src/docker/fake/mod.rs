@@ -72,6 +72,8 @@ pub(crate) struct World {
     pub(crate) start_takes: Option<std::time::Duration>,
     pub(crate) starting: usize,
     pub(crate) most_starting: usize,
+    /// The memory the stats API reports for every running container (none: not reported).
+    pub(crate) idle_bytes: Option<u64>,
     execs: HashMap<String, Exec>,
     serial: u64,
 }

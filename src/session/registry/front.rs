@@ -97,6 +97,7 @@ impl Registry {
         let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         now.pool = gauge(self.pool_len());
         now.pool_target = gauge(self.pool_target());
+        now.pool_bytes = i64::try_from(self.pool_bytes()).unwrap_or(i64::MAX);
         now.snapshots = gauge(self.snapshots.count());
         now.snapshot_bytes = i64::try_from(self.snapshots.total()).unwrap_or(i64::MAX);
         now.quotas = self.quota_rows();

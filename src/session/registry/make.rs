@@ -36,11 +36,14 @@ impl Registry {
         let image = self.image(env, progress).await?;
         let layer = if all.is_empty() { None } else { Some(self.layer(env, &all, progress).await?) };
         let with_egress = !egress.is_empty();
-        // Packages or not: a set is a directory put on the path, so the pool serves all.
-        // Never with egress: a pooled container has no network to put the proxy on (and one
-        // popped here would be left running).
-        let pooled = env.name == self.environments.default_name() && !with_egress;
-        let mut taken = if pooled { self.pool_pop_or_wait().await } else { None };
+        // Packages or not: a set is a directory put on the path, so the pool serves all, of
+        // each environment. Never with egress: a pooled container has no network to put the
+        // proxy on (and one popped here would be left running).
+        let pooled = (!with_egress).then_some(env.name.as_str());
+        let mut taken = match pooled {
+            Some(env) => self.pool_pop_or_wait(env).await,
+            None => None,
+        };
         // The pool did not serve it: its own container, in its turn, unless a pooled one comes
         // meanwhile. Not egress sessions: never pooled, they make their network and bind it
         // in the proxy with their container, and queue for none of it here (as before).
@@ -51,7 +54,7 @@ impl Registry {
                 Err(p) => taken = Some(p),
             }
         }
-        if pooled {
+        if pooled.is_some() {
             self.metrics.pool_take(taken.is_some());
         }
         let source = if taken.is_some() { Source::Pool } else { Source::Cold };
@@ -77,20 +80,20 @@ impl Registry {
         }
         self.metrics.session_created(source, &principal, asked.elapsed());
         if !with_egress {
-            // A hibernated session wakes into a pooled container of its image (one with egress
-            // needs its network: it wakes into a container of its own).
-            let _ = session.pool.set(self.pool_take());
+            // A hibernated session wakes into a pooled container of its environment (one with
+            // egress needs its network: it wakes into a container of its own).
+            let _ = session.pool.set(self.pool_take(&env.name));
         }
         Ok(session)
     }
 
     /// A turn to make a new session's own container ([`COLD_PER_PRINCIPAL`], then
     /// [`COLD_AT_ONCE`]), or a pooled container that came while it waited (`pooled`: the
-    /// session may have one). [`Error::Stopping`] once the server stops.
+    /// environment whose pool may serve it). [`Error::Stopping`] once the server stops.
     async fn turn_or_pooled(
         &self,
         principal: &str,
-        pooled: bool,
+        pooled: Option<&str>,
     ) -> Result<Result<Turn<'_>, crate::session::Prepared>, Error> {
         let share = shared(&mut self.colds.lock().unwrap_or_else(|e| e.into_inner()), principal.to_owned(), || {
             tokio::sync::Semaphore::new(COLD_PER_PRINCIPAL)
@@ -105,13 +108,13 @@ impl Registry {
             let came = self.pool_ready.notified();
             tokio::pin!(came);
             came.as_mut().enable();
-            if let Some(p) = pooled.then(|| self.pool_pop_quiet()).flatten() {
+            if let Some(p) = pooled.and_then(|env| self.pool_pop_quiet(env)) {
                 return Ok(Err(p));
             }
             tokio::select! {
                 t = &mut turn => {
                     let t = t?;
-                    return Ok(match pooled.then(|| self.pool_pop_quiet()).flatten() {
+                    return Ok(match pooled.and_then(|env| self.pool_pop_quiet(env)) {
                         Some(p) => Err(p),
                         None => Ok(t),
                     });

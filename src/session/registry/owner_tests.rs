@@ -18,14 +18,14 @@ use crate::session::{RunSpec, Session};
 
 /// A registry on a fake engine that holds the sandbox image, with its own state dir (removed
 /// on drop). Records are kept (`--keep-sessions`), so the ledger's writes can be checked.
-struct Bench {
-    fake: FakeEngine,
-    reg: Arc<Registry>,
+pub(super) struct Bench {
+    pub(super) fake: FakeEngine,
+    pub(super) reg: Arc<Registry>,
     dir: std::path::PathBuf,
 }
 
 impl Bench {
-    fn new(flags: &[&str]) -> Self {
+    pub(super) fn new(flags: &[&str]) -> Self {
         use std::sync::atomic::{AtomicU32, Ordering};
         static N: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -38,20 +38,33 @@ impl Bench {
         let mut args = vec!["--state-dir", dir_arg.as_str(), "--keep-sessions", "--adopt-grace-s", "600"];
         args.extend_from_slice(flags);
         let cfg = crate::config::from_flags(&args);
-        let fake = FakeEngine::with_images(&[crate::docker::image::tag_for(&cfg)]);
+        // Every environment's image, so sessions of any of them start.
+        let envs = crate::environment::Environments::from_config(&cfg).expect("the built-in environments");
+        let tags: Vec<String> = envs.all().map(|e| crate::docker::image::tag_for(&e.cfg)).collect();
+        let fake = FakeEngine::with_images(&tags);
         let instance = Instance::acquire(&dir, None).expect("an instance lock");
         let reg =
             Registry::new(Arc::new(fake.clone()), Arc::new(cfg), instance, Sandboxing::default()).expect("a registry");
         Self { fake, reg: Arc::new(reg), dir }
     }
 
-    async fn open(&self, principal: &str, name: &str) -> Result<(Arc<Session>, bool), Error> {
-        let opened = self.reg.open(principal, name, None, &[], None, &|_| {}).await?;
+    pub(super) async fn open(&self, principal: &str, name: &str) -> Result<(Arc<Session>, bool), Error> {
+        self.open_in(principal, name, None).await
+    }
+
+    /// Opens a session of environment `env` (the default's when `None`).
+    pub(super) async fn open_in(
+        &self,
+        principal: &str,
+        name: &str,
+        env: Option<&str>,
+    ) -> Result<(Arc<Session>, bool), Error> {
+        let opened = self.reg.open(principal, name, env, &[], None, &|_| {}).await?;
         Ok((opened.session, opened.created))
     }
 
     /// The containers of session `name` of `principal` on the engine.
-    fn containers_of(&self, principal: &str, name: &str) -> Vec<String> {
+    pub(super) fn containers_of(&self, principal: &str, name: &str) -> Vec<String> {
         let w = self.fake.world();
         w.containers
             .iter()
@@ -64,7 +77,7 @@ impl Bench {
     }
 
     /// Names of the volumes and containers of this instance on the engine.
-    fn ours(&self) -> Vec<String> {
+    pub(super) fn ours(&self) -> Vec<String> {
         let own = &self.reg.instance.owner.instance;
         let w = self.fake.world();
         let mine = |l: &std::collections::HashMap<String, String>| l.get(LABEL_INSTANCE) == Some(own);
@@ -106,7 +119,7 @@ impl Drop for Bench {
     }
 }
 
-async fn run(s: &Session, code: &str) -> crate::session::RunOutcome {
+pub(super) async fn run(s: &Session, code: &str) -> crate::session::RunOutcome {
     let spec = RunSpec { code: code.into(), ..RunSpec::default() };
     s.run(spec, Duration::from_secs(10), &CancellationToken::new(), &|_, _| {}).await.expect("a run")
 }
@@ -263,64 +276,6 @@ async fn a_killed_interpreter_is_replaced_and_the_run_says_its_state_went() {
     let running: Vec<String> = b.reg.ledger.running().into_iter().map(|r| r.about.container).collect();
     assert_eq!(running, [replaced], "the record follows the new container");
     b.records_agree();
-}
-
-#[tokio::test]
-async fn the_warm_pool_hands_out_a_ready_container_and_a_stop_leaves_nothing_of_ours() {
-    let b = Bench::new(&["--pool-size", "1"]);
-    let stop = CancellationToken::new();
-    let keeper = tokio::spawn(b.reg.clone().pool_keeper(stop.clone()));
-    // The keeper fills the pool in the background: wait (bounded) for its container.
-    let pooled = async {
-        loop {
-            if let Some(p) = b.containers_of("", "pool-1").first() {
-                return p.clone();
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    let pooled = tokio::time::timeout(Duration::from_secs(10), pooled).await.expect("the pool filled");
-    let (s, created) = b.open("alice", "warm").await.expect("opened");
-    assert!(created);
-    assert_eq!(s.container_id(), pooled, "the session took the pooled container");
-    stop.cancel();
-    keeper.await.expect("the keeper stopped");
-    b.reg.shutdown(false).await;
-    assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
-    assert!(b.reg.ledger.running().is_empty());
-}
-
-#[tokio::test]
-async fn a_burst_of_new_sessions_grows_the_pool_to_its_max_and_a_stop_leaves_nothing() {
-    let b = Bench::new(&["--pool-size", "1", "--pool-max", "4"]);
-    let stop = CancellationToken::new();
-    let keeper = tokio::spawn(b.reg.clone().pool_keeper(stop.clone()));
-    let reg = b.reg.clone();
-    let holds = |n: usize| {
-        let reg = reg.clone();
-        async move {
-            loop {
-                if reg.pool_len() == n {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), holds(1)).await.expect("the pool filled to its floor");
-    // Six new sessions at once: more than --pool-max asked for within one interval.
-    let names: Vec<String> = (0..6).map(|i| format!("burst{i}")).collect();
-    let opened = futures::future::join_all(names.iter().map(|n| b.open("alice", n))).await;
-    let mut ids: Vec<String> = opened.into_iter().map(|o| o.expect("opened").0.container_id()).collect();
-    ids.sort();
-    ids.dedup();
-    assert_eq!(ids.len(), 6, "each session has a container of its own");
-    tokio::time::timeout(Duration::from_secs(10), holds(4)).await.expect("the pool grew to --pool-max");
-    stop.cancel();
-    keeper.await.expect("the keeper stopped");
-    assert_eq!(b.reg.pool_len(), 0, "a stopped keeper leaves no pooled container");
-    b.reg.shutdown(false).await;
-    assert_eq!(b.ours(), Vec::<String>::new(), "a clean stop removes every container and volume of ours");
 }
 
 #[tokio::test]
