@@ -337,8 +337,8 @@ pub struct SandboxConfig {
     #[arg(long, env = "PYBERTH_MAX_PACKAGES", default_value_t = 50)]
     pub max_packages: usize,
 
-    /// Started, hardened containers kept ready for new sessions of the default environment
-    /// (0 disables the warm pools; other environments' pools follow their demand alone).
+    /// Started, hardened containers kept ready for new sessions of the default environment;
+    /// other environments' pools follow their demand alone (0 disables every warm pool).
     #[arg(long, env = "PYBERTH_POOL_SIZE", default_value_t = 2)]
     pub pool_size: usize,
 

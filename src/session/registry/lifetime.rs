@@ -1,5 +1,5 @@
 //! The registry over time: idle sessions reaped or hibernated, leftovers of dead servers
-//! swept, and the stop that ends or leaves every session (the warm pool: `pool.rs`).
+//! swept, and the stop that ends or leaves every session (the warm pools: `pool/`).
 
 use super::*;
 

@@ -11,9 +11,12 @@ pub(crate) const INTERVAL: Duration = Duration::from_secs(10);
 /// The peak halves for each such span in which no interval reached it.
 pub(crate) const HALF_LIFE: Duration = Duration::from_secs(60);
 /// What one idle container is taken to hold until one of its environment is measured: a
-/// little above the 13 MiB measured on 2026-11-27 (docs/benchmarks.md), so an unmeasured
-/// environment never overdraws the budget.
+/// little above the 13 MiB the default's measured on 2026-11-27 (docs/benchmarks.md). A
+/// heavier environment's pool may pass the budget by the difference until its first measure
+/// (the first container it holds ready).
 pub(crate) const UNMEASURED_COST: u64 = 16 << 20;
+/// Least a measure counts for: a reading of nothing must not lift the budget.
+pub(crate) const LEAST_COST: u64 = 1 << 20;
 
 /// Pooled containers being made, and how many of them new sessions already wait for. At
 /// start the first call comes while the keeper makes its first container: two creates at once
@@ -48,7 +51,7 @@ impl Coming {
 /// halving each [`HALF_LIFE`] since an interval last reached it.
 #[derive(Debug)]
 pub(crate) struct Demand {
-    floor: usize,
+    pub(crate) floor: usize,
     max: usize,
     interval_from: Instant,
     count: usize,
@@ -97,23 +100,30 @@ impl Demand {
     }
 }
 
-/// Each environment's share of at most `max` containers and `budget` bytes: one container at
-/// a time to each environment in turn (`wants` in order: the default environment first), as
-/// long as it wants more and its next container fits. A burst in one environment cannot
-/// starve another of its first containers (max-min fair).
-pub(crate) fn allot(wants: &[(usize, u64)], max: usize, budget: u64) -> Vec<usize> {
+/// Each environment's share of at most `max` containers and `budget` bytes, from `wants` in
+/// order (the default environment first) as (target, cost of one, floor): first each floor,
+/// as far as it fits; then one container at a time to each environment in turn, as long as it
+/// wants more and its next container fits. A burst in one environment cannot take the
+/// default's floor, nor starve another of its first containers (max-min fair).
+pub(crate) fn allot(wants: &[(usize, u64, usize)], max: usize, budget: u64) -> Vec<usize> {
     let mut given = vec![0; wants.len()];
     let (mut count, mut bytes) = (0usize, 0u64);
+    let mut give = |i: usize, cost: u64, given: &mut Vec<usize>| {
+        let fits = count < max && bytes.checked_add(cost).is_some_and(|b| b <= budget);
+        if fits {
+            given[i] += 1;
+            count += 1;
+            bytes += cost;
+        }
+        fits
+    };
+    for (i, &(want, cost, floor)) in wants.iter().enumerate() {
+        while given[i] < floor.min(want) && give(i, cost, &mut given) {}
+    }
     loop {
         let mut grew = false;
-        for (i, &(want, cost)) in wants.iter().enumerate() {
-            let fits = bytes.checked_add(cost).is_some_and(|b| b <= budget);
-            if count < max && given[i] < want && fits {
-                given[i] += 1;
-                count += 1;
-                bytes += cost;
-                grew = true;
-            }
+        for (i, &(want, cost, _)) in wants.iter().enumerate() {
+            grew |= given[i] < want && give(i, cost, &mut given);
         }
         if !grew {
             return given;
@@ -130,12 +140,20 @@ pub(crate) struct Pool<T> {
     pub(crate) coming: Coming,
     /// Bytes one idle container of this environment held when last measured.
     pub(crate) cost: Option<u64>,
+    /// Containers made for it since it was last measured.
+    pub(crate) unmeasured: u64,
 }
 
 impl<T> Pool<T> {
     /// What one more container is taken to cost.
     pub(crate) fn cost(&self) -> u64 {
         self.cost.unwrap_or(UNMEASURED_COST)
+    }
+
+    /// A measure of one of its idle containers.
+    pub(crate) fn measured(&mut self, bytes: u64) {
+        self.cost = Some(bytes.max(LEAST_COST));
+        self.unmeasured = 0;
     }
 }
 
@@ -170,6 +188,7 @@ impl<T> Pools<T> {
             demand: Demand::new(floor, max, now),
             coming: Coming::default(),
             cost: None,
+            unmeasured: 0,
         })
     }
 
@@ -204,10 +223,12 @@ impl<T> Pools<T> {
         self.envs.values().map(|p| p.cost().saturating_mul(p.ready.len() as u64)).sum()
     }
 
-    /// Each environment's target at `now`: its demand, within its share of the bounds.
+    /// Each environment's target at `now`: its demand, within its share of the bounds; none
+    /// at all when the pools are off (`--pool-size 0`).
     pub(crate) fn targets(&self, now: Instant) -> Vec<(String, usize)> {
-        let wants: Vec<(usize, u64)> = self.each().map(|(_, p)| (p.demand.target(now), p.cost())).collect();
-        let given = allot(&wants, self.max, self.budget);
+        let wants: Vec<(usize, u64, usize)> =
+            self.each().map(|(_, p)| (p.demand.target(now), p.cost(), p.demand.floor)).collect();
+        let given = if self.floor == 0 { vec![0; wants.len()] } else { allot(&wants, self.max, self.budget) };
         self.each().map(|(name, _)| name.to_owned()).zip(given).collect()
     }
 
@@ -346,18 +367,22 @@ mod tests {
     fn shares_are_given_in_turn_so_a_burst_leaves_the_others_theirs() {
         const MB: u64 = 1 << 20;
         // Under both bounds: everyone gets what they want.
-        assert_eq!(allot(&[(2, MB), (3, MB)], 16, 100 * MB), [2, 3]);
+        assert_eq!(allot(&[(2, MB, 2), (3, MB, 0)], 16, 100 * MB), [2, 3]);
         // A burst of 50 in the second beside 4 in the first and 2 in the third, at most 16.
-        assert_eq!(allot(&[(4, MB), (50, MB), (2, MB)], 16, 100 * MB), [4, 10, 2]);
+        assert_eq!(allot(&[(4, MB, 2), (50, MB, 0), (2, MB, 0)], 16, 100 * MB), [4, 10, 2]);
         // Equal wants past the max split evenly, the first (the default) ahead by one.
-        assert_eq!(allot(&[(10, MB), (10, MB)], 5, 100 * MB), [3, 2]);
+        assert_eq!(allot(&[(10, MB, 0), (10, MB, 0)], 5, 100 * MB), [3, 2]);
         // The budget binds before the count: 13 MiB each in 64 MiB is four.
-        assert_eq!(allot(&[(10, 13 * MB)], 100, 64 * MB), [4]);
+        assert_eq!(allot(&[(10, 13 * MB, 2)], 100, 64 * MB), [4]);
         // A dear environment takes what still fits; a cheap one goes on after it stops.
-        assert_eq!(allot(&[(10, 40 * MB), (10, 10 * MB)], 100, 100 * MB), [2, 2]);
-        assert_eq!(allot(&[(1, 40 * MB), (10, 10 * MB)], 100, 100 * MB), [1, 6]);
-        // Nothing fits: nothing held, whatever the floor asked.
-        assert_eq!(allot(&[(2, 20 * MB)], 16, 10 * MB), [0]);
+        assert_eq!(allot(&[(10, 40 * MB, 0), (10, 10 * MB, 0)], 100, 100 * MB), [2, 2]);
+        assert_eq!(allot(&[(1, 40 * MB, 0), (10, 10 * MB, 0)], 100, 100 * MB), [1, 6]);
+        // The default's floor comes first: two dear environments asked for cannot take it,
+        // by bytes or by count.
+        assert_eq!(allot(&[(2, 13 * MB, 2), (9, 500 * MB, 0), (9, 500 * MB, 0)], 16, 1024 * MB), [2, 1, 0]);
+        assert_eq!(allot(&[(2, MB, 2), (9, MB, 0), (9, MB, 0), (9, MB, 0)], 3, 1024 * MB), [2, 1, 0, 0]);
+        // Nothing fits: nothing held, whatever the floor asked (the budget binds the floor too).
+        assert_eq!(allot(&[(2, 20 * MB, 2)], 16, 10 * MB), [0]);
         assert_eq!(allot(&[], 16, 10 * MB), Vec::<usize>::new());
     }
 
@@ -381,12 +406,25 @@ mod tests {
         assert_eq!(pools.targets(later), [("default".to_owned(), 2), ("data".to_owned(), 5)], "20 >> 2");
         assert_eq!(pools.surplus(&pools.targets(later)), [1]);
         assert_eq!(pools.ask("data", later), Some(6));
-        // A measured cost lowers what the budget allows.
-        pools.of("data", t0).cost = Some(200 * MB);
+        // A measured cost lowers what the budget allows; a reading of nothing counts as 1 MiB.
+        pools.of("data", t0).measured(0);
+        assert_eq!(pools.of("data", t0).cost(), LEAST_COST);
+        pools.of("data", t0).measured(200 * MB);
         pools.budget = 1000 * MB;
         assert_eq!(pools.targets(later), [("default".to_owned(), 2), ("data".to_owned(), 4)]);
         assert_eq!(pools.drain().len(), 6);
         assert_eq!(pools.held(), 0);
+    }
+
+    #[test]
+    fn with_the_pools_off_no_environment_has_a_target_whatever_its_demand() {
+        let t0 = Instant::now();
+        let mut pools: Pools<u32> = Pools::new("default", 0, 16, u64::MAX, t0);
+        for _ in 0..5 {
+            pools.ask("default", t0);
+            pools.ask("data", t0);
+        }
+        assert_eq!(pools.targets(t0), [("default".to_owned(), 0), ("data".to_owned(), 0)]);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use tokio::task::{Id, JoinSet};
+use tokio::task::{Id, JoinError, JoinSet};
 
 use super::super::*;
 use crate::session::Prepared;
@@ -16,8 +16,8 @@ pub(crate) const AT_ONCE: usize = 4;
 /// First pause after an environment's failed make; it doubles up to [`LONGEST_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_secs(10);
 const LONGEST_BACKOFF: Duration = Duration::from_secs(600);
-/// Each environment's first container is measured, then every this many (memory grows little
-/// between images, and each measure is an engine call).
+/// An environment is measured when it holds its first ready container, then again after this
+/// many more are made (idle memory changes little, and each measure is an engine call).
 const MEASURE_EVERY: u64 = 16;
 
 /// An environment whose last make failed: its next pause, and until when it rests.
@@ -32,9 +32,10 @@ struct Failing {
 struct Work {
     making: JoinSet<Result<Option<Prepared>, Error>>,
     envs: HashMap<Id, String>,
-    measuring: JoinSet<(String, String, Option<u64>)>,
+    /// Measures under way: (container, bytes), by task, for their environment.
+    measuring: JoinSet<(String, Option<u64>)>,
+    measuring_envs: HashMap<Id, String>,
     failing: HashMap<String, Failing>,
-    made: HashMap<String, u64>,
     serial: u64,
 }
 
@@ -79,6 +80,7 @@ impl Registry {
             self.start_makes(&mut work, &targets, &shutdown, now);
             let counts = work.counts();
             self.pool_update(None, &counts);
+            self.measure_due(&mut work);
             if !preloaded && work.making.is_empty() && self.default_full(&targets) {
                 // Once the pool is full: the layer store's listing, so that the first new
                 // session asking for a cached set waits for nothing but its pooled container.
@@ -98,8 +100,8 @@ impl Registry {
                 _ = shutdown.cancelled() => break,
                 () = self.pool_wake.notified() => {}
                 () = later => {}
-                Some(done) = work.making.join_next_with_id() => self.made(&mut work, done),
-                Some(Ok((env, id, cost))) = work.measuring.join_next() => self.measured(&env, &id, cost),
+                Some(done) = work.making.join_next_with_id() => self.made(&mut work, done).await,
+                Some(done) = work.measuring.join_next_with_id() => self.measured(&mut work, done),
             }
         }
         work.measuring.abort_all();
@@ -154,51 +156,79 @@ impl Registry {
         }
     }
 
-    /// A make ended: its container goes into its environment's pool (measured when due), or
-    /// its environment rests after a failure.
-    fn made(&self, work: &mut Work, done: Result<(Id, Result<Option<Prepared>, Error>), tokio::task::JoinError>) {
+    /// A make ended: its container goes into its environment's pool, or its environment rests
+    /// after a failure.
+    async fn made(&self, work: &mut Work, done: Result<(Id, Result<Option<Prepared>, Error>), JoinError>) {
         let id = match &done {
             Ok((id, _)) => *id,
             Err(e) => e.id(),
         };
-        let Some(env) = work.envs.remove(&id) else { return };
+        let env = work.envs.remove(&id);
         let made = match done {
-            Ok((_, Ok(made))) => {
-                work.failing.remove(&env);
-                made
-            }
+            Ok((_, Ok(made))) => made,
             Ok((_, Err(e))) => {
-                let pause = work.failed(&env);
-                tracing::warn!(error = %e, env = %env, "cannot fill the warm pool; retrying in {} s", pause.as_secs());
+                if let Some(env) = &env {
+                    let pause = work.failed(env);
+                    tracing::warn!(error = %e, env = %env, "cannot fill the warm pool; retrying in {} s", pause.as_secs());
+                }
                 None
             }
             Err(e) => {
-                tracing::warn!(error = %e, env = %env, "a warm pool container's making failed");
+                tracing::warn!(error = %e, "a warm pool container's making failed");
                 None
             }
         };
-        if let Some(p) = &made {
-            let n = work.made.entry(env.clone()).or_default();
-            if n.is_multiple_of(MEASURE_EVERY) {
-                let (docker, id, env) = (self.docker.clone(), p.container_id().to_owned(), env.clone());
-                work.measuring.spawn(async move {
-                    let bytes = container::memory_bytes(&docker, &id).await;
-                    (env, id, bytes)
-                });
+        match (env, made) {
+            (Some(env), made) => {
+                if made.is_some() {
+                    work.failing.remove(&env);
+                }
+                self.pool_update(made.map(|p| (env, p)), &work.counts());
             }
-            *n += 1;
+            // Every make is recorded with its environment; were one not, its container still
+            // goes.
+            (None, Some(p)) => p.destroy(&self.docker).await,
+            (None, None) => {}
         }
-        self.pool_update(made.map(|p| (env, p)), &work.counts());
+    }
+
+    /// Measures the oldest ready container of each environment due a measure (none yet, or
+    /// [`MEASURE_EVERY`] made since), one at a time per environment. The oldest: new sessions
+    /// take the newest, so it is the likeliest to stay idle until the measure is back, and no
+    /// container is held back from a session for it.
+    fn measure_due(&self, work: &mut Work) {
+        let due: Vec<(String, String)> = {
+            let pools = self.pools();
+            let busy = |env: &str| work.measuring_envs.values().any(|e| e == env);
+            pools
+                .each()
+                .filter(|(env, p)| (p.cost.is_none() || p.unmeasured >= MEASURE_EVERY) && !busy(env))
+                .filter_map(|(env, p)| Some((env.to_owned(), p.ready.first()?.container_id().to_owned())))
+                .collect()
+        };
+        for (env, id) in due {
+            let docker = self.docker.clone();
+            let handle = work.measuring.spawn(async move {
+                let bytes = container::memory_bytes(&docker, &id).await;
+                (id, bytes)
+            });
+            work.measuring_envs.insert(handle.id(), env);
+        }
     }
 
     /// A measure came back: it becomes its environment's cost if its container is still
     /// ready in the pool (a session that took it meanwhile may have run code in it).
-    fn measured(&self, env: &str, id: &str, bytes: Option<u64>) {
+    fn measured(&self, work: &mut Work, done: Result<(Id, (String, Option<u64>)), JoinError>) {
+        let task = match &done {
+            Ok((task, _)) => *task,
+            Err(e) => e.id(),
+        };
+        let (Some(env), Ok((_, (id, Some(bytes))))) = (work.measuring_envs.remove(&task), done) else { return };
         let mut pools = self.pools();
-        let pool = pools.of(env, Instant::now());
-        if let Some(bytes) = bytes.filter(|_| pool.ready.iter().any(|p| p.container_id() == id)) {
+        let pool = pools.of(&env, Instant::now());
+        if pool.ready.iter().any(|p| p.container_id() == id) {
             tracing::debug!(env, mib = bytes >> 20, "an idle pooled container measured");
-            pool.cost = Some(bytes);
+            pool.measured(bytes);
         }
     }
 
@@ -209,7 +239,9 @@ impl Registry {
             let mut pools = self.pools();
             let now = Instant::now();
             if let Some((env, p)) = made {
-                pools.of(&env, now).ready.push(p);
+                let pool = pools.of(&env, now);
+                pool.ready.push(p);
+                pool.unmeasured += 1;
             }
             let names: Vec<String> = pools.each().map(|(name, _)| name.to_owned()).collect();
             for name in names {

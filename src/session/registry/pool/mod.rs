@@ -17,16 +17,21 @@ pub(crate) use demand::Pools;
 const LONGEST_WAIT: Duration = Duration::from_secs(30);
 
 /// A session's claim on a container of `env` being made; released however the wait ends (a
-/// dropped call included), so no promise outlives its waiter.
+/// dropped call included), so no promise outlives its waiter. Served, it is released under the
+/// lock that took the container (`spent`): another waiter looking between the two would see
+/// more promised than coming, and give up on a container still coming for it.
 struct Claim<'a> {
     pools: &'a Mutex<Pools<crate::session::Prepared>>,
     env: &'a str,
+    spent: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
-        let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
-        pools.of(self.env, Instant::now()).coming.release();
+        if !self.spent.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut pools = self.pools.lock().unwrap_or_else(|e| e.into_inner());
+            pools.of(self.env, Instant::now()).coming.release();
+        }
     }
 }
 
@@ -78,7 +83,7 @@ impl Registry {
         if !claimed {
             return None;
         }
-        let _claim = Claim { pools: &self.pool, env };
+        let claim = Claim { pools: &self.pool, env, spent: false.into() };
         let wait = async {
             loop {
                 let ready = self.pool_ready.notified();
@@ -89,8 +94,13 @@ impl Registry {
                     let mut pools = self.pools();
                     let pool = pools.of(env, Instant::now());
                     let taken = pool.ready.pop();
-                    if taken.is_some() || pool.coming.broken() {
+                    if taken.is_some() {
+                        pool.coming.release();
+                        claim.spent.store(true, std::sync::atomic::Ordering::Relaxed);
                         return taken;
+                    }
+                    if pool.coming.broken() {
+                        return None;
                     }
                 }
                 ready.await;
