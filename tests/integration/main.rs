@@ -86,3 +86,5 @@ mod otel;
 mod snapshot_caps;
 // Both MCP generations (2026-07-28 and 2025-11-25) over stdio and HTTP, and the 2026 wire rules.
 mod protocol;
+// Warm pools per environment, each with its own limits (issue 29).
+mod pools;
