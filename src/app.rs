@@ -35,20 +35,24 @@ pub struct Host {
     pub docker: EngineRef,
     /// The private state dir (locks, records).
     pub state_dir: PathBuf,
+    /// What a Docker engine said when reached, for the check.
+    greeting: std::sync::Mutex<Option<docker::Greeting>>,
 }
 
 impl Host {
     /// Validates the settings, reaches the engine and secures the state dir.
     pub async fn open(cfg: &SandboxConfig) -> Result<Self, Error> {
         cfg.validate().map_err(|e| Error::Settings(e.to_string()))?;
-        let docker: EngineRef = match cfg.engine {
+        let (docker, greeting): (EngineRef, _) = match cfg.engine {
             EngineKind::Docker => {
-                Arc::new(docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| Error::Engine(e.to_string()))?)
+                let (docker, greeting) =
+                    docker::connect(cfg.docker_host.as_deref()).await.map_err(|e| Error::Engine(e.to_string()))?;
+                (Arc::new(docker), Some(greeting))
             }
-            EngineKind::Kubernetes => Arc::new(kubernetes(cfg).await?),
+            EngineKind::Kubernetes => (Arc::new(kubernetes(cfg).await?), None),
         };
         let state_dir = cfg.secure_state_dir().map_err(Error::Settings)?;
-        Ok(Self { docker, state_dir })
+        Ok(Self { docker, state_dir, greeting: std::sync::Mutex::new(greeting) })
     }
 
     /// Checks the engine: settles the runtime (`auto` included) and the seccomp profile of
@@ -58,7 +62,8 @@ impl Host {
             settle_for_kubernetes(cfg);
             return Ok(kubernetes_facts(cfg, voice));
         }
-        let engine = docker::engine::check(&self.docker, &cfg.engine_ask(), voice == Voice::Loud)
+        let greeting = self.greeting.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let engine = docker::engine::check(&self.docker, &cfg.engine_ask(), voice == Voice::Loud, greeting)
             .await
             .map_err(Error::Engine)?;
         // The operator's `auto` settled, as validation settles a setting; what the engine
@@ -164,8 +169,25 @@ pub struct Runtime {
 
 impl Runtime {
     /// Checks the engine, takes this server's instance, builds the owners and adopts or sweeps
-    /// what stopped servers left behind. Background tasks start with [`Runtime::background`].
-    pub async fn start(mut cfg: SandboxConfig, voice: Voice) -> Result<Self, Error> {
+    /// what stopped servers left behind (`pyberth run`: no background tasks).
+    pub async fn start(cfg: SandboxConfig, voice: Voice) -> Result<Self, Error> {
+        let runtime = Self::build(cfg, voice).await?;
+        runtime.sweep(voice).await;
+        Ok(runtime)
+    }
+
+    /// [`Runtime::start`] for a long-lived server: its background tasks (the pool keeper's
+    /// first container above all, which the first call waits for) start before the adoption
+    /// and sweep of what stopped servers left, not after. Calls are served only once this
+    /// returns, so no session is made before an adoptable one of the same name is adopted.
+    pub async fn serve(cfg: SandboxConfig) -> Result<Self, Error> {
+        let runtime = Self::build(cfg, Voice::Loud).await?;
+        runtime.background();
+        runtime.sweep(Voice::Loud).await;
+        Ok(runtime)
+    }
+
+    async fn build(mut cfg: SandboxConfig, voice: Voice) -> Result<Self, Error> {
         let host = Host::open(&cfg).await?;
         let engine = host.check(&mut cfg, voice).await?;
         let instance = host.instance(cfg.instance.as_deref())?;
@@ -186,16 +208,21 @@ impl Runtime {
                 .map_err(Error::Settings)?
                 .with_audit(audit),
         );
+        Ok(Self { cfg, engine, registry, shutdown: CancellationToken::new(), tasks: TaskTracker::new(), audit: writer })
+    }
+
+    /// Adopts or sweeps what stopped servers left behind, and starts this one's heartbeat.
+    async fn sweep(&self, voice: Voice) {
         // On Kubernetes a server's heartbeat is a Lease, known dead only once it lapsed
         // (`k8s/engine/beats.rs`): the sweep runs again every grace (5 s to a minute) so a
         // killed server's pods go without waiting for the next start. Not `pyberth run`
         // (quiet), a short guest.
-        let again = (cfg.engine == EngineKind::Kubernetes && voice == Voice::Loud)
-            .then(|| cfg.leftover_grace().clamp(std::time::Duration::from_secs(5), std::time::Duration::from_secs(60)));
-        if let Err(e) = registry.sweep_leftovers(again).await {
+        let again = (self.cfg.engine == EngineKind::Kubernetes && voice == Voice::Loud).then(|| {
+            self.cfg.leftover_grace().clamp(std::time::Duration::from_secs(5), std::time::Duration::from_secs(60))
+        });
+        if let Err(e) = self.registry.sweep_leftovers(again).await {
             tracing::warn!(error = %e, "cannot sweep leftovers of dead instances");
         }
-        Ok(Self { cfg, engine, registry, shutdown: CancellationToken::new(), tasks: TaskTracker::new(), audit: writer })
     }
 
     /// A token cancelled when the runtime stops (and that a front may cancel to stop it).
@@ -205,7 +232,7 @@ impl Runtime {
 
     /// The tasks of a long-lived server: the idle reaper, the warm pool, and the image found
     /// or built now so the first call does not wait for it.
-    pub fn background(&self) {
+    fn background(&self) {
         self.tasks.spawn(self.registry.clone().reaper(self.shutdown.clone()));
         self.tasks.spawn(self.registry.clone().pool_keeper(self.shutdown.clone()));
         self.tasks.spawn(self.registry.clone().quota_keeper(self.shutdown.clone()));

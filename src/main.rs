@@ -9,7 +9,7 @@ mod images_cli;
 
 use anyhow::Context as _;
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
-use pyberth::app::{Runtime, Voice};
+use pyberth::app::Runtime;
 use pyberth::config::{self, SandboxConfig};
 use pyberth::docker::image;
 use pyberth::http::HttpArgs;
@@ -381,8 +381,7 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let runtime = Runtime::start(cfg, Voice::Loud).await?;
-    runtime.background();
+    let runtime = Runtime::serve(cfg).await?;
     let (registry, cfg) = (runtime.registry.clone(), runtime.cfg.clone());
     if let Some(metrics) = metrics {
         runtime.spawn(metrics.serve(registry.clone(), runtime.shutdown_token()));
@@ -409,7 +408,9 @@ async fn serve(mut cfg: SandboxConfig, http: HttpArgs) -> anyhow::Result<()> {
 /// Serves the one client on stdin/stdout until it leaves or a signal comes.
 async fn serve_stdio(registry: Arc<Registry>, cfg: Arc<SandboxConfig>) -> anyhow::Result<()> {
     let server = SandboxServer::new(registry, cfg).traced();
-    let running = match server.serve(rmcp::transport::stdio()).await {
+    // Both streams pipes (as MCP clients start servers): read and written on tokio's reactor,
+    // not a blocking-pool thread per read and per write; anything else falls back to that.
+    let running = match server.serve(rmcp::transport::stdio_pipes()).await {
         Ok(r) => r,
         // Input ended before any client spoke: nothing went wrong, there was just no one.
         Err(

@@ -547,9 +547,20 @@ pub struct Ask {
 /// Checks the engine, logs what is known to be wrong with it (as warnings when `announce`,
 /// else at debug level: `pyberth run` shares stderr with the program), refuses to go on under
 /// `--strict-engine`, and says what sandboxes are made with (runtime, seccomp profile).
-pub async fn check(docker: &dyn Engine, ask: &Ask, announce: bool) -> Result<EngineFacts, String> {
-    // Both at once: start-up waits for one round trip, not two.
-    let (version, info) = tokio::join!(docker.version(), docker.info());
+pub async fn check(
+    docker: &dyn Engine,
+    ask: &Ask,
+    announce: bool,
+    greeting: Option<super::Greeting>,
+) -> Result<EngineFacts, String> {
+    // What the connection read already, else both at once: one round trip, not two.
+    let (version, info) = match greeting {
+        Some(g) => (g.version, g.info),
+        None => {
+            let (version, info) = tokio::join!(docker.version(), docker.info());
+            (version.map_err(|e| e.to_string()), info.map_err(|e| e.to_string()))
+        }
+    };
     let version = version.map_err(|e| format!("cannot read the engine's version: {e}"))?;
     let engine = version.version.clone().unwrap_or_default();
     let runc = version

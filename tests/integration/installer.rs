@@ -205,7 +205,7 @@ async fn an_installer_network_is_kept_for_the_next_install_and_never_shared() {
     let owner = pyberth::docker::container::Owner { instance: tag.clone(), host: "test".into() };
     let index = pyberth::packages::IndexSettings::from_config(&cfg).expect("index settings");
     let ca = cfg.ca_bundle().expect("a CA bundle on this host");
-    let engine = pyberth::docker::connect(None).await.expect("engine");
+    let (engine, _) = pyberth::docker::connect(None).await.expect("engine");
     let manager = pyberth::egress::Manager::new(engine, owner, Arc::new(cfg.clone()), None)
         .with_executable(env!("CARGO_BIN_EXE_pyberth").into());
     let image = pyberth::docker::image::sandbox_tag();

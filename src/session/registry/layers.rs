@@ -169,6 +169,11 @@ impl Registry {
         // Whoever builds, every caller waiting for the image hears its progress: the first
         // call of a fresh server waits for the build its start-up began.
         let mut lines = slot.lines.subscribe();
+        // A caller that comes while the build is under way hears where it got to at once, not
+        // only from its next line (a build whose last steps are cached says nothing more).
+        if !lines.borrow().is_empty() {
+            lines.mark_changed();
+        }
         let build = slot.tag.get_or_try_init(|| async {
             let both = |line: &str| {
                 let line = crate::output::plain_line(line);
