@@ -176,14 +176,18 @@ impl Runtime {
         Ok(runtime)
     }
 
-    /// [`Runtime::start`] for a long-lived server: its background tasks (the pool keeper's
-    /// first container above all, which the first call waits for) start before the adoption
-    /// and sweep of what stopped servers left, not after. Calls are served only once this
-    /// returns, so no session is made before an adoptable one of the same name is adopted.
+    /// [`Runtime::start`] for a long-lived server, with its background tasks. The warm pool
+    /// and the image warm-up start before the adoption and sweep of what stopped servers left
+    /// (the pool's first container is what the first call waits for); the reaper and the quota
+    /// keeper after it, so that no adopted session is reaped or hibernated before its jobs are
+    /// taken over. Calls are served only once this returns, so no session is made before an
+    /// adoptable one of the same name is adopted.
     pub async fn serve(cfg: SandboxConfig) -> Result<Self, Error> {
         let runtime = Self::build(cfg, Voice::Loud).await?;
-        runtime.background();
+        runtime.warm_up();
         runtime.sweep(Voice::Loud).await;
+        runtime.tasks.spawn(runtime.registry.clone().reaper(runtime.shutdown.clone()));
+        runtime.tasks.spawn(runtime.registry.clone().quota_keeper(runtime.shutdown.clone()));
         Ok(runtime)
     }
 
@@ -230,12 +234,10 @@ impl Runtime {
         self.shutdown.clone()
     }
 
-    /// The tasks of a long-lived server: the idle reaper, the warm pool, and the image found
-    /// or built now so the first call does not wait for it.
-    fn background(&self) {
-        self.tasks.spawn(self.registry.clone().reaper(self.shutdown.clone()));
+    /// What a long-lived server makes ready before it serves: the warm pool, and the image
+    /// found or built now so the first call does not wait for it.
+    fn warm_up(&self) {
         self.tasks.spawn(self.registry.clone().pool_keeper(self.shutdown.clone()));
-        self.tasks.spawn(self.registry.clone().quota_keeper(self.shutdown.clone()));
         let warm = self.registry.clone();
         let stop = self.shutdown.clone();
         self.tasks.spawn(async move {

@@ -553,10 +553,12 @@ pub async fn check(
     announce: bool,
     greeting: Option<super::Greeting>,
 ) -> Result<EngineFacts, String> {
-    // What the connection read already, else both at once: one round trip, not two.
+    // What the connection read already, else both at once: one round trip, not two. Read
+    // again when either failed (a later bollard that versions every request would fail them on
+    // an older engine before the negotiation's answer).
     let (version, info) = match greeting {
-        Some(g) => (g.version, g.info),
-        None => {
+        Some(super::Greeting { version: Ok(v), info: Ok(i) }) => (Ok(v), Ok(i)),
+        _ => {
             let (version, info) = tokio::join!(docker.version(), docker.info());
             (version.map_err(|e| e.to_string()), info.map_err(|e| e.to_string()))
         }

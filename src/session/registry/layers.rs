@@ -180,7 +180,12 @@ impl Registry {
                 tracing::info!(target: "pyberth::image", environment = %env.name, "{line}");
                 slot.lines.send_replace(line);
             };
-            image::ensure(&self.docker, &env.cfg, &both).await
+            let built = image::ensure(&self.docker, &env.cfg, &both).await;
+            if built.is_err() {
+                // A next attempt's callers must not hear this one's last line as their own.
+                slot.lines.send_replace(String::new());
+            }
+            built
         });
         tokio::pin!(build);
         loop {
@@ -190,13 +195,17 @@ impl Registry {
                     // of them still hears where the build got to.
                     if lines.has_changed().unwrap_or(false) {
                         let line = lines.borrow_and_update().clone();
-                        progress(&line);
+                        if !line.is_empty() {
+                            progress(&line);
+                        }
                     }
                     return built.cloned().map_err(Error::Image);
                 }
                 Ok(()) = lines.changed() => {
                     let line = lines.borrow_and_update().clone();
-                    progress(&line);
+                    if !line.is_empty() {
+                        progress(&line);
+                    }
                 }
             }
         }
