@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 /// New sessions are counted per interval of this length; the target is the peak count.
 pub(crate) const INTERVAL: Duration = Duration::from_secs(10);
-/// The peak halves for each such span in which no interval reached it.
+/// The peak halves for each such span in which no interval reached it, counted from when the
+/// pool first held it (the time it takes to make the containers does not eat into the hold).
 pub(crate) const HALF_LIFE: Duration = Duration::from_secs(60);
 /// What one idle container is taken to hold until one of its environment is measured: a
 /// little above the 13 MiB the default's measured on 2026-11-27 (docs/benchmarks.md). A
@@ -57,13 +58,15 @@ pub(crate) struct Demand {
     count: usize,
     peak: usize,
     peak_at: Instant,
+    /// Whether the pool has held the peak since it was last raised ([`Demand::held`]).
+    held: bool,
 }
 
 impl Demand {
     /// Demand that keeps a pool between `floor` (`--pool-size` for the default environment,
     /// 0 for the others) and `max` (`--pool-max`, raised to the floor).
     pub(crate) fn new(floor: usize, max: usize, now: Instant) -> Self {
-        Self { floor, max: max.max(floor), interval_from: now, count: 0, peak: 0, peak_at: now }
+        Self { floor, max: max.max(floor), interval_from: now, count: 0, peak: 0, peak_at: now, held: true }
     }
 
     /// A new session (or a wake) asked for a container at `now`.
@@ -73,7 +76,18 @@ impl Demand {
         }
         self.count = self.count.saturating_add(1);
         if self.count >= self.decayed(now) {
+            self.held &= self.count <= self.peak;
             (self.peak, self.peak_at) = (self.count, now);
+        }
+    }
+
+    /// The pool holds `ready` containers of its `target` (its share of the bounds) at `now`:
+    /// the first time since the peak rose that it holds it, the peak's half-life starts over
+    /// from now. On a small machine filling a pool of 100 takes 20 to 30 s, which otherwise
+    /// left it full for half a minute only.
+    pub(crate) fn hold(&mut self, ready: usize, target: usize, now: Instant) {
+        if !self.held && ready >= target {
+            (self.held, self.peak_at) = (true, now);
         }
     }
 
@@ -232,6 +246,15 @@ impl<T> Pools<T> {
         self.each().map(|(name, _)| name.to_owned()).zip(given).collect()
     }
 
+    /// Tells each environment's demand what its pool holds of its target now.
+    pub(crate) fn hold(&mut self, targets: &[(String, usize)], now: Instant) {
+        for (env, target) in targets {
+            if let Some(pool) = self.envs.get_mut(env) {
+                pool.demand.hold(pool.ready.len(), *target, now);
+            }
+        }
+    }
+
     /// When a target may fall next.
     pub(crate) fn next_fall(&self, now: Instant) -> Option<Instant> {
         self.envs.values().filter_map(|p| p.demand.next_fall(now)).min()
@@ -351,6 +374,29 @@ mod tests {
         assert_eq!(d.target(at(t0, 60)), 1);
         assert_eq!(d.target(at(t0, 120)), 0, "an environment out of use holds nothing");
         assert_eq!(d.next_fall(at(t0, 120)), None);
+    }
+
+    #[test]
+    fn a_peak_is_held_a_half_life_from_when_the_pool_first_holds_it() {
+        let t0 = Instant::now();
+        let mut d = Demand::new(2, 100, t0);
+        for _ in 0..40 {
+            d.note(t0);
+        }
+        d.hold(12, 40, at(t0, 20));
+        assert_eq!(d.target(at(t0, 59)), 40, "not held yet");
+        d.hold(40, 40, at(t0, 45));
+        assert_eq!(d.target(at(t0, 100)), 40, "a minute from when the pool held it, not from the burst");
+        assert_eq!(d.target(at(t0, 105)), 20);
+        d.hold(40, 40, at(t0, 200));
+        assert_eq!(d.target(at(t0, 200)), 10, "once held, holding again restarts nothing");
+        // A higher peak is held afresh; a lower count that resets the peak needs no new hold.
+        for _ in 0..50 {
+            d.note(at(t0, 300));
+        }
+        d.hold(50, 50, at(t0, 330));
+        assert_eq!(d.target(at(t0, 389)), 50);
+        assert_eq!(d.target(at(t0, 390)), 25);
     }
 
     #[test]

@@ -80,6 +80,7 @@ impl Registry {
             self.start_makes(&mut work, &targets, &shutdown, now);
             let counts = work.counts();
             self.pool_update(None, &counts);
+            self.pools().hold(&targets, now);
             self.measure_due(&mut work);
             if !preloaded && work.making.is_empty() && self.default_full(&targets) {
                 // Once the pool is full: the layer store's listing, so that the first new
