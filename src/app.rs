@@ -182,10 +182,20 @@ impl Runtime {
     /// keeper after it, so that no adopted session is reaped or hibernated before its jobs are
     /// taken over. Calls are served only once this returns, so no session is made before an
     /// adoptable one of the same name is adopted.
+    ///
+    /// Not when this server's instance name is given again (`PYBERTH_INSTANCE`, the tests' way
+    /// to start a server "again") with records of it: its adoption may claim that very name,
+    /// and would remove as a dead server's leftover a pool container this one made meanwhile.
     pub async fn serve(cfg: SandboxConfig) -> Result<Self, Error> {
         let runtime = Self::build(cfg, Voice::Loud).await?;
-        runtime.warm_up();
+        let fresh = !runtime.registry.may_adopt_its_own_name();
+        if fresh {
+            runtime.warm_up();
+        }
         runtime.sweep(Voice::Loud).await;
+        if !fresh {
+            runtime.warm_up();
+        }
         runtime.tasks.spawn(runtime.registry.clone().reaper(runtime.shutdown.clone()));
         runtime.tasks.spawn(runtime.registry.clone().quota_keeper(runtime.shutdown.clone()));
         Ok(runtime)
