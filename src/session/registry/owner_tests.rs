@@ -119,6 +119,18 @@ impl Drop for Bench {
     }
 }
 
+/// Hibernates `s`. A session busy for a moment (its watchdog looking at the lease) is not
+/// hibernated at once: the reaper tries again on its next tick, and so does this.
+pub(super) async fn hibernate(b: &Bench, s: &Session) {
+    for _ in 0..100 {
+        if b.reg.hibernate_within_caps(s).await.expect("no cap in the way") {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("{} was not hibernated", s.name);
+}
+
 pub(super) async fn run(s: &Session, code: &str) -> crate::session::RunOutcome {
     let spec = RunSpec { code: code.into(), ..RunSpec::default() };
     s.run(spec, Duration::from_secs(10), &CancellationToken::new(), &|_, _| {}).await.expect("a run")
@@ -217,17 +229,7 @@ async fn a_hibernated_session_keeps_only_its_snapshot_and_wakes_with_its_variabl
     assert_eq!(written.size, Some(2));
     let [before] = b.containers_of("alice", "sleepy").try_into().expect("one container");
 
-    // A session busy for a moment (its watchdog looking at the lease) is not hibernated
-    // now: the reaper tries again on its next tick, and so does this test.
-    let mut slept = false;
-    for _ in 0..100 {
-        slept = b.reg.hibernate_within_caps(&s).await.expect("no cap in the way");
-        if slept {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert!(slept, "hibernated");
+    hibernate(&b, &s).await;
     assert!(s.is_asleep());
     assert!(b.containers_of("alice", "sleepy").is_empty(), "its container went");
     b.records_agree();

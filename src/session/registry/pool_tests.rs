@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::Registry;
-use super::owner_tests::{Bench, run};
+use super::owner_tests::{Bench, hibernate, run};
 
 /// Waits (bounded) until `done` holds of the registry.
 async fn until(reg: &Arc<Registry>, what: &str, done: impl Fn(&Registry) -> bool) {
@@ -131,15 +131,7 @@ async fn a_hibernated_session_wakes_into_a_container_of_its_own_environment() {
     let (s, _) = b.open_in("alice", "sleepy13", Some("python3.13")).await.expect("opened");
     let image13 = image_of(&b, &s.container_id());
     run(&s, "x = 13").await;
-    let mut slept = false;
-    for _ in 0..100 {
-        slept = b.reg.hibernate_within_caps(&s).await.expect("no cap in the way");
-        if slept {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert!(slept, "hibernated");
+    hibernate(&b, &s).await;
     // Only the default's containers are ready (its own pool learnt one session, and its
     // container may be coming): whichever it wakes into runs python3.13.
     let out = run(&s, "x").await;
