@@ -176,26 +176,16 @@ impl Runtime {
         Ok(runtime)
     }
 
-    /// [`Runtime::start`] for a long-lived server, with its background tasks. The warm pool
-    /// and the image warm-up start before the adoption and sweep of what stopped servers left
-    /// (the pool's first container is what the first call waits for); the reaper and the quota
-    /// keeper after it, so that no adopted session is reaped or hibernated before its jobs are
-    /// taken over. Calls are served only once this returns, so no session is made before an
-    /// adoptable one of the same name is adopted.
-    ///
-    /// Not when this server's instance name is given again (`PYBERTH_INSTANCE`, the tests' way
-    /// to start a server "again") with records of it: its adoption may claim that very name,
-    /// and would remove as a dead server's leftover a pool container this one made meanwhile.
+    /// [`Runtime::start`] for a long-lived server, with its background tasks, all started
+    /// after the adoption and sweep of what stopped servers left (calls are served only after
+    /// them too). Starting the warm pool before the adoption measured within the noise of the
+    /// start row (docs/benchmarks.md, 2026-11-27) and a lifecycle model seed failed beside it
+    /// once under load (an adopted session's old container left running without a record): the
+    /// pool waits for the adoption, as before.
     pub async fn serve(cfg: SandboxConfig) -> Result<Self, Error> {
         let runtime = Self::build(cfg, Voice::Loud).await?;
-        let fresh = !runtime.registry.may_adopt_its_own_name();
-        if fresh {
-            runtime.warm_up();
-        }
         runtime.sweep(Voice::Loud).await;
-        if !fresh {
-            runtime.warm_up();
-        }
+        runtime.warm_up();
         runtime.tasks.spawn(runtime.registry.clone().reaper(runtime.shutdown.clone()));
         runtime.tasks.spawn(runtime.registry.clone().quota_keeper(runtime.shutdown.clone()));
         Ok(runtime)

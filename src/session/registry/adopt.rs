@@ -62,13 +62,6 @@ fn foreign(labels: &HashMap<String, String>, record: &Running) -> Option<String>
 }
 
 impl Registry {
-    /// Whether the adoption at start may claim this server's own instance name (given again,
-    /// with records of that name in the state dir): nothing of this server's may exist before
-    /// it then, or it would be removed as that dead server's leftover.
-    pub fn may_adopt_its_own_name(&self) -> bool {
-        self.ledger.recorded_instances().contains(&self.instance.owner.instance)
-    }
-
     /// At start, before the sweep: adopts the sessions that dead instances of this state dir
     /// left running within `--adopt-grace-s` (see the module doc). Returns how many.
     pub(super) async fn adopt_leftovers(&self) -> Result<usize, docker::Error> {
