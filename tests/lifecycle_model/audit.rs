@@ -87,6 +87,10 @@ fn records(w: &World, dir: &str) -> Vec<Value> {
 async fn look(w: &World) -> Result<Found, Broke> {
     let listed = w.listed().await?;
     let snapshots = w.snapshots().await?;
+    // The session records before the engine is read as well as after: a session the server
+    // hibernates meanwhile has its container removed, then its record moved to sleepers/; read
+    // only after, a container listed just before its removal would look unrecorded.
+    let before = records(w, "sessions");
     let e = engine(&w.prefix).await;
     let mut bad = Vec::new();
     let asleep = listed.values().filter(|s| *s == "hibernated").count();
@@ -130,7 +134,7 @@ async fn look(w: &World) -> Result<Found, Broke> {
         bad.push(format!("network {n} (no session here has egress)"));
     }
     let mut found = Found { bad, ..Found::default() };
-    records_agree(w, &e, &listed, &mut found);
+    records_agree(w, &e, &listed, &before, &mut found);
     Ok(found)
 }
 
@@ -138,11 +142,11 @@ async fn look(w: &World) -> Result<Found, Broke> {
 /// be recorded (or a restart loses it), every hibernated one too. A record naming something
 /// the engine no longer has is stale: a note here (the next server drops it when it reads
 /// it); none may be left when everything is closed ([`records_left`]).
-fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, found: &mut Found) {
+fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, before: &[Value], found: &mut Found) {
     let sessions = records(w, "sessions");
     for c in e.containers.iter().filter(|c| c.running && c.labels.contains_key("pyberth.session")) {
         let named = |r: &Value| r["container"].as_str().is_some_and(|x| x == c.name || c.id.starts_with(x));
-        if !sessions.iter().any(named) {
+        if !sessions.iter().chain(before).any(named) {
             let s = &c.labels["pyberth.session"];
             found.unrecorded(
                 w,
