@@ -179,9 +179,8 @@ impl Runtime {
     /// [`Runtime::start`] for a long-lived server, with its background tasks, all started
     /// after the adoption and sweep of what stopped servers left (calls are served only after
     /// them too). Starting the warm pool before the adoption measured within the noise of the
-    /// start row (docs/benchmarks.md, 2026-11-27) and a lifecycle model seed failed beside it
-    /// once under load (an adopted session's old container left running without a record): the
-    /// pool waits for the adoption, as before.
+    /// start row (docs/benchmarks.md, 2026-11-27), and adds a container being made to what the
+    /// adoption races: the pool waits for it, as before.
     pub async fn serve(cfg: SandboxConfig) -> Result<Self, Error> {
         let runtime = Self::build(cfg, Voice::Loud).await?;
         runtime.sweep(Voice::Loud).await;
