@@ -203,6 +203,10 @@ async fn gc_removes_an_orphan_and_keeps_a_live_servers_resources() {
     let alice = dead.client().await;
     run(&alice, "gone", "x = 1").await;
     let _ = alice.cancel().await;
+    // Killed only once its heartbeat runs: a server killed before its heartbeat ever started
+    // is of unknown liveness to every other state dir, and unknown is never dead (under load
+    // the heartbeat can start after the first session).
+    heartbeat_running(&dead.instance).await;
     let old = dead.signal("-KILL").await;
     let now = ["--grace-s", "0", "--only-instance"];
     // From the dead server's own state dir: its records keep them for the next server.
@@ -236,4 +240,20 @@ async fn gc_removes_an_orphan_and_keeps_a_live_servers_resources() {
     let _ = mine.cancel().await;
     let done = live.signal("-TERM").await;
     assert_cleaned_up(&done).await;
+}
+
+/// Waits (bounded) until `instance`'s heartbeat container runs.
+async fn heartbeat_running(instance: &str) {
+    let label = format!("pyberth.heartbeat={instance}");
+    let filters = HashMap::from([("label", vec![label.as_str()])]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let opts = ListContainersOptionsBuilder::default().filters(&filters).build();
+        let running = docker().await.list_containers(Some(opts)).await.expect("list containers");
+        if !running.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the heartbeat of {instance} never ran");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
