@@ -182,11 +182,8 @@ impl Runtime {
     /// start row (docs/benchmarks.md, 2026-11-27), and adds a container being made to what the
     /// adoption races: the pool waits for it, as before.
     pub async fn serve(cfg: SandboxConfig) -> Result<Self, Error> {
-        let runtime = Self::build(cfg, Voice::Loud).await?;
-        runtime.sweep(Voice::Loud).await;
-        runtime.warm_up();
-        runtime.tasks.spawn(runtime.registry.clone().reaper(runtime.shutdown.clone()));
-        runtime.tasks.spawn(runtime.registry.clone().quota_keeper(runtime.shutdown.clone()));
+        let runtime = Self::start(cfg, Voice::Loud).await?;
+        runtime.background();
         Ok(runtime)
     }
 
@@ -233,9 +230,11 @@ impl Runtime {
         self.shutdown.clone()
     }
 
-    /// What a long-lived server makes ready before it serves: the warm pool, and the image
-    /// found or built now so the first call does not wait for it.
-    fn warm_up(&self) {
+    /// The tasks of a long-lived server: the idle reaper, the quota keeper, the warm pool, and
+    /// the image found or built now so the first call does not wait for it.
+    fn background(&self) {
+        self.tasks.spawn(self.registry.clone().reaper(self.shutdown.clone()));
+        self.tasks.spawn(self.registry.clone().quota_keeper(self.shutdown.clone()));
         self.tasks.spawn(self.registry.clone().pool_keeper(self.shutdown.clone()));
         let warm = self.registry.clone();
         let stop = self.shutdown.clone();
