@@ -40,18 +40,28 @@ impl Session {
     /// Writes the record of the state the session is in now, in place of the one it had.
     /// Serialised by the `recorded` lock, so the last state written is the latest.
     pub(crate) fn write_through(&self) {
+        let asleep = self.asleep.lock().ok().and_then(|a| a.as_ref().map(SavedRecord::from));
+        self.write_as(asleep);
+    }
+
+    /// Writes the record of the session asleep in `saved`, before it is (a hibernation: the
+    /// record first, then its container goes; it is listed asleep only after).
+    pub(crate) fn write_asleep(&self, saved: &Saved) {
+        self.write_as(Some(SavedRecord::from(saved)));
+    }
+
+    fn write_as(&self, asleep: Option<SavedRecord>) {
         let Ok(mut was) = self.recorded.lock() else { return };
-        let now = self.record();
+        let now = self.record(asleep);
         self.ledger.session(&mut was, &now);
     }
 
-    /// The record of the session's state now.
-    fn record(&self) -> SessionRecord {
+    /// The record of the session, asleep in `asleep` or else running.
+    fn record(&self, asleep: Option<SavedRecord>) -> SessionRecord {
         if self.closed.load(Ordering::SeqCst) {
             return SessionRecord::Gone;
         }
         let Ok(created) = self.container.lock().map(|c| c.clone()) else { return SessionRecord::Gone };
-        let asleep = self.asleep.lock().ok().and_then(|a| a.as_ref().map(SavedRecord::from));
         match asleep {
             Some(saved) => SessionRecord::Sleeping(Box::new(Sleeper {
                 about: self.about(created),

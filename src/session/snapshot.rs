@@ -518,6 +518,10 @@ impl Session {
             lost = saved.lost.len(),
             "session hibernated"
         );
+        // Recorded asleep before its container goes: a server killed in between leaves a
+        // sleeper record (the next one adopts it and sweeps the container), never a session
+        // with neither a container nor a record of its snapshot.
+        self.write_asleep(&saved);
         // Its pod's address is free from now until the wake: its egress policy goes first.
         self.blueprint.remove(&self.docker, &inner.container).await;
         inner.agent = None;
@@ -526,7 +530,6 @@ impl Session {
             *asleep = Some(saved.clone());
         }
         inner.sleeping = Some(saved);
-        self.write_through();
         Ok(true)
     }
 

@@ -88,9 +88,11 @@ async fn look(w: &World) -> Result<Found, Broke> {
     let listed = w.listed().await?;
     let snapshots = w.snapshots().await?;
     // The session records before the engine is read as well as after: a session the server
-    // hibernates meanwhile has its container removed, then its record moved to sleepers/; read
-    // only after, a container listed just before its removal would look unrecorded.
-    let before = records(w, "sessions");
+    // wakes meanwhile has its container made, then its record moved to sessions/; read only
+    // before, its container would look unrecorded. A hibernating session is recorded in
+    // sleepers/ (naming its container) before its container goes.
+    let mut before = records(w, "sessions");
+    before.extend(records(w, "sleepers"));
     let e = engine(&w.prefix).await;
     let mut bad = Vec::new();
     let asleep = listed.values().filter(|s| *s == "hibernated").count();
@@ -126,7 +128,10 @@ async fn look(w: &World) -> Result<Found, Broke> {
         ));
     }
     for v in e.volumes.iter().filter(|v| !v.labels.contains_key("pyberth.snapshot")) {
-        if !e.containers.iter().any(|c| c.name == v.name && c.labels.contains_key("pyberth.session")) {
+        // A tmpfs workspace's keep volume (`<workspace>-keep`) belongs to the same container.
+        let of = v.name.strip_suffix("-keep").unwrap_or(&v.name);
+        if !e.containers.iter().any(|c| (c.name == v.name || c.name == of) && c.labels.contains_key("pyberth.session"))
+        {
             bad.push(format!("volume {} belongs to no session container", v.name));
         }
     }
@@ -144,14 +149,18 @@ async fn look(w: &World) -> Result<Found, Broke> {
 /// it); none may be left when everything is closed ([`records_left`]).
 fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, before: &[Value], found: &mut Found) {
     let sessions = records(w, "sessions");
+    let sleepers = records(w, "sleepers");
     for c in e.containers.iter().filter(|c| c.running && c.labels.contains_key("pyberth.session")) {
         let named = |r: &Value| r["container"].as_str().is_some_and(|x| x == c.name || c.id.starts_with(x));
-        if !sessions.iter().chain(before).any(named) {
+        if !sessions.iter().chain(&sleepers).chain(before).any(named) {
             let s = &c.labels["pyberth.session"];
             found.unrecorded(
                 w,
                 s,
-                format!("running session {s} (container {}) has no record in sessions/: a restart loses it", c.name),
+                format!(
+                    "running session {s} (container {}) has no record in sessions/ or sleepers/: a restart loses it",
+                    c.name
+                ),
             );
         }
     }
@@ -161,7 +170,6 @@ fn records_agree(w: &World, e: &Engine, listed: &BTreeMap<String, String>, befor
             found.notes.push(format!("stale sessions/ record of {} (container gone)", r["name"]));
         }
     }
-    let sleepers = records(w, "sleepers");
     let sleeper_volume = |r: &Value| r["saved"]["volume"].as_str().unwrap_or_default().to_owned();
     for (name, st) in listed {
         if st != "hibernated" {

@@ -82,6 +82,9 @@ impl Engine for FakeEngine {
             None => Err(no_such("container", name)),
             Some(c) if c.running && !force => Err(status(409, format!("container {name} is running: stop it first"))),
             Some(_) => {
+                if let Some(probe) = w.on_remove.0.clone() {
+                    probe(name);
+                }
                 w.kill(name);
                 w.containers.remove(name);
                 Ok(())

@@ -51,6 +51,19 @@ pub(crate) struct Net {
     pub(crate) labels: HashMap<String, String>,
 }
 
+/// See [`World::on_remove`].
+#[derive(Clone, Default)]
+pub(crate) struct OnRemove(pub(crate) Option<Probe>);
+
+/// A test's look, given a container's name.
+pub(crate) type Probe = Arc<dyn Fn(&str) + Send + Sync>;
+
+impl std::fmt::Debug for OnRemove {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "OnRemove(set)" } else { "OnRemove(none)" })
+    }
+}
+
 #[derive(Debug)]
 struct Exec {
     container: String,
@@ -74,6 +87,9 @@ pub(crate) struct World {
     pub(crate) most_starting: usize,
     /// The memory the stats API reports for every running container (none: not reported).
     pub(crate) idle_bytes: Option<u64>,
+    /// Called with each container's name as it is removed (under the world's lock): a test's
+    /// look at that moment, e.g. at the state dir's records.
+    pub(crate) on_remove: OnRemove,
     execs: HashMap<String, Exec>,
     serial: u64,
 }

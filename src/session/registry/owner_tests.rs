@@ -229,7 +229,18 @@ async fn a_hibernated_session_keeps_only_its_snapshot_and_wakes_with_its_variabl
     assert_eq!(written.size, Some(2));
     let [before] = b.containers_of("alice", "sleepy").try_into().expect("one container");
 
+    // What the state dir holds as its container is removed: a server killed at that moment
+    // must find the session recorded asleep, or it is lost.
+    let seen: Arc<Mutex<Vec<(String, usize)>>> = Arc::default();
+    let (dir, log) = (b.dir.join("sleepers"), seen.clone());
+    b.fake.world().on_remove.0 = Some(Arc::new(move |name: &str| {
+        let n = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or_default();
+        log.lock().expect("the log").push((name.to_owned(), n));
+    }));
     hibernate(&b, &s).await;
+    b.fake.world().on_remove.0 = None;
+    let seen: Vec<_> = seen.lock().expect("the log").iter().filter(|(n, _)| *n == before).cloned().collect();
+    assert_eq!(seen, [(before.clone(), 1)], "its sleeper record was written before its container went");
     assert!(s.is_asleep());
     assert!(b.containers_of("alice", "sleepy").is_empty(), "its container went");
     b.records_agree();
