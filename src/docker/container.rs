@@ -250,10 +250,9 @@ pub async fn create(
         request.driver = Some("local".into());
         request.driver_opts = Some(tmpfs_workspace_options(mb, uid));
     }
-    if let Err(e) = docker.create_volume(request).await {
-        remove_volume(docker, &name).await;
+    if let Err(e) = new_volume(docker, request).await {
         identity::release(uid);
-        return Err(e.into());
+        return Err(e);
     }
     let made = Created { id: name.clone(), volume: name, uid };
     match make(docker, spec, image, &made, labels).await {
@@ -262,6 +261,25 @@ pub async fn create(
             destroy(docker, &made).await;
             Err(e)
         }
+    }
+}
+
+/// Creates the volume `request` names, new. The engine answers a create of a name taken
+/// with the volume there (another session's workspace, perhaps another caller's): that one is
+/// refused, never mounted and never removed. A failed create leaves nothing.
+pub(crate) async fn new_volume(docker: &dyn Engine, request: VolumeCreateRequest) -> Result<(), Error> {
+    let name = request.name.clone().unwrap_or_default();
+    let asked = request.labels.clone().unwrap_or_default();
+    match docker.create_volume(request).await {
+        Err(e) => {
+            remove_volume(docker, &name).await;
+            Err(e.into())
+        }
+        Ok(v) if v.labels != asked => {
+            let message = format!("volume {name} exists already, made for another session: nothing was mounted");
+            Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, message }.into())
+        }
+        Ok(_) => Ok(()),
     }
 }
 
@@ -477,3 +495,7 @@ pub fn short(id: &str) -> &str {
 }
 
 pub use super::inventory::{Found, Inventory, inventory, remove_leftover_container, remove_leftover_volume, sweep};
+
+#[cfg(test)]
+#[path = "container_tests.rs"]
+mod tests;

@@ -153,12 +153,24 @@ pub async fn connect(host: Option<&str>) -> Result<(Docker, Greeting), Error> {
     Ok((docker, greeting))
 }
 
-/// A number new on each call in this process: our container, volume and network names are
-/// `pyberth-<instance>-<what>-<serial>`, unique even when one thing is made again.
-pub fn next_serial() -> u64 {
+/// A name part new on each call: our container, volume and network names are
+/// `pyberth-<instance>-<what>-<serial>`, unique even when one thing is made again. A serial
+/// alone restarts in each process, and a server that adopted an earlier one's sessions names
+/// their new containers with that server's instance: so each serial follows a tag of this
+/// process (its pid and start time), and a name the earlier server used is never met again.
+pub fn next_serial() -> String {
+    use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
     static SERIAL: AtomicU64 = AtomicU64::new(0);
-    SERIAL.fetch_add(1, Ordering::Relaxed)
+    static TAG: OnceLock<String> = OnceLock::new();
+    let tag = TAG.get_or_init(|| {
+        let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let nanos = since.as_secs().wrapping_mul(1_000_000_000) ^ u64::from(since.subsec_nanos());
+        // Six hex digits: the fixed width keeps "tag then serial" unambiguous.
+        let mixed = nanos ^ u64::from(std::process::id()).rotate_left(20);
+        format!("{:06x}", mixed.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40)
+    });
+    format!("{tag}{}", SERIAL.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Where the session workspace (a named volume) is mounted, and the code's working directory.
