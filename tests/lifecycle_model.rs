@@ -37,7 +37,10 @@ use world::{Broke, World};
 
 /// The seeds CI runs, and the length of each sequence: chosen so the set covers every
 /// operation (hibernate → wake → restart among them) in a few minutes on a 2-core machine.
-const CI_SEEDS: [u64; 3] = [328, 272, 197];
+/// Two came from soaks: 1795799209002 closes a session after its snapshot, then restarts (a
+/// stop with no session left removed every snapshot); 1795799593015 runs code right after a
+/// job followed across a `kill -9` (its output was read as nobody's and lost).
+const CI_SEEDS: [u64; 5] = [328, 272, 197, 1_795_799_209_002, 1_795_799_593_015];
 const CI_LEN: usize = 20;
 
 /// A failed play: at which step (None: in the final checks), and why.

@@ -643,11 +643,15 @@ async fn follow(
                     take_done(outcome, done, stopping.map(|s| s.0));
                     // Its code may still hold the interpreter: the done may be the code's own.
                     agent.last_run = Some(id);
+                    probe_answered(agent, probe).await;
                     return Ending::Done;
                 }
                 Ok(Some(Event::Image { id: Some(i), mime, b })) if i == id => outcome.add_image(mime, b),
                 Ok(Some(Event::Notice { id: Some(i), text })) if i == id => outcome.add_notice(text),
-                Ok(Some(Event::Ack { id: i })) if Some(i) == probe => return Ending::Vanished,
+                Ok(Some(Event::Ack { id: i })) if Some(i) == probe => {
+                    probe_answered(agent, probe).await;
+                    return Ending::Vanished;
+                }
                 Ok(Some(Event::ToolCall { id: i, call, op, tool, args })) if i == id => {
                     if let Some(reply) = calls.begin(call, op.as_deref(), tool.as_deref(), args) {
                         answer(agent, sent, reply).await;
@@ -686,6 +690,16 @@ async fn follow(
             }
         }
     }
+}
+
+/// After a followed run ended: the probe's own answer. The keeper's forwarder tags output
+/// with the run it last saw begin, and drains output as it forwards a reply: a probe's reply
+/// still unforwarded when the next run prints would carry that output off as nobody's
+/// (agent.py). Bounded: an interpreter still held is [`Agent::taken`]'s to interrupt.
+async fn probe_answered(agent: &mut Agent, probe: Option<u64>) {
+    let Some(probe) = probe else { return };
+    let pick = |p: u64, ev: Event| matches!(ev, Event::Packages { id, .. } if id == p).then_some(());
+    let _ = agent.answer(probe, pick, super::agent::ACK_TIMEOUT).await;
 }
 
 /// What happened since the last call, told first: its notices (`ensured`, a new interpreter's,

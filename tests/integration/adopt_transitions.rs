@@ -186,3 +186,31 @@ async fn over_stdio_a_woken_session_is_adopted_by_the_next_server() {
     assert_cleaned_up(&old).await;
     assert_cleaned_up(&new).await;
 }
+
+/// A snapshot outlives a restart when no session is left to carry it: its session closed,
+/// the server stopped (SIGTERM), the next one lists it and restores it. Before the fix a stop
+/// with no session took itself for a final one and removed every snapshot.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_snapshot_whose_session_closed_survives_a_restart() {
+    let state = StateDir::new("snap-alone");
+    let first = Server::start("snap-alone", &state, &[]).await;
+    let alice = first.client().await;
+    run(&alice, "s", "x = 42\nopen('kept.txt', 'w').write('kept')").await;
+    let (r, _) = call(&alice, "snapshot_session", json!({ "session": "s", "name": "only" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let old = close_and_stop(first, alice, &["s"]).await;
+
+    let second = Server::start("snap-alone", &state, &[]).await;
+    let alice = second.client().await;
+    let (_, sc) = call(&alice, "list_snapshots", json!({})).await;
+    assert!(sc.to_string().contains("\"only\""), "the snapshot is kept: {sc}");
+    let (r, _) = call(&alice, "restore_session", json!({ "snapshot": "only", "session": "back" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let sc = run(&alice, "back", "x, open('kept.txt').read()").await;
+    assert_eq!(sc["result"], "(42, 'kept')", "{sc}");
+    let (r, _) = call(&alice, "delete_snapshot", json!({ "snapshot": "only" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    let new = close_and_stop(second, alice, &["back"]).await;
+    assert_cleaned_up(&old).await;
+    assert_cleaned_up(&new).await;
+}

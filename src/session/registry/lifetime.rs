@@ -118,8 +118,9 @@ impl Registry {
         self.cold.close();
         self.attaching.lock().unwrap_or_else(|e| e.into_inner()).abort_all();
         self.drain_pool().await;
-        // Nothing to leave: a clean stop, with nothing kept for a next server.
-        let leave = leave && self.slots().values().any(|slot| slot.initialized());
+        // Nothing to leave (no session, no snapshot): a clean stop, nothing kept for a next
+        // server. Snapshots alone are left too: their sessions may be closed, they are not.
+        let leave = leave && (self.slots().values().any(|slot| slot.initialized()) || self.snapshots.count() > 0);
         if leave {
             // Finished jobs' records are kept with the sessions the next server adopts.
             let live: std::collections::HashSet<Key> =
