@@ -264,25 +264,6 @@ pub async fn create(
     }
 }
 
-/// Creates the volume `request` names, new. The engine answers a create of a name taken
-/// with the volume there (another session's workspace, perhaps another caller's): that one is
-/// refused, never mounted and never removed. A failed create leaves nothing.
-pub(crate) async fn new_volume(docker: &dyn Engine, request: VolumeCreateRequest) -> Result<(), Error> {
-    let name = request.name.clone().unwrap_or_default();
-    let asked = request.labels.clone().unwrap_or_default();
-    match docker.create_volume(request).await {
-        Err(e) => {
-            remove_volume(docker, &name).await;
-            Err(e.into())
-        }
-        Ok(v) if v.labels != asked => {
-            let message = format!("volume {name} exists already, made for another session: nothing was mounted");
-            Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, message }.into())
-        }
-        Ok(_) => Ok(()),
-    }
-}
-
 /// A new container, started, for a session whose container is gone but whose workspace
 /// volume `volume` (and keep volume) stayed: an orphan its tether stopped, which the engine
 /// then removed (docs/design.md D12). Same uid (its files are that uid's, its tmpfs is made
@@ -472,16 +453,6 @@ pub async fn remove_container(docker: &dyn Engine, id: &str) {
     }
 }
 
-/// Removes a volume; failures are logged.
-pub async fn remove_volume(docker: &dyn Engine, name: &str) {
-    let opts = RemoveVolumeOptionsBuilder::default().force(true).build();
-    match docker.remove_volume(name, Some(opts)).await {
-        Ok(()) => {}
-        Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
-        Err(e) => tracing::warn!(volume = %name, error = %e, "cannot remove volume"),
-    }
-}
-
 /// Docker's 409 for a container another of our own calls is already removing (a close and the
 /// final sweep of a shutdown meet): the container goes either way, nothing to warn about.
 pub(crate) fn removal_under_way(e: &bollard::errors::Error) -> bool {
@@ -495,6 +466,7 @@ pub fn short(id: &str) -> &str {
 }
 
 pub use super::inventory::{Found, Inventory, inventory, remove_leftover_container, remove_leftover_volume, sweep};
+pub use super::volume::{new_volume, remove_volume};
 
 #[cfg(test)]
 #[path = "container_tests.rs"]

@@ -20,6 +20,7 @@ pub mod snapshot;
 pub mod tether;
 pub(crate) mod unpack;
 pub(crate) mod utility;
+mod volume;
 
 use bollard::Docker;
 

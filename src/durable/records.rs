@@ -78,7 +78,7 @@ pub(crate) struct Snap {
 }
 
 /// A snapshot, as stored in a record (`session::snapshot::Saved` converts to and from it).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct SavedRecord {
     pub(crate) volume: String,
     pub(crate) environment: String,

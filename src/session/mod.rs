@@ -269,6 +269,10 @@ pub struct Session {
     pub(crate) pool: std::sync::OnceLock<snapshot::PoolTake>,
     /// The hibernation snapshot while the session sleeps; readable without the lock.
     asleep: std::sync::Mutex<Option<snapshot::Saved>>,
+    /// The snapshot of a hibernation under way, from its record's write until it is listed
+    /// asleep: any record written meanwhile (`set_env` does not wait for the session) is the
+    /// sleeper's, never a running one for the container being removed.
+    hibernating: std::sync::Mutex<Option<crate::durable::records::SavedRecord>>,
     /// The state dir's records, which follow the session's state (`recorded.rs`).
     ledger: crate::durable::ledger::Ledger,
     /// The record the session has there now.
@@ -404,6 +408,7 @@ impl Session {
             left_stopped: AtomicBool::new(false),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(None),
+            hibernating: std::sync::Mutex::new(None),
             ledger,
             recorded: std::sync::Mutex::new(None),
         });

@@ -40,20 +40,20 @@ impl Session {
     /// Writes the record of the state the session is in now, in place of the one it had.
     /// Serialised by the `recorded` lock, so the last state written is the latest.
     pub(crate) fn write_through(&self) {
-        let asleep = self.asleep.lock().ok().and_then(|a| a.as_ref().map(SavedRecord::from));
-        self.write_as(asleep);
-    }
-
-    /// Writes the record of the session asleep in `saved`, before it is (a hibernation: the
-    /// record first, then its container goes; it is listed asleep only after).
-    pub(crate) fn write_asleep(&self, saved: &Saved) {
-        self.write_as(Some(SavedRecord::from(saved)));
-    }
-
-    fn write_as(&self, asleep: Option<SavedRecord>) {
         let Ok(mut was) = self.recorded.lock() else { return };
-        let now = self.record(asleep);
+        let asleep = self.asleep.lock().ok().and_then(|a| a.as_ref().map(SavedRecord::from));
+        let hibernating = || self.hibernating.lock().ok().and_then(|h| h.clone());
+        let now = self.record(asleep.or_else(hibernating));
         self.ledger.session(&mut was, &now);
+    }
+
+    /// A hibernation to `saved` begins (`Some`: recorded asleep from now, before its container
+    /// goes) or is over (`None`: listed asleep by then). Either way the record is written.
+    pub(crate) fn hibernating(&self, saved: Option<&Saved>) {
+        if let Ok(mut h) = self.hibernating.lock() {
+            *h = saved.map(SavedRecord::from);
+        }
+        self.write_through();
     }
 
     /// The record of the session, asleep in `asleep` or else running.
@@ -168,6 +168,7 @@ impl Session {
             left_stopped: AtomicBool::new(how.stopped),
             pool: std::sync::OnceLock::new(),
             asleep: std::sync::Mutex::new(how.sleeping),
+            hibernating: std::sync::Mutex::new(None),
             ledger,
             recorded: std::sync::Mutex::new(Some(recorded)),
         })

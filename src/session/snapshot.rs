@@ -521,7 +521,7 @@ impl Session {
         // Recorded asleep before its container goes: a server killed in between leaves a
         // sleeper record (the next one adopts it and sweeps the container), never a session
         // with neither a container nor a record of its snapshot.
-        self.write_asleep(&saved);
+        self.hibernating(Some(&saved));
         // Its pod's address is free from now until the wake: its egress policy goes first.
         self.blueprint.remove(&self.docker, &inner.container).await;
         inner.agent = None;
@@ -529,6 +529,7 @@ impl Session {
         if let Ok(mut asleep) = self.asleep.lock() {
             *asleep = Some(saved.clone());
         }
+        self.hibernating(None);
         inner.sleeping = Some(saved);
         Ok(true)
     }

@@ -231,9 +231,11 @@ async fn a_hibernated_session_keeps_only_its_snapshot_and_wakes_with_its_variabl
 
     // What the state dir holds as its container is removed: a server killed at that moment
     // must find the session recorded asleep, or it is lost.
+    // A record written meanwhile (set_env does not wait for the session) is the sleeper's too.
     let seen: Arc<Mutex<Vec<(String, usize)>>> = Arc::default();
-    let (dir, log) = (b.dir.join("sleepers"), seen.clone());
+    let (dir, log, meanwhile) = (b.dir.join("sleepers"), seen.clone(), s.clone());
     b.fake.world().on_remove.0 = Some(Arc::new(move |name: &str| {
+        meanwhile.write_through();
         let n = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or_default();
         log.lock().expect("the log").push((name.to_owned(), n));
     }));
