@@ -529,6 +529,12 @@ impl Session {
         if let Ok(mut asleep) = self.asleep.lock() {
             *asleep = Some(saved.clone());
         }
+        // A close does not wait for the session: one that came meanwhile found no snapshot
+        // to remove (it reads the snapshot after it marks the session closed; this reads the
+        // mark after it sets the snapshot: one of the two sees the other).
+        if self.closed.load(Ordering::SeqCst) {
+            store::remove(&self.docker, &saved.store).await;
+        }
         self.hibernating(None);
         inner.sleeping = Some(saved);
         Ok(true)

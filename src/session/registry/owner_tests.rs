@@ -275,6 +275,32 @@ async fn a_hibernated_session_keeps_only_its_snapshot_and_wakes_with_its_variabl
     b.records_agree();
 }
 
+/// A close that comes while the session hibernates (it does not wait for the session) finds
+/// no snapshot yet to remove: the hibernation removes its own, and nothing of it stays.
+#[tokio::test]
+async fn a_close_during_a_hibernation_leaves_no_snapshot() {
+    let b = Bench::new(&[]);
+    let (s, _) = b.open("alice", "shut").await.expect("opened");
+    run(&s, "x = 1").await;
+    let [container] = b.containers_of("alice", "shut").try_into().expect("one container");
+    let closer = s.clone();
+    let found: Arc<Mutex<Option<bool>>> = Arc::default();
+    let saw = found.clone();
+    b.fake.world().on_remove.0 = Some(Arc::new(move |name: &str| {
+        if name == container {
+            // What close does before it waits: marks the session closed, then reads its snapshot.
+            closer.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+            *saw.lock().expect("seen") = Some(closer.asleep_store().is_some());
+        }
+    }));
+    hibernate(&b, &s).await;
+    b.fake.world().on_remove.0 = None;
+    assert_eq!(*found.lock().expect("seen"), Some(false), "the close found no snapshot to remove");
+    // The close's own removals (its container, gone already) are all it does: nothing else may stay.
+    assert!(b.ours().is_empty(), "nothing of the session stays: {:?}", b.ours());
+    assert!(b.reg.ledger.sleepers().is_empty() && b.reg.ledger.running().is_empty());
+}
+
 #[tokio::test]
 async fn a_killed_interpreter_is_replaced_and_the_run_says_its_state_went() {
     let b = Bench::new(&[]);
