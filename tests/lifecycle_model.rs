@@ -37,10 +37,12 @@ use world::{Broke, World};
 
 /// The seeds CI runs, and the length of each sequence: chosen so the set covers every
 /// operation (hibernate → wake → restart among them) in a few minutes on a 2-core machine.
-/// Two came from soaks: 1795799209002 closes a session after its snapshot, then restarts (a
-/// stop with no session left removed every snapshot); 1795799593015 runs code right after a
-/// job followed across a `kill -9` (its output was read as nobody's and lost).
-const CI_SEEDS: [u64; 5] = [328, 272, 197, 1_795_799_209_002, 1_795_799_593_015];
+/// Three came from soaks: 1795799209002 closes a session after its snapshot, then restarts
+/// (a stop with no session left removed every snapshot); 1795799593015 runs code right after
+/// a job followed across a `kill -9` (its output was read as nobody's and lost);
+/// 1795802945017 closes a session with jobs and forks another into its name (their records
+/// stayed in the state dir for good).
+const CI_SEEDS: [u64; 6] = [328, 272, 197, 1_795_799_209_002, 1_795_799_593_015, 1_795_802_945_017];
 const CI_LEN: usize = 20;
 
 /// A failed play: at which step (None: in the final checks), and why.

@@ -165,6 +165,8 @@ pub(crate) struct Files {
     record: Mutex<Record>,
     /// stdout, stderr: appended as output arrives.
     out: Mutex<(File, File)>,
+    /// Set by [`Files::remove`] (under the record's lock): no save writes the record again.
+    removed: std::sync::atomic::AtomicBool,
 }
 
 impl Files {
@@ -198,16 +200,20 @@ impl Files {
                 return Err(e);
             }
         };
-        let files = Self { json, record: Mutex::new(record), out: Mutex::new((out, err)) };
+        let removed = std::sync::atomic::AtomicBool::new(false);
+        let files = Self { json, record: Mutex::new(record), out: Mutex::new((out, err)), removed };
         files.save()?;
         Ok(files)
     }
 
     fn save(&self) -> std::io::Result<()> {
-        let bytes = match self.record.lock() {
-            Ok(r) => serde_json::to_vec(&*r).map_err(std::io::Error::other)?,
-            Err(_) => return Ok(()),
-        };
+        // Written under the record's lock, which a removal takes too: a job that ends after
+        // its session closed never writes its record back.
+        let Ok(r) = self.record.lock() else { return Ok(()) };
+        if self.removed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let bytes = serde_json::to_vec(&*r).map_err(std::io::Error::other)?;
         crate::state_dir::replace(&self.json, &bytes)
     }
 
@@ -251,6 +257,8 @@ impl Files {
 
     /// Removes the files: the job is dropped (or its session closed and no server follows).
     pub(crate) fn remove(&self) {
+        let _record = self.record.lock();
+        self.removed.store(true, std::sync::atomic::Ordering::SeqCst);
         remove(&self.json);
     }
 }
@@ -305,8 +313,10 @@ pub(crate) fn read_left(state_dir: &Path, instance: &str) -> Vec<Left> {
     left
 }
 
-/// The instances that have job files here: kept finished jobs name their instance even when
-/// it has no session left, so a next server claims it and reads them.
+/// The instances that have job files here: candidates for a next server's adoption. A
+/// closed or expired session's jobs lose their files with it (`Jobs::forget_session`): an
+/// instance that owns nothing on the engine any more is never claimed, and files of its
+/// would stay for good.
 pub(crate) fn instances(state_dir: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(state_dir.join(DIR)) else { return Vec::new() };
     entries.flatten().filter_map(|e| e.file_name().to_str().map(str::to_owned)).filter(|n| plain_instance(n)).collect()

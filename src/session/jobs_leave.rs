@@ -40,6 +40,12 @@ impl Jobs {
         self.drop_records(|j| j.is_finished() && !live(&j.principal, &j.session));
     }
 
+    /// A session closed: its jobs' records go (a session of that name made later is another
+    /// one; its predecessor's jobs are not its to keep across a restart).
+    pub fn forget_session(&self, principal: &str, session: &str) {
+        self.drop_records(|j| j.principal == principal && j.session == session);
+    }
+
     /// Removes the state-dir files of the jobs `which` picks.
     fn drop_records(&self, which: impl Fn(&Job) -> bool) {
         let Ok(jobs) = self.jobs.lock() else { return };

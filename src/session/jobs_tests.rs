@@ -89,3 +89,28 @@ fn listing_many_jobs_sorts_by_a_key_that_holds_still() {
         assert!(list.windows(2).all(|w| w[0].started <= w[1].started), "oldest first");
     }
 }
+
+/// A closed session's jobs lose their records (a session of that name made later is another
+/// one), and a job of it that ends afterwards does not write its record back.
+#[test]
+fn a_closed_session_s_job_records_go_and_stay_gone() {
+    use crate::durable::jobs::{Files, Record, read_left};
+    let dir = std::env::temp_dir().join(format!("pyberth-jobs-forget-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let job = |id: &str, session: &str| {
+        let record = Record::new(id, "inst-a", "alice", session, "c", Duration::from_secs(60), 1024);
+        let files = Files::open(&dir, record, true).expect("files");
+        Arc::new(Job::new(id.to_owned(), "alice", session, Instant::now(), 1024, Some(files)))
+    };
+    let (closed, other) = (job("job-1", "s"), job("job-2", "t"));
+    let jobs = Jobs::default();
+    jobs.jobs.lock().expect("jobs").insert("job-1".into(), closed.clone());
+    jobs.jobs.lock().expect("jobs").insert("job-2".into(), other);
+    jobs.forget_session("alice", "s");
+    let left: Vec<String> = read_left(&dir, "inst-a").into_iter().map(|l| l.record.session).collect();
+    assert_eq!(left, ["t"], "only the other session's job is recorded");
+    closed.finish(Finished::Failed("ended with its session".into()));
+    let left: Vec<String> = read_left(&dir, "inst-a").into_iter().map(|l| l.record.session).collect();
+    assert_eq!(left, ["t"], "the closed session's job did not write its record back");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -397,6 +397,7 @@ impl Registry {
             crate::audit::Event::new("session_closed", principal).session(name).field("reason", "close_session"),
         );
         session.close().await;
+        self.jobs.forget_session(principal, name);
         self.egress.detach(principal, name).await;
         self.record_layers();
         Ok(())

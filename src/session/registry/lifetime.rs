@@ -28,6 +28,7 @@ impl Registry {
             let e = crate::audit::Event::new("session_expired", &s.principal).session(&s.name);
             self.audit(e.field("idle_s", s.idle().as_secs()).field("state", state));
             s.close().await;
+            self.jobs.forget_session(&s.principal, &s.name);
             self.egress.detach(&s.principal, &s.name).await;
         }
         if !expired.is_empty() {
