@@ -40,10 +40,11 @@ impl Jobs {
         self.drop_records(|j| j.is_finished() && !live(&j.principal, &j.session));
     }
 
-    /// A session closed: its jobs' records go (a session of that name made later is another
-    /// one; its predecessor's jobs are not its to keep across a restart).
-    pub fn forget_session(&self, principal: &str, session: &str) {
-        self.drop_records(|j| j.principal == principal && j.session == session);
+    /// A session closed at `at` (when it left the registry): its jobs' records go. A session
+    /// of that name made later is another one: its predecessor's jobs are not its to keep
+    /// across a restart, and its own, started after `at`, are not touched.
+    pub fn forget_session(&self, principal: &str, session: &str, at: std::time::Instant) {
+        self.drop_records(|j| j.principal == principal && j.session == session && j.started <= at);
     }
 
     /// Removes the state-dir files of the jobs `which` picks.

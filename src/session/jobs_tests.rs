@@ -103,14 +103,21 @@ fn a_closed_session_s_job_records_go_and_stay_gone() {
         Arc::new(Job::new(id.to_owned(), "alice", session, Instant::now(), 1024, Some(files)))
     };
     let (closed, other) = (job("job-1", "s"), job("job-2", "t"));
+    let at = Instant::now();
+    // A new session of the closed one's name, whose job started after it was closed.
+    let successor = job("job-3", "s");
     let jobs = Jobs::default();
-    jobs.jobs.lock().expect("jobs").insert("job-1".into(), closed.clone());
-    jobs.jobs.lock().expect("jobs").insert("job-2".into(), other);
-    jobs.forget_session("alice", "s");
-    let left: Vec<String> = read_left(&dir, "inst-a").into_iter().map(|l| l.record.session).collect();
-    assert_eq!(left, ["t"], "only the other session's job is recorded");
+    for j in [closed.clone(), other, successor] {
+        jobs.jobs.lock().expect("jobs").insert(j.id.clone(), j);
+    }
+    jobs.forget_session("alice", "s", at);
+    let ids = || {
+        let mut v: Vec<String> = read_left(&dir, "inst-a").into_iter().map(|l| l.record.id).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(ids(), ["job-2", "job-3"], "the other session's and the successor's jobs are recorded");
     closed.finish(Finished::Failed("ended with its session".into()));
-    let left: Vec<String> = read_left(&dir, "inst-a").into_iter().map(|l| l.record.session).collect();
-    assert_eq!(left, ["t"], "the closed session's job did not write its record back");
+    assert_eq!(ids(), ["job-2", "job-3"], "the closed session's job did not write its record back");
     let _ = std::fs::remove_dir_all(&dir);
 }

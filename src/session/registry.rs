@@ -382,12 +382,12 @@ impl Registry {
     /// Closes a session: its container and workspace are removed.
     pub async fn close(&self, principal: &str, name: &str) -> Result<(), Error> {
         let key = (principal.to_owned(), name.to_owned());
-        let session = {
+        let (session, at) = {
             let mut slots = self.slots();
             match slots.get(&key).and_then(|s| s.get().cloned()) {
                 Some(s) => {
                     slots.remove(&key);
-                    s
+                    (s, std::time::Instant::now())
                 }
                 None => return Err(self.not_found(principal, name)),
             }
@@ -397,7 +397,7 @@ impl Registry {
             crate::audit::Event::new("session_closed", principal).session(name).field("reason", "close_session"),
         );
         session.close().await;
-        self.jobs.forget_session(principal, name);
+        self.jobs.forget_session(principal, name, at);
         self.egress.detach(principal, name).await;
         self.record_layers();
         Ok(())

@@ -534,6 +534,11 @@ impl Session {
         // mark after it sets the snapshot: one of the two sees the other).
         if self.closed.load(Ordering::SeqCst) {
             store::remove(&self.docker, &saved.store).await;
+            if let Ok(mut asleep) = self.asleep.lock() {
+                *asleep = None;
+            }
+            self.hibernating(None);
+            return Ok(false);
         }
         self.hibernating(None);
         inner.sleeping = Some(saved);

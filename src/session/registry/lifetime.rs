@@ -16,6 +16,8 @@ impl Registry {
                 .collect();
             keys.iter().filter_map(|k| slots.remove(k)).filter_map(|slot| slot.get().cloned()).collect()
         };
+        // When they left the registry: jobs of new sessions of those names start after.
+        let at = std::time::Instant::now();
         for s in &expired {
             tracing::info!(session = %s.name, idle_s = s.idle().as_secs(), "idle session reaped");
             let state = if s.is_asleep() { "hibernated" } else { "running" };
@@ -28,7 +30,7 @@ impl Registry {
             let e = crate::audit::Event::new("session_expired", &s.principal).session(&s.name);
             self.audit(e.field("idle_s", s.idle().as_secs()).field("state", state));
             s.close().await;
-            self.jobs.forget_session(&s.principal, &s.name);
+            self.jobs.forget_session(&s.principal, &s.name, at);
             self.egress.detach(&s.principal, &s.name).await;
         }
         if !expired.is_empty() {
