@@ -536,6 +536,7 @@ impl Session {
             // Stopped by its tether while no server held it, its volumes kept (orphan.rs).
             match self.restart_stopped(inner).await {
                 Ok(notice) => return Ok(Some(notice)),
+                Err(Error::Closed) => return Err(Error::Closed),
                 Err(e) => {
                     tracing::warn!(session = %self.name, error = %e, "cannot wake a session its server had left; recreating")
                 }
@@ -547,12 +548,9 @@ impl Session {
         // Its egress policy goes too: on Kubernetes, once found gone at the latest.
         self.blueprint.remove(&self.docker, &inner.container).await;
         inner.lease = None;
-        inner.container =
-            make_container(&self.docker, &self.blueprint, &self.image, &self.owner, &self.name, &self.principal)
-                .await?;
-        if let Ok(mut c) = self.container.lock() {
-            *c = inner.container.clone();
-        }
+        let made = make_container(&self.docker, &self.blueprint, &self.image, &self.owner, &self.name, &self.principal)
+            .await?;
+        self.take_container(inner, made).await?;
         self.start_agent(inner).await?;
         Ok(Some(
             "the session's container had stopped or could not start a new interpreter, and was replaced: \

@@ -28,10 +28,7 @@ impl Session {
                 old.uid,
             )
             .await?;
-        inner.container = made.clone();
-        if let Ok(mut c) = self.container.lock() {
-            *c = made.clone();
-        }
+        self.take_container(inner, made.clone()).await?;
         // A fresh container numbers its pids afresh: the old agent's pid proves nothing now.
         inner.reattach_pid = None;
         self.start_agent(inner).await?;

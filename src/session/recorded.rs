@@ -47,6 +47,22 @@ impl Session {
         self.ledger.session(&mut was, &now);
     }
 
+    /// Makes `made` the session's container (a wake, a replacement, a restart on its volumes).
+    /// A close does not wait for the session: it marks it closed, then removes the container
+    /// it reads. This stores first and looks after, so one of the two sees the other and the
+    /// new container never outlives the close. Err: closed meanwhile (`made` removed).
+    pub(super) async fn take_container(&self, inner: &mut Inner, made: Created) -> Result<(), super::Error> {
+        inner.container = made;
+        if let Ok(mut c) = self.container.lock() {
+            *c = inner.container.clone();
+        }
+        if self.closed.load(Ordering::SeqCst) {
+            self.blueprint.remove(&self.docker, &inner.container).await;
+            return Err(super::Error::Closed);
+        }
+        Ok(())
+    }
+
     /// A hibernation to `saved` begins (`Some`: recorded asleep from now, before its container
     /// goes) or is over (`None`: listed asleep by then). Either way the record is written.
     pub(crate) fn hibernating(&self, saved: Option<&Saved>) {

@@ -25,6 +25,8 @@ use crate::packages::{self, IndexSettings, Layer};
 use crate::sandbox::Blueprint;
 
 mod adopt;
+#[cfg(test)]
+mod close_tests;
 mod error;
 mod front;
 mod layers;

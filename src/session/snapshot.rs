@@ -581,11 +581,9 @@ impl Session {
         let Prepared { inner: fresh, python } = prepared;
         // The pid a next server reattaches to: this agent's, not the one that slept.
         self.agent_pid.store(fresh.agent.as_ref().and_then(agent::Agent::pid).unwrap_or(0), Ordering::Relaxed);
-        inner.container = fresh.container;
+        // Closed meanwhile: the close removes the snapshot, this the new container.
+        self.take_container(inner, fresh.container).await?;
         inner.agent = fresh.agent;
-        if let Ok(mut c) = self.container.lock() {
-            *c = inner.container.clone();
-        }
         if let Ok(mut p) = self.python.lock() {
             *p = python;
         }
