@@ -14,6 +14,7 @@ mod account;
 pub(crate) use account::Shown;
 mod attachment;
 mod bind;
+mod detach;
 mod installer_net;
 pub mod policy;
 pub mod proxy;
@@ -111,6 +112,9 @@ pub struct Manager {
     /// Adopted sessions whose egress could not be taken over: their network (removed when
     /// they end) and why, said in each of their runs' notices.
     lost: Mutex<HashMap<(String, String), (String, String)>>,
+    /// Sessions whose name a newer session of theirs took before they were detached (a close
+    /// still under way): by their network, until their own detach.
+    displaced: Mutex<HashMap<String, SessionNet>>,
     /// Totals by the proxy's address on a session's network.
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
     /// The executable run as the proxy (`None`: this one).
@@ -185,6 +189,7 @@ impl Manager {
             image: Mutex::new(None),
             sessions: Arc::default(),
             lost: Mutex::new(HashMap::new()),
+            displaced: Mutex::new(HashMap::new()),
             totals: Arc::default(),
             exe: None,
             seccomp: None,
@@ -264,7 +269,7 @@ impl Manager {
             shared: shared.clone(),
             pass: pass.clone(),
         };
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, net);
+        self.keep_session(key, net);
         let binder = self.by_peer.then(|| {
             Arc::new(Binder {
                 proxy: self.proxy.clone(),
@@ -353,32 +358,6 @@ impl Manager {
         match self.docker.remove_network(network).await {
             Ok(()) | Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => {}
             Err(e) => tracing::warn!(target: "pyberth::egress", network, error = %e, "cannot remove network"),
-        }
-    }
-
-    /// After the session's container is gone: its policy out of the proxy, its network removed.
-    pub async fn detach(&self, principal: &str, session: &str) {
-        let key = (principal.to_owned(), session.to_owned());
-        let lost = self.lost.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
-        if let Some((network, _)) = lost {
-            self.remove_network(&network, None).await;
-        }
-        let Some(net) = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&key) else { return };
-        let mut slot = self.proxy.lock().await;
-        let id = match slot.as_mut() {
-            Some(p) => {
-                // Unspecified: never bound, or unbound already (`unbind`).
-                if !net.local.is_unspecified() {
-                    let _ = self.send(p, &Command::Drop { local: net.local }).await;
-                }
-                Some(p.id.clone())
-            }
-            None => None,
-        };
-        self.remove_network(&net.network, id.as_deref()).await;
-        let gone = self.totals.lock().unwrap_or_else(|e| e.into_inner()).remove(&net.local);
-        if let Some(t) = gone {
-            t.log.flush(principal, session);
         }
     }
 

@@ -341,7 +341,7 @@ impl Manager {
         };
         drop(slot);
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).insert(local, Totals::default());
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(
+        self.keep_session(
             (principal.to_owned(), session.to_owned()),
             SessionNet { network, local, rules, headers, shared: att.rules.clone(), pass: None },
         );

@@ -545,6 +545,10 @@ impl Session {
             tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
         inner.reattach_pid = None;
+        if self.closed.load(Ordering::SeqCst) {
+            // Closed during a wake or a restart that failed for it: no container to make.
+            return Err(Error::Closed);
+        }
         // Its egress policy goes too: on Kubernetes, once found gone at the latest.
         self.blueprint.remove(&self.docker, &inner.container).await;
         inner.lease = None;

@@ -63,6 +63,11 @@ impl Session {
         Ok(())
     }
 
+    /// The session's own egress network, if it has egress: what its egress is taken off by.
+    pub(crate) fn egress_network(&self) -> Option<&str> {
+        self.blueprint.egress.as_ref().map(|a| a.network.as_str())
+    }
+
     /// A hibernation to `saved` begins (`Some`: recorded asleep from now, before its container
     /// goes) or is over (`None`: listed asleep by then). Either way the record is written.
     pub(crate) fn hibernating(&self, saved: Option<&Saved>) {

@@ -400,7 +400,9 @@ impl Registry {
         );
         session.close().await;
         self.jobs.forget_session(principal, name, at);
-        self.egress.detach(principal, name).await;
+        if let Some(network) = session.egress_network() {
+            self.egress.detach_network(principal, name, network).await;
+        }
         self.record_layers();
         Ok(())
     }

@@ -31,7 +31,9 @@ impl Registry {
             self.audit(e.field("idle_s", s.idle().as_secs()).field("state", state));
             s.close().await;
             self.jobs.forget_session(&s.principal, &s.name, at);
-            self.egress.detach(&s.principal, &s.name).await;
+            if let Some(network) = s.egress_network() {
+                self.egress.detach_network(&s.principal, &s.name, network).await;
+            }
         }
         if !expired.is_empty() {
             self.record_layers();

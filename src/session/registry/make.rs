@@ -73,8 +73,8 @@ impl Registry {
             && let Err(e) = session.add_layer(&layer, &all).await
         {
             session.close().await;
-            if with_egress {
-                self.egress.detach(&principal, &name).await;
+            if let Some(network) = session.egress_network() {
+                self.egress.detach_network(&principal, &name, network).await;
             }
             return Err(Error::from(e));
         }
@@ -135,13 +135,14 @@ impl Registry {
         let (principal, name) = (naming.principal.clone(), naming.name.clone());
         let headers = env.egress_headers.0.clone();
         let attachment = self.egress.attach(&principal, &name, &image, rules, headers).await.map_err(Error::Egress)?;
+        let network = attachment.network.clone();
         let blueprint = self.blueprint(env, Some(Arc::new(attachment)));
         let owner = self.instance.owner.clone();
         // Never from the pool: a pooled container has no network to put the proxy on.
         match Session::start(self.docker.clone(), blueprint, image, owner, naming, Vec::new()).await {
             Ok(s) => Ok(s),
             Err(e) => {
-                self.egress.detach(&principal, &name).await;
+                self.egress.detach_network(&principal, &name, &network).await;
                 Err(e.into())
             }
         }
