@@ -31,8 +31,9 @@ pub(super) async fn installer_rows(
     let env = [("PYBERTH_INSTALLER_CACHE_MB", "0".to_owned()), ("PYBERTH_POOL_SIZE", cfg.pool_size.to_string())];
     let server = Server::start(cfg, &instance, &env).await?;
     let result = async {
-        // Warm-up: the sandbox image's first session, and uv in the tool volume.
-        server.run("warm", "import tomli", &["tomli"]).await?;
+        // Warm-up: the sandbox image's first session, and uv in the tool volume. Not tomli:
+        // the layer rows after this time tomli's first install in the same store.
+        server.run("warm", "import iniconfig", &["iniconfig"]).await?;
         let uv = tool_volume(docker, img, cfg).await;
         let mut rows = Vec::new();
         for (package, code) in [("idna", "import idna"), ("pandas", "import pandas")] {

@@ -17,6 +17,7 @@ use pyberth::config::SandboxConfig;
 use pyberth::docker::image;
 
 mod burst;
+mod cpu;
 mod drive;
 mod durable;
 mod floors;
@@ -35,12 +36,13 @@ pub(crate) struct BenchArgs {
     /// Warm runs to time.
     #[arg(long, default_value_t = 200)]
     pub runs: usize,
-    /// Concurrent sessions to drive at once, one level after another.
-    #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
-    pub concurrency: Vec<usize>,
-    /// Calls each concurrent session makes.
-    #[arg(long, default_value_t = 10)]
-    pub calls_per_session: usize,
+    /// Concurrent sessions to drive at once, one level after another [default: 8,32,128;
+    /// with --quick, 8].
+    #[arg(long, value_delimiter = ',')]
+    pub concurrency: Option<Vec<usize>>,
+    /// Calls each concurrent session makes [default: 10; with --quick, 3].
+    #[arg(long)]
+    pub calls_per_session: Option<usize>,
     /// Sizes of stdout to stream through one run, MiB.
     #[arg(long, value_delimiter = ',', default_value = "10,100")]
     pub stdout_mib: Vec<usize>,
@@ -52,8 +54,8 @@ pub(crate) struct BenchArgs {
     pub installer_only: bool,
     /// A first look in under a minute: the floors, a warm run, new sessions with and without
     /// the pool, 8 sessions at once, idle memory and 10 MiB of stdout, with fewer samples; no
-    /// installs (no index needed), no durable sessions, no second runtime. Overrides --runs,
-    /// --concurrency, --calls-per-session and --stdout-mib.
+    /// installs (no index needed), no durable sessions, no second runtime. Overrides --runs
+    /// and --stdout-mib.
     #[arg(long, conflicts_with_all = ["durable_only", "installer_only"])]
     pub quick: bool,
     /// Measure only N new sessions asked for at once (at most 200): p50, p95, p99 of the time
@@ -96,8 +98,8 @@ impl Plan {
         if args.quick {
             return Self {
                 runs: 50,
-                concurrency: vec![8],
-                calls_per_session: 3,
+                concurrency: args.concurrency.clone().unwrap_or_else(|| vec![8]),
+                calls_per_session: args.calls_per_session.unwrap_or(3),
                 stdout_mib: vec![10],
                 containers: 3,
                 execs: 6,
@@ -107,8 +109,8 @@ impl Plan {
         }
         Self {
             runs: args.runs.max(10),
-            concurrency: args.concurrency.clone(),
-            calls_per_session: args.calls_per_session,
+            concurrency: args.concurrency.clone().unwrap_or_else(|| vec![8, 32, 128]),
+            calls_per_session: args.calls_per_session.unwrap_or(10),
             stdout_mib: args.stdout_mib.clone(),
             containers: 8,
             execs: 20,
@@ -209,8 +211,16 @@ async fn whole(
     let floors = floors::floors(docker, img, &container, plan, table).await;
     floors::remove(docker, &container).await;
     let floors = floors?;
+    if plan.everything {
+        // Before the first server: its pool, grown by the rows before, went on making
+        // containers (four at once) through the first installs (idna's was floor + 1.5-1.8 s
+        // there, + 0.6 s here), against floors measured on a quiet engine. The installer's
+        // server is alone here, as with --installer-only.
+        table.step("first installs beside uv and pip in a plain container");
+        install::installer_rows(cfg, docker, img, table).await?;
+    }
     let server = first_server(cfg, instance, plan, floors, table).await?;
-    let measured = with_first_server(docker, cfg, img, instance, plan, floors.create, &server, table).await;
+    let measured = with_first_server(docker, cfg, instance, plan, floors.create, &server, table).await;
     server.stop().await;
     measured?;
     table.step("new sessions without the pool");
@@ -276,11 +286,9 @@ async fn first_server(
 
 /// The rows through the first server: pooled sessions, layers and installs (unless quick),
 /// concurrency and idle memory.
-#[allow(clippy::too_many_arguments)] // the bench's context, passed down as it is
 async fn with_first_server(
     docker: &dyn Engine,
     cfg: &SandboxConfig,
-    img: &str,
     instance: &str,
     plan: &Plan,
     create_p50: f64,
@@ -301,8 +309,6 @@ async fn with_first_server(
         table.step("dependency layers: a first install, cached sets");
         rows::layers_rows(server, table).await?;
         rows::cached_set_rows(server, cfg.pool_size, table).await?;
-        table.step("first installs beside uv and pip in a plain container");
-        install::installer_rows(cfg, docker, img, table).await?;
     }
     table.step("sessions at once, idle memory");
     // The breakdown reads the host's /proc: only when the engine runs here.

@@ -24,8 +24,8 @@ const PARTS: [&str; 6] = [
 ];
 
 /// One process of a container, as `ps` lists it.
-struct Proc {
-    pid: u32,
+pub(super) struct Proc {
+    pub(super) pid: u32,
     ppid: u32,
     cmd: String,
 }
@@ -34,7 +34,7 @@ struct Proc {
 /// keeper as its own interpreter (`keeper.py keep`, the agent a process of its own that forks
 /// its forwarder) and the keeper folded into the agent (whose forked child is the
 /// interpreter).
-fn part_of(p: &Proc, procs: &[Proc]) -> &'static str {
+pub(super) fn part_of(p: &Proc, procs: &[Proc]) -> &'static str {
     // A keeper.py command line names agent.py too: it is the command the keeper runs. The
     // folded keeper loads the agent as a module (`-c ... agent.main(sys.argv[1:]) keep ...`).
     let kept = |cmd: &str| cmd.contains("agent.py keep") || cmd.contains("agent.main(");
@@ -67,7 +67,7 @@ fn smaps(pid: u32) -> Option<[u64; 3]> {
 }
 
 /// The processes of one container, from the engine.
-async fn processes(docker: &dyn Engine, id: &str) -> Option<Vec<Proc>> {
+pub(super) async fn processes(docker: &dyn Engine, id: &str) -> Option<Vec<Proc>> {
     let top = docker.top_processes(id, None).await.ok()?;
     let titles = top.titles?;
     let col = |names: &[&str]| titles.iter().position(|t| names.contains(&t.as_str()));

@@ -99,7 +99,13 @@ pub(super) async fn concurrency_and_memory(
             futures::stream::iter(names.iter()).map(|s| server.run(s, "0", &[])).buffer_unordered(8).collect().await;
         created.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
         made += n;
+        // The pool makes up for the sessions it gave: that is container creation, not calls.
+        settle(docker, instance).await;
         let calls = plan.calls_per_session.max(1);
+        // Where the CPU goes (two cores bound this row), read outside the timed window.
+        let ids = if local { containers_of(docker, instance).await? } else { Vec::new() };
+        let watched = if local { Some(super::cpu::Watched::find(docker, server.pid(), &ids).await) } else { None };
+        let cpu_before = watched.as_ref().map(super::cpu::Watched::sample);
         let t = Instant::now();
         let per_session = futures::future::join_all(names.iter().map(|s| {
             let server = &server;
@@ -122,6 +128,9 @@ pub(super) async fn concurrency_and_memory(
         let total = lat.len();
         table.add(&format!("{n} sessions x {calls} calls at once"), &mut lat, String::new());
         table.note(format!("{:.0} calls/s", total as f64 / elapsed.as_secs_f64()));
+        if let (Some(w), Some(before)) = (&watched, cpu_before) {
+            w.sample().rows_since(&before, total, elapsed, table);
+        }
     }
 
     // Memory per idle session: the server's growth over the sessions just made, plus what
@@ -146,6 +155,22 @@ pub(super) async fn concurrency_and_memory(
         super::parts::memory_parts(docker, &ids, local, 8, table).await;
     }
     Ok(())
+}
+
+/// Waits (up to 30 s) until the server's containers have stopped coming and going for 2 s:
+/// its pool is full again.
+async fn settle(docker: &dyn Engine, instance: &str) {
+    let mut last = None;
+    let mut same = 0;
+    for _ in 0..60 {
+        let now = containers_of(docker, instance).await.ok().map(|c| c.len());
+        same = if now.is_some() && now == last { same + 1 } else { 0 };
+        if same >= 4 {
+            return;
+        }
+        last = now;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Output volume: the cap raised to its 4 MiB ceiling, then more than that printed.
