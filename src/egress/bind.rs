@@ -30,9 +30,13 @@ pub(super) async fn send(proxy: &mut Proxy, c: &Command) -> Result<(), String> {
 pub struct Binder {
     pub(super) proxy: Arc<tokio::sync::Mutex<Option<Proxy>>>,
     pub(super) sessions: Arc<Mutex<HashMap<(String, String), SessionNet>>>,
+    pub(super) displaced: Arc<Mutex<Displaced>>,
     pub(super) totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
     pub(super) principal: String,
     pub(super) session: String,
+    /// The session's own network: its entry is the name's only while it holds the name (a
+    /// close under way leaves the name to a newer session, detach.rs).
+    pub(super) network: String,
 }
 
 impl std::fmt::Debug for Binder {
@@ -58,8 +62,9 @@ impl Binder {
             .ok_or("the session's pod has no address: the proxy cannot tell its connections apart")?;
         let key = (self.principal.clone(), self.session.clone());
         let (old, allow, headers, pass) = {
-            let s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-            let n = s.get(&key).ok_or("the session's egress is gone")?;
+            let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+            let mut d = self.displaced.lock().unwrap_or_else(|e| e.into_inner());
+            let n = entry(&mut s, &mut d, &key, Some(&self.network)).ok_or("the session's egress is gone")?;
             (
                 n.local,
                 n.rules.iter().map(|r| r.text().to_owned()).collect::<Vec<_>>(),
@@ -80,16 +85,16 @@ impl Binder {
         // go, so its later unbinding cannot drop this one's policy, nor a rebind replay it.
         let stale: Vec<(String, String)> = {
             let mut s = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-            let stale = s
-                .iter_mut()
-                .filter(|(k, n)| **k != key && n.local == ip)
-                .map(|(k, n)| {
+            let mut d = self.displaced.lock().unwrap_or_else(|e| e.into_inner());
+            let mut stale = Vec::new();
+            let all = s.iter_mut().map(|(k, n)| (k.clone(), n)).chain(d.values_mut().map(|(k, n)| (k.clone(), n)));
+            for (k, n) in all {
+                if k == key && n.network == self.network {
+                    n.local = ip;
+                } else if n.local == ip {
                     n.local = IpAddr::from([0, 0, 0, 0]);
-                    k.clone()
-                })
-                .collect();
-            if let Some(n) = s.get_mut(&key) {
-                n.local = ip;
+                    stale.push(k);
+                }
             }
             stale
         };
@@ -106,7 +111,8 @@ impl Binder {
 
     /// Before the session's pod is deleted: see [`unbind`].
     pub(super) async fn unbind(&self) {
-        unbind(&self.proxy, &self.sessions, &self.totals, &self.principal, &self.session).await;
+        let entries = Entries { sessions: &self.sessions, displaced: &self.displaced, network: Some(&self.network) };
+        unbind(&self.proxy, &entries, &self.totals, &self.principal, &self.session).await;
     }
 }
 
@@ -116,9 +122,35 @@ impl Manager {
     /// Docker's sessions keep theirs: their network holds only them and the proxy.
     pub async fn unbind(&self, principal: &str, session: &str) {
         if self.by_peer {
-            unbind(&self.proxy, &self.sessions, &self.totals, principal, session).await;
+            // The live session's, by its name (a server leaving: no close under way).
+            let entries = Entries { sessions: &self.sessions, displaced: &self.displaced, network: None };
+            unbind(&self.proxy, &entries, &self.totals, principal, session).await;
         }
     }
+}
+
+/// Where the entries of sessions are, and which one is meant: the one on `network` (`None`:
+/// whatever the name holds).
+pub(super) struct Entries<'a> {
+    sessions: &'a Mutex<HashMap<(String, String), SessionNet>>,
+    displaced: &'a Mutex<Displaced>,
+    network: Option<&'a str>,
+}
+
+/// The entry of session `key` on `network` (`None`: the name's): the name's while it is that
+/// session's, else the one a newer session of the name displaced.
+fn entry<'a>(
+    sessions: &'a mut HashMap<(String, String), SessionNet>,
+    displaced: &'a mut Displaced,
+    key: &(String, String),
+    network: Option<&str>,
+) -> Option<&'a mut SessionNet> {
+    let own = sessions.get(key).is_some_and(|n| network.is_none_or(|w| w == n.network));
+    if own {
+        return sessions.get_mut(key);
+    }
+    let (k, n) = displaced.get_mut(network?)?;
+    (k == key).then_some(n)
 }
 
 /// Takes a session keyed by its own address out of the proxy before its pod (and so that
@@ -127,7 +159,7 @@ impl Manager {
 /// next start binds it again. Nothing to do when it is not bound.
 pub(super) async fn unbind(
     proxy: &tokio::sync::Mutex<Option<Proxy>>,
-    sessions: &Mutex<HashMap<(String, String), SessionNet>>,
+    entries: &Entries<'_>,
     totals: &Mutex<HashMap<IpAddr, Totals>>,
     principal: &str,
     session: &str,
@@ -137,8 +169,9 @@ pub(super) async fn unbind(
     let mut slot = proxy.lock().await;
     let key = (principal.to_owned(), session.to_owned());
     let old = {
-        let mut s = sessions.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(n) = s.get_mut(&key) else { return };
+        let mut s = entries.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = entries.displaced.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(n) = entry(&mut s, &mut d, &key, entries.network) else { return };
         std::mem::replace(&mut n.local, IpAddr::from([0, 0, 0, 0]))
     };
     if old.is_unspecified() {
@@ -160,30 +193,54 @@ pub(super) async fn unbind(
 mod tests {
     use super::*;
 
+    fn net(network: &str, local: IpAddr) -> SessionNet {
+        SessionNet {
+            network: network.into(),
+            local,
+            rules: Vec::new(),
+            headers: Headers::default(),
+            shared: Arc::default(),
+            pass: None,
+        }
+    }
+
     /// The address a session was bound at is forgotten, with its totals; a second unbind (the
     /// close of a session unbound at its hibernation) finds nothing to do.
     #[tokio::test]
     async fn unbinding_forgets_the_address_and_its_totals() {
         let ip: IpAddr = [10, 1, 2, 3].into();
         let proxy = tokio::sync::Mutex::new(None);
-        let net = SessionNet {
-            network: "n".into(),
-            local: ip,
-            rules: Vec::new(),
-            headers: Headers::default(),
-            shared: Arc::default(),
-            pass: None,
-        };
         let key = ("p".to_owned(), "s".to_owned());
-        let sessions = Mutex::new(HashMap::from([(key.clone(), net)]));
+        let sessions = Mutex::new(HashMap::from([(key.clone(), net("n", ip))]));
+        let displaced = Mutex::default();
         let totals = Mutex::new(HashMap::from([(ip, Totals::default())]));
+        let entries = Entries { sessions: &sessions, displaced: &displaced, network: Some("n") };
         for _ in 0..2 {
-            unbind(&proxy, &sessions, &totals, "p", "s").await;
+            unbind(&proxy, &entries, &totals, "p", "s").await;
             let local = sessions.lock().map(|s| s[&key].local).ok();
             assert_eq!(local, Some(IpAddr::from([0, 0, 0, 0])), "no address keyed any more");
             assert!(totals.lock().map(|t| t.is_empty()).unwrap_or(false), "its totals flushed");
         }
-        unbind(&proxy, &sessions, &totals, "p", "other").await;
+        unbind(&proxy, &entries, &totals, "p", "other").await;
         assert_eq!(sessions.lock().map(|s| s.len()).ok(), Some(1), "another session: nothing");
+    }
+
+    /// A session being closed after a newer one took its name unbinds its own address (its
+    /// entry set aside under its network), and leaves the newer one bound.
+    #[tokio::test]
+    async fn a_closing_session_unbinds_its_own_address_not_the_newer_one_s_of_its_name() {
+        let (old_ip, new_ip): (IpAddr, IpAddr) = ([10, 1, 2, 3].into(), [10, 1, 2, 4].into());
+        let proxy = tokio::sync::Mutex::new(None);
+        let key = ("p".to_owned(), "s".to_owned());
+        let sessions = Mutex::new(HashMap::from([(key.clone(), net("new", new_ip))]));
+        let displaced = Mutex::new(HashMap::from([("old".to_owned(), (key.clone(), net("old", old_ip)))]));
+        let totals = Mutex::new(HashMap::from([(old_ip, Totals::default()), (new_ip, Totals::default())]));
+        let entries = Entries { sessions: &sessions, displaced: &displaced, network: Some("old") };
+        unbind(&proxy, &entries, &totals, "p", "s").await;
+        assert_eq!(sessions.lock().map(|s| s[&key].local).ok(), Some(new_ip), "the newer session stays bound");
+        let old = displaced.lock().map(|d| d["old"].1.local).ok();
+        assert_eq!(old, Some(IpAddr::from([0, 0, 0, 0])), "the closing session's address is let go");
+        let left: Vec<IpAddr> = totals.lock().map(|t| t.keys().copied().collect()).unwrap_or_default();
+        assert_eq!(left, [new_ip], "only the closing session's totals were flushed");
     }
 }

@@ -12,9 +12,10 @@ impl Manager {
     /// Keeps `net` as the egress of session `key`; one the name held is set aside for its
     /// own detach (a close still under way).
     pub(super) fn keep_session(&self, key: (String, String), net: SessionNet) {
-        let before = self.sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(key, net);
-        if let Some(old) = before {
-            self.displaced.lock().unwrap_or_else(|e| e.into_inner()).insert(old.network.clone(), old);
+        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = sessions.insert(key.clone(), net) {
+            // Under the sessions' lock, as every reader of both takes them (bind.rs).
+            self.displaced.lock().unwrap_or_else(|e| e.into_inner()).insert(old.network.clone(), (key, old));
         }
     }
 
@@ -48,7 +49,9 @@ impl Manager {
             let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
             match sessions.get(&key) {
                 Some(n) if ours(&n.network) => sessions.remove(&key),
-                _ => network.and_then(|n| self.displaced.lock().unwrap_or_else(|e| e.into_inner()).remove(n)),
+                _ => network
+                    .and_then(|n| self.displaced.lock().unwrap_or_else(|e| e.into_inner()).remove(n))
+                    .map(|d| d.1),
             }
         };
         let Some(net) = net else { return };

@@ -74,6 +74,9 @@ pub trait IndexHosts {
 pub use policy::{Headers, SecretHeaders};
 
 /// One session's egress.
+/// Entries a newer session of the same name displaced, by their network: (its key, it).
+type Displaced = HashMap<String, ((String, String), SessionNet)>;
+
 struct SessionNet {
     network: String,
     local: IpAddr,
@@ -114,7 +117,7 @@ pub struct Manager {
     lost: Mutex<HashMap<(String, String), (String, String)>>,
     /// Sessions whose name a newer session of theirs took before they were detached (a close
     /// still under way): by their network, until their own detach.
-    displaced: Mutex<HashMap<String, SessionNet>>,
+    displaced: Arc<Mutex<Displaced>>,
     /// Totals by the proxy's address on a session's network.
     totals: Arc<Mutex<HashMap<IpAddr, Totals>>>,
     /// The executable run as the proxy (`None`: this one).
@@ -189,7 +192,7 @@ impl Manager {
             image: Mutex::new(None),
             sessions: Arc::default(),
             lost: Mutex::new(HashMap::new()),
-            displaced: Mutex::new(HashMap::new()),
+            displaced: Arc::default(),
             totals: Arc::default(),
             exe: None,
             seccomp: None,
@@ -274,9 +277,11 @@ impl Manager {
             Arc::new(Binder {
                 proxy: self.proxy.clone(),
                 sessions: self.sessions.clone(),
+                displaced: self.displaced.clone(),
                 totals: self.totals.clone(),
                 principal: principal.to_owned(),
                 session: session.to_owned(),
+                network: network.clone(),
             })
         });
         Ok(Attachment {
@@ -424,7 +429,7 @@ impl Manager {
 
     /// Removes the proxy and every network of this instance.
     pub async fn shutdown(&self) {
-        // Their networks are in `sessions`, removed below.
+        // Their networks are in `sessions`, `displaced` and `lost`, removed below.
         self.idle_installers.lock().unwrap_or_else(|e| e.into_inner()).clear();
         if let Some(p) = self.proxy.lock().await.take() {
             p.reader.abort();
@@ -433,6 +438,7 @@ impl Manager {
         let mut nets: Vec<String> =
             self.sessions.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, n)| n.network).collect();
         nets.extend(self.lost.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, (n, _))| n));
+        nets.extend(self.displaced.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(n, _)| n));
         for n in nets {
             self.remove_network(&n, None).await;
         }
