@@ -15,19 +15,22 @@ use super::table::Table;
 fn engine_part(comm: &str) -> Option<&'static str> {
     match comm {
         "dockerd" => Some("dockerd"),
-        c if c.starts_with("containerd") || c == "runc" || c == "docker-init" => Some("containerd, shims, runc"),
+        // Not docker-init: each container's pid 1, counted with its container's processes.
+        c if c.starts_with("containerd") || c == "runc" => Some("containerd, shims, runc"),
         _ => None,
     }
 }
 
-/// Nanoseconds process `pid` spent on a CPU, all its threads.
-fn cpu_ns(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
+/// Nanoseconds each thread of process `pid` spent on a CPU, by thread id.
+fn cpu_ns(pid: u32, into: &mut BTreeMap<u32, u64>) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return };
+    for t in tasks.flatten() {
+        let Some(tid) = t.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let read = std::fs::read_to_string(t.path().join("schedstat")).ok();
+        if let Some(ns) = read.and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok()) {
+            into.insert(tid, ns);
+        }
+    }
 }
 
 /// The processes watched, by part: found once before a row, so that looking them up (engine
@@ -55,18 +58,20 @@ impl Watched {
         Self(found)
     }
 
-    /// CPU nanoseconds by part now.
+    /// CPU nanoseconds of each thread now, by part.
     pub(super) fn sample(&self) -> Sample {
-        let mut parts: BTreeMap<&'static str, u64> = BTreeMap::new();
+        let mut parts: BTreeMap<&'static str, BTreeMap<u32, u64>> = BTreeMap::new();
         for (part, pid) in &self.0 {
-            *parts.entry(part).or_default() += cpu_ns(*pid);
+            cpu_ns(*pid, parts.entry(part).or_default());
         }
         Sample(parts)
     }
 }
 
-/// CPU nanoseconds by part at one moment.
-pub(super) struct Sample(BTreeMap<&'static str, u64>);
+/// CPU nanoseconds of each thread (by id) at one moment, by part. Compared thread by thread:
+/// a thread that ended meanwhile (a Tokio blocking thread, idle for 10 s) takes nothing of
+/// the others' time with it, and one that began is not counted (an exec's runc).
+pub(super) struct Sample(BTreeMap<&'static str, BTreeMap<u32, u64>>);
 
 impl Sample {
     /// Rows of what each part spent per call since `before`, over `calls` calls in `wall`.
@@ -74,8 +79,9 @@ impl Sample {
         let per_call = |ns: u64| ns as f64 / 1e6 / calls.max(1) as f64;
         let mut total = 0;
         for (part, now) in &self.0 {
-            // A process that ended meanwhile reads 0 now: no negative share.
-            let spent = now.saturating_sub(before.0.get(part).copied().unwrap_or(0));
+            let then = before.0.get(part);
+            let was = |tid: &u32| then.and_then(|t| t.get(tid)).copied();
+            let spent: u64 = now.iter().filter_map(|(tid, ns)| Some(ns.saturating_sub(was(tid)?))).sum();
             total += spent;
             if spent > 0 {
                 table.text(&format!("  cpu: {part}"), format!("{:.3} ms", per_call(spent)), "per call".into());

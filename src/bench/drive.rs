@@ -81,12 +81,12 @@ impl Server {
         Ok(text)
     }
 
-    /// Resident and peak resident memory of the server process, KiB.
     /// The server's process id (the bench's CPU rows read its threads).
     pub(super) fn pid(&self) -> u32 {
         self.pid
     }
 
+    /// Resident and peak resident memory of the server process, KiB.
     pub(super) fn memory_kb(&self) -> (Option<u64>, Option<u64>) {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
         let field = |key: &str| {

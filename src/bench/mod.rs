@@ -311,8 +311,10 @@ async fn with_first_server(
         rows::cached_set_rows(server, cfg.pool_size, table).await?;
     }
     table.step("sessions at once, idle memory");
-    // The breakdown reads the host's /proc: only when the engine runs here.
-    let local = cfg.docker_host.as_deref().is_none_or(|h| h.is_empty() || h.starts_with("unix://"));
+    // The breakdowns read the host's /proc: only when the engine runs here, and its
+    // containers' processes are host processes (under gVisor `docker top` names the sandbox's).
+    let local = cfg.docker_host.as_deref().is_none_or(|h| h.is_empty() || h.starts_with("unix://"))
+        && !cfg.runtime.as_deref().is_some_and(|r| r.contains("runsc"));
     rows::concurrency_and_memory(docker, server, instance, plan, local, table).await
 }
 
