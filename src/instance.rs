@@ -399,10 +399,23 @@ pub struct Keeper {
 }
 
 impl Keeper {
-    /// Keeps a heartbeat of `owner` running on the image of `cfg` (once that image exists),
-    /// making a new one whenever it stops while this server runs.
-    pub fn beat(&self, docker: EngineRef, cfg: Arc<SandboxConfig>, owner: Owner) {
-        self.tasks.spawn(keep_beating(docker, cfg, owner, self.stop.clone(), self.leave.clone()));
+    /// Keeps a heartbeat of `owner` running on the image of `cfg` (once that image exists and
+    /// `after` is done), making a new one whenever it stops while this server runs.
+    pub fn beat(
+        &self,
+        docker: EngineRef,
+        cfg: Arc<SandboxConfig>,
+        owner: Owner,
+        after: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let (stop, leave) = (self.stop.clone(), self.leave.clone());
+        self.tasks.spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = after => {}
+            }
+            keep_beating(docker, cfg, owner, stop, leave).await;
+        });
     }
 
     /// Sweeps again after `after`, and again while some heartbeat is within its grace.

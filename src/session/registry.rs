@@ -74,6 +74,9 @@ pub struct Registry {
     /// Adopted sessions being reattached ahead of their first call (`adopt.rs`); aborted at
     /// shutdown.
     attaching: Mutex<tokio::task::JoinSet<()>>,
+    /// The adoption at start and the reattaches it began: heartbeats start once they are done
+    /// ([`Registry::after_preattaches`]).
+    attached: tokio_util::task::TaskTracker,
     /// Wakes those waiting sessions when the keeper finished making one.
     pool_ready: tokio::sync::Notify,
     /// Turns of new sessions' own containers, [`make::COLD_AT_ONCE`] made at once, and each
@@ -186,6 +189,7 @@ impl Registry {
             pool: Arc::new(Mutex::new(pools)),
             pool_wake: Arc::default(),
             attaching: Mutex::default(),
+            attached: tokio_util::task::TaskTracker::new(),
             pool_ready: tokio::sync::Notify::new(),
             cold: tokio::sync::Semaphore::new(make::COLD_AT_ONCE),
             colds: Mutex::default(),

@@ -87,10 +87,12 @@ impl Registry {
         let of_adopted = |l: &HashMap<String, String>| {
             l.get(LABEL_HOST) == Some(&host) && l.get(LABEL_INSTANCE).is_some_and(|i| names.contains(i))
         };
-        // Their heartbeats beat again, under this server, from now on.
+        // Their heartbeats beat again, under this server, from now on (once the reattaches
+        // below are done).
+        let adopting = self.attached.token();
         if let Ok(env) = self.environments.get(None) {
             for owner in self.instance.adopted_owners() {
-                self.keeper.beat(self.docker.clone(), env.cfg.clone(), owner);
+                self.keeper.beat(self.docker.clone(), env.cfg.clone(), owner, self.after_preattaches());
             }
         }
         let mut kept_ids = HashSet::new();
@@ -108,8 +110,11 @@ impl Registry {
                 asleep_now.push(taken.session.clone());
             } else if taken.running {
                 // Off the first call's path: the rest of the start runs meanwhile.
-                let s = taken.session.clone();
-                self.attaching.lock().unwrap_or_else(|e| e.into_inner()).spawn(async move { s.preattach().await });
+                let (s, held) = (taken.session.clone(), self.attached.token());
+                self.attaching.lock().unwrap_or_else(|e| e.into_inner()).spawn(async move {
+                    s.preattach().await;
+                    drop(held);
+                });
             }
             if let Some(env) = taken.takeover {
                 with_egress.push((taken.session.clone(), env));
@@ -123,6 +128,7 @@ impl Registry {
         kept_ids.extend(kept.containers);
         kept_volumes.extend(kept.volumes);
         adopted += sleepers;
+        drop(adopting);
         // The rest of those instances' resources: pool containers, sessions without a record.
         for c in found.containers.iter().filter(|c| of_adopted(&c.labels) && !kept_ids.contains(&c.id)) {
             container::remove_leftover_container(&self.docker, &c.id).await;

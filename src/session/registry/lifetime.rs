@@ -76,6 +76,17 @@ impl Registry {
         }
     }
 
+    /// Done once the adoption at start and the reattaches it began are (at most 2 s): a
+    /// heartbeat's container made meanwhile slowed each reattach by about one exec on a small
+    /// machine (issue 29).
+    pub(super) fn after_preattaches(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let attached = self.attached.clone();
+        attached.close();
+        async move {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), attached.wait()).await;
+        }
+    }
+
     /// At start: keeps this instance's heartbeat from now on, and removes what dead instances
     /// left behind (docs/design.md D9). When some instance's heartbeat stopped too recently
     /// to call it dead, a sweep runs again once the grace is over; with `again`, one runs
@@ -89,7 +100,10 @@ impl Registry {
         // After the adoption, which reads when this instance's name (given again) last beat:
         // a new heartbeat removes that mark (docker/heartbeat.rs).
         match self.environments.get(None) {
-            Ok(env) => self.keeper.beat(self.docker.clone(), env.cfg.clone(), self.instance.owner.clone()),
+            Ok(env) => {
+                let owner = self.instance.owner.clone();
+                self.keeper.beat(self.docker.clone(), env.cfg.clone(), owner, self.after_preattaches());
+            }
             Err(e) => tracing::warn!(error = %e, "no default environment; this server runs without a heartbeat"),
         }
         // A dead server's sessions are kept for a next server of its state dir: stopped
