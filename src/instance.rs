@@ -410,8 +410,15 @@ impl Keeper {
     ) {
         let (stop, leave) = (self.stop.clone(), self.leave.clone());
         self.tasks.spawn(async move {
+            // A stop that leaves the sessions goes on to the beat all the same: it starts and
+            // leaves at once, marking when they were left (a stop mark kept from an earlier stop
+            // would make the next server count its grace from then). `leave` is set first.
             tokio::select! {
-                () = stop.cancelled() => return,
+                () = stop.cancelled() => {
+                    if !leave.load(Ordering::SeqCst) {
+                        return;
+                    }
+                }
                 () = after => {}
             }
             keep_beating(docker, cfg, owner, stop, leave).await;
