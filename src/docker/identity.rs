@@ -147,6 +147,12 @@ pub fn release(uid: u32) {
     }
 }
 
+/// Whether `uid` is lent now (tests).
+#[cfg(test)]
+pub(crate) fn is_lent(uid: u32) -> bool {
+    IN_USE.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_ref().is_some_and(|s| s.contains(&uid))
+}
+
 /// Lends `uid` again to a session that had it (a new container on its old volumes, whose files
 /// are that uid's): given back with [`release`] as any other.
 pub fn reserve(uid: u32) {

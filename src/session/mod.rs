@@ -245,6 +245,13 @@ pub struct Session {
     /// Set by close: nothing may recreate the container afterwards. Not a state in [`Inner`],
     /// because close must not wait for a run that holds the mutex.
     closed: AtomicBool,
+    /// Held (read) while the session's container changes (a new one made and stored, or
+    /// removed for a hibernation); `close` waits for it (write), so it removes the container
+    /// that is the session's in the end, once, and detaches the egress network only when no
+    /// container of the session is left on it (`recorded.rs`, `may_make`).
+    making: tokio::sync::RwLock<()>,
+    /// The id of the container last removed ([`Session::remove_once`]).
+    removed: std::sync::Mutex<Option<String>>,
     /// The layers on its path, in the order asked for: attached again to every new agent.
     layers: std::sync::Mutex<Vec<packages::Layer>>,
     /// Requirements installed: those of its layers.
@@ -398,6 +405,8 @@ impl Session {
             created: SystemTime::now(),
             runs: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            making: tokio::sync::RwLock::new(()),
+            removed: std::sync::Mutex::new(None),
             layers: std::sync::Mutex::new(Vec::new()),
             packages: std::sync::Mutex::new(packages.into_iter().collect()),
             env: std::sync::Mutex::new(BTreeMap::new()),
@@ -545,16 +554,17 @@ impl Session {
             tracing::warn!(session = %self.name, container = %short(&inner.container.id), "container gone; recreating");
         }
         inner.reattach_pid = None;
-        if self.closed.load(Ordering::SeqCst) {
+        {
             // Closed during a wake or a restart that failed for it: no container to make.
-            return Err(Error::Closed);
+            let _making = self.may_make().await?;
+            // Its egress policy goes too: on Kubernetes, once found gone at the latest.
+            self.remove_once(&inner.container).await;
+            inner.lease = None;
+            let made =
+                make_container(&self.docker, &self.blueprint, &self.image, &self.owner, &self.name, &self.principal)
+                    .await?;
+            self.take_container(inner, made)?;
         }
-        // Its egress policy goes too: on Kubernetes, once found gone at the latest.
-        self.blueprint.remove(&self.docker, &inner.container).await;
-        inner.lease = None;
-        let made = make_container(&self.docker, &self.blueprint, &self.image, &self.owner, &self.name, &self.principal)
-            .await?;
-        self.take_container(inner, made).await?;
         self.start_agent(inner).await?;
         Ok(Some(
             "the session's container had stopped or could not start a new interpreter, and was replaced: \
@@ -791,10 +801,12 @@ impl Session {
     /// Removes the container and its volume. A run in progress ends with its agent gone.
     pub async fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
+        // A container being made now is stored before this reads it (`may_make`).
+        drop(self.making.write().await);
         let created = self.container.lock().map(|c| c.clone()).ok();
         self.write_through();
         if let Some(c) = created {
-            self.blueprint.remove(&self.docker, &c).await;
+            self.remove_once(&c).await;
             tracing::info!(session = %self.name, container = %short(&c.id), "session closed");
         }
         if let Some(stored) = self.asleep_store() {

@@ -13,6 +13,7 @@ impl Session {
     /// volumes, tethered, a fresh agent, and what it saved restored. Err: it cannot be made
     /// (its volume gone, say); the caller replaces it.
     pub(super) async fn restart_stopped(&self, inner: &mut Inner) -> Result<String, Error> {
+        let making = self.may_make().await?;
         let old = inner.container.clone();
         let store = super::open_store(&self.docker).await?;
         let made = self
@@ -28,7 +29,8 @@ impl Session {
                 old.uid,
             )
             .await?;
-        self.take_container(inner, made.clone()).await?;
+        self.take_container(inner, made.clone())?;
+        drop(making);
         // A fresh container numbers its pids afresh: the old agent's pid proves nothing now.
         inner.reattach_pid = None;
         self.start_agent(inner).await?;

@@ -47,20 +47,48 @@ impl Session {
         self.ledger.session(&mut was, &now);
     }
 
-    /// Makes `made` the session's container (a wake, a replacement, a restart on its volumes).
-    /// A close does not wait for the session: it marks it closed, then removes the container
-    /// it reads. This stores first and looks after, so one of the two sees the other and the
-    /// new container never outlives the close. Err: closed meanwhile (`made` removed).
-    pub(super) async fn take_container(&self, inner: &mut Inner, made: Created) -> Result<(), super::Error> {
+    /// The right to make the session a new container, for as long as the guard lives; Err
+    /// once closed. `close` marks the session closed, then waits for every guard before it
+    /// reads the container to remove: what a maker stored ([`Session::take_container`]) is
+    /// what the close removes, once (a uid released twice could be lent to two sessions), and
+    /// no container of the session is left on its egress network when the close removes it
+    /// (the engine refuses while one is, and the network stayed).
+    pub(super) async fn may_make(&self) -> Result<tokio::sync::RwLockReadGuard<'_, ()>, super::Error> {
+        let guard = self.making.read().await;
+        // After the guard: a close that marked the session before is seen here.
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(super::Error::Closed);
+        }
+        Ok(guard)
+    }
+
+    /// Makes `made` the session's container (a wake, a replacement, a restart on its volumes),
+    /// under the guard of [`Session::may_make`]. Err: closed meanwhile; the close, which waits
+    /// for that guard, removes `made`.
+    pub(super) fn take_container(&self, inner: &mut Inner, made: Created) -> Result<(), super::Error> {
         inner.container = made;
         if let Ok(mut c) = self.container.lock() {
             *c = inner.container.clone();
         }
         if self.closed.load(Ordering::SeqCst) {
-            self.blueprint.remove(&self.docker, &inner.container).await;
             return Err(super::Error::Closed);
         }
         Ok(())
+    }
+
+    /// Removes `c` (container, volumes, egress binding, uid) unless it was removed already:
+    /// a close does not wait for a hibernation, nor for a replacement whose new container
+    /// failed, and both may come to the same container. Its uid released twice could be lent
+    /// to two sessions.
+    pub(super) async fn remove_once(&self, c: &Created) {
+        {
+            let mut removed = self.removed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if removed.as_ref() == Some(&c.id) {
+                return;
+            }
+            *removed = Some(c.id.clone());
+        }
+        self.blueprint.remove(&self.docker, c).await;
     }
 
     /// The session's own egress network, if it has egress: what its egress is taken off by.
@@ -179,6 +207,8 @@ impl Session {
             created: SystemTime::now(),
             runs: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            making: tokio::sync::RwLock::new(()),
+            removed: std::sync::Mutex::new(None),
             layers: std::sync::Mutex::new(about.layers),
             packages: std::sync::Mutex::new(about.packages.into_iter().collect()),
             env: std::sync::Mutex::new(about.env),

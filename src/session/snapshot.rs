@@ -518,17 +518,24 @@ impl Session {
             lost = saved.lost.len(),
             "session hibernated"
         );
+        // A close waits while the container goes (its egress network goes after it); one
+        // that came first removes the container itself, and this the snapshot.
+        let Ok(making) = self.may_make().await else {
+            store::remove(&self.docker, &saved.store).await;
+            return Ok(false);
+        };
         // Recorded asleep before its container goes: a server killed in between leaves a
         // sleeper record (the next one adopts it and sweeps the container), never a session
         // with neither a container nor a record of its snapshot.
         self.hibernating(Some(&saved));
         // Its pod's address is free from now until the wake: its egress policy goes first.
-        self.blueprint.remove(&self.docker, &inner.container).await;
+        self.remove_once(&inner.container).await;
         inner.agent = None;
         inner.lease = None;
         if let Ok(mut asleep) = self.asleep.lock() {
             *asleep = Some(saved.clone());
         }
+        drop(making);
         // A close does not wait for the session: one that came meanwhile found no snapshot
         // to remove (it reads the snapshot after it marks the session closed; this reads the
         // mark after it sets the snapshot: one of the two sees the other).
@@ -554,6 +561,10 @@ impl Session {
     /// image), the snapshot restored into it, and a notice for the next call naming what did
     /// not come back. A restore that fails leaves the session fresh, and says so.
     pub(super) async fn wake(&self, inner: &mut Inner) -> Result<(), Error> {
+        if inner.sleeping.is_none() {
+            return Ok(());
+        }
+        let making = self.may_make().await?;
         let Some(saved) = inner.sleeping.take() else { return Ok(()) };
         let started = Instant::now();
         let taken = self.pool.get().and_then(|take| take());
@@ -581,8 +592,9 @@ impl Session {
         let Prepared { inner: fresh, python } = prepared;
         // The pid a next server reattaches to: this agent's, not the one that slept.
         self.agent_pid.store(fresh.agent.as_ref().and_then(agent::Agent::pid).unwrap_or(0), Ordering::Relaxed);
-        // Closed meanwhile: the close removes the snapshot, this the new container.
-        self.take_container(inner, fresh.container).await?;
+        // Closed meanwhile: the close removes the snapshot and the new container.
+        self.take_container(inner, fresh.container)?;
+        drop(making);
         inner.agent = fresh.agent;
         if let Ok(mut p) = self.python.lock() {
             *p = python;
