@@ -76,19 +76,18 @@ impl Session {
         Ok(())
     }
 
-    /// Removes `c` (container, volumes, egress binding, uid) unless it was removed already:
-    /// a close does not wait for a hibernation, nor for a replacement whose new container
-    /// failed, and both may come to the same container. Its uid released twice could be lent
-    /// to two sessions.
+    /// Removes `c` (container, volumes, egress binding, uid) unless it was removed already: a
+    /// replacement whose new container failed, or a hibernation, removed it, and the close
+    /// comes to it again. Its uid released twice could be lent to two sessions. Marked only
+    /// once removed (the uid goes back last, with no wait after it): a removal whose call was
+    /// dropped half way is done again by the next. Removers take turns (`may_make`, `close`).
     pub(super) async fn remove_once(&self, c: &Created) {
-        {
-            let mut removed = self.removed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if removed.as_ref() == Some(&c.id) {
-                return;
-            }
-            *removed = Some(c.id.clone());
+        let removed = || self.removed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if removed().as_ref() == Some(&c.id) {
+            return;
         }
         self.blueprint.remove(&self.docker, c).await;
+        *removed() = Some(c.id.clone());
     }
 
     /// The session's own egress network, if it has egress: what its egress is taken off by.
@@ -179,6 +178,16 @@ impl Session {
             Some(s) => Key::Sleeping(s.store.volume.clone()),
             None => Key::Running(created.id.clone()),
         };
+        // A running one's uid is lent to it here as to any container of this server (its
+        // removal gives it back); a sleeper's container was removed by the server before,
+        // and its uid is not this server's to give back.
+        let removed = match how.sleeping {
+            Some(_) => Some(created.id.clone()),
+            None => {
+                crate::docker::identity::reserve(created.uid);
+                None
+            }
+        };
         let inner = Inner {
             container: created.clone(),
             agent: None,
@@ -208,7 +217,7 @@ impl Session {
             runs: AtomicU64::new(0),
             closed: AtomicBool::new(false),
             making: tokio::sync::RwLock::new(()),
-            removed: std::sync::Mutex::new(None),
+            removed: std::sync::Mutex::new(removed),
             layers: std::sync::Mutex::new(about.layers),
             packages: std::sync::Mutex::new(about.packages.into_iter().collect()),
             env: std::sync::Mutex::new(about.env),
