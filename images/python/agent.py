@@ -504,7 +504,7 @@ def keep(ready, sock_path):
     session idles as one interpreter and its fork, which share what was loaded before it.
     Returns only in the forked interpreter: the pipes its Agent writes."""
     # A session of its own, and nothing open but the ready pipe, as keeper.py's start_keeper
-    # leaves its keeper (relay.pl starts us without either).
+    # leaves its keeper (the relay starts us without either).
     try:
         os.setsid()
     except OSError:

@@ -5,8 +5,8 @@ socket in DIR; when no keeper answers, it first starts one, fully detached (doub
 setsid, stdio on /dev/null). When CMD is our agent.py, the agent is its own keeper: it loads,
 listens on that socket and forks the interpreter, and its forwarder serves the relays with
 this file's `serve` (agent.py `keep`). Any other CMD is run on pipes by `keeper.py keep`.
-The attach process then becomes a thin relay (it execs relay.pl, in perl, on the socket's fd;
-relay() here when it cannot): its stdin goes to the agent's stdin, and the agent's stdout and
+The attach process then becomes a thin relay (it execs the relay binary, relay.rs, on the
+socket's fd; relay() here when it cannot): its stdin goes to the agent's stdin, and the agent's stdout and
 stderr come back framed over the socket and split again onto its own stdout and stderr, so
 the server sees exactly the byte streams of an agent it started itself.
 
@@ -638,21 +638,20 @@ def attach(path, argv):
     relay(sock)
 
 
-# The relay in perl: the one process of a session that is not needed while it idles, so not a
-# second Python interpreter (~4.7 MiB private each). relay() stays for images without perl.
-PERL = "/usr/bin/perl"
-RELAY_PL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay.pl")
+# The relay as a static binary (relay.rs): the one process of a session that is not needed
+# while it idles, so not a second Python interpreter (~4.7 MiB private each). relay() stays
+# for images without it.
+RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay")
 
 
 def exec_relay(sock):
-    """Becomes relay.pl on SOCK's fd; returns only when that cannot be done."""
-    if not (os.access(PERL, os.X_OK) and os.path.isfile(RELAY_PL)):
+    """Becomes the relay on SOCK's fd; returns only when that cannot be done."""
+    if not os.access(RELAY, os.X_OK):
         return
     fd = sock.fileno()
     try:
         os.set_inheritable(fd, True)
-        # An empty environment: nothing like PERL5OPT or PERL5LIB reaches the interpreter.
-        os.execve(PERL, [PERL, RELAY_PL, str(fd)], {})
+        os.execve(RELAY, [RELAY, str(fd)], {})
     except OSError:
         os.set_inheritable(fd, False)
 

@@ -38,9 +38,12 @@ pub(super) fn part_of(p: &Proc, procs: &[Proc]) -> &'static str {
     // A keeper.py command line names agent.py too: it is the command the keeper runs. The
     // folded keeper loads the agent as a module (`-c ... agent.main(sys.argv[1:]) keep ...`).
     let kept = |cmd: &str| cmd.contains("agent.py keep") || cmd.contains("agent.main(");
-    let agent = |cmd: &str| (cmd.contains("agent.py") || kept(cmd)) && !cmd.contains("keeper.py");
+    // The relay's command line names agent.py too (the command it starts), and a first attach
+    // is the parent of the agent it started.
+    let relay = |cmd: &str| cmd.starts_with("/opt/pyberth/relay ") || cmd.contains("keeper.py attach");
+    let agent = |cmd: &str| (cmd.contains("agent.py") || kept(cmd)) && !cmd.contains("keeper.py") && !relay(cmd);
     let parent_is_agent = procs.iter().any(|q| q.pid == p.ppid && agent(&q.cmd));
-    if p.cmd.contains("relay.pl") || p.cmd.contains("keeper.py attach") {
+    if relay(&p.cmd) {
         PARTS[0]
     } else if p.cmd.contains("keeper.py keep") {
         PARTS[1]

@@ -1,9 +1,9 @@
 //! Execs: the one long-lived attached exec that reaches the agent, and the short one that kills
 //! runaway code (Docker has no API to kill an exec: moby#9098).
 //!
-//! The attached exec is a relay (`images/python/relay.pl attach`, which starts the agent when
-//! no keeper listens yet; `keeper.py attach` in an image without perl): the agent runs detached under a keeper inside the container and outlives the
-//! exec's stream, so a dropped stream (a server restart, a network blip to a remote engine)
+//! The attached exec is a relay (`images/python/relay.rs`, `relay attach`, which starts the
+//! agent when no keeper listens yet; `keeper.py attach` in an image without it): the agent runs
+//! detached under a keeper inside the container and outlives the exec's stream, so a dropped stream (a server restart, a network blip to a remote engine)
 //! loses no state; the next attach reaches the same interpreter (docs/design.md D12).
 
 use std::pin::Pin;
@@ -23,17 +23,17 @@ pub type Output = Pin<Box<dyn Stream<Item = Result<LogOutput, bollard::errors::E
 /// The attached exec's stdin.
 pub type Input = Pin<Box<dyn AsyncWrite + Send>>;
 
-/// Command line of the relay, then of the agent its keeper runs: `relay.pl attach`, which
+/// Command line of the relay, then of the agent its keeper runs: `relay attach`, which
 /// relays to a keeper already listening at once (a reattach starts no Python interpreter)
-/// and otherwise starts our agent as its own keeper; `sh` runs `keeper.py attach`
-/// itself in an image without perl. A fixed script: its arguments are constants. `-I` keeps
+/// and otherwise starts our agent as its own keeper; `sh` runs `keeper.py attach` itself in
+/// an image without it (one pinned with `--image` built on an older sandbox image). A fixed script: its arguments are constants. `-I` keeps
 /// PYTHON* variables and the script's directory off the path, `-u` unbuffers, `-B` keeps
 /// `__pycache__` out of the workspace; the keeper needs no `site` (`-S`). Its socket lives in
 /// a 0700 directory of the code's uid on the container's own /tmp tmpfs.
 pub(crate) const AGENT_CMD: [&str; 11] = [
     "sh",
     "-c",
-    "test -x /usr/bin/perl && exec /usr/bin/perl /opt/pyberth/relay.pl attach \"$@\"; \
+    "test -x /opt/pyberth/relay && exec /opt/pyberth/relay attach \"$@\"; \
      exec python3 -I -S -B /opt/pyberth/keeper.py attach \"$@\"",
     "pyberth-attach",
     KEEPER_DIR,

@@ -16,14 +16,18 @@ use super::{Error, LABEL_IMAGE};
 pub const AGENT_PY: &str = include_str!("../../images/python/agent.py");
 /// The keeper that holds the agent across dropped exec streams (docs/design.md D12).
 const KEEPER_PY: &str = include_str!("../../images/python/keeper.py");
-/// The relay the attach execs into: perl, not a second Python interpreter per idle session.
-const RELAY_PL: &str = include_str!("../../images/python/relay.pl");
+/// The relay the attach execs into (images/python/relay.rs, compiled static by build.rs).
+pub(crate) const RELAY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/relay"));
 const DOCKERFILE: &str = include_str!("../../images/python/Dockerfile");
 const BOOTSTRAP_SH: &str = include_str!("../../images/debootstrap-base.sh");
 
 /// Files of the build context, in a fixed order.
-const CONTEXT: [(&str, &str); 4] =
-    [("Dockerfile", DOCKERFILE), ("agent.py", AGENT_PY), ("keeper.py", KEEPER_PY), ("relay.pl", RELAY_PL)];
+const CONTEXT: [(&str, &[u8]); 4] = [
+    ("Dockerfile", DOCKERFILE.as_bytes()),
+    ("agent.py", AGENT_PY.as_bytes()),
+    ("keeper.py", KEEPER_PY.as_bytes()),
+    ("relay", RELAY),
+];
 
 /// Repository of the images we build.
 pub const SANDBOX_REPO: &str = "pyberth-sandbox";
@@ -77,7 +81,7 @@ pub fn sandbox_tag() -> String {
         h.update(name.as_bytes());
         h.update([0]);
         h.update((body.len() as u64).to_le_bytes());
-        h.update(body.as_bytes());
+        h.update(body);
     }
     let digest = h.finalize();
     let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
@@ -192,10 +196,10 @@ fn context_tar() -> std::io::Result<Vec<u8>> {
     for (name, body) in CONTEXT {
         let mut h = tar::Header::new_gnu();
         h.set_size(body.len() as u64);
-        h.set_mode(0o644);
+        h.set_mode(if name == "relay" { 0o755 } else { 0o644 });
         h.set_mtime(0);
         h.set_cksum();
-        ar.append_data(&mut h, name, body.as_bytes())?;
+        ar.append_data(&mut h, name, body)?;
     }
     ar.into_inner()
 }
@@ -344,6 +348,6 @@ mod tests {
             .expect("entries")
             .map(|e| e.expect("entry").path().expect("path").display().to_string())
             .collect();
-        assert_eq!(names, ["Dockerfile", "agent.py", "keeper.py", "relay.pl"]);
+        assert_eq!(names, ["Dockerfile", "agent.py", "keeper.py", "relay"]);
     }
 }

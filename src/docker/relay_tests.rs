@@ -1,6 +1,6 @@
 //! The orderly detach of a relay (docs/design.md D12, a graceful leave), with the real
-//! keeper.py and both relays (relay.pl, and keeper.py's own when perl is not there) as local
-//! processes: a relay whose stdin ends writes out all it was sent, and the next relay gets the
+//! keeper.py and both relays (the relay binary, relay.rs, and keeper.py's own when it is not
+//! there) as local processes: a relay whose stdin ends writes out all it was sent, and the next relay gets the
 //! rest; nothing lost, nothing twice.
 
 use std::io::{BufRead, BufReader};
@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 const KEEPER_PY: &str = include_str!("../../images/python/keeper.py");
-const RELAY_PL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/images/python/relay.pl");
 /// Lines the agent prints, as fast as it can: the keeper and the relays hold many at once.
 /// More than every buffer on the way holds (the keeper's 1 MiB, its socket's, the relay's and
 /// the pipe's: about 2 MiB), so the agent cannot have ended while the second relay is
@@ -25,6 +24,15 @@ impl Drop for Scratch {
     }
 }
 
+/// The relay binary the image carries, written into `bin`.
+fn relay_bin(bin: &Path) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let path = bin.join("relay");
+    std::fs::write(&path, crate::docker::image::RELAY).expect("the relay");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("executable");
+    path.to_str().unwrap_or_default().to_owned()
+}
+
 /// A relay started with `argv`; its stdin and stdout piped.
 fn relay(argv: &[&str], dir: &Path) -> Child {
     let agent = format!("import sys\nprint('hello')\nfor i in range({LINES}):\n    print('n', i)\nsys.exit(3)");
@@ -35,7 +43,7 @@ fn relay(argv: &[&str], dir: &Path) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .expect("python3 and perl run")
+        .expect("python3 and the relay run")
 }
 
 /// Reads `take` lines of the relay after its hello, then closes its stdin (with `None`, it
@@ -59,7 +67,7 @@ fn read(mut child: Child, take: Option<usize>) -> (Vec<String>, Option<i32>) {
 fn a_relay_whose_stdin_ends_delivers_what_it_was_sent_and_the_next_gets_the_rest() {
     let root = std::env::temp_dir().join(format!("pyberth-relay-{}", std::process::id()));
     let scratch = Scratch(root.clone());
-    // keeper.py alone, without relay.pl beside it: it relays itself (its relay()).
+    // keeper.py alone, without the relay beside it: it relays itself (its relay()).
     let bin = root.join("bin");
     std::fs::create_dir_all(&bin).expect("scratch");
     let keeper = bin.join("keeper.py");
@@ -71,8 +79,10 @@ fn a_relay_whose_stdin_ends_delivers_what_it_was_sent_and_the_next_gets_the_rest
     // The first attach starts the keeper; its relay (Python's) leaves early.
     let (first, code) = read(relay(&python, &dir), Some(100));
     assert_eq!(code, Some(0), "a relay that let go in order exits 0");
-    // A perl relay reaches the same keeper, and leaves too.
-    let (second, code) = read(relay(&["perl", RELAY_PL], &dir), Some(100));
+    // The relay binary reaches the same keeper, and leaves too.
+    let elsewhere = root.join("relay-bin");
+    std::fs::create_dir_all(&elsewhere).expect("scratch");
+    let (second, code) = read(relay(&[relay_bin(&elsewhere).as_str()], &dir), Some(100));
     assert_eq!(code, Some(0), "a relay that let go in order exits 0");
     // The last reads to the agent's end, and its status.
     let (third, code) = read(relay(&python, &dir), None);
@@ -97,16 +107,16 @@ struct AgentRelay {
 }
 
 impl AgentRelay {
-    fn start(dir: &Path, agent: &Path, workspace: &Path) -> Self {
-        let mut child = Command::new("perl")
-            .args([RELAY_PL, "attach", dir.to_str().unwrap_or_default(), "--", "python3", "-I", "-u", "-B"])
+    fn start(relay: &str, dir: &Path, agent: &Path, workspace: &Path) -> Self {
+        let mut child = Command::new(relay)
+            .args(["attach", dir.to_str().unwrap_or_default(), "--", "python3", "-I", "-u", "-B"])
             .arg(agent)
             .env("PYBERTH_WORKSPACE", workspace)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("perl runs");
+            .expect("the relay runs");
         let lines = BufReader::new(child.stdout.take().expect("piped")).lines();
         Self { child, lines }
     }
@@ -152,7 +162,7 @@ fn stat_field(pid: i64, n: usize) -> i64 {
 }
 
 #[test]
-fn relay_pl_starts_our_agent_as_its_own_detached_keeper_and_the_next_relay_finds_it() {
+fn the_relay_starts_our_agent_as_its_own_detached_keeper_and_the_next_relay_finds_it() {
     let root = std::env::temp_dir().join(format!("pyberth-relay-agent-{}", std::process::id()));
     let scratch = Scratch(root.clone());
     let (bin, workspace) = (root.join("bin"), root.join("ws"));
@@ -162,9 +172,10 @@ fn relay_pl_starts_our_agent_as_its_own_detached_keeper_and_the_next_relay_finds
     std::fs::write(bin.join("agent.py"), AGENT_PY).expect("agent.py");
     std::fs::write(bin.join("keeper.py"), KEEPER_PY).expect("keeper.py");
     let (agent, dir) = (bin.join("agent.py"), root.join("k"));
+    let relay = relay_bin(&bin);
 
     // The first attach starts the agent (no keeper listens yet); its hello names the interpreter.
-    let mut first = AgentRelay::start(&dir, &agent, &workspace);
+    let mut first = AgentRelay::start(&relay, &dir, &agent, &workspace);
     let hello = first.event();
     assert_eq!(hello["ev"], "hello", "the agent's hello comes first: {hello}");
     let interpreter = hello["pid"].as_i64().expect("the interpreter's pid");
@@ -178,7 +189,7 @@ fn relay_pl_starts_our_agent_as_its_own_detached_keeper_and_the_next_relay_finds
     // and outlived the relay; the next relay reaches the same interpreter, its state kept.
     assert_eq!(stat_field(keeper, 6), keeper, "the keeper leads a session of its own");
     assert_ne!(stat_field(keeper, 6), stat_field(std::process::id().into(), 6), "not the test's session");
-    let mut second = AgentRelay::start(&dir, &agent, &workspace);
+    let mut second = AgentRelay::start(&relay, &dir, &agent, &workspace);
     let hello = second.event();
     assert_eq!(hello["pid"].as_i64(), Some(interpreter), "the same interpreter: {hello}");
     assert_eq!(second.run(2, "x + 1")["result"], "42", "its state kept");

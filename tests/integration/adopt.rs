@@ -213,14 +213,14 @@ async fn a_second_live_instance_never_adopts_anothers_sessions() {
     assert_cleaned_up(&inst).await;
 }
 
-/// Kills the relay (the exec the server holds: relay.pl, or `keeper.py attach` before it execs
-/// into it) of `instance`'s session from the host, as the
+/// Kills the relay (the exec the server holds: the relay binary, or `keeper.py attach` before it
+/// execs into it) of `instance`'s session from the host, as the
 /// code's uid: the exec stream drops, the keeper and the interpreter stay.
 async fn kill_relay(instance: &str) {
     let (container, uid) = session_container(instance).await;
     let killer = "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n            \
                   cmd = open('/proc/%s/cmdline' % p, 'rb').read().split(b'\\0')\n        except OSError:\n            \
-                  continue\n        if any(c.endswith(b'relay.pl') for c in cmd) or (b'attach' in cmd and any(c.endswith(b'keeper.py') for c in cmd)):\n            \
+                  continue\n        if cmd[0] == b'/opt/pyberth/relay' or (b'attach' in cmd and any(c.endswith(b'keeper.py') for c in cmd)):\n            \
                   os.kill(int(p), signal.SIGKILL); print('killed', p)";
     let out = tokio::process::Command::new("docker")
         .args(["exec", "-u", &uid, &container, "python3", "-c", killer])

@@ -1,5 +1,5 @@
-//! Code-mode calls across a dropped exec stream: the code can kill its own relay (`relay.pl`
-//! runs as its uid), and the server reattaches (docs/design.md D12). A call in flight then
+//! Code-mode calls across a dropped exec stream: the code can kill its own relay
+//! (`/opt/pyberth/relay` runs as its uid), and the server reattaches (docs/design.md D12). A call in flight then
 //! still gets its answer, and the run's call budget is the same one after the reattach.
 
 use serde_json::json;
@@ -19,7 +19,7 @@ def kill_relay():\n\
 \x20           cmd = open('/proc/%s/cmdline' % p, 'rb').read().split(b'\\0')\n\
 \x20       except OSError:\n\
 \x20           continue\n\
-\x20       if any(c.endswith(b'relay.pl') for c in cmd):\n\
+\x20       if cmd[0] == b'/opt/pyberth/relay':\n\
 \x20           os.kill(int(p), signal.SIGKILL)\n\
 \x20           pids.append(p)\n\
 \x20   for p in pids:\n\
