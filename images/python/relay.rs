@@ -57,11 +57,17 @@ const F_GETFL: i32 = 3;
 const F_SETFL: i32 = 4;
 /// The same on x86_64 and aarch64 (and every Linux but alpha, sparc, parisc).
 const O_NONBLOCK: i32 = 0o4000;
+#[cfg(target_arch = "x86_64")]
 const O_NOFOLLOW: i32 = 0o400_000;
+#[cfg(target_arch = "aarch64")]
+const O_NOFOLLOW: i32 = 0o100_000;
+// build.rs compiles this file only for these two (elsewhere keeper.py relays).
+#[cfg(not(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"))))]
+compile_error!("the relay is for x86_64 and aarch64 Linux");
 
 unsafe extern "C" {
-    fn poll(fds: *mut PollFd, n: u64, timeout: i32) -> i32;
-    fn fcntl(fd: i32, cmd: i32, arg: i32) -> i32;
+    fn poll(fds: *mut PollFd, n: std::ffi::c_ulong, timeout: i32) -> i32;
+    fn fcntl(fd: i32, cmd: i32, ...) -> i32;
     fn getuid() -> u32;
     fn setsid() -> i32;
 }
@@ -170,15 +176,14 @@ fn attach(args: &[OsString]) -> UnixStream {
     let home = cmd.last().and_then(|l| agent_home(l));
     if let Some(home) = home.filter(|_| fits && plain_word(&cmd[0])) {
         let _ = std::fs::DirBuilder::new().mode(0o700).create(dir);
-        let lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .mode(0o600)
-            .custom_flags(O_NOFOLLOW)
-            .open(dir.join("lock"))
-            .ok()
-            .filter(|_| private(dir));
+        // Checked before anything is made in it: never a lock in a directory planted by another.
+        let lock = private(dir)
+            .then(|| {
+                let mut o = OpenOptions::new();
+                o.read(true).write(true).create(true).mode(0o600).custom_flags(O_NOFOLLOW);
+                o.open(dir.join("lock")).ok()
+            })
+            .flatten();
         if let Some(lock) = lock
             && lock.lock().is_ok()
         {
@@ -275,8 +280,9 @@ fn relay(mut sock: UnixStream) -> ! {
             match sock.write(&to_sock[..end]) {
                 Ok(n) => drop(to_sock.drain(..n)),
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
-                // The keeper is gone: during a detach, nothing more comes, the rest is written.
-                Err(_) if detaching => to_sock.clear(),
+                // The keeper is gone: during a detach, or after the agent's status, nothing
+                // more comes; the rest is written.
+                Err(_) if detaching || status.is_some() => to_sock.clear(),
                 Err(_) => exit(1),
             }
         }

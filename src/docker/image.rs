@@ -16,8 +16,11 @@ use super::{Error, LABEL_IMAGE};
 pub const AGENT_PY: &str = include_str!("../../images/python/agent.py");
 /// The keeper that holds the agent across dropped exec streams (docs/design.md D12).
 const KEEPER_PY: &str = include_str!("../../images/python/keeper.py");
-/// The relay the attach execs into (images/python/relay.rs, compiled static by build.rs).
+/// The relay the attach execs into (images/python/relay.rs, compiled static by build.rs;
+/// empty for a target it is not built for).
 pub(crate) const RELAY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/relay"));
+/// Its source: what the image's tag says of it, so the tag does not change with the compiler.
+const RELAY_RS: &str = include_str!("../../images/python/relay.rs");
 const DOCKERFILE: &str = include_str!("../../images/python/Dockerfile");
 const BOOTSTRAP_SH: &str = include_str!("../../images/debootstrap-base.sh");
 
@@ -78,6 +81,8 @@ pub type Progress<'a> = &'a (dyn Fn(&str) + Send + Sync);
 pub fn sandbox_tag() -> String {
     let mut h = Sha256::new();
     for (name, body) in CONTEXT {
+        // The relay by its source, and whether this server carries one.
+        let body = if name == "relay" && !body.is_empty() { RELAY_RS.as_bytes() } else { body };
         h.update(name.as_bytes());
         h.update([0]);
         h.update((body.len() as u64).to_le_bytes());
