@@ -415,6 +415,7 @@ impl Manager {
         if let Some(p) = slot.as_mut() {
             let _ = self.send(p, &Command::Budget { local, bytes }).await;
         }
+        self.run_begins(local);
         self.totals.lock().unwrap_or_else(|e| e.into_inner()).get(&local).cloned()
     }
 

@@ -74,7 +74,6 @@ impl Manager {
                 )
             })
             .collect();
-        let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
         for ((principal, session), network, old, allow, headers) in nets {
             let req = NetworkConnectRequest { container: proxy.id.clone(), endpoint_config: None };
             let joined = match self.docker.connect_network(&network, req).await {
@@ -84,6 +83,7 @@ impl Manager {
             match joined {
                 Ok(ip) if ip == old => {
                     let set = Command::set(ip, &principal, &session, allow, headers);
+                    let bytes = self.budget_left(ip);
                     let ok =
                         self.send(proxy, &set).await.and(self.send(proxy, &Command::Budget { local: ip, bytes }).await);
                     if let Err(e) = ok {
@@ -120,11 +120,10 @@ impl Manager {
                 (k.clone(), n.local, allow, n.headers.clone(), n.pass.clone())
             })
             .collect();
-        let bytes = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20);
         for ((principal, session), local, allow, headers, pass) in bound {
             let set = Command::set(local, &principal, &session, allow, headers).with_pass(pass.as_deref());
             let sent = match self.send(proxy, &set).await {
-                Ok(()) => self.send(proxy, &Command::Budget { local, bytes }).await,
+                Ok(()) => self.send(proxy, &Command::Budget { local, bytes: self.budget_left(local) }).await,
                 Err(e) => Err(e),
             };
             match sent {

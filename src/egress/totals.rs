@@ -27,6 +27,10 @@ pub struct Totals {
     #[serde(skip)]
     #[schemars(skip)]
     pub(super) log: account::RefusalLog,
+    /// Bytes both ways when the session's current run began ([`Manager::budget_left`]).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub(super) run_start: u64,
 }
 
 /// Denials kept per session (and listed per run).
@@ -85,6 +89,66 @@ impl Totals {
             // The run's own refusals, all of them (the list keeps the last few).
             denied_total: self.denied_total.saturating_sub(before.denied_total),
             log: Default::default(),
+            run_start: 0,
         }
+    }
+
+    /// Bytes both ways since the current run began, as the proxy's records tell.
+    fn run_spent(&self) -> u64 {
+        (self.bytes_in + self.bytes_out).saturating_sub(self.run_start)
+    }
+}
+
+impl Manager {
+    /// A run begins for the session at `local`: its bytes count from here.
+    pub(super) fn run_begins(&self, local: IpAddr) {
+        if let Some(t) = self.totals.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&local) {
+            t.run_start = t.bytes_in + t.bytes_out;
+        }
+    }
+
+    /// What is left of the byte budget of the run under way at `local`: what a proxy started
+    /// again mid-run gives the session, not a fresh budget (a proxy that dies, or that code
+    /// makes die, must not reset a run's budget; connections cut by its death and never
+    /// reported are not counted). `None`: no budget (`--egress-max-mb 0`).
+    pub(super) fn budget_left(&self, local: IpAddr) -> Option<u64> {
+        let max = (self.cfg.egress_max_mb > 0).then(|| self.cfg.egress_max_mb << 20)?;
+        let totals = self.totals.lock().unwrap_or_else(|e| e.into_inner());
+        Some(max.saturating_sub(totals.get(&local).map_or(0, Totals::run_spent)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::docker::fake::FakeEngine;
+
+    /// A proxy started again while a run is under way is given what is left of the run's
+    /// budget (readopt, rebind), never a fresh one.
+    #[test]
+    fn what_is_left_of_a_run_s_budget_counts_from_the_run_s_start() {
+        let owner = Owner { instance: "i".into(), host: "h".into() };
+        let cfg = Arc::new(crate::config::from_flags(&["--egress-max-mb", "1"]));
+        let engine: crate::docker::EngineRef = Arc::new(FakeEngine::default());
+        let m = Manager::new(engine, owner, cfg, None);
+        let (local, other): (IpAddr, IpAddr) = ("10.9.0.2".parse().expect("ip"), "10.9.1.2".parse().expect("ip"));
+        let spend = |up: u64, down: u64| {
+            let mut t = m.totals.lock().unwrap_or_else(|e| e.into_inner());
+            let t = t.entry(local).or_default();
+            t.bytes_out += up;
+            t.bytes_in += down;
+        };
+        spend(100, 700_000); // an earlier run's
+        m.run_begins(local);
+        assert_eq!(m.budget_left(local), Some(1 << 20), "a run begins with the whole budget");
+        spend(1_000, 300_000);
+        assert_eq!(m.budget_left(local), Some((1 << 20) - 301_000), "what this run moved is spent");
+        spend(0, 900_000);
+        assert_eq!(m.budget_left(local), Some(0), "spent: nothing more");
+        assert_eq!(m.budget_left(other), Some(1 << 20), "another session's run is its own");
+        let unlimited = Arc::new(crate::config::from_flags(&["--egress-max-mb", "0"]));
+        let engine: crate::docker::EngineRef = Arc::new(FakeEngine::default());
+        let m = Manager::new(engine, Owner { instance: "i".into(), host: "h".into() }, unlimited, None);
+        assert_eq!(m.budget_left(local), None, "no budget");
     }
 }
