@@ -358,8 +358,15 @@ async fn in_session(
         }
     };
     let started = SystemTime::now();
-    let spec =
-        RunSpec { args: if file.is_some() { args.args.clone() } else { Vec::new() }, code, file, cmd, env, bridge };
+    let spec = RunSpec {
+        args: if file.is_some() { args.args.clone() } else { Vec::new() },
+        code,
+        file,
+        cmd,
+        env,
+        bridge,
+        on_start: None,
+    };
     let timeout = Duration::from_secs_f64(args.timeout);
     let ran = session.run(spec, timeout, &ct, &observer).await;
     watcher.abort();

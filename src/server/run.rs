@@ -120,22 +120,22 @@ impl SandboxServer {
         let timeout = check_timeout(timeout_s, session.settings())?;
         self.registry.quota_check(&who)?;
         let slot = self.registry.run_permit(&who)?;
+        // A run's egress (its byte budget, its totals) counts from when it holds the session.
+        let meter = self.registry.egress_meter(&who, &session.name);
+        let spec = RunSpec { on_start: Some(meter.on_start()), ..spec };
         if let Some(wait) = wait {
             // A job's egress is counted like a run's: from its start to its end.
             let (registry, owner, name) = (self.registry.clone(), who.clone(), session.name.clone());
-            let tally = self.registry.egress_meter(&who, &session.name).await.map(|meter| {
-                Box::pin(async move {
-                    let used = meter.used().await;
-                    registry.charge_egress(&owner, &name, used.as_ref());
-                    used
-                }) as crate::session::jobs::EgressTally
-            });
-            let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot, tally);
+            let tally = Box::pin(async move {
+                let used = meter.used().await;
+                registry.charge_egress(&owner, &name, used.as_ref());
+                used
+            }) as crate::session::jobs::EgressTally;
+            let job = self.registry.jobs.start(&who, session, spec, timeout, self.cfg.output_cap, slot, Some(tally));
             return self.await_job(&job, wait, ctx, notices).await;
         }
         let notifier = self.notifier(ctx);
         let mut live = live_channel(notifier.wants_output());
-        let meter = self.registry.egress_meter(&who, &session.name).await;
         let mut outcome = relay(
             notifier,
             &mut live.rx,
@@ -144,10 +144,7 @@ impl SandboxServer {
         .await
         .context("the run could not complete")?;
         outcome.notices.splice(0..0, notices);
-        let egress = match meter {
-            Some(meter) => meter.used().await,
-            None => None,
-        };
+        let egress = meter.used().await;
         self.registry.charge_egress(&who, &session.name, egress.as_ref());
         if let Some(e) = &egress {
             outcome.notices.extend(e.denied.iter().map(|d| format!("egress denied: {d}")));

@@ -27,7 +27,7 @@ pub(crate) mod snapshot;
 pub(crate) mod transfer;
 mod watch;
 
-pub(crate) use self::run::{RunOutcome, RunSpec, RunStatus};
+pub(crate) use self::run::{OnStart, RunOutcome, RunSpec, RunStatus};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};

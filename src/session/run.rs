@@ -70,6 +70,20 @@ pub struct RunSpec {
     pub env: BTreeMap<String, String>,
     /// The upstream tools its code may call (code mode); `None`: none.
     pub bridge: Option<std::sync::Arc<crate::bridge::Grant>>,
+    /// Called once the run holds its session and its agent is up, before the code goes.
+    pub on_start: Option<OnStart>,
+}
+
+/// What counts from a run's start (its egress byte budget, its egress totals): called by the
+/// run once it holds its session, never by a call that waits behind another run or is refused
+/// as busy, which would otherwise give the run under way a fresh budget.
+#[derive(Clone)]
+pub struct OnStart(pub std::sync::Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>);
+
+impl std::fmt::Debug for OnStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnStart")
+    }
 }
 
 impl RunSpec {
@@ -327,6 +341,10 @@ impl Session {
         self.touch();
         self.runs.fetch_add(1, Ordering::Relaxed);
         let ensured = self.ensure_agent(&mut inner).await?;
+        // After the agent: a woken pod is bound to its egress only then (Kubernetes).
+        if let Some(start) = &spec.on_start {
+            (start.0)().await;
+        }
         let (mut notices, state_lost_before) = since_last(&mut inner, ensured);
         let started = Instant::now();
         let outcome = RunOutcome { state_lost: state_lost_before, ..RunOutcome::new(self.cfg.output_cap) };

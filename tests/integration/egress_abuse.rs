@@ -1,10 +1,11 @@
 //! Egress under attack from the code it serves (issue 27): refusals made as fast as the code
-//! can make them must not flood the server's log, and are slowed by the proxy.
+//! can make them must not flood the server's log, and are slowed by the proxy; calls made
+//! while a run is under way must not renew its byte budget.
 
 use serde_json::json;
 
 use crate::common::{Server, assert_cleaned_up, gvisor, instance_name, state_dir, text};
-use crate::egress::{SECRET, Upstream, config_file, refused_under_gvisor};
+use crate::egress::{SECRET, Upstream, config_file, fetch, refused_under_gvisor};
 
 /// Python that makes `n` connections to the proxy from `threads` threads, each asking for a
 /// 2 KiB non-name (the reviewer's `a!a!…`), and prints: answered, answered late (over the
@@ -131,6 +132,48 @@ print("|".join(out))
     let out = sc["stdout"].as_str().unwrap_or_default().trim().to_owned();
     let want: Vec<String> = (1..=value.len()).map(|k| "*".repeat(k)).collect();
     assert_eq!(out, want.join("|"), "an echo cut at every length");
+    s.stop().await;
+    assert_cleaned_up(&tag).await;
+}
+
+/// A call on a session that is running must not give the run under way a fresh byte budget:
+/// the model's code (or a prompt telling the model to call again) would otherwise move any
+/// amount in one run, 1 MiB per extra call. The call waits behind the run; only a run that
+/// holds the session begins a budget.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_waiting_behind_a_run_does_not_renew_its_byte_budget() {
+    let tag = instance_name("egress-renew");
+    let up = Upstream::start(&tag).await;
+    let config = config_file(&tag, &up);
+    let env = [
+        ("PYBERTH_CONFIG", config.to_str().expect("utf-8 path")),
+        ("EGRESS_TEST_SECRET", SECRET),
+        ("PYBERTH_EGRESS_MAX_MB", "1"),
+    ];
+    let s = Server::start_as(&tag, &env).await;
+    if gvisor() {
+        return refused_under_gvisor(s, &tag).await;
+    }
+    // The session made first, so the run below starts at once.
+    let (r, _) = s.run_with(json!({ "session": "q", "environment": "net", "code": "1" })).await;
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    // 700 kB, a pause in which the next call comes, 700 kB more: 1.4 MB against 1 MiB.
+    let big = fetch("http://upstream.test:8000/big/700000");
+    let code = format!("{big}\nimport time\ntime.sleep(4)\n{big}");
+    let first = s.run_with(json!({ "session": "q", "environment": "net", "code": code, "timeout_s": 60 }));
+    let second = async {
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        s.run_with(json!({ "session": "q", "environment": "net", "code": "1", "timeout_s": 60 })).await
+    };
+    let ((r, sc), (r2, _)) = tokio::join!(first, second);
+    assert_eq!(r.is_error, Some(false), "{}", text(&r));
+    assert_eq!(r2.is_error, Some(false), "the second call ran after the first: {}", text(&r2));
+    let out = sc["stdout"].as_str().unwrap_or_default();
+    assert!(out.starts_with("200 xxxx"), "the first 700 kB came: {}", &out[..out.len().min(200)]);
+    let told = format!("notices {}, egress {}", sc["notices"], sc["egress"]);
+    assert!(told.contains("byte budget is spent"), "the second 700 kB was cut: {told}");
+    let moved = sc["egress"]["bytes_in"].as_u64().unwrap_or(u64::MAX);
+    assert!(moved <= 1 << 20, "the run moved {moved} bytes against a 1 MiB budget");
     s.stop().await;
     assert_cleaned_up(&tag).await;
 }

@@ -16,7 +16,8 @@ pub struct EgressMeter {
     registry: Arc<Registry>,
     principal: String,
     session: String,
-    before: Totals,
+    /// The session's totals when the run began (`None`: not begun, or no egress).
+    before: std::sync::Mutex<Option<Totals>>,
 }
 
 impl std::fmt::Debug for EgressMeter {
@@ -26,10 +27,25 @@ impl std::fmt::Debug for EgressMeter {
 }
 
 impl EgressMeter {
-    /// What the session reached since the meter started; `None` when it has no egress now.
+    /// What the run calls once it holds its session ([`crate::session::OnStart`]): its byte
+    /// budget and its totals begin there.
+    pub fn on_start(self: &Arc<Self>) -> crate::session::OnStart {
+        let me = self.clone();
+        crate::session::OnStart(Arc::new(move || {
+            let me = me.clone();
+            Box::pin(async move {
+                let before = me.registry.egress.begin_run(&me.principal, &me.session).await;
+                *me.before.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = before;
+            })
+        }))
+    }
+
+    /// What the session reached since its run began; `None` when it has no egress, or the run
+    /// never began.
     pub async fn used(&self) -> Option<Totals> {
+        let before = self.before.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()?;
         let now = self.registry.egress.totals(&self.principal, &self.session).await?;
-        Some(now.since(&self.before))
+        Some(now.since(&before))
     }
 }
 
@@ -65,13 +81,12 @@ impl Registry {
     }
 
     /// Starts counting a run's egress; `None` when the session has none.
-    pub async fn egress_meter(self: &Arc<Self>, principal: &str, session: &str) -> Option<EgressMeter> {
-        let before = self.egress.begin_run(principal, session).await?;
-        Some(EgressMeter {
+    pub fn egress_meter(self: &Arc<Self>, principal: &str, session: &str) -> Arc<EgressMeter> {
+        Arc::new(EgressMeter {
             registry: self.clone(),
             principal: principal.to_owned(),
             session: session.to_owned(),
-            before,
+            before: std::sync::Mutex::new(None),
         })
     }
 
